@@ -1,0 +1,1 @@
+"""The click CLI: commands parse, call one library function and render. No policy here."""

@@ -1,0 +1,78 @@
+"""`hpcscale config validate|show`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from hpcscale.cli.options import console, json_option, print_json
+
+
+@click.group()
+def config() -> None:
+    """Site configs and job specs."""
+
+
+@config.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--kind",
+    type=click.Choice(["site", "job"]),
+    default=None,
+    help="Treat every file as this kind (default: read it off the file's keys).",
+)
+@click.option("--site", default=None, metavar="SITE", help="Validate job specs against this site instead of theirs.")
+@json_option
+def validate(files: tuple[str, ...], kind: str | None, site: str | None, as_json: bool) -> None:
+    """Validate site configs and job specs; every problem is printed as FILE:LINE: KEY: MESSAGE.
+
+    \b
+    Examples:
+      hpcscale config validate site_configs/*.yaml
+      hpcscale config validate job.yaml --site localcluster
+
+    Exits 2 if any file is invalid.
+    """
+    from hpcscale.config.validate import validate_files
+
+    results = validate_files(files, kind=kind, site=site)
+    if as_json:
+        print_json({"ok": all(r.ok for r in results), "files": [r.to_json() for r in results]})
+    else:
+        out, err = console(), console(stderr=True)
+        for r in results:
+            if r.ok:
+                out.print(f"[green]ok[/green]   {r.file} ({r.kind} '{r.name}')")
+            for issue in r.issues:
+                err.print(f"[red]error[/red] {issue}", markup=True, soft_wrap=True)
+    sys.exit(0 if all(r.ok for r in results) else 2)
+
+
+@config.command()
+@click.argument("site")
+@json_option
+def show(site: str, as_json: bool) -> None:
+    """Print a site's resolved configuration (every default filled in).
+
+    \b
+    Example:
+      hpcscale config show localcluster --json
+    """
+    from hpcscale.config.load import resolve_site
+    from hpcscale.config.render import to_plain
+
+    loaded = resolve_site(site)
+    doc = {"file": str(loaded.path), **to_plain(loaded.config)}
+    if as_json:
+        print_json(doc)
+        return
+    import yaml
+
+    text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+    if sys.stdout.isatty():
+        from rich.syntax import Syntax
+
+        console().print(Syntax(text, "yaml"))
+    else:
+        sys.stdout.write(text)

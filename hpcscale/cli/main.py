@@ -1,0 +1,64 @@
+"""Entry point: `hpcscale`. Commands are loaded only when invoked, so `--help` stays fast on login nodes."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from hpcscale import __version__
+
+# name -> (module, attribute, one-line help shown by `hpcscale --help` without importing the module)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "config": ("hpcscale.cli.config_cmd", "config", "Validate site configs and job specs; show a site."),
+    "doctor": ("hpcscale.cli.doctor_cmd", "doctor", "Check Slurm, MPI, torch and the filesystem; say how to fix."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use, and which maps hpcscale's errors to
+    exit codes (1 runtime, 2 bad input, 3 verification) without tracebacks."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context):
+        from hpcscale.errors import HpcscaleError
+
+        try:
+            return super().invoke(ctx)
+        except HpcscaleError as e:
+            click.echo(f"error: {e}" if e.exit_code != 2 else str(e), err=True)
+            sys.exit(e.exit_code)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="hpcscale")
+@click.option("-v", "--verbose", is_flag=True, help="Log every external command run.")
+def cli(verbose: bool) -> None:
+    """hpcscale: train large models on Slurm clusters and across sites.
+
+    \b
+    Examples:
+      hpcscale doctor --site localcluster
+      hpcscale config validate site_configs/*.yaml examples/*.yaml
+      hpcscale config show localcluster
+
+    Exit codes: 0 success, 1 runtime failure, 2 bad input, 3 verification failure.
+    """
+    if verbose:
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")

@@ -1,0 +1,30 @@
+"""Options shared by many commands, defined once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+site_option = click.option(
+    "--site",
+    "site",
+    metavar="SITE",
+    default=None,
+    help="Site name (site_configs/<SITE>.yaml on the search path) or path to a site file.",
+)
+dry_run_option = click.option("--dry-run", is_flag=True, help="Do everything except the final action.")
+
+
+def print_json(doc: Any) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def console(stderr: bool = False):
+    """A rich Console (imported lazily: rich costs start-up time that `--help` should not pay)."""
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)

@@ -1,0 +1,119 @@
+"""Job spec schema: what to run, where and how. Reference: docs/config-reference.md."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from hpcscale.config.fields import setting
+from hpcscale.config.site import check_env_names, check_name
+from hpcscale.util.slurmtime import check_duration
+
+_ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def check_job_name(value: str) -> str | None:
+    # Any text is a valid name (it is always quoted); control characters would break #SBATCH lines and logs.
+    if not value.strip():
+        return "must not be blank"
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return "must not contain control characters (newlines, tabs)"
+    if len(value) > 200:
+        return "longer than 200 characters"
+    return None
+
+
+def check_entry(value: str) -> str | None:
+    if value == "builtin" or _ENTRY.match(value):
+        return None
+    return f"'{value}' is neither 'builtin' nor 'package.module:function'"
+
+
+@dataclass(kw_only=True, slots=True)
+class Parallel:
+    """The parallel layout. dp is derived: world size / (tp × pp)."""
+
+    tp: int = setting(
+        "Tensor-parallel degree; groups stay inside a node, so it divides tasks_per_node.", default=1, min=1
+    )
+    pp: int = setting("Pipeline-parallel degree (stages).", default=1, min=1)
+
+
+@dataclass(kw_only=True, slots=True)
+class Train:
+    """What the ranks run."""
+
+    entry: str = setting(
+        "`builtin` (the reference GPT trainer) or your `package.module:function`, called with a Context.",
+        default="builtin",
+        check=check_entry,
+    )
+    params: dict[str, Any] = setting("Parameters for the entry point (model size, steps, batch, lr...).", factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointPolicy:
+    """When to checkpoint and what to keep."""
+
+    every_steps: int = setting("Save every N steps; 0 turns periodic saves off.", default=100, min=0)
+    keep_last: int = setting("Keep the newest K checkpoints.", default=3, min=1)
+    keep_every: int = setting("Also keep every M-th step's checkpoint; 0 for none.", default=0, min=0)
+    asynchronous: bool = setting("Write in the background while training goes on.", default=True, key="async")
+
+
+@dataclass(kw_only=True, slots=True)
+class Data:
+    """The training data."""
+
+    manifest: str | None = setting(
+        "Path of the dataset manifest (hpcscale data prepare / manifest build).", default=None
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Signals:
+    """Preemption and requeue."""
+
+    signal: Literal["USR1", "USR2", "TERM"] = setting(
+        "Signal Slurm sends before the time limit (`--signal=B:<sig>@<grace>`).", default="USR1"
+    )
+    grace_seconds: int = setting("Seconds before the end at which the signal comes.", default=120, min=1, max=65535)
+    requeue: bool = setting("Let Slurm requeue the job after preemption or node failure.", default=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    """One training job."""
+
+    name: str = setting("Job name; any text, always quoted.", check=check_job_name)
+    site: str = setting("The site to run on (a site_configs name or a path to a site file).")
+    partition: str | None = setting("Partition; unset uses the site's default.", default=None, check=check_name)
+    nodes: int = setting("Nodes to allocate.", default=1, min=1)
+    tasks_per_node: int = setting("Ranks per node (usually one per GPU).", default=1, min=1)
+    gpus_per_node: int = setting("GPUs per node to request.", default=0, min=0)
+    cpus_per_task: int = setting("CPU cores per rank; also sets OMP_NUM_THREADS.", default=1, min=1)
+    time_limit: str = setting(
+        "Slurm time limit (MM, HH:MM:SS, D-HH:MM:SS...).", default="01:00:00", check=check_duration
+    )
+    account: str | None = setting("Slurm account to charge.", default=None)
+    qos: str | None = setting("Slurm QOS.", default=None)
+    parallel: Parallel = setting("Parallel layout.", factory=Parallel)
+    train: Train | None = setting("The trainer to run; exclusive with `command`.", default=None)
+    command: list[str] | None = setting(
+        "A plain program to run under srun instead of a trainer, as a list of arguments.", default=None
+    )
+    checkpoint: CheckpointPolicy = setting("Checkpoint policy.", factory=CheckpointPolicy)
+    data: Data = setting("Training data.", factory=Data)
+    signals: Signals = setting("Preemption signal and requeue.", factory=Signals)
+    environment: dict[str, str] = setting(
+        "Extra variables exported for this job (after the site's).", factory=dict, check=check_env_names
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.parallel.tp * self.parallel.pp)

@@ -1,0 +1,211 @@
+"""Load and validate site configs and job specs: the library behind `config validate` and every command
+that reads a job. Cross-field rules live here; each failure names file, line and key (exit code 2)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpcscale.config.decode import Decoder
+from hpcscale.config.errors import ConfigError, ConfigIssue, did_you_mean
+from hpcscale.config.job import JobSpec
+from hpcscale.config.site import SiteConfig
+from hpcscale.config.yamlsrc import YamlSource, load_yaml
+from hpcscale.topology.hostlist import expand
+from hpcscale.util.slurmtime import parse_duration
+
+SITE_PATH_ENV = "HPCSCALE_SITE_PATH"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedSite:
+    config: SiteConfig
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedJob:
+    spec: JobSpec
+    path: Path
+    site: LoadedSite
+
+
+def site_search_path() -> list[Path]:
+    """Where site names are looked up, first match wins: $HPCSCALE_SITE_PATH (colon-separated),
+    ./site_configs, ~/.config/hpcscale/sites, then the site configs shipped with hpcscale."""
+    dirs = [Path(p) for p in os.environ.get(SITE_PATH_ENV, "").split(":") if p]
+    dirs += [Path.cwd() / "site_configs", Path.home() / ".config" / "hpcscale" / "sites"]
+    package = Path(__file__).resolve().parent.parent
+    dirs += [package / "site_configs", package.parent / "site_configs"]  # wheel install / editable checkout
+    return dirs
+
+
+def find_site(name_or_path: str, *, relative_to: Path | None = None) -> Path | None:
+    """The file for a site name (or an explicit path to a site file), or None."""
+    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+        p = Path(name_or_path).expanduser()
+        if not p.is_absolute() and relative_to is not None:
+            p = relative_to / p
+        return p if p.is_file() else None
+    for d in site_search_path():
+        for ext in (".yaml", ".yml"):
+            candidate = d / f"{name_or_path}{ext}"
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def known_sites() -> list[str]:
+    names: set[str] = set()
+    for d in site_search_path():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.y*ml"))
+    return sorted(names)
+
+
+def parse_site(src: YamlSource) -> SiteConfig:
+    dec = Decoder(src)
+    site = dec.decode(SiteConfig, src.data)
+    dec.raise_if_any()
+    _check_site(site, dec)
+    dec.raise_if_any()
+    return site
+
+
+def load_site(path: str | Path) -> LoadedSite:
+    p = Path(path)
+    return LoadedSite(parse_site(load_yaml(p)), p)
+
+
+def _no_such_site(name: str) -> str:
+    known = known_sites()
+    return (
+        f"no such site '{name}'{did_you_mean(name, known)}; known sites: {', '.join(known) or 'none'} "
+        f"(search path: ${SITE_PATH_ENV}, ./site_configs, ~/.config/hpcscale/sites)"
+    )
+
+
+def resolve_site(name_or_path: str, *, relative_to: Path | None = None) -> LoadedSite:
+    found = find_site(name_or_path, relative_to=relative_to)
+    if found is None:
+        raise ConfigError([ConfigIssue(name_or_path, None, "", _no_such_site(name_or_path))])
+    return load_site(found)
+
+
+def load_job(path: str | Path, *, site: str | None = None) -> LoadedJob:
+    """A validated job spec and its site. `site` overrides the spec's `site:` (the --site option)."""
+    p = Path(path)
+    src = load_yaml(p)
+    dec = Decoder(src)
+    spec = dec.decode(JobSpec, src.data)
+    dec.raise_if_any()
+    if site:  # the --site option: a bad name is the option's fault, not the spec's
+        loaded_site = resolve_site(site)
+    else:
+        found = find_site(spec.site, relative_to=p.parent)
+        if found is None:
+            raise ConfigError([ConfigIssue(src.file, src.line_of(("site",)), "site", _no_such_site(spec.site))])
+        loaded_site = load_site(found)
+    _check_job(spec, loaded_site.config, dec)
+    dec.raise_if_any()
+    return LoadedJob(spec, p, loaded_site)
+
+
+def detect_kind(src: YamlSource) -> str:
+    """'site' or 'job' for a file given to `config validate` without --kind."""
+    data = src.data if isinstance(src.data, dict) else {}
+    return "site" if {"scheduler", "partitions", "filesystems"} & data.keys() else "job"
+
+
+def _check_site(site: SiteConfig, dec: Decoder) -> None:
+    names = [p.name for p in site.partitions]
+    for i, p in enumerate(site.partitions):
+        if names.index(p.name) != i:
+            dec.error(("partitions", i, "name"), f"partition '{p.name}' is defined twice")
+    defaults = [i for i, p in enumerate(site.partitions) if p.default]
+    for i in defaults[1:]:
+        dec.error(("partitions", i, "default"), "more than one partition is the default")
+    if site.scheduler == "slurm" and not site.partitions:
+        dec.error(("partitions",), "a slurm site needs at least one partition")
+    if site.scheduler == "local" and site.launcher.kind != "mpirun":
+        dec.error(("launcher", "kind"), "a local site launches with mpirun (there is no srun without Slurm)")
+    if site.topology.source == "file":
+        _check_switches(site, dec)
+    elif site.topology.switches:
+        dec.error(
+            ("topology", "switches"), f"switches are only read with source: file (source is '{site.topology.source}')"
+        )
+
+
+def _check_switches(site: SiteConfig, dec: Decoder) -> None:
+    switches = site.topology.switches
+    if not switches:
+        dec.error(("topology", "switches"), "source: file needs the switches listed")
+        return
+    names = {s.name for s in switches}
+    for i, s in enumerate(switches):
+        if (s.nodes is None) == (s.switches is None):
+            dec.error(("topology", "switches", i), f"switch '{s.name}' needs exactly one of nodes or switches")
+        if s.switches is not None:
+            unknown = [c for c in expand(s.switches) if c not in names]
+            if unknown:
+                dec.error(("topology", "switches", i, "switches"), f"unknown switches: {', '.join(unknown)}")
+    on_leaves = {n for s in switches if s.nodes for n in expand(s.nodes)}
+    for i, p in enumerate(site.partitions):
+        missing = [n for n in expand(p.nodes) if n not in on_leaves]
+        if missing:
+            dec.error(
+                ("partitions", i, "nodes"),
+                f"nodes on no switch: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""),
+            )
+
+
+def _check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
+    if spec.train is not None and spec.command is not None:
+        dec.error(("command",), "give either train or command, not both")
+    if spec.command is not None and not spec.command:
+        dec.error(("command",), "must name a program")
+    tp, pp, world = spec.parallel.tp, spec.parallel.pp, spec.world_size
+    if world % (tp * pp):
+        dec.error(
+            ("parallel",),
+            f"tp({tp}) * pp({pp}) = {tp * pp} does not divide the world size "
+            f"nodes({spec.nodes}) * tasks_per_node({spec.tasks_per_node}) = {world}",
+        )
+    if spec.tasks_per_node % tp:
+        dec.error(
+            ("parallel", "tp"),
+            f"tp({tp}) does not divide tasks_per_node({spec.tasks_per_node}); "
+            "tensor-parallel groups must stay inside a node",
+        )
+    if site.scheduler == "local":
+        if spec.nodes != 1:
+            dec.error(("nodes",), f"site '{site.name}' is this machine only: nodes must be 1")
+        return
+    part = site.partition(spec.partition)
+    if part is None:
+        known = [p.name for p in site.partitions]
+        what = f"no partition '{spec.partition}'" if spec.partition else "no partition given and no default"
+        dec.error(
+            ("partition",),
+            f"{what} in site '{site.name}'{did_you_mean(spec.partition or '', known)} (partitions: {', '.join(known)})",
+        )
+        return
+    where = f"partition '{part.name}'"
+    count = len(expand(part.nodes))
+    if spec.nodes > count:
+        dec.error(("nodes",), f"{spec.nodes} nodes requested but {where} has {count}")
+    if spec.gpus_per_node > part.gpus_per_node:
+        dec.error(
+            ("gpus_per_node",), f"{spec.gpus_per_node} GPUs per node requested but {where} has {part.gpus_per_node}"
+        )
+    cores = spec.tasks_per_node * spec.cpus_per_task
+    if cores > part.cpus_per_node:
+        dec.error(
+            ("cpus_per_task",),
+            f"tasks_per_node({spec.tasks_per_node}) * cpus_per_task"
+            f"({spec.cpus_per_task}) = {cores} cores, but {where} nodes have {part.cpus_per_node}",
+        )
+    if part.max_time is not None and parse_duration(spec.time_limit) > parse_duration(part.max_time):
+        dec.error(("time_limit",), f"{spec.time_limit} is over {where}'s limit of {part.max_time}")

@@ -1,0 +1,133 @@
+"""YAML loading that remembers the line of every key, so errors can point at it.
+
+PyYAML's composer already knows each node's position; we build plain Python data from the node tree
+ourselves and keep a map from key path (a tuple of str keys and int indexes) to its 1-based line.
+Anchors, aliases and merge keys (`<<`) work as in yaml.safe_load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpcscale.config.errors import ConfigError, ConfigIssue
+
+KeyPath = tuple[str | int, ...]
+
+
+@dataclass(slots=True)
+class YamlSource:
+    """Parsed YAML plus where each key sits."""
+
+    file: str
+    data: Any
+    lines: dict[KeyPath, int] = field(default_factory=dict)
+
+    def line_of(self, path: KeyPath) -> int | None:
+        """The line of `path`, or of its nearest ancestor that has one."""
+        p = tuple(path)
+        while p:
+            if p in self.lines:
+                return self.lines[p]
+            p = p[:-1]
+        return self.lines.get(())
+
+
+def format_path(path: KeyPath) -> str:
+    """('partitions', 0, 'name') -> 'partitions[0].name'."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+class _Builder:
+    def __init__(self, file: str):
+        self.file = file
+        self.lines: dict[KeyPath, int] = {}
+        self.scalars = yaml.constructor.SafeConstructor()
+
+    def issue(self, node: yaml.Node, key: str, message: str) -> ConfigError:
+        return ConfigError([ConfigIssue(self.file, node.start_mark.line + 1, key, message)])
+
+    def build(self, node: yaml.Node, path: KeyPath, depth: int = 0) -> Any:
+        if depth > 64:
+            raise self.issue(node, format_path(path), "nesting deeper than 64 levels")
+        self.lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            return self._mapping(node, path, depth)
+        if isinstance(node, yaml.SequenceNode):
+            return [self.build(item, (*path, i), depth + 1) for i, item in enumerate(node.value)]
+        try:
+            return self.scalars.construct_object(node, deep=True)
+        except yaml.YAMLError as e:
+            raise self.issue(node, format_path(path), f"bad value: {e}") from None
+
+    def _mapping(self, node: yaml.MappingNode, path: KeyPath, depth: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        explicit: set[str] = set()
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                # `<<: *anchor` (or a list of them): keys written explicitly win over merged ones.
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for src in sources:
+                    merged = self.build(src, path, depth + 1)
+                    if not isinstance(merged, dict):
+                        raise self.issue(src, format_path(path), "a merge (<<) needs a mapping")
+                    for k, v in merged.items():
+                        if k not in explicit:
+                            out[k] = v
+                continue
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise self.issue(key_node, format_path(path), "keys must be plain strings")
+            key = self.scalars.construct_object(key_node)
+            if not isinstance(key, str):
+                key = str(key)
+            kpath = (*path, key)
+            if key in explicit:
+                raise self.issue(key_node, format_path(kpath), "duplicate key")
+            explicit.add(key)
+            self.lines[kpath] = key_node.start_mark.line + 1
+            out[key] = self.build(value_node, kpath, depth + 1)
+        return out
+
+
+def parse_yaml(text: str, file: str) -> YamlSource:
+    """Parse one YAML document; any syntax problem becomes a ConfigError with its line."""
+    builder = _Builder(file)
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = mark.line + 1 if mark else None
+        raise ConfigError([ConfigIssue(file, line, "", f"invalid YAML: {e.problem or e}")]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([ConfigIssue(file, None, "", f"invalid YAML: {e}")]) from None
+    except RecursionError:
+        raise ConfigError([ConfigIssue(file, None, "", "invalid YAML: nested too deeply")]) from None
+    if node is None:
+        return YamlSource(file, None, {})
+    try:
+        data = builder.build(node, ())
+    except RecursionError:
+        raise ConfigError([ConfigIssue(file, None, "", "invalid YAML: nested too deeply")]) from None
+    return YamlSource(file, data, builder.lines)
+
+
+def load_yaml(path: str | Path) -> YamlSource:
+    """Read and parse a YAML file; unreadable files are bad input too."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([ConfigIssue(str(p), None, "", "no such file")]) from None
+    except IsADirectoryError:
+        raise ConfigError([ConfigIssue(str(p), None, "", "is a directory, not a YAML file")]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([ConfigIssue(str(p), None, "", f"not UTF-8 text ({e.reason})")]) from None
+    except OSError as e:
+        raise ConfigError([ConfigIssue(str(p), None, "", f"cannot read: {e.strerror}")]) from None
+    return parse_yaml(text, str(p))

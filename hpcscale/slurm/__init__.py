@@ -1,0 +1,1 @@
+"""Slurm: commands, template rendering and the run registry."""
