@@ -131,7 +131,8 @@ def _mpi_launcher(site: SiteConfig | None) -> CheckResult:
 
 _MPI4PY_PROBE = (
     "import json, mpi4py; from mpi4py import MPI; "
-    "print(json.dumps({'version': mpi4py.__version__, 'library': MPI.Get_library_version().split(',')[0].strip('\\x00 ')}))"
+    "lib = MPI.Get_library_version().split(',')[0].strip('\\x00 '); "
+    "print(json.dumps({'version': mpi4py.__version__, 'library': lib}))"
 )
 _TORCH_PROBE = (
     "import json, torch, torch.distributed as d; "

@@ -1,0 +1,60 @@
+"""Shared fixtures. Slurm and MPI are real: the local cluster comes from scripts/localcluster.
+
+Outside CI a missing Slurm or MPI skips those tests (a laptop without Debian's packages can still run the
+unit tests); with CI=true it fails them, because CI must prove the real thing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_ROOT = Path(os.environ.get("HPCSCALE_CLUSTER_ROOT", "/var/tmp/hpcscale-localcluster"))
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need(ok: bool, what: str) -> None:
+    """Skip for lack of `what` on a developer machine; fail in CI, where nothing may be skipped."""
+    if ok:
+        return
+    if IN_CI:
+        pytest.fail(f"CI=true and {what} is not available: CI must run this test for real")
+    pytest.skip(f"{what} is not available (runs for real in CI)")
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> dict[str, str]:
+    """The local Slurm cluster local1, brought up if needed; returns the env that reaches it."""
+    need(shutil.which("slurmctld") is not None or IN_CI, "Slurm (scripts/localcluster up installs it)")
+    up = subprocess.run([str(REPO / "scripts" / "localcluster"), "up"], capture_output=True, text=True, timeout=600)
+    need(up.returncode == 0, f"the local Slurm cluster ({up.stderr.strip()[-500:]})")
+    return {"SLURM_CONF": str(CLUSTER_ROOT / "local1" / "slurm.conf")}
+
+
+@pytest.fixture(scope="session")
+def mpi() -> str:
+    """Path of mpirun, with mpi4py importable."""
+    exe = shutil.which("mpirun")
+    need(exe is not None, "mpirun")
+    probe = subprocess.run(["python3", "-c", "import mpi4py"], capture_output=True)
+    need(probe.returncode == 0, "mpi4py")
+    return exe
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`hpcscale ARGS` in a fresh process, exactly as a user runs it."""
+    return subprocess.run(
+        ["hpcscale", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd or REPO,
+    )

@@ -1,0 +1,55 @@
+"""The CLI's promises to login nodes: fast start, torch never imported for non-training commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, run_cli
+
+from hpcscale import __version__
+
+PROBE = """
+import json, sys
+from hpcscale.cli.main import cli
+try:
+    cli({args!r})
+except SystemExit as e:
+    code = e.code
+print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "mpi4py": "mpi4py" in sys.modules}}))
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["config", "validate", "site_configs/localcluster.yaml", "docs/examples/gpt-dgx.yaml"],
+        ["config", "show", "localcluster"],
+        ["config", "--help"],
+        ["doctor", "--help"],
+    ],
+    ids=["help", "validate", "show", "config-help", "doctor-help"],
+)
+def test_login_node_commands_do_not_import_torch(args):
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(args=args)], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["code"] in (0, None), out.stderr
+    assert result["torch"] is False
+    assert result["mpi4py"] is False
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert __version__ in result.stdout
+
+
+def test_unknown_command_is_usage_error():
+    result = run_cli("frobnicate")
+    assert result.returncode == 2
+    assert "No such command" in result.stderr

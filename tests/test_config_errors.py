@@ -1,0 +1,187 @@
+"""Bad input: every case exits 2 and names file, line and key; no traceback reaches the user.
+
+Each case marks the line the error must point at with `# <-`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from conftest import REPO, run_cli
+
+from hpcscale.cli.main import cli
+
+JOB = "name: j\nsite: localcluster\n"
+SITE = "name: s\nscheduler: slurm\nfilesystems:\n  scratch: /s\n  run_root: /r\n"
+
+CASES = [
+    # (id, kind, text, key, message fragment)
+    ("unknown-key-did-you-mean", "job", JOB + "nodse: 2  # <-\n", "nodse", "did you mean 'nodes'"),
+    ("string-for-int", "job", JOB + "nodes: two  # <-\n", "nodes", "expected an integer"),
+    ("bool-for-int", "job", JOB + "nodes: true  # <-\n", "nodes", "expected an integer, got a boolean"),
+    ("below-minimum", "job", JOB + "tasks_per_node: 0  # <-\n", "tasks_per_node", "at least 1"),
+    (
+        "tp-pp-do-not-divide-world",
+        "job",
+        JOB + "nodes: 3\ntasks_per_node: 2\nparallel:  # <-\n  tp: 2\n  pp: 2\n",
+        "parallel",
+        "tp(2) * pp(2) = 4 does not divide the world size nodes(3) * tasks_per_node(2) = 6",
+    ),
+    (
+        "tp-does-not-divide-tasks-per-node",
+        "job",
+        JOB + "nodes: 2\ntasks_per_node: 2\nparallel:\n  tp: 4  # <-\n",
+        "parallel.tp",
+        "tp(4) does not divide",
+    ),
+    ("unknown-partition", "job", JOB + "partition: debgu  # <-\n", "partition", "did you mean 'debug'"),
+    ("more-nodes-than-partition", "job", JOB + "nodes: 5  # <-\n", "nodes", "has 4"),
+    ("gpus-over-partition", "job", JOB + "gpus_per_node: 1  # <-\n", "gpus_per_node", "has 0"),
+    ("cores-over-node", "job", JOB + "tasks_per_node: 4\ncpus_per_task: 2  # <-\n", "cpus_per_task", "8 cores"),
+    ("bad-time-limit", "job", JOB + "time_limit: '25:61:00'  # <-\n", "time_limit", "field over 59"),
+    (
+        "time-over-partition-limit",
+        "job",
+        "name: j\nsite: example-dgx-h100\npartition: interactive\ntime_limit: '05:00:00'  # <-\n",
+        "time_limit",
+        "over partition 'interactive'",
+    ),
+    ("unknown-site", "job", "name: j\nsite: nowhere  # <-\n", "site", "no such site"),
+    ("yaml-syntax", "job", JOB + "nodes: [1, 2\nqos: x  # <-\n", "", "invalid YAML"),
+    ("duplicate-key", "job", JOB + "nodes: 1\nnodes: 2  # <-\n", "nodes", "duplicate key"),
+    ("newline-in-job-name", "job", 'name: "a\\nb"  # <-\nsite: localcluster\n', "name", "control characters"),
+    ("bad-entry", "job", JOB + "train:\n  entry: 'os.system(1)'  # <-\n", "train.entry", "neither 'builtin'"),
+    ("train-and-command", "job", JOB + "train: {}\ncommand: [x]  # <-\n", "command", "not both"),
+    ("bad-env-name", "job", JOB + "environment:  # <-\n  'A-B': x\n", "environment", "not environment variable"),
+    (
+        "signal-choice",
+        "job",
+        JOB + "signals:\n  signal: USR3  # <-\n",
+        "signals.signal",
+        "must be one of 'USR1', 'USR2', 'TERM'",
+    ),
+    ("not-a-mapping", "job", "- a  # <-\n- b\n", "", "expected a mapping"),
+    ("missing-required", "job", "site: localcluster  # <-\n", "", "missing required key 'name'"),
+    (
+        "site-bad-hostlist",
+        "site",
+        SITE + "partitions:\n  - name: p\n    nodes: n[1-  # <-\n    cpus_per_node: 4\n",
+        "partitions[0].nodes",
+        "unbalanced brackets",
+    ),
+    (
+        "site-duplicate-partition",
+        "site",
+        SITE + "partitions:\n  - {name: p, nodes: 'n1', cpus_per_node: 1}\n"
+        "  - {name: p, nodes: 'n2', cpus_per_node: 1}  # <-\n",
+        "partitions[1].name",
+        "defined twice",
+    ),
+    (
+        "site-unknown-switch",
+        "site",
+        SITE + "partitions:\n  - {name: p, nodes: 'n[1-2]', cpus_per_node: 1}\ntopology:\n  source: file\n  switches:\n"
+        "    - {name: leaf, nodes: 'n[1-2]'}\n    - {name: top, switches: 'leaf,laef'}  # <-\n",
+        "topology.switches[1].switches",
+        "unknown switches: laef",
+    ),
+    (
+        "site-scheduler-choice",
+        "site",
+        SITE.replace("scheduler: slurm", "scheduler: slrum  # <-"),
+        "scheduler",
+        "did you mean 'slurm'",
+    ),
+    (
+        "site-local-with-srun",
+        "site",
+        SITE.replace("scheduler: slurm", "scheduler: local") + "launcher:\n  kind: srun  # <-\n",
+        "launcher.kind",
+        "mpirun",
+    ),
+    (
+        "site-relative-path",
+        "site",
+        SITE.replace("scratch: /s", "scratch: rel  # <-"),
+        "filesystems.scratch",
+        "absolute path",
+    ),
+]
+
+
+def _expected_line(text: str) -> int:
+    return next(i for i, line in enumerate(text.splitlines(), 1) if "# <-" in line)
+
+
+@pytest.mark.parametrize(("kind", "text", "key", "fragment"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_case_exits_2_naming_file_line_and_key(tmp_path: Path, monkeypatch, kind, text, key, fragment):
+    monkeypatch.chdir(REPO)
+    path = tmp_path / f"bad-{kind}.yaml"
+    path.write_text(text)
+    result = CliRunner().invoke(cli, ["config", "validate", "--kind", kind, str(path)])
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # exited on purpose, not a crash
+    where = f"{path}:{_expected_line(text)}: "
+    expected = where + (f"{key}: " if key else "")
+    lines = [line for line in result.output.splitlines() if line.startswith("error ")]
+    assert any(line.startswith(f"error {expected}") and fragment in line for line in lines), result.output
+
+
+def test_there_are_at_least_15_named_cases():
+    assert len(CASES) >= 15
+
+
+def test_every_problem_in_a_file_is_reported_at_once(tmp_path: Path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB + "nodes: x\nqso: normal\ntime_limit: soon\n")
+    result = CliRunner().invoke(cli, ["config", "validate", str(path)])
+    assert result.exit_code == 2
+    assert "nodes: expected an integer" in result.output
+    assert "qso: unknown key (did you mean 'qos'?)" in result.output
+    assert "time_limit: 'soon' is not a Slurm time" in result.output
+
+
+def test_shipped_configs_and_examples_validate():
+    files = sorted(str(p) for p in (REPO / "site_configs").glob("*.yaml"))
+    files += sorted(str(p) for p in (REPO / "docs" / "examples").glob("*.yaml"))
+    result = run_cli("config", "validate", *files)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("ok ") == len(files)
+
+
+def test_json_report_for_a_bad_file(tmp_path: Path):
+    path = tmp_path / "job.yaml"
+    path.write_text(JOB + "nodes: 9\n")
+    result = run_cli("config", "validate", "--json", str(path))
+    assert result.returncode == 2
+    import json
+
+    doc = json.loads(result.stdout)
+    assert doc["ok"] is False
+    (issue,) = doc["files"][0]["issues"]
+    assert (issue["line"], issue["key"]) == (3, "nodes")
+
+
+def test_missing_file_is_bad_input_not_a_crash(tmp_path: Path):
+    result = run_cli("config", "validate", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2
+    assert "no such file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_config_show_resolves_defaults():
+    result = run_cli("config", "show", "localcluster", "--json")
+    assert result.returncode == 0, result.stderr
+    import json
+
+    doc = json.loads(result.stdout)
+    assert doc["launcher"] == {"kind": "srun", "mpi": "pmix", "extra_args": []}
+    assert doc["staging"]["jobs"] == 8  # a default filled in
+
+
+def test_config_show_unknown_site_suggests():
+    result = run_cli("config", "show", "localclustr")
+    assert result.returncode == 2
+    assert "did you mean 'localcluster'" in result.stderr

@@ -1,0 +1,79 @@
+"""`hpcscale doctor` against the real local cluster, healthy and with its controller stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from conftest import CLUSTER_ROOT, REPO, run_cli
+
+
+def _doctor(*args: str) -> tuple[int, dict]:
+    result = run_cli("doctor", "--json", *args, timeout=300)
+    return result.returncode, json.loads(result.stdout)
+
+
+def test_all_green_on_the_local_cluster(local_cluster):
+    code, report = _doctor("--site", "localcluster")
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert statuses == {
+        name: "ok"
+        for name in [
+            "slurm commands",
+            "slurm controller",
+            "slurm accounting",
+            "mpi launcher",
+            "mpi4py",
+            "torch",
+            "scratch",
+            "flock",
+            "hdf5",
+        ]
+    }, report
+    assert code == 0 and report["ok"] is True
+
+
+def test_local_site_checks_mpirun_not_slurm(mpi):
+    code, report = _doctor("--site", "local")
+    names = [c["name"] for c in report["checks"]]
+    assert "slurm controller" not in names
+    launcher = next(c for c in report["checks"] if c["name"] == "mpi launcher")
+    assert launcher["status"] == "ok" and "mpirun" in launcher["detail"]
+    assert code == 0, report
+
+
+def test_site_without_flock_opens_hdf5_unlocked(tmp_path: Path, mpi):
+    site = (REPO / "site_configs" / "local.yaml").read_text().replace("type: local", "type: local\n  flock: false")
+    site = site.replace("/var/tmp/hpcscale/scratch", str(tmp_path / "scratch"))
+    (tmp_path / "noflock.yaml").write_text(site)
+    code, report = _doctor("--site", str(tmp_path / "noflock.yaml"))
+    hdf5 = next(c for c in report["checks"] if c["name"] == "hdf5")
+    assert hdf5["status"] == "ok" and "without file locking" in hdf5["detail"]
+    assert code == 0, report
+
+
+def test_stopped_controller_is_reported_with_a_fix(local_cluster):
+    pidfile = CLUSTER_ROOT / "local1" / "run" / "slurmctld.pid"
+    pid = int(pidfile.read_text())
+    os.kill(pid, signal.SIGTERM)
+    try:
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        code, report = _doctor("--site", "localcluster")
+        ctld = next(c for c in report["checks"] if c["name"] == "slurm controller")
+        assert ctld["status"] == "fail"
+        assert "DOWN" in ctld["detail"] or "ping" in ctld["detail"].lower() or "answer" in ctld["detail"]
+        assert "scripts/localcluster up" in ctld["fix"]
+        assert code == 1 and report["ok"] is False
+        human = run_cli("doctor", "--site", "localcluster", timeout=300)
+        assert human.returncode == 1 and "FAIL" in human.stdout
+    finally:
+        subprocess.run([str(REPO / "scripts" / "localcluster"), "up"], check=True, capture_output=True, timeout=300)
