@@ -13,6 +13,10 @@ from hpcscale import __version__
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "config": ("hpcscale.cli.config_cmd", "config", "Validate site configs and job specs; show a site."),
     "doctor": ("hpcscale.cli.doctor_cmd", "doctor", "Check Slurm, MPI, torch and the filesystem; say how to fix."),
+    "render": ("hpcscale.cli.slurm_cmd", "render", "Print the sbatch script for a job; submit nothing."),
+    "submit": ("hpcscale.cli.slurm_cmd", "submit", "Render, create the run directory and sbatch a job."),
+    "status": ("hpcscale.cli.slurm_cmd", "status", "A run's submissions and their Slurm states."),
+    "topo": ("hpcscale.cli.topo_cmd", "topo", "Show the switch tree; plan rank placement."),
 }
 
 
@@ -55,6 +59,8 @@ def cli(verbose: bool) -> None:
       hpcscale doctor --site localcluster
       hpcscale config validate site_configs/*.yaml examples/*.yaml
       hpcscale config show localcluster
+      hpcscale render job.yaml
+      hpcscale submit job.yaml && hpcscale status <run dir>
 
     Exit codes: 0 success, 1 runtime failure, 2 bad input, 3 verification failure.
     """

@@ -82,6 +82,39 @@ class Signals:
     requeue: bool = setting("Let Slurm requeue the job after preemption or node failure.", default=True)
 
 
+def check_sweep(params: dict[str, list[Any]]) -> str | None:
+    if not params:
+        return "needs at least one parameter"
+    empty = [k for k, v in params.items() if not v]
+    return f"empty value lists: {', '.join(empty)}" if empty else None
+
+
+@dataclass(kw_only=True, slots=True)
+class Container:
+    """Run the ranks in a container through pyxis/enroot (`--template container`)."""
+
+    image: str = setting("Image for `srun --container-image`, e.g. `nvcr.io#nvidia/pytorch:24.05-py3`.")
+    mounts: list[str] = setting("`SRC:DST[:FLAGS]` mounts; the run directory is always mounted.", factory=list)
+    workdir: str | None = setting("Working directory inside the container; default the run directory.", default=None)
+
+
+@dataclass(kw_only=True, slots=True)
+class Sweep:
+    """A job-array sweep over the cartesian product of parameter values (`--template array`)."""
+
+    params: dict[str, list[Any]] = setting(
+        "Parameter name -> values; array task i runs the i-th combination (last parameter fastest).", check=check_sweep
+    )
+    max_parallel: int | None = setting("Most array tasks running at once (`--array=...%N`).", default=None, min=1)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for values in self.params.values():
+            n *= len(values)
+        return n
+
+
 @dataclass(kw_only=True, slots=True)
 class JobSpec:
     """One training job."""
@@ -103,6 +136,8 @@ class JobSpec:
     command: list[str] | None = setting(
         "A plain program to run under srun instead of a trainer, as a list of arguments.", default=None
     )
+    container: Container | None = setting("Container to run the ranks in.", default=None)
+    sweep: Sweep | None = setting("Job-array sweep.", default=None)
     checkpoint: CheckpointPolicy = setting("Checkpoint policy.", factory=CheckpointPolicy)
     data: Data = setting("Training data.", factory=Data)
     signals: Signals = setting("Preemption signal and requeue.", factory=Signals)

@@ -166,6 +166,8 @@ def _check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         dec.error(("command",), "give either train or command, not both")
     if spec.command is not None and not spec.command:
         dec.error(("command",), "must name a program")
+    if spec.sweep is not None and spec.sweep.size > 100_000:
+        dec.error(("sweep", "params"), f"{spec.sweep.size} combinations; Slurm arrays are far smaller")
     tp, pp, world = spec.parallel.tp, spec.parallel.pp, spec.world_size
     if world % (tp * pp):
         dec.error(

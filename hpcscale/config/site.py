@@ -84,6 +84,9 @@ class Launcher:
         "`srun` (Slurm sites) or `mpirun` (the local site, or sites without a PMI plugin).", default="srun"
     )
     mpi: str = setting("The srun MPI plugin (`srun --mpi=`), e.g. `pmix`, `pmix_v4`.", default="pmix", check=check_name)
+    wait_seconds: int = setting(
+        "`srun --wait`: after the first rank exits, seconds before the others are killed.", default=60, min=1
+    )
     extra_args: list[str] = setting("Extra arguments for srun or mpirun, each passed as one argument.", factory=list)
 
 

@@ -1,0 +1,133 @@
+"""sbatch scripts from jinja2 templates: a pure function of a ResolvedJob (same input, same bytes).
+
+Every user-provided value reaches the script through the `sh` filter (shlex.quote) or as a fixed-format
+number, so a job name like `x; rm -rf ~` is just a name. Template variables: docs/templates.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+from pathlib import Path
+from typing import Any
+
+from hpcscale import __version__
+from hpcscale.config.render import to_plain
+from hpcscale.errors import BadInput
+from hpcscale.slurm.resolve import ResolvedJob
+from hpcscale.topology.hostlist import compress
+from hpcscale.util.slurmtime import format_duration, parse_duration
+
+BUILTIN_TEMPLATES = ("default", "container", "array")
+
+
+def templates_dir() -> Path:
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "sbatch_templates", package.parent / "sbatch_templates"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("sbatch_templates not found next to the hpcscale package")
+
+
+def choose_template(job: ResolvedJob, template: str | None) -> str:
+    """The built-in a spec implies (array for sweeps, container for containers), or the one asked for."""
+    spec = job.spec
+    name = template or ("array" if spec.sweep else "container" if spec.container else "default")
+    if name == "array" and spec.sweep is None:
+        raise BadInput("template 'array' needs a `sweep:` section in the job spec")
+    if name == "container" and spec.container is None:
+        raise BadInput("template 'container' needs a `container:` section in the job spec")
+    if name in BUILTIN_TEMPLATES and spec.sweep is not None and name != "array":
+        raise BadInput(f"the job spec has a `sweep:`; template '{name}' would ignore it (use --template array)")
+    return name
+
+
+def sweep_points(sweep_params: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The combinations an array sweep runs, in array-index order (last parameter varies fastest)."""
+    keys = list(sweep_params)
+    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*sweep_params.values())]
+
+
+def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
+    spec, site, run_dir = job.spec, job.site, job.run_dir
+    launcher = site.launcher
+    srun = [
+        "srun",
+        "--kill-on-bad-exit=1",
+        f"--wait={launcher.wait_seconds}",
+        f"--mpi={launcher.mpi}",
+        *launcher.extra_args,
+    ]
+    program = list(spec.command) if spec.command is not None else ["hpcscale", "launch", "--run-dir", str(run_dir)]
+    gpus = spec.gpus_per_node
+    gpu_request = (f"{job.partition.gpu_type}:{gpus}" if job.partition.gpu_type else str(gpus)) if gpus else None
+    log_name = "slurm-%A_%a" if template_name == "array" else "slurm-%j"
+    container = to_plain(spec.container) if spec.container else None
+    if container is not None:
+        container["mounts"] = [*container["mounts"], f"{run_dir}:{run_dir}"]
+        container["workdir"] = container["workdir"] or str(run_dir)
+    return {
+        "version": __version__,
+        "template_name": template_name,
+        "run_dir": str(run_dir),
+        "job": {
+            "name": spec.name,
+            "nodes": spec.nodes,
+            "tasks_per_node": spec.tasks_per_node,
+            "cpus_per_task": spec.cpus_per_task,
+            "gpus_per_node": gpu_request,
+            "time": format_duration(parse_duration(spec.time_limit)),
+            "partition": job.partition.name,
+            "account": spec.account,
+            "qos": spec.qos,
+            "switches": job.switches,
+            "switches_wait": site.topology.switches_max_wait,
+            "exclude": compress(list(job.excluded)) if job.excluded else None,
+            "signal": spec.signals.signal,
+            "grace_seconds": spec.signals.grace_seconds,
+            "requeue": spec.signals.requeue,
+            "is_command": spec.command is not None,
+        },
+        "site": {"name": site.name},
+        "logs": {"out": f"{run_dir}/logs/{log_name}.out", "err": f"{run_dir}/logs/{log_name}.err"},
+        "env": {
+            "modules": list(site.environment.modules),
+            "source": list(site.environment.source),
+            "variables": [*site.environment.variables.items(), *spec.environment.items()],
+        },
+        "srun": srun,
+        "program": program,
+        "container": container,
+        "sweep": {"size": spec.sweep.size, "max_parallel": spec.sweep.max_parallel} if spec.sweep else None,
+    }
+
+
+def render_script(job: ResolvedJob, template: str | None = None) -> str:
+    """The sbatch script for `job` from a built-in template name or a path to the user's own template."""
+    import jinja2
+
+    name = choose_template(job, template)
+    if name in BUILTIN_TEMPLATES:
+        loader: jinja2.BaseLoader = jinja2.FileSystemLoader(templates_dir())
+        filename = f"{name}.sbatch.j2"
+    else:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise BadInput(f"template '{name}' is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) nor a file")
+        loader, filename = jinja2.FileSystemLoader(path.parent), path.name
+    env = jinja2.Environment(
+        loader=loader,
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+    env.filters["sh"] = lambda v: shlex.quote(str(v))
+    env.filters["shjoin"] = lambda vs: shlex.join(str(v) for v in vs)
+    try:
+        return env.get_template(filename).render(template_context(job, name))
+    except jinja2.TemplateSyntaxError as e:
+        raise BadInput(f"{e.filename or filename}:{e.lineno}: template syntax: {e.message}") from None
+    except jinja2.UndefinedError as e:
+        raise BadInput(f"{filename}: template uses an unknown variable: {e.message} (see docs/templates.md)") from None

@@ -1,0 +1,59 @@
+"""A job spec made concrete for one submission: partition, run directory, topology-derived `--switches`.
+
+Everything that needs I/O (reading the topology) happens here, so rendering stays a pure function of a
+ResolvedJob.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcscale.config.job import JobSpec
+from hpcscale.config.load import LoadedJob
+from hpcscale.config.site import Partition, SiteConfig
+from hpcscale.errors import BadInput
+from hpcscale.topology.hostlist import expand
+from hpcscale.topology.tree import SwitchTree
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResolvedJob:
+    spec: JobSpec
+    site: SiteConfig
+    partition: Partition
+    run_dir: Path
+    switches: int | None = None  # fewest leaf switches that can hold the job; None: no tree or one switch is moot
+    excluded: tuple[str, ...] = field(default_factory=tuple)
+
+
+def min_leaf_switches(tree: SwitchTree, candidates: list[str], nodes: int) -> int | None:
+    """Fewest leaf switches whose candidate nodes add up to `nodes` (largest leaves first); None if even all
+    leaves cannot hold the job (Slurm will then refuse it on its own terms)."""
+    sizes = sorted((len(v) for k, v in tree.restricted_to(candidates).items() if k), reverse=True)
+    total = 0
+    for count, size in enumerate(sizes, 1):
+        total += size
+        if total >= nodes:
+            return count
+    return None
+
+
+def resolve(
+    loaded: LoadedJob, *, run_dir: Path, tree: SwitchTree | None, excluded: tuple[str, ...] = ()
+) -> ResolvedJob:
+    spec, site = loaded.spec, loaded.site.config
+    if site.scheduler != "slurm":
+        raise BadInput(
+            f"{loaded.path}: site '{site.name}' has no Slurm (scheduler: {site.scheduler}); "
+            f"run it with: hpcscale run {loaded.path} --local"
+        )
+    partition = site.partition(spec.partition)
+    assert partition is not None  # load_job checked it
+    switches = None
+    if tree is not None and tree.switches:
+        candidates = [n for n in expand(partition.nodes) if n not in set(excluded)]
+        switches = min_leaf_switches(tree, candidates, spec.nodes)
+    return ResolvedJob(
+        spec=spec, site=site, partition=partition, run_dir=run_dir, switches=switches, excluded=tuple(excluded)
+    )

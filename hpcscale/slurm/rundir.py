@@ -1,0 +1,126 @@
+"""The run directory: the unit a user thinks in. `status` and `resume` need nothing but its path.
+
+RUN/
+  job.yaml              the resolved job spec (every default filled in)
+  site.yaml             the resolved site config it ran on
+  submissions.jsonl     one JSON line per submission: index, job id, cluster, time, script, excluded, reason
+  submissions/0001.sbatch  the exact script each submission sent
+  logs/                 slurm-<jobid>.out/.err (array jobs: slurm-<array>_<task>.*)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from hpcscale.config.render import to_plain
+from hpcscale.errors import BadInput
+from hpcscale.slurm.resolve import ResolvedJob
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Submission:
+    index: int
+    job_id: str | None  # None for --dry-run
+    cluster: str | None
+    time: str  # ISO 8601, UTC
+    script: str  # relative to the run directory
+    template: str
+    excluded: list[str] = field(default_factory=list)
+    reason: str = "submit"
+
+
+def default_run_dir(run_root: Path, job_name: str, now: datetime | None = None) -> Path:
+    """<run_root>/<job name, made path-safe>-<UTC time>, with -2, -3... if taken within the same second."""
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", job_name).strip("._") or "job"
+    base = run_root / f"{safe[:64]}-{stamp}"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = Path(f"{base}-{n}")
+    return candidate
+
+
+class RunDir:
+    def __init__(self, path: Path):
+        self.path = path
+
+    @classmethod
+    def create(cls, path: Path, *, reuse: bool = False) -> RunDir:
+        """A new run directory; an existing one only with `reuse` (and only if it is a run directory)."""
+        if path.exists():
+            if not reuse:
+                raise BadInput(
+                    f"run directory {path} exists; pass --reuse to add a submission to it, or choose another --run-dir"
+                )
+            if not (path / "submissions.jsonl").exists() and any(path.iterdir()):
+                raise BadInput(f"{path} exists and is not an hpcscale run directory; refusing to write into it")
+        (path / "logs").mkdir(parents=True, exist_ok=True)
+        (path / "submissions").mkdir(exist_ok=True)
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: Path) -> RunDir:
+        if not (path / "submissions.jsonl").is_file() and not (path / "job.yaml").is_file():
+            raise BadInput(f"{path} is not an hpcscale run directory (no job.yaml or submissions.jsonl)")
+        return cls(path)
+
+    def write_resolved(self, job: ResolvedJob) -> None:
+        _atomic_write(self.path / "job.yaml", yaml.safe_dump(to_plain(job.spec), sort_keys=False))
+        _atomic_write(self.path / "site.yaml", yaml.safe_dump(to_plain(job.site), sort_keys=False))
+
+    def next_index(self) -> int:
+        return len(self.submissions()) + 1
+
+    def write_script(self, index: int, text: str) -> Path:
+        path = self.path / "submissions" / f"{index:04d}.sbatch"
+        _atomic_write(path, text)
+        path.chmod(0o755)
+        return path
+
+    def record(self, sub: Submission) -> None:
+        """Append one submission; fsynced so a crash right after sbatch never loses the job id."""
+        line = json.dumps(asdict(sub), sort_keys=True) + "\n"
+        fd = os.open(self.path / "submissions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def submissions(self) -> list[Submission]:
+        path = self.path / "submissions.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(Submission(**json.loads(line)))
+            except (ValueError, TypeError) as e:
+                raise BadInput(f"{path}:{lineno}: damaged submission record ({e})") from None
+        return out
+
+    def site_config(self):
+        """The site this run was submitted to, as recorded (so status works without the site file)."""
+        from hpcscale.config.load import parse_site
+        from hpcscale.config.yamlsrc import load_yaml
+
+        return parse_site(load_yaml(self.path / "site.yaml"))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

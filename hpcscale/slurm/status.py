@@ -1,0 +1,105 @@
+"""`hpcscale status RUN`: submissions and their Slurm states, from sacct (scontrol when accounting is off)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from hpcscale.slurm.client import SlurmClient
+from hpcscale.slurm.rundir import RunDir, Submission
+from hpcscale.util import proc
+
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End")
+
+
+@dataclass(frozen=True, slots=True)
+class JobState:
+    job_id: str
+    name: str
+    state: str
+    exit_code: str
+    nodes: str
+    elapsed: str
+    start: str
+    end: str
+
+
+@dataclass(frozen=True, slots=True)
+class SubmissionStatus:
+    submission: Submission
+    jobs: list[JobState]  # one per Slurm job; array jobs have one per task
+
+
+@dataclass(frozen=True, slots=True)
+class RunStatus:
+    run_dir: Path
+    job_name: str | None
+    source: str  # "sacct" or "scontrol"
+    submissions: list[SubmissionStatus]
+
+    def to_json(self) -> dict:
+        return {
+            "run_dir": str(self.run_dir),
+            "job_name": self.job_name,
+            "source": self.source,
+            "submissions": [
+                {"submission": asdict(s.submission), "jobs": [asdict(j) for j in s.jobs]} for s in self.submissions
+            ],
+        }
+
+
+def run_status(path: Path) -> RunStatus:
+    rd = RunDir.open(path)
+    subs = rd.submissions()
+    site = rd.site_config()
+    client = SlurmClient.for_site(site)
+    ids = [s.job_id for s in subs if s.job_id]
+    states: dict[str, list[JobState]] = {}
+    source = "sacct"
+    if ids:
+        try:
+            states = _sacct(client, ids)
+        except proc.CommandFailed:
+            source = "scontrol"
+            states = {i: _scontrol(client, i) for i in ids}
+    name = (yaml.safe_load((rd.path / "job.yaml").read_text()) or {}).get("name")
+    return RunStatus(rd.path, name, source, [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs])
+
+
+def _sacct(client: SlurmClient, ids: list[str]) -> dict[str, list[JobState]]:
+    args = ["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", ",".join(SACCT_FIELDS)]
+    if client.cluster:
+        args += ["-M", client.cluster]
+    out = client.run(*args, timeout=30)
+    if "disabled" in out.stderr:
+        raise proc.CommandFailed(out.args, out.stderr)
+    result: dict[str, list[JobState]] = {}
+    for line in out.stdout.splitlines():
+        fields = line.split("|")
+        if len(fields) != len(SACCT_FIELDS):
+            continue
+        base = fields[0].split("_")[0].split(".")[0]
+        result.setdefault(base, []).append(JobState(*fields))
+    return result
+
+
+def _scontrol(client: SlurmClient, job_id: str) -> list[JobState]:
+    out = client.run("scontrol", "show", "job", "-o", job_id, check=False)
+    jobs = []
+    for line in out.stdout.splitlines():
+        kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        jobs.append(
+            JobState(
+                kv.get("JobId", job_id),
+                kv.get("JobName", ""),
+                kv.get("JobState", "UNKNOWN"),
+                kv.get("ExitCode", ""),
+                kv.get("NodeList", ""),
+                kv.get("RunTime", ""),
+                kv.get("StartTime", ""),
+                kv.get("EndTime", ""),
+            )
+        )
+    return jobs or [JobState(job_id, "", "UNKNOWN (not in scontrol; accounting is off)", "", "", "", "", "")]

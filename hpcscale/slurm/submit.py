@@ -1,0 +1,89 @@
+"""`hpcscale render` and `hpcscale submit`: the library behind them."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hpcscale.config.load import LoadedJob
+from hpcscale.slurm.client import SlurmClient
+from hpcscale.slurm.render import choose_template, render_script
+from hpcscale.slurm.resolve import ResolvedJob, resolve
+from hpcscale.slurm.rundir import RunDir, Submission, default_run_dir
+from hpcscale.topology.source import site_tree
+from hpcscale.util import proc
+from hpcscale.util.paths import expand_path
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitResult:
+    job_id: str | None
+    cluster: str | None
+    run_dir: Path
+    script: Path
+    template: str
+    switches: int | None
+    dry_run: bool
+
+
+def resolve_for_slurm(
+    loaded: LoadedJob, *, run_dir: Path | None, excluded: tuple[str, ...] = (), client: SlurmClient | None = None
+) -> ResolvedJob:
+    site = loaded.site.config
+    if run_dir is None:
+        run_dir = default_run_dir(expand_path(site.filesystems.run_root), loaded.spec.name)
+    client = client or SlurmClient.for_site(site)
+    tree = site_tree(site, client) if site.scheduler == "slurm" else None
+    return resolve(loaded, run_dir=run_dir.resolve(), tree=tree, excluded=excluded)
+
+
+def render_job(loaded: LoadedJob, *, run_dir: Path | None = None, template: str | None = None) -> str:
+    return render_script(resolve_for_slurm(loaded, run_dir=run_dir), template)
+
+
+def submit_job(
+    loaded: LoadedJob,
+    *,
+    run_dir: Path | None = None,
+    template: str | None = None,
+    dry_run: bool = False,
+    reuse: bool = False,
+    excluded: tuple[str, ...] = (),
+    reason: str = "submit",
+) -> SubmitResult:
+    """Render, create the run directory, sbatch --parsable, record. Slurm's refusal is a CommandFailed
+    carrying sbatch's own message; a run directory created by this call is then removed again."""
+    client = SlurmClient.for_site(loaded.site.config)
+    job = resolve_for_slurm(loaded, run_dir=run_dir, excluded=excluded, client=client)
+    name = choose_template(job, template)
+    text = render_script(job, name)  # before touching the disk: a bad template leaves nothing behind
+    existed = job.run_dir.exists()
+    rd = RunDir.create(job.run_dir, reuse=reuse)
+    index = rd.next_index()
+    try:
+        rd.write_resolved(job)
+        script = rd.write_script(index, text)
+        job_id = cluster = None
+        if not dry_run:
+            out = client.run("sbatch", "--parsable", str(script), timeout=60).stdout.strip()
+            job_id, _, cluster = out.partition(";")
+            cluster = cluster or job.site.slurm.cluster
+            rd.record(
+                Submission(
+                    index=index,
+                    job_id=job_id,
+                    cluster=cluster or None,
+                    time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    script=str(script.relative_to(rd.path)),
+                    template=name,
+                    excluded=list(excluded),
+                    reason=reason,
+                )
+            )
+    except proc.CommandFailed:
+        if not existed:
+            shutil.rmtree(rd.path, ignore_errors=True)
+        raise
+    return SubmitResult(job_id, cluster or None, rd.path, script, name, job.switches, dry_run)

@@ -1,0 +1,312 @@
+"""Rank placement: which node each rank runs on, chosen to keep heavy traffic under low switches.
+
+Ranks are ordered tp fastest, then dp, then pp (Megatron's default order), so a rank's coordinates are
+    rank = (pp_idx * dp + dp_idx) * tp + tp_idx
+and ranks fill node slots in order (slot = rank // tasks_per_node). The search is over which physical node
+takes which slot. Cost model (docs/placement.md):
+
+    cost = sum over communicating rank pairs (a, b) of  bytes_per_step(kind) * distance(node(a), node(b))
+
+with pairs: neighbours in each tp and dp ring (all-reduce), and consecutive stages of each pp chain
+(send/recv); distance from hpcscale.topology.tree (0 same node, 1 same leaf, +1 per level further up).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hpcscale.errors import BadInput
+from hpcscale.topology.tree import SwitchTree
+
+# Arrangements of leaf labels over slots that are searched exhaustively; covers every allocation of up to
+# 8 nodes (8! = 40320), and larger ones whose nodes sit on few leaves.
+EXACT_LIMIT = 50_000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutShape:
+    """The parallel layout as placement sees it."""
+
+    nodes: int
+    tasks_per_node: int
+    tp: int
+    pp: int
+
+    def __post_init__(self) -> None:
+        world = self.nodes * self.tasks_per_node
+        if min(self.nodes, self.tasks_per_node, self.tp, self.pp) < 1:
+            raise BadInput("nodes, tasks_per_node, tp and pp must all be at least 1")
+        if self.tasks_per_node % self.tp:
+            raise BadInput(
+                f"tp({self.tp}) does not divide tasks_per_node({self.tasks_per_node}); "
+                "tensor-parallel groups must stay inside a node"
+            )
+        if world % (self.tp * self.pp):
+            raise BadInput(
+                f"tp({self.tp}) * pp({self.pp}) does not divide the world size "
+                f"nodes({self.nodes}) * tasks_per_node({self.tasks_per_node}) = {world}"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrafficWeights:
+    """Bytes one rank exchanges per step with one neighbour, per group kind."""
+
+    tp: float = 100.0
+    dp: float = 10.0
+    pp: float = 1.0
+    source: str = "default ratios (tp 100 : dp 10 : pp 1)"
+
+
+def traffic_weights(shape: LayoutShape, params: dict[str, Any] | None) -> TrafficWeights:
+    """Bytes per step from the model's size when the job gives it (GPT: n_layer, n_embd, seq_len, micro_batch,
+    global_batch, vocab_size); the default ratios otherwise. Megatron-style TP all-reduces activations 4 times
+    per layer per micro-batch (2 forward, 2 backward); DP all-reduces this rank's gradient shard once per step;
+    PP sends one activation forward and one gradient back per micro-batch (Narayanan et al., SC'21, sec. 3)."""
+    p = params or {}
+    try:
+        layers, hidden, seq = int(p["n_layer"]), int(p["n_embd"]), int(p["seq_len"])
+        micro = int(p.get("micro_batch", 1))
+        global_batch = int(p.get("global_batch", micro * shape.dp))
+        vocab = int(p.get("vocab_size", 256))
+    except (KeyError, TypeError, ValueError):
+        return TrafficWeights()
+    elt = 2  # bytes per element in bf16
+    n_micro = max(1, global_batch // (micro * shape.dp))
+    act = micro * seq * hidden * elt
+    params_total = 12 * layers * hidden * hidden + vocab * hidden
+    ring = lambda n: 2 * (n - 1) / n if n > 1 else 0.0  # noqa: E731 - bytes factor of a ring all-reduce
+    return TrafficWeights(
+        tp=4 * (layers / shape.pp) * n_micro * act * ring(shape.tp),
+        dp=params_total / (shape.tp * shape.pp) * elt * ring(shape.dp),
+        pp=2 * n_micro * act if shape.pp > 1 else 0.0,
+        source=f"model size ({layers} layers, width {hidden}, seq {seq})",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RankSlot:
+    rank: int
+    node: str
+    local_rank: int
+    tp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    nodes: list[str]  # slot -> node: ranks [i*T, (i+1)*T) run on nodes[i]
+    cost: float
+    hostname_order_cost: float
+    optimal: bool  # proven optimal by exhaustive search
+    method: str
+    weights: TrafficWeights
+    shape: LayoutShape
+
+    def ranks(self) -> list[RankSlot]:
+        s = self.shape
+        out = []
+        for r in range(s.world):
+            tp, rest = r % s.tp, r // s.tp
+            out.append(
+                RankSlot(r, self.nodes[r // s.tasks_per_node], r % s.tasks_per_node, tp, rest % s.dp, rest // s.dp)
+            )
+        return out
+
+
+def slot_edges(shape: LayoutShape, weights: TrafficWeights) -> dict[tuple[int, int], float]:
+    """(slot a, slot b) with a < b -> bytes per step between the two nodes' ranks. Same-slot pairs cost 0."""
+    r = np.arange(shape.world)
+    tp_i, rest = r % shape.tp, r // shape.tp
+    dp_i, pp_i = rest % shape.dp, rest // shape.dp
+
+    def rank_of(tp: np.ndarray, dp: np.ndarray, pp: np.ndarray) -> np.ndarray:
+        return (pp * shape.dp + dp) * shape.tp + tp
+
+    pairs = []
+    if shape.tp > 1:
+        pairs.append((r, rank_of((tp_i + 1) % shape.tp, dp_i, pp_i), weights.tp))
+    if shape.dp > 1:
+        pairs.append((r, rank_of(tp_i, (dp_i + 1) % shape.dp, pp_i), weights.dp))
+    if shape.pp > 1:
+        last = pp_i + 1 < shape.pp
+        pairs.append((r[last], rank_of(tp_i[last], dp_i[last], pp_i[last] + 1), weights.pp))
+    edges: dict[tuple[int, int], float] = defaultdict(float)
+    for a, b, w in pairs:
+        sa, sb = a // shape.tasks_per_node, b // shape.tasks_per_node
+        lo, hi = np.minimum(sa, sb), np.maximum(sa, sb)
+        cross = lo != hi
+        keys, counts = np.unique(lo[cross] * shape.nodes + hi[cross], return_counts=True)
+        for key, count in zip(keys.tolist(), counts.tolist(), strict=True):
+            edges[divmod(key, shape.nodes)] += w * count
+    return dict(edges)
+
+
+def placement_cost(order: list[str], edges: dict[tuple[int, int], float], tree: SwitchTree) -> float:
+    return sum(w * tree.distance(order[a], order[b]) for (a, b), w in edges.items())
+
+
+def place(
+    *,
+    nodes: list[str],
+    tree: SwitchTree,
+    shape: LayoutShape,
+    weights: TrafficWeights | None = None,
+    time_budget: float = 0.4,
+) -> Placement:
+    """The node order for `shape` on the allocation `nodes` that minimises the cost model."""
+    if len(set(nodes)) != len(nodes):
+        raise BadInput("the allocation names a node twice")
+    if len(nodes) != shape.nodes:
+        raise BadInput(f"the job needs {shape.nodes} nodes but the allocation has {len(nodes)}")
+    weights = weights or TrafficWeights()
+    edges = slot_edges(shape, weights)
+    by_leaf = tree.restricted_to(sorted(nodes, key=_natural))
+    hostname_cost = placement_cost(sorted(nodes, key=_natural), edges, tree)
+    counts = [len(v) for v in by_leaf.values()]
+    arrangements = math.factorial(len(nodes)) // math.prod(math.factorial(c) for c in counts)
+    if arrangements <= EXACT_LIMIT:
+        order = _exact(by_leaf, edges, tree)
+        return Placement(
+            order,
+            placement_cost(order, edges, tree),
+            hostname_cost,
+            True,
+            f"exhaustive over {arrangements} arrangements",
+            weights,
+            shape,
+        )
+    order = _pack_stages(by_leaf, shape)
+    order = _local_search(order, edges, tree, deadline=time.monotonic() + time_budget)
+    return Placement(
+        order, placement_cost(order, edges, tree), hostname_cost, False, "stage packing + swap search", weights, shape
+    )
+
+
+def _natural(name: str) -> tuple:
+    """Sort key that puts n2 before n10, as Slurm lists hosts."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _leaf_distance_matrix(leaves: list[str], tree: SwitchTree, by_leaf: dict[str, list[str]]) -> np.ndarray:
+    """Distance between two different nodes, by their leaves ('' holds nodes on no switch)."""
+    reps = [by_leaf[leaf][0] for leaf in leaves]
+    d = np.zeros((len(leaves), len(leaves)))
+    for i, j in itertools.product(range(len(leaves)), repeat=2):
+        if i != j:
+            d[i, j] = tree.distance(reps[i], reps[j])
+        else:
+            d[i, j] = 1.0 if leaves[i] else tree.height + 2
+    return d
+
+
+def _exact(by_leaf: dict[str, list[str]], edges: dict[tuple[int, int], float], tree: SwitchTree) -> list[str]:
+    """Try every distinct arrangement of leaf labels over the slots; nodes on one leaf are interchangeable."""
+    leaves = list(by_leaf)
+    counts = [len(by_leaf[leaf]) for leaf in leaves]
+    dist = _leaf_distance_matrix(leaves, tree, by_leaf)
+    if not edges:
+        return [n for leaf in leaves for n in by_leaf[leaf]]
+    a = np.array([k[0] for k in edges])
+    b = np.array([k[1] for k in edges])
+    w = np.array(list(edges.values()))
+    labels = np.array(list(_multiset_permutations(counts)), dtype=np.int64)  # (arrangements, slots)
+    costs = (dist[labels[:, a], labels[:, b]] * w).sum(axis=1)
+    best = labels[int(np.argmin(costs))]  # argmin takes the first minimum: leaves in tree order come first
+    pools = {i: list(by_leaf[leaf]) for i, leaf in enumerate(leaves)}
+    return [pools[int(lbl)].pop(0) for lbl in best]
+
+
+def _multiset_permutations(counts: list[int]):
+    """Every distinct sequence with counts[i] copies of label i, in lexicographic order."""
+    remaining = list(counts)
+    total = sum(counts)
+    seq: list[int] = []
+
+    def rec():
+        if len(seq) == total:
+            yield tuple(seq)
+            return
+        for label, left in enumerate(remaining):
+            if left:
+                remaining[label] -= 1
+                seq.append(label)
+                yield from rec()
+                seq.pop()
+                remaining[label] += 1
+
+    yield from rec()
+
+
+def _pack_stages(by_leaf: dict[str, list[str]], shape: LayoutShape) -> list[str]:
+    """Whole pipeline stages (their dp rings) on one leaf where they fit, consecutive stages on nearby leaves."""
+    block = shape.dp * shape.tp // shape.tasks_per_node if (shape.dp * shape.tp) % shape.tasks_per_node == 0 else 1
+    block = max(block, 1)
+    whole: list[list[str]] = []
+    leftover: list[str] = []
+    for hosts in by_leaf.values():
+        full = len(hosts) // block * block
+        whole += [hosts[i : i + block] for i in range(0, full, block)]
+        leftover += hosts[full:]
+    order = [h for blk in whole for h in blk] + leftover
+    return order
+
+
+def _local_search(
+    order: list[str], edges: dict[tuple[int, int], float], tree: SwitchTree, deadline: float
+) -> list[str]:
+    """First-improvement swaps of two slots on different leaves, until none helps or time runs out."""
+    order = list(order)
+    adj: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for (a, b), w in edges.items():
+        adj[a].append((b, w))
+        adj[b].append((a, w))
+    leaf = [tree.leaf_of.get(h, "") for h in order]
+    slots_by_leaf: dict[str, list[int]] = defaultdict(list)
+    for i, lf in enumerate(leaf):
+        slots_by_leaf[lf].append(i)
+
+    def local(i: int, host: str, skip: int) -> float:
+        return sum(w * tree.distance(host, order[j]) for j, w in adj[i] if j != skip)
+
+    def try_swaps(i: int) -> bool:
+        for target in Counter(leaf[j] for j, _ in adj[i] if leaf[j] != leaf[i]):
+            for j in slots_by_leaf[target]:
+                before = local(i, order[i], j) + local(j, order[j], i)
+                after = local(i, order[j], j) + local(j, order[i], i)
+                if after < before - 1e-9:
+                    slots_by_leaf[leaf[i]].remove(i)
+                    slots_by_leaf[leaf[j]].remove(j)
+                    order[i], order[j] = order[j], order[i]
+                    leaf[i], leaf[j] = leaf[j], leaf[i]
+                    slots_by_leaf[leaf[i]].append(i)
+                    slots_by_leaf[leaf[j]].append(j)
+                    return True
+        return False
+
+    improved = True
+    while improved and time.monotonic() < deadline:
+        improved = False
+        for i in range(len(order)):
+            if time.monotonic() >= deadline:
+                break
+            if any(leaf[j] != leaf[i] for j, _ in adj[i]) and try_swaps(i):
+                improved = True
+    return order
