@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,24 @@ def run_cli(
         env={**os.environ, **(env or {})},
         cwd=cwd or REPO,
     )
+
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 240) -> str:
+    """Poll sacct until the job reaches a terminal state; returns it."""
+    deadline = time.monotonic() + timeout
+    state = "?"
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+        )
+        state = (out.stdout.strip().splitlines() or ["PENDING"])[0].split()[0]
+        if state in TERMINAL:
+            return state
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still {state} after {timeout}s")

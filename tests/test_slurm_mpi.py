@@ -8,30 +8,11 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from conftest import REPO
+from conftest import REPO, wait_for_job
 
 HELPER = REPO / "tests" / "helpers" / "allreduce_rank.py"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-
-
-def _wait_for_job(job_id: str, env: dict[str, str], timeout: float = 240) -> str:
-    deadline = time.monotonic() + timeout
-    state = "?"
-    while time.monotonic() < deadline:
-        out = subprocess.run(
-            ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **env},
-        )
-        state = (out.stdout.strip().splitlines() or ["PENDING"])[0].split()[0]
-        if state in TERMINAL:
-            return state
-        time.sleep(1)
-    raise AssertionError(f"job {job_id} still {state} after {timeout}s")
 
 
 def _check_ranks(lines: list[str], size: int) -> list[dict]:
@@ -61,7 +42,7 @@ def test_sbatch_srun_pmix_mpi4py_and_gloo_allreduce(local_cluster, tmp_path: Pat
         check=True,
     )
     job_id = sub.stdout.strip().split(";")[0]
-    state = _wait_for_job(job_id, local_cluster)
+    state = wait_for_job(job_id, local_cluster)
     log = Path(str(out).replace("%j", job_id)).read_text()
     assert state == "COMPLETED", log
     ranks = _check_ranks(log.splitlines(), 4)

@@ -57,13 +57,19 @@ def run_status(path: Path) -> RunStatus:
     client = SlurmClient.for_site(site)
     ids = [s.job_id for s in subs if s.job_id]
     states: dict[str, list[JobState]] = {}
-    source = "sacct"
+    sources = set()
     if ids:
         try:
             states = _sacct(client, ids)
+            sources.add("sacct")
         except proc.CommandFailed:
-            source = "scontrol"
-            states = {i: _scontrol(client, i) for i in ids}
+            pass
+        # Jobs sacct does not know (accounting off, or slurmdbd not caught up yet): ask the controller.
+        for job_id in ids:
+            if job_id not in states:
+                states[job_id] = _scontrol(client, job_id)
+                sources.add("scontrol")
+    source = ", ".join(sorted(sources)) or "none"
     name = (yaml.safe_load((rd.path / "job.yaml").read_text()) or {}).get("name")
     return RunStatus(rd.path, name, source, [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs])
 

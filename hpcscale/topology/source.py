@@ -6,6 +6,7 @@ from hpcscale.config.site import SiteConfig
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.topology.hostlist import expand
 from hpcscale.topology.tree import SwitchTree, build_tree, flat_tree, parse_scontrol_topology
+from hpcscale.util.proc import CommandFailed
 
 
 def site_tree(site: SiteConfig, client: SlurmClient | None = None) -> SwitchTree:
@@ -19,5 +20,13 @@ def site_tree(site: SiteConfig, client: SlurmClient | None = None) -> SwitchTree
         )
     if site.topology.source == "scontrol":
         client = client or SlurmClient.for_site(site)
-        return parse_scontrol_topology(client.run("scontrol", "show", "topology").stdout)
+        try:
+            out = client.run("scontrol", "show", "topology").stdout
+        except CommandFailed as e:
+            raise CommandFailed(
+                e.args_,
+                f"cannot read the switch tree of site '{site.name}' ({e.tool_message}); "
+                "run where Slurm answers, or set topology.source: file or none",
+            ) from None
+        return parse_scontrol_topology(out)
     return flat_tree(n for p in site.partitions for n in expand(p.nodes))

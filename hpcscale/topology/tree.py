@@ -132,6 +132,8 @@ def build_tree(entries: list[tuple[str, list[str] | None, list[str] | None]]) ->
             level[name] = 0 if not children else 1 + max(level_of(c, depth + 1) for c in children)
         return level[name]
 
+    for name in by_name:  # validates children and catches cycles before the walk below relies on both
+        level_of(name)
     switches = {}
     for name, (nodes, children) in by_name.items():
         below = list(nodes)

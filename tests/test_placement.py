@@ -1,0 +1,113 @@
+"""Placement equals the brute-force optimum on allocations of up to 8 nodes; ranks follow tp, dp, pp."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hpcscale.errors import BadInput
+from hpcscale.topology.placement import (
+    LayoutShape,
+    TrafficWeights,
+    place,
+    placement_cost,
+    slot_edges,
+    traffic_weights,
+)
+from hpcscale.topology.tree import build_tree, flat_tree
+
+
+def _random_tree(rng: random.Random, hosts: list[str]):
+    hosts = hosts[:]
+    rng.shuffle(hosts)  # hostnames do not follow the cabling
+    n_leaves = rng.randint(1, min(4, len(hosts)))
+    cuts = sorted(rng.sample(range(1, len(hosts)), n_leaves - 1))
+    leaves = [hosts[a:b] for a, b in zip([0, *cuts], [*cuts, len(hosts)], strict=True)]
+    entries = [(f"leaf{i}", nodes, None) for i, nodes in enumerate(leaves)]
+    if n_leaves >= 3 and rng.random() < 0.7:  # a three-level tree
+        entries += [
+            ("spineA", None, ["leaf0", "leaf1"]),
+            ("spineB", None, [f"leaf{i}" for i in range(2, n_leaves)]),
+            ("core", None, ["spineA", "spineB"]),
+        ]
+    elif n_leaves > 1:
+        entries.append(("core", None, [f"leaf{i}" for i in range(n_leaves)]))
+    return build_tree(entries)
+
+
+def _random_shape(rng: random.Random, nodes: int) -> LayoutShape:
+    while True:
+        tpn = rng.choice([1, 2, 4])
+        tp = rng.choice([t for t in (1, 2, 4) if tpn % t == 0])
+        pp = rng.choice([1, 2, 3, 4, 8])
+        if (nodes * tpn) % (tp * pp) == 0:
+            return LayoutShape(nodes=nodes, tasks_per_node=tpn, tp=tp, pp=pp)
+
+
+def test_equals_brute_force_optimum_up_to_8_nodes():
+    rng = random.Random(2026)
+    for trial in range(60):
+        n = rng.randint(2, 8)
+        hosts = [f"n{i}" for i in range(1, n + 1)]
+        tree = _random_tree(rng, hosts)
+        shape = _random_shape(rng, n)
+        weights = TrafficWeights(tp=rng.choice([50.0, 100.0]), dp=rng.choice([5.0, 10.0]), pp=rng.choice([1.0, 3.0]))
+        p = place(nodes=hosts, tree=tree, shape=shape, weights=weights)
+        edges = slot_edges(shape, weights)
+        brute = min(placement_cost(list(order), edges, tree) for order in itertools.permutations(hosts))
+        assert p.optimal
+        assert p.cost == pytest.approx(brute), (trial, shape)
+        assert p.cost <= p.hostname_order_cost + 1e-9
+        assert sorted(p.nodes) == sorted(hosts)
+
+
+def test_large_allocation_beats_hostname_order_when_hostnames_ignore_cabling():
+    rng = random.Random(5)
+    hosts = [f"gpu{i:03d}" for i in range(256)]
+    shuffled = hosts[:]
+    rng.shuffle(shuffled)
+    entries = [(f"leaf{k}", shuffled[k * 16 : (k + 1) * 16], None) for k in range(16)]
+    entries += [
+        ("spine0", None, [f"leaf{k}" for k in range(8)]),
+        ("spine1", None, [f"leaf{k}" for k in range(8, 16)]),
+        ("core", None, ["spine0", "spine1"]),
+    ]
+    tree = build_tree(entries)
+    p = place(nodes=hosts, tree=tree, shape=LayoutShape(nodes=256, tasks_per_node=8, tp=8, pp=4))
+    assert not p.optimal
+    assert p.cost < 0.6 * p.hostname_order_cost
+
+
+def test_rank_order_is_tp_then_dp_then_pp():
+    shape = LayoutShape(nodes=4, tasks_per_node=2, tp=2, pp=2)  # dp = 2
+    p = place(nodes=["a", "b", "c", "d"], tree=flat_tree("abcd"), shape=shape)
+    coords = [(r.tp, r.dp, r.pp) for r in p.ranks()]
+    assert coords == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
+    assert [r.local_rank for r in p.ranks()] == [0, 1] * 4
+    # a tp group never leaves its node
+    by_group = {}
+    for r in p.ranks():
+        by_group.setdefault((r.dp, r.pp), set()).add(r.node)
+    assert all(len(nodes) == 1 for nodes in by_group.values())
+
+
+def test_tp_must_divide_tasks_per_node():
+    with pytest.raises(BadInput, match=r"tp\(4\) does not divide tasks_per_node\(2\)"):
+        LayoutShape(nodes=2, tasks_per_node=2, tp=4, pp=1)
+
+
+def test_weights_from_model_size():
+    shape = LayoutShape(nodes=16, tasks_per_node=8, tp=8, pp=2)  # dp = 8
+    w = traffic_weights(
+        shape, {"n_layer": 24, "n_embd": 2048, "seq_len": 2048, "micro_batch": 1, "global_batch": 64, "vocab_size": 256}
+    )
+    n_micro = 64 // 8
+    act = 1 * 2048 * 2048 * 2  # bytes of one micro-batch's activations in bf16
+    params = 12 * 24 * 2048**2 + 256 * 2048
+    assert w.tp == pytest.approx(4 * (24 / 2) * n_micro * act * 2 * 7 / 8)
+    assert w.dp == pytest.approx(params / 16 * 2 * 2 * 7 / 8)
+    assert w.pp == pytest.approx(2 * n_micro * act)
+    assert w.tp > w.dp > w.pp  # the usual order for a modest global batch
+    assert traffic_weights(shape, {}) == TrafficWeights()
