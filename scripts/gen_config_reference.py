@@ -18,6 +18,7 @@ from pathlib import Path
 from hpcscale.config.fields import yaml_key
 from hpcscale.config.job import JobSpec
 from hpcscale.config.site import SiteConfig
+from hpcscale.train.config import TrainConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 
@@ -43,6 +44,12 @@ RULES = {
 Rules across keys: partition names are unique and at most one is `default`; a `slurm` site has at least one
 partition; a `local` site launches with `mpirun`; with `topology.source: file` every switch lists exactly one
 of `nodes` or `switches`, every child switch exists, and every partition node sits on a leaf switch.
+""",
+    TrainConfig: """
+Rules across keys and the layout (dp = world / (tp × pp)): `n_embd` is a multiple of `n_head`, `n_head` of `tp`;
+`n_layer ≥ pp`; `global_batch` is a multiple of `dp × micro_batch`, and with 1F1B the number of micro-batches
+(`global_batch / (dp × micro_batch)`) is at least `pp`; `min_lr ≤ lr`. The same job trains the same model at
+any layout that satisfies these: only speed changes, never the losses.
 """,
     JobSpec: """
 Rules across keys (checked against the job's site): `tp × pp` divides the world size
@@ -118,9 +125,13 @@ def section(cls: type, prefix: str, out: list[str], seen: set[type]) -> None:
 
 def render() -> str:
     out = [HEADER]
-    for title, cls in (("Site config", SiteConfig), ("Job spec", JobSpec)):
+    for title, cls, prefix in (
+        ("Site config", SiteConfig, ""),
+        ("Job spec", JobSpec, ""),
+        ("Built-in trainer parameters", TrainConfig, "train.params"),
+    ):
         out.append(f"\n## {title}\n")
-        section(cls, "", out, set())
+        section(cls, prefix, out, set())
     return "\n".join(out).rstrip() + "\n"
 
 

@@ -17,6 +17,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "submit": ("hpcscale.cli.slurm_cmd", "submit", "Render, create the run directory and sbatch a job."),
     "status": ("hpcscale.cli.slurm_cmd", "status", "A run's submissions and their Slurm states."),
     "topo": ("hpcscale.cli.topo_cmd", "topo", "Show the switch tree; plan rank placement."),
+    "run": ("hpcscale.cli.train_cmd", "run", "Run a job on this machine through mpirun (--local)."),
+    "launch": ("hpcscale.cli.train_cmd", "launch", "One rank of a job, under srun or mpirun."),
+    "data": ("hpcscale.cli.train_cmd", "data", "Prepare token datasets from text."),
 }
 
 

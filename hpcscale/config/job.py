@@ -141,6 +141,11 @@ class JobSpec:
     checkpoint: CheckpointPolicy = setting("Checkpoint policy.", factory=CheckpointPolicy)
     data: Data = setting("Training data.", factory=Data)
     signals: Signals = setting("Preemption signal and requeue.", factory=Signals)
+    timeout_seconds: int = setting(
+        "Collective timeout: a rank blocked this long in communication fails the job instead of hanging it.",
+        default=300,
+        min=10,
+    )
     environment: dict[str, str] = setting(
         "Extra variables exported for this job (after the site's).", factory=dict, check=check_env_names
     )

@@ -107,7 +107,7 @@ def load_job(path: str | Path, *, site: str | None = None) -> LoadedJob:
         if found is None:
             raise ConfigError([ConfigIssue(src.file, src.line_of(("site",)), "site", _no_such_site(spec.site))])
         loaded_site = load_site(found)
-    _check_job(spec, loaded_site.config, dec)
+    check_job(spec, loaded_site.config, dec)
     dec.raise_if_any()
     return LoadedJob(spec, p, loaded_site)
 
@@ -161,7 +161,7 @@ def _check_switches(site: SiteConfig, dec: Decoder) -> None:
             )
 
 
-def _check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
+def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
     if spec.train is not None and spec.command is not None:
         dec.error(("command",), "give either train or command, not both")
     if spec.command is not None and not spec.command:
@@ -169,6 +169,8 @@ def _check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
     if spec.sweep is not None and spec.sweep.size > 100_000:
         dec.error(("sweep", "params"), f"{spec.sweep.size} combinations; Slurm arrays are far smaller")
     tp, pp, world = spec.parallel.tp, spec.parallel.pp, spec.world_size
+    if spec.train is not None and spec.train.entry == "builtin" and not world % (tp * pp):
+        _check_train_params(spec, dec, world_size=world)
     if world % (tp * pp):
         dec.error(
             ("parallel",),
@@ -211,3 +213,16 @@ def _check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         )
     if part.max_time is not None and parse_duration(spec.time_limit) > parse_duration(part.max_time):
         dec.error(("time_limit",), f"{spec.time_limit} is over {where}'s limit of {part.max_time}")
+
+
+def _check_train_params(spec: JobSpec, dec: Decoder, *, world_size: int) -> None:
+    """The built-in trainer's params, decoded where they stand (train.params.KEY) and checked against the layout."""
+    from hpcscale.train.config import TrainConfig, train_checks
+
+    path = ("train", "params")
+    cfg = dec.decode(TrainConfig, spec.train.params, path)
+    if cfg is None:
+        return
+    tp, pp = spec.parallel.tp, spec.parallel.pp
+    for key, message in train_checks(cfg, dp=world_size // (tp * pp), tp=tp, pp=pp):
+        dec.error((*path, key), message)

@@ -60,3 +60,25 @@ def run(
     if check and p.returncode != 0:
         raise CommandFailed(args, p.stderr or p.stdout or f"exit code {p.returncode}", p.returncode)
     return done
+
+
+def stream(args: Sequence[str], *, env: Mapping[str, str] | None = None, on_line=None) -> int:
+    """Run `args` (no shell) passing each line of its merged stdout/stderr to `on_line`; returns the exit code.
+    For long-running children whose output the user watches (mpirun)."""
+    full_env = {**os.environ, **env} if env else None
+    log.debug("stream: %s", shlex.join(args))
+    try:
+        p = subprocess.Popen(
+            list(args), env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+    except FileNotFoundError:
+        raise CommandFailed(args, "command not found") from None
+    assert p.stdout is not None
+    try:
+        for line in p.stdout:
+            if on_line is not None:
+                on_line(line)
+    except KeyboardInterrupt:
+        p.terminate()
+        raise
+    return p.wait()

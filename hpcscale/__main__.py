@@ -1,0 +1,5 @@
+"""`python -m hpcscale` is the `hpcscale` command (mpirun starts ranks this way, with the same interpreter)."""
+
+from hpcscale.cli.main import cli
+
+cli(prog_name="hpcscale")

@@ -1,0 +1,107 @@
+"""`hpcscale launch`, `hpcscale run --local`, `hpcscale data prepare`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from hpcscale.cli.options import json_option, print_json, site_option
+
+
+@click.command()
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    required=True,
+    help="The run directory hpcscale submit/run created.",
+)
+@click.option("--sweep-index", type=int, default=None, help="Array task index of a sweep (set by the array template).")
+def launch(run_dir: Path, sweep_index: int | None) -> None:
+    """Run one rank of a job: started by srun or mpirun, never by hand.
+
+    \b
+    In an sbatch script:
+      srun --mpi=pmix --kill-on-bad-exit=1 hpcscale launch --run-dir "$RUN"
+
+    Exit codes: 0 done, 75 stopped on request (SIGUSR1/SIGUSR2/SIGTERM; resume later), 1 failure.
+    """
+    from hpcscale.launch.main import launch as run_rank
+
+    sys.exit(run_rank(run_dir, sweep_index=sweep_index))
+
+
+@click.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--local", "local", is_flag=True, required=True, help="Run on this machine through mpirun (no Slurm).")
+@click.option("-n", "ranks", type=int, default=None, help="Number of ranks (default: the job's nodes x tasks).")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Run directory (default: <site run_root>/<job name>-<UTC time>).",
+)
+@site_option
+def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, site: str | None) -> None:
+    """Run JOB on this machine through mpirun, writing the same run directory a Slurm job writes.
+
+    \b
+    Example (the reference GPT, tp=2 x pp=2 x dp=2):
+      hpcscale run docs/examples/gpt-local.yaml --local -n 8
+
+    Exit codes: 0 done, 75 stopped on request, 1 a rank failed (named in the message).
+    """
+    from hpcscale.config.load import load_job
+    from hpcscale.launch.local import run_local
+
+    result = run_local(load_job(job, site=site), ranks=ranks, run_dir=run_dir, echo=click.echo)
+    click.echo(f"run directory: {result.run_dir}", err=True)
+    if result.exit_code not in (0, 75):
+        click.echo(
+            f"error: the job failed (exit {result.exit_code})" + (f": {result.failure}" if result.failure else ""),
+            err=True,
+        )
+        sys.exit(1)
+    sys.exit(result.exit_code)
+
+
+@click.group()
+def data() -> None:
+    """Datasets for the reference trainer."""
+
+
+@data.command()
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="New dataset directory.")
+@click.option("--seq-len", type=int, default=256, show_default=True, help="Longest seq_len the data will serve.")
+@click.option("--shard-samples", type=int, default=4096, show_default=True, help="Samples per shard file.")
+@click.option("--max-mb", type=float, default=None, help="Stop after this many MB of text.")
+@json_option
+def prepare(src: Path, out: Path, seq_len: int, shard_samples: int, max_mb: float | None, as_json: bool) -> None:
+    """Turn a text corpus (a file, or every text file under a directory) into byte-level token shards and a
+    manifest.
+
+    \b
+    Example:
+      hpcscale data prepare /usr/lib/python3.11 --out data/pystdlib
+    """
+    from hpcscale.data.prepare import prepare as run_prepare
+
+    m = run_prepare(
+        src, out, sample_len=seq_len + 1, shard_samples=shard_samples, max_bytes=int(max_mb * 2**20) if max_mb else None
+    )
+    doc = {
+        "out": str(out),
+        "manifest": str(out / "manifest.json"),
+        "shards": len(m.dataset.shards),
+        "samples": m.dataset.samples,
+        "sample_len": m.dataset.sample_len,
+        "bytes": sum(f.size for f in m.files),
+    }
+    if as_json:
+        print_json(doc)
+    else:
+        click.echo(
+            f"{doc['samples']} samples of {doc['sample_len']} tokens in {doc['shards']} shards -> {doc['manifest']}"
+        )

@@ -1,0 +1,1 @@
+"""Datasets: manifests (shared with staging), corpus preparation, deterministic sharded loading."""

@@ -1,0 +1,114 @@
+"""Deterministic sharded loading: each dp rank gets its slice of each global batch, in an order fixed by
+(seed, epoch), and the position can be saved and restored exactly.
+
+Sample space: every sample of the manifest's shards, in manifest order; the last `val_fraction` of them are
+held out for validation. Global batch k of an epoch is `perm[k*B:(k+1)*B]` where perm is the permutation of
+training samples drawn from numpy's PCG64 seeded with (seed, epoch); dp rank r takes positions
+[r*B/dp, (r+1)*B/dp) of it. So the union over dp ranks is the same global batch at any dp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpcscale.data.manifest import read_manifest
+from hpcscale.errors import BadInput
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderState:
+    epoch: int
+    batch: int  # global batches consumed in this epoch
+
+
+class TokenLoader:
+    def __init__(
+        self,
+        manifest_path: Path,
+        *,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        val_fraction: float = 0.0,
+    ):
+        m = read_manifest(manifest_path)
+        if m.dataset is None:
+            raise BadInput(f"{manifest_path}: has no token dataset (make one with hpcscale data prepare)")
+        ds = m.dataset
+        if seq_len + 1 > ds.sample_len:
+            raise BadInput(
+                f"{manifest_path}: samples hold {ds.sample_len} tokens; seq_len {seq_len} needs "
+                f"{seq_len + 1} (prepare the data with a larger sample length)"
+            )
+        if global_batch % dp_size:
+            raise BadInput(f"global_batch({global_batch}) is not a multiple of dp({dp_size})")
+        root = manifest_path.parent
+        self.seq_len, self.global_batch = seq_len, global_batch
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self.sample_len = ds.sample_len
+        self.vocab_size = ds.vocab_size
+        self._shards = [
+            np.memmap(root / s.path, dtype=ds.dtype, mode="r").reshape(s.samples, ds.sample_len) for s in ds.shards
+        ]
+        self._starts = np.cumsum([0] + [s.samples for s in ds.shards])
+        n_val = int(ds.samples * val_fraction)
+        self.n_train = ds.samples - n_val
+        self.val_indices = np.arange(self.n_train, ds.samples)
+        if self.n_train < global_batch:
+            raise BadInput(
+                f"{manifest_path}: {self.n_train} training samples, fewer than one global batch ({global_batch})"
+            )
+        self.batches_per_epoch = self.n_train // global_batch
+        self.state = LoaderState(0, 0)
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.n_train)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def _samples(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        shard = np.searchsorted(self._starts, indices, side="right") - 1
+        rows = np.stack(
+            [self._shards[s][i - self._starts[s], : self.seq_len + 1] for s, i in zip(shard, indices, strict=True)]
+        )
+        rows = rows.astype(np.int64)
+        return rows[:, :-1], rows[:, 1:]  # inputs (B, T), targets (B, T)
+
+    def _local(self, batch_indices: np.ndarray) -> np.ndarray:
+        per = len(batch_indices) // self.dp_size
+        return batch_indices[self.dp_rank * per : (self.dp_rank + 1) * per]
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """This dp rank's (inputs, targets) of the next global batch: (global_batch/dp, seq_len) each."""
+        epoch, k = self.state.epoch, self.state.batch
+        if k >= self.batches_per_epoch:
+            epoch, k = epoch + 1, 0
+        perm = self._permutation(epoch)
+        indices = perm[k * self.global_batch : (k + 1) * self.global_batch]
+        self.state = LoaderState(epoch, k + 1)
+        return self._samples(self._local(indices))
+
+    def val_batches(self, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The first `count` global batches of held-out samples (fewer if there are not that many)."""
+        out = []
+        for k in range(min(count, len(self.val_indices) // self.global_batch)):
+            out.append(
+                self._samples(self._local(self.val_indices[k * self.global_batch : (k + 1) * self.global_batch]))
+            )
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.state.epoch, "batch": self.state.batch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise BadInput(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
+        self.state = LoaderState(int(state["epoch"]), int(state["batch"]))

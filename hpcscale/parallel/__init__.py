@@ -1,0 +1,1 @@
+"""Parallel layout: DeviceMesh (pp, dp, tp), tensor parallelism (DTensor), pipelining, data-parallel gradient sync."""

@@ -1,0 +1,211 @@
+"""The built-in trainer (`train.entry: builtin`): the reference GPT at any (tp, pp, dp).
+
+The job's global batch fixes the optimisation: every layout sees the same samples per step and averages the
+same gradients, so changing the layout changes speed, never the losses (tests/test_train_layouts.py).
+
+Order of construction, and why:
+1. build the whole model on every rank from the same seed: identical weights everywhere;
+2. cut the pipeline stage: the stage keeps its layers' original names (and init);
+3. apply tensor parallelism: DTensor shards the kept weights from those identical full tensors;
+4. gradient sync hooks and the optimizer last, over the final (sharded) parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from hpcscale.config.decode import Decoder
+from hpcscale.config.yamlsrc import YamlSource
+from hpcscale.data.loader import TokenLoader
+from hpcscale.data.prepare import default_corpus_dataset
+from hpcscale.launch.context import Context
+from hpcscale.launch.signals import StopRequested
+from hpcscale.parallel.clip import clip_grad_norm
+from hpcscale.parallel.grad_sync import GradSync
+from hpcscale.parallel.pipeline import build_schedule, cut_stage
+from hpcscale.parallel.tensor_parallel import apply_tp
+from hpcscale.train.config import TrainConfig, train_checks
+from hpcscale.train.model import GPT, GPTShape, lm_loss
+from hpcscale.util.paths import expand_path
+
+
+def load_config(ctx: Context) -> TrainConfig:
+    dec = Decoder(YamlSource(str(ctx.run_dir / "job.yaml"), ctx.params))
+    cfg = dec.decode(TrainConfig, ctx.params, ("train", "params"))
+    dec.raise_if_any()
+    for key, message in train_checks(cfg, dp=ctx.dims.dp, tp=ctx.dims.tp, pp=ctx.dims.pp):
+        dec.error(("train", "params", key), message)
+    dec.raise_if_any()
+    return cfg
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
+    torch.manual_seed(cfg.seed)
+    shape = GPTShape(
+        vocab_size=vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head
+    )
+    model = GPT(shape)
+    cut_stage(model, stage=ctx.pp_rank, pp=ctx.dims.pp)
+    model.to(ctx.device)
+    apply_tp(model, tp_mesh=ctx.mesh["tp"])
+    return model
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=False: the per-parameter kernels are bitwise independent of how parameters are grouped, which
+    # the layout-equivalence guarantee relies on.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def dataset_manifest(ctx: Context, cfg: TrainConfig):
+    if ctx.job.data.manifest:
+        return expand_path(ctx.job.data.manifest)
+    # No dataset named: Python's standard library sources, prepared once in scratch (rank 0 prepares).
+    from mpi4py import MPI
+
+    scratch = ctx.scratch or ctx.run_dir
+    path = None
+    if MPI.COMM_WORLD.rank == 0:
+        path = default_corpus_dataset(scratch, sample_len=max(257, cfg.seq_len + 1))
+    return MPI.COMM_WORLD.bcast(path, root=0)
+
+
+def train(ctx: Context) -> None:
+    cfg = load_config(ctx)
+    dims = ctx.dims
+    torch.use_deterministic_algorithms(True)
+    loader = TokenLoader(
+        dataset_manifest(ctx, cfg),
+        seq_len=cfg.seq_len,
+        global_batch=cfg.global_batch,
+        dp_rank=ctx.dp_rank,
+        dp_size=dims.dp,
+        seed=cfg.seed,
+        val_fraction=cfg.val_fraction,
+    )
+    model = build_model(cfg, ctx, loader.vocab_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_micro = cfg.global_batch // (dims.dp * cfg.micro_batch)
+    dp_group = ctx.mesh["dp"].get_group() if dims.dp > 1 else None
+    sync = GradSync(model, dp_group)
+    opt = build_optimizer(model, cfg)
+    first, last = ctx.pp_rank == 0, ctx.pp_rank == dims.pp - 1
+    schedule = None
+    if dims.pp > 1:
+        schedule = build_schedule(
+            model, pp_mesh=ctx.mesh["pp"], n_microbatches=n_micro, kind=cfg.schedule, loss_fn=lm_loss, device=ctx.device
+        )
+    autocast = ctx.device.type == "cuda" and cfg.bf16
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    ctx.metrics.print(
+        f"hpcscale: GPT {cfg.n_layer}x{cfg.n_embd} on {dims.world_size} ranks "
+        f"(pp={dims.pp} dp={dims.dp} tp={dims.tp}), {n_micro} micro-batches/step, "
+        f"{cfg.steps} steps, backend {ctx.backend}"
+    )
+
+    def run_batch(inputs: torch.Tensor, targets: torch.Tensor, *, training: bool) -> torch.Tensor:
+        """Mean loss of this dp rank's batch on the last stage (0 elsewhere); backward when training."""
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=autocast):
+            if schedule is None:
+                total = torch.zeros((), device=ctx.device)
+                for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True):
+                    if training:
+                        loss = lm_loss(model(x), y) / n_micro
+                        loss.backward()
+                    else:
+                        with torch.no_grad():
+                            loss = lm_loss(model(x), y) / n_micro
+                    total += loss.detach()
+                return total
+            losses: list[torch.Tensor] = []
+            run = schedule.step if training else schedule.eval
+            if first:
+                run(inputs)
+            elif last:
+                run(target=targets, losses=losses)
+            else:
+                run()
+            return torch.stack(losses).mean().detach() if last else torch.zeros((), device=ctx.device)
+
+    def agree(loss: torch.Tensor, extra: float = 0.0) -> tuple[float, float]:
+        """One all-reduce per step: the global mean loss (last stage, tp rank 0 of each dp replica) and a flag."""
+        contribution = loss / dims.dp if (last and ctx.tp_rank == 0) else torch.zeros((), device=ctx.device)
+        t = torch.stack([contribution.float(), torch.tensor(extra, device=ctx.device)])
+        dist.all_reduce(t)
+        return float(t[0]), float(t[1])
+
+    def to_device(batch):
+        return tuple(torch.from_numpy(a).to(ctx.device) for a in batch)
+
+    def evaluate(step: int) -> None:
+        batches = loader.val_batches(cfg.eval_batches)
+        if not batches:
+            return
+        model.eval()
+        total = 0.0
+        for batch in batches:
+            total += agree(run_batch(*to_device(batch), training=False))[0]
+        model.train()
+        val = total / len(batches)
+        ctx.metrics.log(step=step, val_loss=val)
+        ctx.metrics.print(f"step {step:6d}  val_loss {val:.4f}")
+
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        inputs, targets = to_device(loader.next_batch())
+        lr = lr_at(step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        sync.begin(n_micro)
+        loss = run_batch(inputs, targets, training=True)
+        sync.finish()
+        grad_norm = clip_grad_norm(
+            params,
+            cfg.grad_clip,
+            tp_group=ctx.mesh["tp"].get_group() if dims.tp > 1 else None,
+            pp_group=ctx.mesh["pp"].get_group() if dims.pp > 1 else None,
+        )
+        opt.step()
+        t_comm = time.perf_counter()
+        loss_value, stop = agree(loss, 1.0 if ctx.stop.requested else 0.0)
+        comm_s = sync.comm_wait_s + (time.perf_counter() - t_comm)
+        step_s = time.perf_counter() - t0
+        ctx.metrics.log(
+            step=step,
+            loss=loss_value,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_time_s=step_s,
+            tokens_per_s=tokens_per_step / step_s,
+            comm_share=comm_s / step_s,
+            loader=asdict(loader.state),
+        )
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            ctx.metrics.print(
+                f"step {step:6d}  loss {loss_value:.4f}  lr {lr:.2e}  {step_s * 1000:6.1f} ms/step  "
+                f"{tokens_per_step / step_s:8.0f} tok/s"
+            )
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
+            evaluate(step)
+        if stop > 0:
+            ctx.metrics.print(f"stop requested: stopping after step {step}")
+            raise StopRequested(step)
+    if cfg.eval_every:
+        evaluate(cfg.steps - 1)
