@@ -42,20 +42,24 @@ def launch(run_dir: Path, sweep_index: int | None) -> None:
     default=None,
     help="Run directory (default: <site run_root>/<job name>-<UTC time>).",
 )
+@click.option(
+    "--reuse", is_flag=True, help="Run again in an existing run directory: resumes from its newest checkpoint."
+)
 @site_option
-def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, site: str | None) -> None:
+def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, reuse: bool, site: str | None) -> None:
     """Run JOB on this machine through mpirun, writing the same run directory a Slurm job writes.
 
     \b
     Example (the reference GPT, tp=2 x pp=2 x dp=2):
       hpcscale run docs/examples/gpt-local.yaml --local -n 8
+      hpcscale run job.yaml --local --run-dir RUN --reuse     # resume RUN from its newest checkpoint
 
     Exit codes: 0 done, 75 stopped on request, 1 a rank failed (named in the message).
     """
     from hpcscale.config.load import load_job
     from hpcscale.launch.local import run_local
 
-    result = run_local(load_job(job, site=site), ranks=ranks, run_dir=run_dir, echo=click.echo)
+    result = run_local(load_job(job, site=site), ranks=ranks, run_dir=run_dir, reuse=reuse, echo=click.echo)
     click.echo(f"run directory: {result.run_dir}", err=True)
     if result.exit_code not in (0, 75):
         click.echo(

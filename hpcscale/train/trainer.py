@@ -86,6 +86,30 @@ def dataset_manifest(ctx: Context, cfg: TrainConfig):
     return MPI.COMM_WORLD.bcast(path, root=0)
 
 
+def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """AdamW's state as its first step would create it (zeros), so a checkpoint has somewhere to load into.
+    Bitwise the same as letting AdamW create it lazily."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p not in opt.state or not opt.state[p]:
+                opt.state[p] = {
+                    "step": torch.tensor(0.0),
+                    "exp_avg": torch.zeros_like(p),
+                    "exp_avg_sq": torch.zeros_like(p),
+                }
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Everything a checkpoint holds for the model and optimizer, by stable global names."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {f"model/{n}": p for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                out[f"optim/{names[id(p)]}/{key}"] = value
+    return out
+
+
 def train(ctx: Context) -> None:
     cfg = load_config(ctx)
     dims = ctx.dims
@@ -111,6 +135,42 @@ def train(ctx: Context) -> None:
         schedule = build_schedule(
             model, pp_mesh=ctx.mesh["pp"], n_microbatches=n_micro, kind=cfg.schedule, loss_fn=lm_loss, device=ctx.device
         )
+    policy = ctx.job.checkpoint
+    init_optimizer_state(opt)
+    from hpcscale.ckpt.manager import CheckpointManager
+
+    ckpt = CheckpointManager(
+        ctx.run_dir / "checkpoints",
+        dims=dims,
+        rank=ctx.rank,
+        pp_rank=ctx.pp_rank,
+        tp_rank=ctx.tp_rank,
+        keep_last=policy.keep_last,
+        keep_every=policy.keep_every,
+        log=ctx.metrics.print,
+    )
+    ctx.hooks["checkpoint"] = ckpt
+    start = 0
+    restored = ckpt.load_latest(state_tensors(model, opt))
+    if restored is not None:
+        start = restored.step
+        loader.load_state_dict(restored.trainer_state["loader"])
+        if restored.rng is not None:
+            torch.set_rng_state(torch.from_numpy(restored.rng["cpu"]))
+        ctx.metrics.print(
+            f"hpcscale: resumed from checkpoint step {start}"
+            + ("" if restored.rng is not None else " (new layout: resharded)")
+        )
+
+    def save(done_steps: int, *, asynchronous: bool) -> None:
+        stats = ckpt.save(
+            done_steps,
+            state_tensors(model, opt),
+            {"step": done_steps, "loader": loader.state_dict()},
+            asynchronous=asynchronous,
+        )
+        ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
+
     autocast = ctx.device.type == "cuda" and cfg.bf16
     tokens_per_step = cfg.global_batch * cfg.seq_len
     ctx.metrics.print(
@@ -166,7 +226,7 @@ def train(ctx: Context) -> None:
         ctx.metrics.log(step=step, val_loss=val)
         ctx.metrics.print(f"step {step:6d}  val_loss {val:.4f}")
 
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         inputs, targets = to_device(loader.next_batch())
         lr = lr_at(step, cfg)
@@ -204,8 +264,15 @@ def train(ctx: Context) -> None:
             )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
             evaluate(step)
+        if policy.every_steps and (step + 1) % policy.every_steps == 0 and step != cfg.steps - 1:
+            save(step + 1, asynchronous=policy.asynchronous)
         if stop > 0:
-            ctx.metrics.print(f"stop requested: stopping after step {step}")
+            save(step + 1, asynchronous=False)
+            ckpt.wait()
+            ctx.metrics.print(f"stop requested: stopping after step {step} (checkpoint saved)")
             raise StopRequested(step)
-    if cfg.eval_every:
+    if cfg.eval_every and start < cfg.steps:
         evaluate(cfg.steps - 1)
+    if policy.every_steps:
+        save(cfg.steps, asynchronous=False)
+    ckpt.wait()

@@ -1,0 +1,191 @@
+"""The checkpoint manager used by the trainer and, through the Context, by users' code.
+
+    manager = CheckpointManager(run_dir / "checkpoints", ...)     # a collective: every rank constructs it
+    restored = manager.load_latest(tensors)                        # newest complete, verified checkpoint
+    manager.save(step, tensors, trainer_state, asynchronous=True)  # blocks only for the snapshot
+    manager.wait()                                                 # a background failure is raised here
+
+At most one save is in flight: save() first waits for the previous one, and raises its error if it failed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name
+from hpcscale.ckpt.reader import load_shards
+from hpcscale.ckpt.retention import apply_retention
+from hpcscale.ckpt.shards import local_shards, writer_of, writers
+from hpcscale.ckpt.writer import ShardWriter, commit, rng_state
+from hpcscale.errors import RuntimeFailure, VerificationFailure
+from hpcscale.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    step: int
+    trainer_state: dict
+    rng: dict[str, np.ndarray] | None  # this rank's RNG states, when the layout is the saved one
+
+
+@dataclass(frozen=True, slots=True)
+class SaveStats:
+    step: int
+    blocking_s: float  # what the caller waited for (the snapshot; the whole save when synchronous)
+    new_bytes: int  # this rank's newly written bytes
+    referenced_bytes: int  # this rank's bytes referenced from earlier checkpoints
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        dims: ParallelDims,
+        rank: int,
+        pp_rank: int,
+        tp_rank: int,
+        keep_last: int = 3,
+        keep_every: int = 0,
+        log=None,
+    ):
+        self.root, self.dims, self.rank = root, dims, rank
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        # Metadata of saves travels on its own gloo group: a background save never interleaves with training
+        # collectives on the default group.
+        self.group = dist.new_group(backend="gloo")
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            leftovers = list(root.glob(".tmp-*"))
+            if leftovers:
+                apply_retention(root, keep_last=10**9, keep_every=0)  # removes .tmp-* only: keep everything
+                self.log(f"hpcscale: removed {len(leftovers)} unfinished save(s) in {root}")
+        dist.barrier(group=self.group)
+        self.writer = ShardWriter(root, rank=rank, group=self.group)
+        self.last_step: int | None = None
+        self.last_stats: SaveStats | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # ---- saving ---------------------------------------------------------------------------------------------
+    def save(
+        self, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict, *, asynchronous: bool
+    ) -> SaveStats:
+        self.wait()
+        if step == self.last_step:
+            return self.last_stats or SaveStats(step, 0.0, 0, 0)
+        t0 = time.perf_counter()
+        shards = local_shards(tensors)
+        table = writers(shards, self.dims, pp_rank=self.pp_rank)
+        mine = [s for s in shards if writer_of(s, table, tp_rank=self.tp_rank) == self.rank]
+        pending = self.writer.snapshot(mine, copy=asynchronous)
+        rng = rng_state()
+        parent = step_dir_name(self.last_step) if self.last_step is not None else None
+        args = (step, pending, rng, dict(trainer_state), parent)
+        if asynchronous:
+            self._thread = threading.Thread(target=self._background, args=args, name=f"ckpt-{step}", daemon=True)
+            self._thread.start()
+            blocking = time.perf_counter() - t0
+            self.last_stats = SaveStats(step, blocking, 0, 0)
+        else:
+            result = self._write(*args)
+            self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
+        return self.last_stats
+
+    def _background(self, *args) -> None:
+        try:
+            result = self._write(*args)
+            if self.last_stats is not None:
+                self.last_stats = SaveStats(
+                    result.step, self.last_stats.blocking_s, result.new_bytes, result.referenced_bytes
+                )
+        except BaseException as e:  # surfaced by wait()
+            self._error = e
+
+    def _write(self, step, pending, rng, trainer_state, parent):
+        rows, result, error = [], None, None
+        try:
+            rows, result = self.writer.write(step, pending)
+        except Exception as e:
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        parts = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(
+            {"rank": self.rank, "rows": rows, "rng": rng, "error": error}, parts, dst=0, group=self.group
+        )
+        outcome: list = [None]
+        if self.rank == 0:
+            errors = [p["error"] for p in parts if p["error"]]
+            if errors:
+                outcome = [("failed", "; ".join(errors))]
+            else:
+                try:
+                    removed = commit(
+                        self.root,
+                        step,
+                        parts,
+                        layout={"pp": self.dims.pp, "dp": self.dims.dp, "tp": self.dims.tp},
+                        parent=parent,
+                        trainer_state=trainer_state,
+                        keep_last=self.keep_last,
+                        keep_every=self.keep_every,
+                    )
+                    outcome = [("ok", removed)]
+                except Exception as e:
+                    outcome = [("failed", f"rank 0 commit: {type(e).__name__}: {e}")]
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        status, detail = outcome[0]
+        if status != "ok":
+            self.writer.failed()
+            raise RuntimeFailure(f"checkpoint of step {step} failed: {detail}")
+        self.writer.committed(detail)
+        self.last_step = step
+        return result
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # ---- loading --------------------------------------------------------------------------------------------
+    def load_latest(self, tensors: dict[str, torch.Tensor]) -> Restored | None:
+        """Load the newest checkpoint every rank can read and verify; fall back past damaged ones, saying so."""
+        listing = [committed_steps(self.root) if self.rank == 0 else None]
+        dist.broadcast_object_list(listing, src=0, group=self.group)
+        targets = local_shards(tensors)
+        for step in listing[0]:
+            path = self.root / step_dir_name(step) / INDEX
+            problem, index = None, None
+            try:
+                index = read_index(path)
+                load_shards(index, self.root, targets)
+            except VerificationFailure as e:
+                problem = str(e)
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem, group=self.group)
+            bad = [p for p in problems if p]
+            if bad:
+                if self.rank == 0:
+                    self.log(
+                        f"hpcscale: refusing checkpoint {step_dir_name(step)}: {bad[0]}; "
+                        "falling back to the previous one"
+                    )
+                continue
+            self.writer.adopt(index)
+            self.last_step = step
+            same_layout = index.layout == {"pp": self.dims.pp, "dp": self.dims.dp, "tp": self.dims.tp}
+            return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
+        return None

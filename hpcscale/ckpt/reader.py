@@ -1,0 +1,128 @@
+"""Loading: each rank reads only the chunks that overlap its own pieces, checks every chunk's hash, and
+copies the overlap into place; the saved layout and the loading layout may differ (resharding)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from hpcscale.ckpt.format import Index, ShardRecord
+from hpcscale.ckpt.shards import LocalShard
+from hpcscale.errors import VerificationFailure
+
+
+class ChunkReader:
+    """Reads and verifies chunks, keeping files open across a load."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fds: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def read(self, tensor: str, ref, out: memoryview) -> None:
+        fd = self._fds.get(ref.file)
+        if fd is None:
+            try:
+                fd = self._fds[ref.file] = os.open(self.root / ref.file, os.O_RDONLY)
+            except FileNotFoundError:
+                raise VerificationFailure(
+                    f"tensor {tensor}: chunk {ref.hash} is in {ref.file}, which is missing"
+                ) from None
+        got = os.preadv(fd, [out], ref.offset)
+        self.bytes_read += got
+        if got != ref.length:
+            raise VerificationFailure(
+                f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: "
+                f"file truncated ({got} of {ref.length} bytes)"
+            )
+        if xxhash.xxh3_128_hexdigest(out) != ref.hash:
+            raise VerificationFailure(
+                f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: hash mismatch (corrupt data)"
+            )
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise VerificationFailure(f"unknown dtype '{name}' in the index")
+    return dt
+
+
+def _overlap(a_off, a_shape, b_off, b_shape):
+    lo = [max(x, y) for x, y in zip(a_off, b_off, strict=True)]
+    hi = [min(x + n, y + m) for x, n, y, m in zip(a_off, a_shape, b_off, b_shape, strict=True)]
+    return (lo, hi) if all(h > low for low, h in zip(lo, hi, strict=True)) else None
+
+
+def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype: torch.dtype, lo, hi) -> torch.Tensor:
+    """The saved shard's elements in the global box [lo, hi), reading only the chunks that span it."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    local_lo = [x - o for x, o in zip(lo, shard.offset, strict=True)]
+    local_hi = [x - o for x, o in zip(hi, shard.offset, strict=True)]
+    shape = shard.shape
+    numel = int(np.prod(shape)) if shape else 1
+    if shape:
+        first = int(np.ravel_multi_index(local_lo, shape))
+        last = int(np.ravel_multi_index([h - 1 for h in local_hi], shape))
+    else:
+        first = last = 0
+    start_b, end_b = first * elt, (last + 1) * elt
+    buf = np.empty(numel * elt, dtype=np.uint8)
+    pos = 0
+    for ref in shard.chunks:
+        if pos < end_b and pos + ref.length > start_b:
+            reader.read(name, ref, memoryview(buf[pos : pos + ref.length]))
+        pos += ref.length
+    if pos != numel * elt:
+        raise VerificationFailure(
+            f"tensor {name}: shard at {shard.offset} has {pos} bytes of chunks for {numel * elt} bytes of data"
+        )
+    full = (
+        torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
+        if numel
+        else torch.empty(shape, dtype=dtype)
+    )
+    return full[tuple(slice(a, b) for a, b in zip(local_lo, local_hi, strict=True))]
+
+
+def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
+    """Fill each target piece from the checkpoint; returns bytes read. VerificationFailure on any problem."""
+    reader = ChunkReader(root)
+    try:
+        for t in targets:
+            rec = index.tensors.get(t.name)
+            if rec is None:
+                raise VerificationFailure(f"the checkpoint has no tensor {t.name}")
+            if tuple(rec.global_shape) != tuple(t.global_shape):
+                raise VerificationFailure(
+                    f"tensor {t.name}: saved with shape {rec.global_shape}, the model has {t.global_shape}"
+                )
+            dtype = _torch_dtype(rec.dtype)
+            covered = 0
+            for shard in rec.shards:
+                box = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
+                if box is None:
+                    continue
+                lo, hi = box
+                region = read_shard_region(reader, t.name, shard, dtype, lo, hi)
+                dest = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offset, strict=True))]
+                with torch.no_grad():
+                    dest.copy_(region.to(dest.dtype))
+                covered += region.numel()
+            if covered != t.tensor.numel():
+                raise VerificationFailure(
+                    f"tensor {t.name}: the checkpoint covers {covered} of the "
+                    f"{t.tensor.numel()} elements this rank needs"
+                )
+        return reader.bytes_read
+    finally:
+        reader.close()
