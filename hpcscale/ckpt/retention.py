@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from hpcscale.ckpt.faults import fault
 from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name, step_of
 from hpcscale.errors import VerificationFailure
 
@@ -34,8 +35,6 @@ def referenced_files(root: Path, steps: list[int]) -> set[str]:
 
 def apply_retention(root: Path, *, keep_last: int, keep_every: int, dry_run: bool = False) -> list[str]:
     """Remove what the policy does not keep; returns removed data files (relative to root)."""
-    from hpcscale.ckpt.writer import fault
-
     kept, removed = plan(committed_steps(root), keep_last=keep_last, keep_every=keep_every)
     try:
         needed = referenced_files(root, kept)

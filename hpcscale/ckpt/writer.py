@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from hpcscale.ckpt.faults import fault
 from hpcscale.ckpt.format import (
     CHUNK_BYTES,
     INDEX,
@@ -42,15 +42,6 @@ from hpcscale.ckpt.format import (
     write_index,
 )
 from hpcscale.ckpt.shards import LocalShard
-
-
-def fault(point: str, rank: int) -> None:
-    spec = os.environ.get("HPCSCALE_CKPT_FAULT", "")
-    if not spec:
-        return
-    name, _, who = spec.partition("@")
-    if name == point and (not who or int(who) == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def dtype_name(t: torch.Tensor) -> str:

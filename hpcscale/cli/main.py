@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("hpcscale.cli.train_cmd", "run", "Run a job on this machine through mpirun (--local)."),
     "launch": ("hpcscale.cli.train_cmd", "launch", "One rank of a job, under srun or mpirun."),
     "data": ("hpcscale.cli.train_cmd", "data", "Prepare token datasets from text."),
+    "ckpt": ("hpcscale.cli.ckpt_cmd", "ckpt", "List, verify, inspect, gc and export checkpoints."),
 }
 
 

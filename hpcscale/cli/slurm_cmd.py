@@ -132,5 +132,12 @@ def status(run: Path, as_json: bool) -> None:
     st = run_status(run)
     if as_json:
         print_json(st.to_json())
-    else:
-        console().print(format_status(st))
+        return
+    out = console()
+    out.print(format_status(st))
+    if st.latest_checkpoint:
+        c = st.latest_checkpoint
+        out.print(f"latest checkpoint: step {c['step']} ({c['path']}), layout {c['layout']}, {c['verified']}")
+    if st.last_metrics:
+        m = st.last_metrics
+        out.print(f"last step {m['step']}: loss {m['loss']:.4f}, {m.get('tokens_per_s', 0):.0f} tokens/s")

@@ -38,12 +38,16 @@ class RunStatus:
     job_name: str | None
     source: str  # "sacct" or "scontrol"
     submissions: list[SubmissionStatus]
+    latest_checkpoint: dict | None = None  # step, time, bytes, layout of the newest committed checkpoint
+    last_metrics: dict | None = None  # the last training line of metrics.jsonl
 
     def to_json(self) -> dict:
         return {
             "run_dir": str(self.run_dir),
             "job_name": self.job_name,
             "source": self.source,
+            "latest_checkpoint": self.latest_checkpoint,
+            "last_metrics": self.last_metrics,
             "submissions": [
                 {"submission": asdict(s.submission), "jobs": [asdict(j) for j in s.jobs]} for s in self.submissions
             ],
@@ -71,7 +75,37 @@ def run_status(path: Path) -> RunStatus:
                 sources.add("scontrol")
     source = ", ".join(sorted(sources)) or "none"
     name = (yaml.safe_load((rd.path / "job.yaml").read_text()) or {}).get("name")
-    return RunStatus(rd.path, name, source, [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs])
+    return RunStatus(
+        rd.path,
+        name,
+        source,
+        [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs],
+        _latest_checkpoint(rd.path),
+        _last_metrics(rd.path),
+    )
+
+
+def _latest_checkpoint(run: Path) -> dict | None:
+    from hpcscale.ckpt.ops import latest
+
+    if not (run / "checkpoints").is_dir():
+        return None
+    info = latest(run)
+    return asdict(info) if info else None
+
+
+def _last_metrics(run: Path) -> dict | None:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return None
+    for line in reversed(path.read_text().splitlines()):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in row:
+            return row
+    return None
 
 
 def _sacct(client: SlurmClient, ids: list[str]) -> dict[str, list[JobState]]:

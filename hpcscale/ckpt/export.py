@@ -1,0 +1,49 @@
+"""`hpcscale ckpt export`: one consolidated model (full tensors, model weights only) for inference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hpcscale.ckpt.format import INDEX, read_index
+from hpcscale.ckpt.reader import ChunkReader, _torch_dtype, read_shard_region
+from hpcscale.errors import BadInput
+
+
+def consolidated(step_dir: Path, *, prefix: str = "model/") -> dict[str, torch.Tensor]:
+    index = read_index(step_dir / INDEX)
+    reader = ChunkReader(step_dir.parent)
+    out = {}
+    try:
+        for name, rec in sorted(index.tensors.items()):
+            if not name.startswith(prefix):
+                continue
+            t = torch.empty(rec.global_shape, dtype=_torch_dtype(rec.dtype))
+            for s in rec.shards:
+                hi = [o + n for o, n in zip(s.offset, s.shape, strict=True)]
+                t[tuple(slice(o, h) for o, h in zip(s.offset, hi, strict=True))] = read_shard_region(
+                    reader, name, s, t.dtype, list(s.offset), hi
+                )
+            out[name.removeprefix(prefix)] = t
+    finally:
+        reader.close()
+    return out
+
+
+def export(step_dir: Path, fmt: str, out: Path) -> dict:
+    tensors = consolidated(step_dir)
+    if fmt == "torch":
+        torch.save(tensors, out)
+    elif fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out))
+    else:
+        raise BadInput(f"unknown export format '{fmt}' (torch, safetensors)")
+    return {
+        "out": str(out),
+        "format": fmt,
+        "tensors": len(tensors),
+        "parameters": sum(t.numel() for t in tensors.values()),
+    }

@@ -1,0 +1,177 @@
+"""`hpcscale ckpt ls|verify|inspect|gc|export`."""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from hpcscale.cli.options import console, dry_run_option, json_option, print_json
+
+dir_arg = click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+
+
+@click.group()
+def ckpt() -> None:
+    """Checkpoint operations."""
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def format_checkpoints(infos):
+    from rich.table import Table
+
+    table = Table(title="checkpoints")
+    for col in ("step", "time", "size", "new in it", "layout (pp,dp,tp)", "verified"):
+        table.add_column(col, justify="right" if col in ("step", "size", "new in it") else "left")
+    for i in infos:
+        when = datetime.fromtimestamp(i.time).strftime("%Y-%m-%d %H:%M:%S") if i.time else "-"
+        layout = f"{i.layout.get('pp')},{i.layout.get('dp')},{i.layout.get('tp')}" if i.layout else "-"
+        table.add_row(
+            str(i.step),
+            when,
+            _size(i.bytes),
+            _size(i.new_bytes),
+            layout,
+            "[green]ok[/green]" if i.verified == "ok" else f"[red]{i.verified}[/red]",
+        )
+    return table
+
+
+@ckpt.command("ls")
+@dir_arg
+@json_option
+def ls(path: Path, as_json: bool) -> None:
+    """List a run's checkpoints: step, time, size, bytes new in it, layout, structure check.
+
+    \b
+    Example:
+      hpcscale ckpt ls RUN
+    """
+    from dataclasses import asdict
+
+    from hpcscale.ckpt.ops import list_checkpoints
+
+    infos = list_checkpoints(path)
+    if as_json:
+        print_json({"checkpoints": [asdict(i) for i in infos]})
+    else:
+        console().print(format_checkpoints(infos))
+
+
+@ckpt.command()
+@dir_arg
+@json_option
+def verify(path: Path, as_json: bool) -> None:
+    """Read every chunk of the checkpoint DIR (a step directory) and check its hash.
+
+    Exits 3 naming the tensor and the chunk when anything is missing, truncated or corrupt.
+
+    \b
+    Example:
+      hpcscale ckpt verify RUN/checkpoints/step-00001000
+    """
+    from dataclasses import asdict
+
+    from hpcscale.ckpt.ops import verify as run_verify
+
+    if as_json or not sys.stderr.isatty():
+        report = run_verify(path)
+    else:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=console(stderr=True),
+            transient=True,
+        ) as bar:
+            task = bar.add_task("verifying", total=None)
+            report = run_verify(path, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if as_json:
+        print_json({"ok": True, **asdict(report)})
+    else:
+        click.echo(
+            f"ok: step {report.step}: {report.tensors} tensors, {report.chunks} chunks, "
+            f"{_size(report.bytes)} verified in {report.seconds:.2f}s"
+        )
+
+
+@ckpt.command()
+@dir_arg
+@json_option
+def inspect(path: Path, as_json: bool) -> None:
+    """Show a checkpoint's metadata and tensors (names, global shapes, dtypes, shards)."""
+    from hpcscale.ckpt.ops import inspect as run_inspect
+
+    doc = run_inspect(path)
+    if as_json:
+        print_json(doc)
+        return
+    from rich.table import Table
+
+    click.echo(
+        f"step {doc['step']}  world {doc['world_size']}  layout {doc['layout']}  parent {doc['parent']}  "
+        f"{_size(doc['bytes'])}  trainer state {doc['trainer_state']}"
+    )
+    table = Table()
+    for col in ("tensor", "shape", "dtype", "shards", "chunks"):
+        table.add_column(col)
+    for t in doc["tensors"]:
+        table.add_row(
+            t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], str(t["shards"]), str(t["chunks"])
+        )
+    console().print(table)
+
+
+@ckpt.command()
+@dir_arg
+@click.option("--keep", type=int, required=True, help="Keep the newest K checkpoints.")
+@click.option("--every", type=int, default=0, help="Also keep checkpoints whose step is a multiple of M.")
+@dry_run_option
+@json_option
+def gc(path: Path, keep: int, every: int, dry_run: bool, as_json: bool) -> None:
+    """Remove checkpoints the policy does not keep. Data a kept checkpoint references is never removed, and an
+    interrupted gc never breaks a kept checkpoint. Leftovers of crashed saves go too.
+
+    \b
+    Example:
+      hpcscale ckpt gc RUN --keep 3 --every 1000 --dry-run
+    """
+    from hpcscale.ckpt.ops import gc as run_gc
+    from hpcscale.errors import BadInput
+
+    if keep < 1:
+        raise BadInput("--keep must be at least 1")
+    doc = run_gc(path, keep=keep, every=every, dry_run=dry_run)
+    if as_json:
+        print_json(doc)
+    else:
+        verb = "would remove" if dry_run else "removed"
+        click.echo(f"kept steps {doc['kept']}; {verb} steps {doc['removed']} ({len(doc['removed_files'])} data files)")
+
+
+@ckpt.command()
+@dir_arg
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors"]), default="safetensors", show_default=True)
+@click.option("-o", "out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output file.")
+@json_option
+def export(path: Path, fmt: str, out: Path, as_json: bool) -> None:
+    """Write the model of checkpoint DIR as one consolidated file for inference (hashes verified on read)."""
+    from hpcscale.ckpt.export import export as run_export
+
+    doc = run_export(path, fmt, out)
+    if as_json:
+        print_json(doc)
+    else:
+        click.echo(f"{doc['tensors']} tensors, {doc['parameters']:,} parameters -> {doc['out']} ({fmt})")
