@@ -73,9 +73,22 @@ class CheckpointManager:
         dist.barrier(group=self.group)
         self.writer = ShardWriter(root, rank=rank, group=self.group)
         self.last_step: int | None = None
+        self._adopt_newest()
         self.last_stats: SaveStats | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    def _adopt_newest(self) -> None:
+        """Dedup new saves against the newest committed checkpoint already on disk (a fresh process, a resumed
+        run). A damaged index is skipped: its chunks are simply written again."""
+        steps = committed_steps(self.root)
+        if not steps:
+            return
+        try:
+            self.writer.adopt(read_index(self.root / step_dir_name(steps[0]) / INDEX))
+            self.last_step = steps[0]
+        except VerificationFailure:
+            pass
 
     # ---- saving ---------------------------------------------------------------------------------------------
     def save(

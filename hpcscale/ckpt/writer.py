@@ -83,7 +83,10 @@ class ShardWriter:
         self._buffers: dict[str, torch.Tensor] = {}
         self._versions: dict[str, tuple[int, int]] = {}  # name -> (id of tensor, version) at the last save
         self._last_refs: dict[str, list[ChunkRef]] = {}
-        self._candidate: dict[str, list[ChunkRef]] = {}  # refs of the save in flight, adopted on commit
+        # What the save in flight wrote and saw; adopted only when it commits, so an abandoned snapshot or a
+        # failed save can never make a changed tensor look unchanged.
+        self._candidate: dict[str, list[ChunkRef]] = {}
+        self._candidate_versions: dict[str, tuple[int, int]] = {}
 
     def snapshot(self, shards: list[LocalShard], *, copy: bool) -> list[PendingShard]:
         """Take what will be written. With `copy`, into reused CPU buffers, so training can go on; tensors not
@@ -105,7 +108,7 @@ class ShardWriter:
                 out.append(PendingShard(s, buf))
             else:
                 out.append(PendingShard(s, s.tensor.detach().cpu()))
-            self._versions[key] = version
+            self._candidate_versions[key] = version
         if any(p.data is not None and p.shard.tensor.is_cuda for p in out):
             torch.cuda.synchronize()
         return out
@@ -165,6 +168,8 @@ class ShardWriter:
     def committed(self, removed_files: list[str]) -> None:
         """The save in flight is committed: its chunks become known (dedup), minus files retention removed."""
         self._last_refs.update(self._candidate)
+        self._versions.update(self._candidate_versions)
+        self._candidate_versions.clear()
         for refs in self._candidate.values():
             for ref in refs:
                 self.known.setdefault(ref.hash, ref)
@@ -177,7 +182,7 @@ class ShardWriter:
     def failed(self) -> None:
         """The save in flight did not commit: forget it, and re-read every tensor at the next save."""
         self._candidate.clear()
-        self._versions.clear()
+        self._candidate_versions.clear()
 
     def adopt(self, index: Index) -> None:
         """Dedup against a checkpoint loaded at start-up."""

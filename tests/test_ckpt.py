@@ -1,0 +1,268 @@
+"""Checkpoints: resume bit for bit, reshard across layouts, incremental bytes, crash safety, corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+
+HELPER = REPO / "tests" / "helpers" / "ckpt_job.py"
+PARAMS = {
+    "steps": 20,
+    "log_every": 100,
+    "eval_every": 0,
+    "global_batch": 8,
+    "micro_batch": 2,
+    "seq_len": 32,
+    "n_layer": 4,
+    "n_embd": 32,
+    "n_head": 4,
+    "seed": 7,
+}
+
+
+def _spec(path: Path, *, tp: int, pp: int, ranks: int, steps: int = 20, keep_last: int = 3) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "ck",
+                "site": "local",
+                "tasks_per_node": ranks,
+                "parallel": {"tp": tp, "pp": pp},
+                "timeout_seconds": 60,
+                "checkpoint": {"every_steps": 5, "keep_last": keep_last},
+                "train": {"params": {**PARAMS, "steps": steps}},
+            }
+        )
+    )
+    return path
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _run(job: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
+    result = run_cli("run", str(job), "--local", "--run-dir", str(run), *extra, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(mpi, tmp_path_factory) -> dict[int, float]:
+    tmp = tmp_path_factory.mktemp("ref")
+    _run(_spec(tmp / "job.yaml", tp=2, pp=2, ranks=8), tmp / "run")
+    return _losses(tmp / "run")
+
+
+def test_stop_and_resume_reproduce_the_uninterrupted_run_bit_for_bit(uninterrupted, tmp_path):
+    job, run = _spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=8), tmp_path / "run"
+    proc = subprocess.Popen(
+        ["hpcscale", "run", str(job), "--local", "--run-dir", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and len(_losses(run)) >= 7):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    pids = subprocess.run(["pgrep", "-f", f"hpcscale launch --run-dir {run}"], capture_output=True, text=True).stdout
+    rank = next(int(p) for p in pids.split() if Path(f"/proc/{p}/comm").read_text().startswith("python"))
+    os.kill(rank, signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-2000:]
+    stopped = len(_losses(run))
+    assert stopped < 20
+    resumed = _run(job, run, "--reuse")
+    assert f"resumed from checkpoint step {stopped}" in resumed.stdout
+    assert _losses(run) == uninterrupted  # every step, bit for bit
+
+
+@pytest.mark.parametrize(("tp", "pp", "ranks"), [(1, 1, 1), (2, 1, 8), (1, 2, 4)], ids=["1-1-1", "tp2-dp4", "pp2-dp2"])
+def test_saved_at_2_2_2_loads_into_another_layout(uninterrupted, tmp_path, tp, pp, ranks):
+    run = tmp_path / "run"
+    _run(_spec(tmp_path / "first.yaml", tp=2, pp=2, ranks=8, steps=10), run)
+    result = _run(_spec(tmp_path / "second.yaml", tp=tp, pp=pp, ranks=ranks), run, "--reuse")
+    assert "resumed from checkpoint step 10 (new layout: resharded)" in result.stdout
+    losses = _losses(run)
+    assert max(abs(losses[k] - uninterrupted[k]) / abs(uninterrupted[k]) for k in uninterrupted) <= 1e-5
+
+
+def _mpirun(*args: str, env: dict | None = None, ranks: int = 2) -> subprocess.CompletedProcess:
+    full = {
+        **os.environ,
+        "OMPI_MCA_btl": "self,tcp",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        **(env or {}),
+    }
+    return subprocess.run(
+        ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, str(HELPER), *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=300,
+    )
+
+
+def _load(root: Path) -> dict:
+    out = _mpirun(str(root), "load")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+
+
+@pytest.mark.parametrize("point", ["data_written@1", "data_durable@0", "index_written"])
+def test_killed_during_a_save_leaves_the_previous_checkpoint(mpi, tmp_path, point):
+    root = tmp_path / "ckpt"
+    assert _mpirun(str(root), "save", "1").returncode == 0
+    crashed = _mpirun(str(root), "save", "2", env={"HPCSCALE_CKPT_FAULT": point})
+    assert crashed.returncode != 0
+    assert list(root.glob(".tmp-*")), "the crash should have left a partial save"
+    assert not (root / "step-00000002").exists()
+    assert run_cli("ckpt", "verify", str(root / "step-00000001")).returncode == 0
+    assert _load(root) == {"step": 1, "matches": True}
+    assert not list(root.glob(".tmp-*")), "leftovers are cleaned when the next run starts"
+
+
+def test_killed_during_gc_never_breaks_a_kept_checkpoint(mpi, tmp_path):
+    root = tmp_path / "ckpt"
+    assert _mpirun(str(root), "save", "1", "2", "3").returncode == 0
+    crashed = _mpirun(str(root), "save", "4", env={"HPCSCALE_CKPT_FAULT": "gc", "KEEP": "1"})
+    assert crashed.returncode != 0
+    assert run_cli("ckpt", "verify", str(root / "step-00000004")).returncode == 0
+    assert _load(root) == {"step": 4, "matches": True}
+    gc = run_cli("ckpt", "gc", str(root), "--keep", "1", "--json")
+    assert json.loads(gc.stdout)["kept"] == [4]
+    assert run_cli("ckpt", "verify", str(root / "step-00000004")).returncode == 0
+
+
+def test_incremental_save_writes_only_changed_chunks(mpi, tmp_path):
+    root = tmp_path / "ckpt"
+    assert _mpirun(str(root), "save", "1", "1").returncode == 0  # the same step twice: second is a no-op
+    infos = json.loads(run_cli("ckpt", "ls", str(root), "--json").stdout)["checkpoints"]
+    assert len(infos) == 1
+    # saving different steps rewrites changed tensors, and the frozen one is referenced, not rewritten
+    assert _mpirun(str(root), "save", "2").returncode == 0
+    infos = {i["step"]: i for i in json.loads(run_cli("ckpt", "ls", str(root), "--json").stdout)["checkpoints"]}
+    frozen = 512 * 512 * 4
+    assert infos[2]["bytes"] == infos[1]["bytes"]
+    assert infos[2]["new_bytes"] == infos[2]["bytes"] - frozen
+
+
+@pytest.fixture()
+def saved(mpi, tmp_path) -> Path:
+    root = tmp_path / "ckpt"
+    assert _mpirun(str(root), "save", "1", "2").returncode == 0
+    return root
+
+
+def _first_chunk(step_dir: Path):
+    from hpcscale.ckpt.format import INDEX, read_index
+
+    index = read_index(step_dir / INDEX)
+    # a chunk stored in this step's own files (others may be shared with the previous checkpoint)
+    for name in sorted(index.tensors):
+        for chunk in index.tensors[name].shards[0].chunks:
+            if chunk.file.startswith(step_dir.name + "/"):
+                return name, chunk
+    raise AssertionError("no chunk of its own")
+
+
+def test_flipped_byte_fails_verify_with_exit_3_and_load_falls_back(saved):
+    name, chunk = _first_chunk(saved / "step-00000002")
+    path = saved / chunk.file
+    data = bytearray(path.read_bytes())
+    data[chunk.offset + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = run_cli("ckpt", "verify", str(saved / "step-00000002"))
+    assert result.returncode == 3
+    assert f"tensor {name}: chunk {chunk.hash}" in result.stderr and "does not match its hash" in result.stderr
+    out = _mpirun(str(saved), "load")
+    assert "refusing checkpoint step-00000002" in out.stderr + out.stdout
+    assert json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{"))) == {
+        "step": 1,
+        "matches": True,
+    }
+
+
+def test_truncated_data_file_fails_verify(saved):
+    _, chunk = _first_chunk(saved / "step-00000002")
+    path = saved / chunk.file
+    os.truncate(path, path.stat().st_size // 2)
+    result = run_cli("ckpt", "verify", str(saved / "step-00000002"))
+    assert result.returncode == 3 and "truncated" in result.stderr
+
+
+def test_damaged_index_fails_verify_and_ls_reports_it(saved):
+    index = saved / "step-00000002" / "index.h5"
+    data = bytearray(index.read_bytes())
+    data[0:64] = b"\0" * 64
+    index.write_bytes(bytes(data))
+    result = run_cli("ckpt", "verify", str(saved / "step-00000002"))
+    assert result.returncode == 3 and "damaged index" in result.stderr
+    infos = {i["step"]: i for i in json.loads(run_cli("ckpt", "ls", str(saved), "--json").stdout)["checkpoints"]}
+    assert infos[1]["verified"] == "ok" and "damaged index" in infos[2]["verified"]
+    assert _load(saved) == {"step": 1, "matches": True}
+
+
+def test_inspect_and_export(saved, tmp_path):
+    doc = json.loads(run_cli("ckpt", "inspect", str(saved / "step-00000002"), "--json").stdout)
+    assert doc["step"] == 2 and doc["world_size"] == 2 and doc["layout"] == {"pp": 1, "dp": 2, "tp": 1}
+    assert {t["name"] for t in doc["tensors"]} == {f"w{i}" for i in range(6)} | {"frozen"}
+    # export takes model/ tensors: this store has none, so it exports an empty model
+    out = run_cli("ckpt", "export", str(saved / "step-00000002"), "-o", str(tmp_path / "m.st"), "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["tensors"] == 0
+
+
+def test_export_of_a_trained_model_loads_with_safetensors(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    _run(_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=8, steps=5), run)
+    out = tmp_path / "model.safetensors"
+    result = run_cli("ckpt", "export", str(run / "checkpoints" / "step-00000005"), "-o", str(out), "--json")
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out))
+    assert weights["layers.0.attn.q.weight"].shape == (32, 32)  # full, not a tp shard
+    assert "tok_emb.weight" in weights and "output.weight" in weights  # first and last pipeline stages
+    status = json.loads(run_cli("status", str(run), "--json").stdout)
+    assert status["latest_checkpoint"]["step"] == 5
+
+
+def test_unchanged_tensors_are_neither_copied_nor_hashed(tmp_path):
+    """In one process: a tensor untouched since the last committed save costs nothing at the next snapshot."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.launch.bootstrap import _free_port
+    from hpcscale.parallel.dims import ParallelDims
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port('127.0.0.1')}", rank=0, world_size=1)
+    try:
+        m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, pp_rank=0, tp_rank=0)
+        frozen, live = torch.ones(1000), torch.zeros(1000)
+        m.save(1, {"frozen": frozen, "live": live}, {}, asynchronous=True)
+        m.wait()
+        live.add_(2)  # not 1: that would make it byte-identical to `frozen`, which dedup would reference
+        from hpcscale.ckpt.shards import local_shards
+
+        pending = {
+            p.shard.name: p for p in m.writer.snapshot(local_shards({"frozen": frozen, "live": live}), copy=True)
+        }
+        assert pending["frozen"].data is None and pending["frozen"].reuse  # referenced, no copy
+        assert pending["live"].data is not None
+        stats = m.save(2, {"frozen": frozen, "live": live}, {}, asynchronous=False)
+        assert stats.new_bytes == 4000 and stats.referenced_bytes == 4000
+    finally:
+        dist.destroy_process_group()
