@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""Checkpoint benchmark: 1 GiB of state over 8 ranks, everything measured side by side in one run, same disk.
+
+Each rank holds 40 tensors of 3.2 MiB as DTensor shards (Shard(0) over an 8-rank mesh): 128 MiB per rank.
+  1. full save           vs raw sequential write + fsync of the same bytes, and torch.distributed.checkpoint
+  2. incremental save    every tensor touched (all re-hashed), 10% of them (4 of 40 chunks) really changed
+  3. async save          extra wall time of N "training" steps (compute + in-place update of every tensor) with
+                         one async save in them, over the same N steps without; against one synchronous save
+  4. load (resharded)    each rank loads a window shifted by half a shard (two saved shards each), verifying
+                         hashes, vs a raw sequential read of the same bytes; page cache dropped before each
+
+    python scripts/bench/ckpt.py [--dir /var/tmp/hpcscale-bench] [--json]     (root: drops the page cache)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RANKS, TENSORS, ROWS, COLS = 8, 40, 800, 1024  # 800 x 1024 fp32 = 3.2 MiB per tensor, 128 MiB per rank
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def worker(base: Path) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hpcscale.ckpt.format import INDEX, read_index
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.ckpt.reader import load_shards
+    from hpcscale.ckpt.shards import LocalShard
+    from hpcscale.launch.bootstrap import bootstrap
+    from hpcscale.parallel.dims import ParallelDims
+
+    info = bootstrap(timeout_s=600, order_nodes=lambda n: n)
+    rank = info.rank
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (RANKS,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(rank)
+    local = [torch.randn(ROWS, COLS, generator=g) for _ in range(TENSORS)]
+    state = {f"w{i:02d}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(local)}
+    per_rank = sum(t.numel() * 4 for t in local)
+    results: dict = {"bytes_total": per_rank * RANKS}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    def barrier_drop() -> None:
+        dist.barrier()
+        if rank == 0:
+            results["cache_dropped"] = drop_caches()
+        dist.barrier()
+
+    raw = base / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+
+    def raw_write() -> None:
+        fd = os.open(raw / f"rank{rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for t in local:
+            os.write(fd, memoryview(t.view(torch.uint8).numpy()))
+        os.fsync(fd)
+        os.close(fd)
+
+    dims = ParallelDims(pp=1, dp=1, tp=RANKS)
+
+    def manager(name: str) -> CheckpointManager:
+        return CheckpointManager(base / name, dims=dims, rank=rank, pp_rank=0, tp_rank=rank, keep_last=100)
+
+    # 1. full save: interleave raw, hpcscale, DCP three times; take each one's median
+    import torch.distributed.checkpoint as dcp
+
+    raw_s, ours_s, dcp_s = [], [], []
+    for rep in range(3):
+        raw_s.append(timed(raw_write))
+        m = manager(f"full{rep}")
+        ours_s.append(timed(lambda m=m: m.save(1, state, {}, asynchronous=False)))
+        dcp_s.append(timed(lambda rep=rep: dcp.save(state, checkpoint_id=str(base / f"dcp{rep}"))))
+    results["full"] = {
+        "raw_write_fsync_s": statistics.median(raw_s),
+        "hpcscale_s": statistics.median(ours_s),
+        "dcp_s": statistics.median(dcp_s),
+    }
+
+    # 2. incremental: touch every tensor (version counters move: all re-hashed), change 4 of 40
+    m = manager("incr")
+    full_s = timed(lambda: m.save(1, state, {}, asynchronous=False))
+    full_new = m.last_stats.new_bytes
+    for i, t in enumerate(local):
+        t.add_(1.0 if i % 10 == 0 else 0.0)
+    incr_s = timed(lambda: m.save(2, state, {}, asynchronous=False))
+    new = torch.tensor([float(m.last_stats.new_bytes), float(full_new)])
+    dist.all_reduce(new)
+    results["incremental"] = {
+        "full_s": full_s,
+        "incremental_s": incr_s,
+        "full_bytes": new[1].item(),
+        "incremental_bytes": new[0].item(),
+    }
+
+    # 3. async: N training-like steps (compute on activations + in-place update of every tensor)
+    x = torch.randn(256, ROWS, generator=g)
+
+    def train_steps(n: int, save_at: int | None, mgr) -> None:
+        for s in range(n):
+            for t in local:
+                y = x @ t  # (256, COLS)
+                t.add_(y.mean() * 1e-6)
+            if save_at == s:
+                mgr.save(100 + s, state, {}, asynchronous=True)
+            dist.barrier()
+        if mgr is not None:
+            mgr.wait()
+
+    ma = manager("async")
+    ma.save(1, state, {}, asynchronous=False)  # buffers allocated, chunks known: a steady-state save
+    steps = 12
+    base_s, with_s, sync_s, block_s = [], [], [], []
+    for rep in range(3):
+        base_s.append(timed(lambda: train_steps(steps, None, None)))
+        with_s.append(timed(lambda rep=rep: train_steps(steps, 1, ma)))
+        block_s.append(ma.last_stats.blocking_s)
+        for t in local:
+            t.add_(1e-3)
+        sync_s.append(timed(lambda rep=rep: ma.save(1000 + rep, state, {}, asynchronous=False)))
+    results["async"] = {
+        "steps": steps,
+        "loop_s": statistics.median(base_s),
+        "loop_with_async_save_s": statistics.median(with_s),
+        "sync_save_s": statistics.median(sync_s),
+        "async_call_blocking_s": statistics.median(block_s),
+    }
+
+    # 4. load, resharded: rank r needs rows [r*R + R/2, (r+1)*R + R/2) of every tensor (two saved shards each)
+    index_path = base / "full0" / "step-00000001" / INDEX
+    total_rows = ROWS * RANKS
+    start = rank * ROWS + ROWS // 2
+    pieces = []
+    for i in range(TENSORS):
+        if start + ROWS <= total_rows:
+            pieces.append(LocalShard(f"w{i:02d}", torch.empty(ROWS, COLS), (total_rows, COLS), (start, 0), True))
+        else:  # the last window wraps: two pieces
+            head = total_rows - start
+            pieces.append(LocalShard(f"w{i:02d}", torch.empty(head, COLS), (total_rows, COLS), (start, 0), True))
+            pieces.append(LocalShard(f"w{i:02d}", torch.empty(ROWS - head, COLS), (total_rows, COLS), (0, 0), True))
+
+    def raw_read() -> None:
+        fd = os.open(raw / f"rank{rank}.bin", os.O_RDONLY)
+        while os.read(fd, 16 << 20):
+            pass
+        os.close(fd)
+
+    read_s, load_s = [], []
+    for _ in range(2):
+        barrier_drop()
+        read_s.append(timed(raw_read))
+        barrier_drop()
+        load_s.append(timed(lambda: load_shards(read_index(index_path), base / "full0", pieces)))
+    # check what was loaded
+    expect = torch.cat([state["w00"].full_tensor()] * 2)[start : start + ROWS]
+    got = pieces[0].tensor if len(pieces) == TENSORS else torch.cat([pieces[0].tensor, pieces[1].tensor])
+    results["load"] = {
+        "raw_read_s": statistics.median(read_s),
+        "load_resharded_verified_s": statistics.median(load_s),
+        "loaded_correctly": bool(torch.equal(expect, got)),
+    }
+    if rank == 0:
+        print("RESULT " + json.dumps(results), flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path("/var/tmp/hpcscale-bench"))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.dir)
+        return 0
+    shutil.rmtree(a.dir, ignore_errors=True)
+    a.dir.mkdir(parents=True)
+    env = {**os.environ, "OMPI_MCA_btl": "self,tcp", "OMP_NUM_THREADS": "1"}
+    if os.geteuid() == 0:
+        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    try:
+        out = subprocess.run(
+            [
+                "mpirun",
+                "-n",
+                str(RANKS),
+                "--oversubscribe",
+                "--bind-to",
+                "none",
+                sys.executable,
+                __file__,
+                "--worker",
+                "--dir",
+                str(a.dir),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=3000,
+        )
+    finally:
+        shutil.rmtree(a.dir, ignore_errors=True)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        sys.exit(f"benchmark failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    r = json.loads(line.removeprefix("RESULT "))
+    gib = r["bytes_total"] / 2**30
+    f, i, s, ld = r["full"], r["incremental"], r["async"], r["load"]
+    ratios = {
+        "full_vs_raw_write": f["raw_write_fsync_s"] / f["hpcscale_s"],  # speed ratio: >= 0.9
+        "full_vs_dcp": f["dcp_s"] / f["hpcscale_s"],  # >= 1.3
+        "incremental_bytes": i["incremental_bytes"] / i["full_bytes"],  # <= 0.12
+        "incremental_time": i["incremental_s"] / i["full_s"],  # <= 0.2
+        "async_extra_over_sync": (s["loop_with_async_save_s"] - s["loop_s"]) / s["sync_save_s"],  # <= 0.15
+        "async_call_blocking_over_sync": s["async_call_blocking_s"] / s["sync_save_s"],
+        "load_vs_raw_read": ld["raw_read_s"] / ld["load_resharded_verified_s"],  # >= 0.8
+    }
+    targets = {
+        "full_vs_raw_write": (">=", 0.9),
+        "full_vs_dcp": (">=", 1.3),
+        "incremental_bytes": ("<=", 0.12),
+        "incremental_time": ("<=", 0.2),
+        "async_extra_over_sync": ("<=", 0.15),
+        "load_vs_raw_read": (">=", 0.8),
+    }
+    met = {k: (ratios[k] >= v if op == ">=" else ratios[k] <= v) for k, (op, v) in targets.items()}
+    doc = {
+        "gib": gib,
+        "ranks": RANKS,
+        "measured": r,
+        "ratios": {k: round(v, 3) for k, v in ratios.items()},
+        "targets": {k: f"{op} {v}" for k, (op, v) in targets.items()},
+        "met": met,
+        "cold_cache": r.get("cache_dropped", False),
+    }
+    if a.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"{gib:.2f} GiB over {RANKS} ranks; page cache dropped before reads: {doc['cold_cache']}")
+        print(
+            f"  full save        hpcscale {f['hpcscale_s']:.2f}s  raw write+fsync {f['raw_write_fsync_s']:.2f}s  "
+            f"torch DCP {f['dcp_s']:.2f}s"
+        )
+        print(
+            f"  incremental      {i['incremental_s']:.2f}s, {i['incremental_bytes'] / 2**20:.0f} MiB "
+            f"(full {i['full_s']:.2f}s, {i['full_bytes'] / 2**20:.0f} MiB)"
+        )
+        print(
+            f"  async            loop {s['loop_s']:.2f}s, with one async save {s['loop_with_async_save_s']:.2f}s, "
+            f"sync save {s['sync_save_s']:.2f}s, async call blocked {s['async_call_blocking_s'] * 1000:.0f} ms"
+        )
+        print(
+            f"  load resharded   {ld['load_resharded_verified_s']:.2f}s vs raw read {ld['raw_read_s']:.2f}s "
+            f"(correct: {ld['loaded_correctly']})"
+        )
+        for k, v in ratios.items():
+            t = targets.get(k)
+            print(f"  {k:32} {v:7.3f}  " + (f"target {t[0]} {t[1]}: {'met' if met[k] else 'NOT met'}" if t else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
