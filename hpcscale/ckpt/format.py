@@ -89,11 +89,25 @@ class Index:
 
 
 def write_index(path: Path, index: Index) -> None:
-    """Write to `path` (a temporary name) and fsync; the caller renames it into place."""
+    """Write to `path` (a temporary name) and fsync; the caller renames it into place.
+
+    Flat tables, so the number of HDF5 objects does not grow with the model: tensors, their shards and the
+    shards' chunks are rows of three tables linked by start/count columns (docs/checkpoint-format.md)."""
     import h5py
 
     files = sorted(index.files())
     file_id = {f: i for i, f in enumerate(files)}
+    names = sorted(index.tensors)
+    recs = [index.tensors[n] for n in names]
+    maxd = max([1, *(len(r.global_shape) for r in recs)])
+
+    def padded(shape) -> list[int]:
+        return list(shape) + [-1] * (maxd - len(shape))
+
+    shards = [s for r in recs for s in r.shards]
+    shard_counts = [len(r.shards) for r in recs]
+    chunk_counts = [len(s.chunks) for s in shards]
+    str_dt = h5py.string_dtype()
     with h5py.File(path, "w", locking=False) as f:
         f.attrs.update(
             {
@@ -108,36 +122,35 @@ def write_index(path: Path, index: Index) -> None:
                 "trainer_state": json.dumps(index.trainer_state),
             }
         )
-        f.create_dataset("files", data=np.array(files, dtype=h5py.string_dtype()))
-        tensors = f.create_group("tensors")
-        for name in sorted(index.tensors):
-            rec = index.tensors[name]
-            g = tensors.create_group(name.replace("/", "|"))
-            g.attrs.update(
-                {"name": name, "global_shape": np.array(rec.global_shape, dtype=np.int64), "dtype": rec.dtype}
-            )
-            ndim = len(rec.global_shape)
-            g.create_dataset(
-                "shard_offset",
-                data=np.array([s.offset for s in rec.shards], dtype=np.int64).reshape(len(rec.shards), ndim),
-            )
-            g.create_dataset(
-                "shard_shape",
-                data=np.array([s.shape for s in rec.shards], dtype=np.int64).reshape(len(rec.shards), ndim),
-            )
-            counts = [len(s.chunks) for s in rec.shards]
-            g.create_dataset("shard_chunk_start", data=np.cumsum([0, *counts[:-1]]).astype(np.int64))
-            g.create_dataset("shard_chunk_count", data=np.array(counts, dtype=np.int64))
-            table = np.array(
-                [(c.hash.encode(), file_id[c.file], c.offset, c.length) for s in rec.shards for c in s.chunks],
+        f.create_dataset("files", data=np.array(files, dtype=str_dt))
+        f.create_dataset("tensor_name", data=np.array(names, dtype=str_dt))
+        f.create_dataset("tensor_dtype", data=np.array([r.dtype for r in recs], dtype=str_dt))
+        f.create_dataset("tensor_ndim", data=np.array([len(r.global_shape) for r in recs], dtype=np.int32))
+        f.create_dataset(
+            "tensor_shape",
+            data=np.array([padded(r.global_shape) for r in recs], dtype=np.int64).reshape(len(recs), maxd),
+        )
+        f.create_dataset("tensor_shard_start", data=np.cumsum([0, *shard_counts[:-1]]).astype(np.int64)[: len(recs)])
+        f.create_dataset("tensor_shard_count", data=np.array(shard_counts, dtype=np.int64))
+        f.create_dataset(
+            "shard_offset", data=np.array([padded(s.offset) for s in shards], dtype=np.int64).reshape(len(shards), maxd)
+        )
+        f.create_dataset(
+            "shard_shape", data=np.array([padded(s.shape) for s in shards], dtype=np.int64).reshape(len(shards), maxd)
+        )
+        f.create_dataset("shard_chunk_start", data=np.cumsum([0, *chunk_counts[:-1]]).astype(np.int64)[: len(shards)])
+        f.create_dataset("shard_chunk_count", data=np.array(chunk_counts, dtype=np.int64))
+        f.create_dataset(
+            "chunks",
+            data=np.array(
+                [(c.hash.encode(), file_id[c.file], c.offset, c.length) for sh in shards for c in sh.chunks],
                 dtype=CHUNK_DTYPE,
-            )
-            g.create_dataset("chunks", data=table)
-        rng = f.create_group("rng")
-        for rank, states in sorted(index.rng.items()):
-            rg = rng.create_group(f"rank-{rank:05d}")
-            for key, arr in states.items():
-                rg.create_dataset(key, data=arr)
+            ),
+        )
+        ranks = sorted(index.rng)
+        f.create_dataset("rng_rank", data=np.array(ranks, dtype=np.int64))
+        for key in sorted({k for states in index.rng.values() for k in states}):
+            f.create_dataset(f"rng_{key}", data=np.stack([index.rng[r][key] for r in ranks]))
         f.flush()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -150,35 +163,45 @@ def read_index(path: Path) -> Index:
     """Parse an index; VerificationFailure (exit 3) if it is damaged or not an index."""
     import h5py
 
+    def strings(ds) -> list[str]:
+        return [x.decode() if isinstance(x, bytes) else x for x in ds[()]]
+
     try:
         with h5py.File(path, "r", locking=False) as f:
             if f.attrs.get("format") != FORMAT:
                 raise VerificationFailure(f"{path}: not an hpcscale checkpoint index")
             if int(f.attrs["version"]) != VERSION:
                 raise VerificationFailure(f"{path}: index version {f.attrs['version']} is not supported")
-            files = [x.decode() if isinstance(x, bytes) else x for x in f["files"][()]]
+            files = strings(f["files"])
+            names, dtypes = strings(f["tensor_name"]), strings(f["tensor_dtype"])
+            ndims, tshape = f["tensor_ndim"][()], f["tensor_shape"][()]
+            t_start, t_count = f["tensor_shard_start"][()], f["tensor_shard_count"][()]
+            s_off, s_shape = f["shard_offset"][()], f["shard_shape"][()]
+            c_start, c_count = f["shard_chunk_start"][()], f["shard_chunk_count"][()]
+            table = f["chunks"][()]
+            hashes = [h.decode() for h in table["hash"]]
+            c_file, c_off, c_len = table["file"].tolist(), table["offset"].tolist(), table["length"].tolist()
             tensors = {}
-            for g in f["tensors"].values():
-                name = g.attrs["name"]
-                offsets, shapes = g["shard_offset"][()], g["shard_shape"][()]
-                starts, counts, table = g["shard_chunk_start"][()], g["shard_chunk_count"][()], g["chunks"][()]
+            for i, name in enumerate(names):
+                nd = int(ndims[i])
                 shards = []
-                for i in range(len(offsets)):
-                    rows = table[starts[i] : starts[i] + counts[i]]
+                for j in range(int(t_start[i]), int(t_start[i] + t_count[i])):
+                    a, b = int(c_start[j]), int(c_start[j] + c_count[j])
                     shards.append(
                         ShardRecord(
-                            tuple(int(x) for x in offsets[i]),
-                            tuple(int(x) for x in shapes[i]),
-                            [
-                                ChunkRef(r["hash"].decode(), files[r["file"]], int(r["offset"]), int(r["length"]))
-                                for r in rows
-                            ],
+                            tuple(int(x) for x in s_off[j][:nd]),
+                            tuple(int(x) for x in s_shape[j][:nd]),
+                            [ChunkRef(hashes[k], files[c_file[k]], c_off[k], c_len[k]) for k in range(a, b)],
                         )
                     )
-                tensors[name] = TensorRecord(
-                    name, tuple(int(x) for x in g.attrs["global_shape"]), g.attrs["dtype"], shards
-                )
-            rng = {int(k.split("-")[1]): {key: ds[()] for key, ds in g.items()} for k, g in f["rng"].items()}
+                tensors[name] = TensorRecord(name, tuple(int(x) for x in tshape[i][:nd]), dtypes[i], shards)
+            ranks = f["rng_rank"][()].tolist()
+            rng: dict[int, dict[str, np.ndarray]] = {r: {} for r in ranks}
+            for key in f:
+                if key.startswith("rng_") and key != "rng_rank":
+                    data = f[key][()]
+                    for row, r in enumerate(ranks):
+                        rng[r][key.removeprefix("rng_")] = data[row]
             return Index(
                 int(f.attrs["step"]),
                 int(f.attrs["world_size"]),

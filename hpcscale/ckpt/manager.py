@@ -10,6 +10,8 @@ At most one save is in flight: save() first waits for the previous one, and rais
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 import time
@@ -116,6 +118,10 @@ class CheckpointManager:
         return self.last_stats
 
     def _background(self, *args) -> None:
+        # The writer yields the CPU to training: Linux schedules threads separately, so this thread alone runs
+        # at the lowest priority (the save finishes in the gaps; its deadline is the next save, not now).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             result = self._write(*args)
             if self.last_stats is not None:

@@ -94,6 +94,15 @@ def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype:
     return full[tuple(slice(a, b) for a, b in zip(local_lo, local_hi, strict=True))]
 
 
+def _read_into(reader: ChunkReader, name: str, shard: ShardRecord, out: memoryview) -> None:
+    pos = 0
+    for ref in shard.chunks:
+        reader.read(name, ref, out[pos : pos + ref.length])
+        pos += ref.length
+    if pos != len(out):
+        raise VerificationFailure(f"tensor {name}: shard at {shard.offset} has {pos} bytes of chunks for {len(out)}")
+
+
 def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
     """Fill each target piece from the checkpoint; returns bytes read. VerificationFailure on any problem."""
     reader = ChunkReader(root)
@@ -113,8 +122,16 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
                 if box is None:
                     continue
                 lo, hi = box
-                region = read_shard_region(reader, t.name, shard, dtype, lo, hi)
                 dest = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offset, strict=True))]
+                whole = (
+                    list(lo) == list(shard.offset) and tuple(h - a for a, h in zip(lo, hi, strict=True)) == shard.shape
+                )
+                if whole and dest.is_contiguous() and dest.dtype == dtype and dest.device.type == "cpu":
+                    # The saved shard lands in one contiguous run of the destination: read straight into it.
+                    _read_into(reader, t.name, shard, memoryview(dest.reshape(-1).view(torch.uint8).numpy()))
+                    covered += dest.numel()
+                    continue
+                region = read_shard_region(reader, t.name, shard, dtype, lo, hi)
                 with torch.no_grad():
                     dest.copy_(region.to(dest.dtype))
                 covered += region.numel()

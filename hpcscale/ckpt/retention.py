@@ -36,6 +36,12 @@ def referenced_files(root: Path, steps: list[int]) -> set[str]:
 def apply_retention(root: Path, *, keep_last: int, keep_every: int, dry_run: bool = False) -> list[str]:
     """Remove what the policy does not keep; returns removed data files (relative to root)."""
     kept, removed = plan(committed_steps(root), keep_last=keep_last, keep_every=keep_every)
+    orphans = [p for p in root.iterdir() if step_of(p.name) is not None and not (p / INDEX).exists()]
+    if not removed and not orphans:
+        if not dry_run:
+            for tmp in root.glob(".tmp-*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+        return []
     try:
         needed = referenced_files(root, kept)
     except VerificationFailure:
@@ -43,7 +49,7 @@ def apply_retention(root: Path, *, keep_last: int, keep_every: int, dry_run: boo
     gone: list[str] = []
     holders = [root / step_dir_name(s) for s in removed]
     # Directories left by an interrupted gc (index already gone) still hold files to collect.
-    holders += [p for p in root.iterdir() if step_of(p.name) is not None and not (p / INDEX).exists()]
+    holders += orphans
     for d in holders:
         if dry_run:
             gone += [str(f.relative_to(root)) for f in (d / "data").glob("*") if str(f.relative_to(root)) not in needed]

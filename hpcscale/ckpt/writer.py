@@ -94,8 +94,11 @@ class ShardWriter:
         out = []
         for s in shards:
             key = f"{s.name}@{s.offset}"
+            # A DTensor's in-place ops move the DTensor's counter; in-place ops on its local tensor move only the
+            # local tensor's. Either means "changed".
             src = s.source if s.source is not None else s.tensor
-            version = (id(src), src._version)
+            local = getattr(src, "_local_tensor", src)
+            version = (id(src), src._version, id(local), local._version)
             if self._versions.get(key) == version and key in self._last_refs:
                 out.append(PendingShard(s, None, self._last_refs[key]))
                 continue
