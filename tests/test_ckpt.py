@@ -11,44 +11,15 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import REPO, run_cli
+from trainjobs import job_spec
+from trainjobs import losses as _losses
 
 HELPER = REPO / "tests" / "helpers" / "ckpt_job.py"
-PARAMS = {
-    "steps": 20,
-    "log_every": 100,
-    "eval_every": 0,
-    "global_batch": 8,
-    "micro_batch": 2,
-    "seq_len": 32,
-    "n_layer": 4,
-    "n_embd": 32,
-    "n_head": 4,
-    "seed": 7,
-}
 
 
 def _spec(path: Path, *, tp: int, pp: int, ranks: int, steps: int = 20, keep_last: int = 3) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "name": "ck",
-                "site": "local",
-                "tasks_per_node": ranks,
-                "parallel": {"tp": tp, "pp": pp},
-                "timeout_seconds": 60,
-                "checkpoint": {"every_steps": 5, "keep_last": keep_last},
-                "train": {"params": {**PARAMS, "steps": steps}},
-            }
-        )
-    )
-    return path
-
-
-def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return job_spec(path, tp=tp, pp=pp, ranks=ranks, steps=steps, checkpoint={"every_steps": 5, "keep_last": keep_last})
 
 
 def _run(job: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:

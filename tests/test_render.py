@@ -34,9 +34,9 @@ LOCAL_TOPOLOGY = (
 SITE_GPUS = {"localcluster": 0, "localcluster2": 0, "example-dgx-h100": 8, "example-4gpu-a100": 4}
 
 EXTRA = {
-    "default": "train:\n  entry: builtin\n  params: {steps: 100}\n",
+    "default": "train:\n  entry: builtin\n  params: {steps: 100, global_batch: 64, micro_batch: 1}\n",
     "container": "container:\n  image: nvcr.io#nvidia/pytorch:24.05-py3\n  mounts: [/data:/data:ro]\n"
-    "train:\n  entry: builtin\n",
+    "train:\n  entry: builtin\n  params: {global_batch: 64, micro_batch: 1}\n",
     "array": "sweep:\n  params: {lr: [0.001, 0.0003], seed: [1, 2]}\n  max_parallel: 2\ncommand: [python3, train.py]\n",
 }
 

@@ -25,7 +25,7 @@ def test_topo_place_keeps_dp_rings_under_one_leaf(local_cluster, tmp_path):
         "nodes": 4,
         "tasks_per_node": 2,
         "parallel": {"tp": 2, "pp": 2},
-        "train": {"params": {"n_layer": 4, "n_embd": 64, "seq_len": 32, "global_batch": 8}},
+        "train": {"params": {"n_layer": 4, "n_embd": 64, "seq_len": 32, "global_batch": 8, "micro_batch": 2}},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     # Hostname order interleaves the leaves: n1 (leaf1), n3 (leaf2), n2 (leaf1), n4 (leaf2).

@@ -14,45 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_cli, wait_for_job
-
-PARAMS = {
-    "steps": 20,
-    "log_every": 100,
-    "eval_every": 0,
-    "global_batch": 8,
-    "micro_batch": 2,
-    "seq_len": 32,
-    "n_layer": 4,
-    "n_embd": 32,
-    "n_head": 4,
-    "seed": 7,
-}
-
-
-def _spec(path: Path, *, tp: int, pp: int, ranks: int, site: str = "local", nodes: int = 1, **params) -> Path:
-    spec = {
-        "name": f"layout-tp{tp}-pp{pp}",
-        "site": site,
-        "nodes": nodes,
-        "tasks_per_node": ranks // nodes,
-        "parallel": {"tp": tp, "pp": pp},
-        "timeout_seconds": 60,
-        "train": {"entry": "builtin", "params": {**PARAMS, **params}},
-    }
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
-def _losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+from trainjobs import PARAMS, job_spec, losses
 
 
 def _run_local(tmp: Path, *, tp: int, pp: int, ranks: int, **params) -> Path:
     run_dir = tmp / "run"
     result = run_cli(
         "run",
-        str(_spec(tmp / "job.yaml", tp=tp, pp=pp, ranks=ranks, **params)),
+        str(job_spec(tmp / "job.yaml", tp=tp, pp=pp, ranks=ranks, **params)),
         "--local",
         "--run-dir",
         str(run_dir),
@@ -65,10 +34,14 @@ def _run_local(tmp: Path, *, tp: int, pp: int, ranks: int, **params) -> Path:
 @pytest.fixture(scope="module")
 def reference(mpi, tmp_path_factory) -> list[float]:
     """One process, no parallelism: the losses every layout must reproduce."""
-    losses = _losses(_run_local(tmp_path_factory.mktemp("ref"), tp=1, pp=1, ranks=1))
-    assert len(losses) == PARAMS["steps"]
-    assert losses[-1] < losses[0] - 0.5  # it learns
-    return losses
+    ref = list_losses(_run_local(tmp_path_factory.mktemp("ref"), tp=1, pp=1, ranks=1))
+    assert len(ref) == PARAMS["steps"]
+    assert ref[-1] < ref[0] - 0.5  # it learns
+    return ref
+
+
+def list_losses(run: Path) -> list[float]:
+    return list(losses(run).values())
 
 
 def _assert_same(losses: list[float], reference: list[float]) -> None:
@@ -83,25 +56,25 @@ def _assert_same(losses: list[float], reference: list[float]) -> None:
     ids=["tp2-pp2-dp2", "tp2-dp2", "pp2-dp2", "pp2-dp2-gpipe", "pp4", "dp4"],
 )
 def test_layout_reproduces_single_process_losses(reference, tmp_path, tp, pp, ranks, schedule):
-    _assert_same(_losses(_run_local(tmp_path, tp=tp, pp=pp, ranks=ranks, schedule=schedule)), reference)
+    _assert_same(list_losses(_run_local(tmp_path, tp=tp, pp=pp, ranks=ranks, schedule=schedule)), reference)
 
 
 def test_srun_on_the_local_cluster_reproduces_the_losses(reference, local_cluster, tmp_path):
     """hpcscale submit -> sbatch -> srun --mpi=pmix -> hpcscale launch on 2 emulated nodes (tp=2 inside a node)."""
-    job = _spec(tmp_path / "job.yaml", tp=2, pp=1, ranks=4, site="localcluster", nodes=2)
+    job = job_spec(tmp_path / "job.yaml", tp=2, pp=1, ranks=4, site="localcluster", nodes=2)
     run_dir = tmp_path / "run"
     sub = json.loads(run_cli("submit", str(job), "--run-dir", str(run_dir), "--json").stdout)
     state = wait_for_job(sub["job_id"], local_cluster, timeout=400)
     log = "\n".join(p.read_text() for p in (run_dir / "logs").glob("*"))
     assert state == "COMPLETED", log[-3000:]
-    _assert_same(_losses(run_dir), reference)
+    _assert_same(list_losses(run_dir), reference)
     assert "backend gloo" in log
 
 
 def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").exists() and len(_losses(run_dir)) >= n:
+        if (run_dir / "metrics.jsonl").exists() and len(list_losses(run_dir)) >= n:
             return
         assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
         time.sleep(0.5)
@@ -117,7 +90,7 @@ def _rank_pids(run_dir: Path) -> list[int]:
 
 def _start(tmp_path: Path, **params) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
-    job = _spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=100000, **params)
+    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=100000, **params)
     proc = subprocess.Popen(
         ["hpcscale", "run", str(job), "--local", "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE,
@@ -158,7 +131,7 @@ def test_signal_stops_every_rank_at_the_same_step(mpi, tmp_path):
             proc.kill()
     assert proc.returncode == 75, out[-2000:]
     assert "stop requested: stopping after step" in out
-    last = _losses(run_dir)
+    last = list_losses(run_dir)
     stopped_at = int(out.split("stop requested: stopping after step")[1].split()[0])
     assert len(last) == stopped_at + 1  # rank 0 logged exactly the steps all ranks completed
 

@@ -218,9 +218,9 @@ def main() -> int:
         return 0
     shutil.rmtree(a.dir, ignore_errors=True)
     a.dir.mkdir(parents=True)
-    env = {**os.environ, "OMPI_MCA_btl": "self,tcp", "OMP_NUM_THREADS": "1"}
-    if os.geteuid() == 0:
-        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    from hpcscale.launch.local import local_env
+
+    env = {**os.environ, **local_env(), "OMP_NUM_THREADS": "1"}
     try:
         out = subprocess.run(
             [

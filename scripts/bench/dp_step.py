@@ -28,10 +28,9 @@ BENCH_MODEL = {"n_layer": 4, "n_embd": 256, "n_head": 8, "seq_len": 128}
 
 
 def mpi_env() -> dict[str, str]:
-    env = {**os.environ, "OMPI_MCA_btl": "self,tcp", "OMP_NUM_THREADS": "1"}
-    if os.geteuid() == 0:
-        env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return env
+    from hpcscale.launch.local import local_env
+
+    return {**os.environ, **local_env(), "OMP_NUM_THREADS": "1"}
 
 
 def worker(steps: int, blocks: int, batch: int) -> None:

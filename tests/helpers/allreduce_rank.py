@@ -28,16 +28,13 @@ dist.init_process_group(
 )
 t = torch.tensor([float(comm.rank + 1)])
 dist.all_reduce(t)
-print(
-    json.dumps(
-        {
-            "rank": comm.rank,
-            "size": comm.size,
-            "node": os.environ.get("SLURMD_NODENAME"),
-            "gloo_sum": t.item(),
-            "mpi_sum": comm.allreduce(comm.rank + 1),
-        }
-    ),
-    flush=True,
-)
+line = {
+    "rank": comm.rank,
+    "size": comm.size,
+    "node": os.environ.get("SLURMD_NODENAME"),
+    "gloo_sum": t.item(),
+    "mpi_sum": comm.allreduce(comm.rank + 1),
+}
+# One write per line: print() may split a line into two writes, and ranks' output can then interleave.
+os.write(1, (json.dumps(line) + "\n").encode())
 dist.destroy_process_group()
