@@ -5,9 +5,10 @@
 2. MPI rank 0 computes the placement on the real allocation (hpcscale.topology.placement: tp-dp-pp order,
    nodes ordered to keep traffic under low switches) and broadcasts the node order; a process's torch rank is
    (position of its node) × tasks_per_node + its local rank.
-3. The process that became torch rank 0 picks the rendezvous: 127.0.0.1 when every rank is on one host,
-   otherwise its own routable address, never a loopback one; and a free port. It broadcasts both over MPI,
-   so jobs sharing nodes never collide on a fixed port.
+3. The process that became torch rank 0 picks the rendezvous address: 127.0.0.1 when every rank is on one
+   host, otherwise its own routable address, never a loopback one. It binds torch's TCPStore there on a port
+   the kernel chooses, then broadcasts address and port over MPI: jobs sharing nodes never collide, and no
+   other process can take the port between choosing and binding it.
 4. torch.distributed starts with nccl when CUDA is present (device = local rank), gloo otherwise, with a
    timeout, so a dead peer fails the job instead of hanging it until the time limit.
 """
@@ -39,12 +40,6 @@ class RankInfo:
 
 def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def _free_port(addr: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr if addr != "0.0.0.0" else "", 0))
-        return s.getsockname()[1]
 
 
 def routable_address(peer: str | None) -> str:
@@ -90,25 +85,27 @@ def bootstrap(*, timeout_s: float, order_nodes: Callable[[list[str]], list[str]]
     ranks = comm.allgather(rank)
     master_mpi = ranks.index(0)
     one_host = len({h for _, h in everyone}) == 1
-    endpoint = None
-    if comm.rank == master_mpi:
-        peer = next((h for _, h in everyone if h != me[1]), None)
-        addr = "127.0.0.1" if one_host else routable_address(peer)
-        endpoint = (addr, _free_port(addr))
-    addr, port = comm.bcast(endpoint, root=master_mpi)
 
     import torch
     import torch.distributed as dist
+
+    # The rendezvous store is bound before its port is announced: the kernel picks a free port (port 0) for
+    # the listening socket itself, so no other process can take it between "found free" and "bound".
+    store = endpoint = None
+    if comm.rank == master_mpi:
+        peer = next((h for _, h in everyone if h != me[1]), None)
+        addr = "127.0.0.1" if one_host else routable_address(peer)
+        store = dist.TCPStore(
+            addr, 0, comm.size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        endpoint = (addr, store.port)
+    addr, port = comm.bcast(endpoint, root=master_mpi)
+    if store is None:
+        store = dist.TCPStore(addr, port, comm.size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=comm.size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=comm.size, timeout=timedelta(seconds=timeout_s))
     return RankInfo(rank, comm.size, local_rank, me[0], comm.rank, order, addr, port, backend)

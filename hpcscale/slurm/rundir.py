@@ -19,9 +19,10 @@ from pathlib import Path
 
 import yaml
 
+from hpcscale.config.job import JobSpec
 from hpcscale.config.render import to_plain
+from hpcscale.config.site import SiteConfig
 from hpcscale.errors import BadInput
-from hpcscale.slurm.resolve import ResolvedJob
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,9 +73,10 @@ class RunDir:
             raise BadInput(f"{path} is not an hpcscale run directory (no job.yaml or submissions.jsonl)")
         return cls(path)
 
-    def write_resolved(self, job: ResolvedJob) -> None:
-        _atomic_write(self.path / "job.yaml", yaml.safe_dump(to_plain(job.spec), sort_keys=False))
-        _atomic_write(self.path / "site.yaml", yaml.safe_dump(to_plain(job.site), sort_keys=False))
+    def write_resolved(self, spec: JobSpec, site: SiteConfig) -> None:
+        """The job spec and site as they were run, every default filled in."""
+        _atomic_write(self.path / "job.yaml", yaml.safe_dump(to_plain(spec), sort_keys=False))
+        _atomic_write(self.path / "site.yaml", yaml.safe_dump(to_plain(site), sort_keys=False))
 
     def next_index(self) -> int:
         return len(self.submissions()) + 1

@@ -63,7 +63,7 @@ def submit_job(
     rd = RunDir.create(job.run_dir, reuse=reuse)
     index = rd.next_index()
     try:
-        rd.write_resolved(job)
+        rd.write_resolved(job.spec, job.site)
         script = rd.write_script(index, text)
         job_id = cluster = None
         if not dry_run:

@@ -1,31 +1,26 @@
 """One rank of the integration test: mpi4py, then torch.distributed (gloo) bootstrapped over MPI.
 
-Rank 0 picks a free port and broadcasts (address, port) over MPI, the way `hpcscale launch` will; every
+Rank 0 binds the rendezvous store and broadcasts its port over MPI, as `hpcscale launch` does; every
 rank then all-reduces (rank + 1) with both MPI and gloo and prints one JSON line.
 """
 
 import json
 import os
-import socket
 from datetime import timedelta
 
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
-if comm.rank == 0:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = ("127.0.0.1", s.getsockname()[1])  # emulated nodes share this host
-else:
-    endpoint = None
-addr, port = comm.bcast(endpoint, root=0)
 
 import torch  # noqa: E402 - after MPI so a broken torch cannot hang the MPI bootstrap
 import torch.distributed as dist  # noqa: E402
 
-dist.init_process_group(
-    "gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size, timeout=timedelta(seconds=60)
-)
+# Rank 0 binds the rendezvous store on a port the kernel picks, then tells the others over MPI.
+store = dist.TCPStore("127.0.0.1", 0, comm.size, is_master=True, wait_for_workers=False) if comm.rank == 0 else None
+port = comm.bcast(store.port if store else None, root=0)
+if store is None:
+    store = dist.TCPStore("127.0.0.1", port, comm.size, is_master=False)  # emulated nodes share this host
+dist.init_process_group("gloo", store=store, rank=comm.rank, world_size=comm.size, timeout=timedelta(seconds=60))
 t = torch.tensor([float(comm.rank + 1)])
 dist.all_reduce(t)
 line = {
