@@ -31,17 +31,18 @@ def _random_hostlist(rng: random.Random) -> str:
     return ",".join(parts)
 
 
+def _scontrol_hostnames(expr: str, env: dict[str, str]) -> list[str]:
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", expr], capture_output=True, text=True, env={**os.environ, **env}, check=True
+    )
+    return out.stdout.split()
+
+
 def test_expand_matches_scontrol_show_hostnames(local_cluster):
     rng = random.Random(7)
     for _ in range(40):
         expr = _random_hostlist(rng)
-        oracle = subprocess.run(
-            ["scontrol", "show", "hostnames", expr],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **local_cluster},
-            check=True,
-        ).stdout.split()
+        oracle = _scontrol_hostnames(expr, local_cluster)
         # scontrol keeps duplicates; hpcscale removes them (a node is allocated once)
         assert expand(expr) == list(dict.fromkeys(oracle)), expr
 
@@ -52,13 +53,7 @@ def test_compress_round_trips_and_matches_scontrol(local_cluster):
         hosts = list(dict.fromkeys(expand(_random_hostlist(rng))))
         expr = compress(hosts)
         assert sorted(expand(expr)) == sorted(hosts)
-        oracle = subprocess.run(
-            ["scontrol", "show", "hostnames", expr],
-            capture_output=True,
-            text=True,
-            env={**os.environ, **local_cluster},
-            check=True,
-        ).stdout.split()
+        oracle = _scontrol_hostnames(expr, local_cluster)
         assert sorted(oracle) == sorted(hosts)
 
 

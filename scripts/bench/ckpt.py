@@ -19,10 +19,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _workers import mpirun_workers
 
 REPO = Path(__file__).resolve().parents[2]
 RANKS, TENSORS, ROWS, COLS = 8, 40, 800, 1024  # 800 x 1024 fp32 = 3.2 MiB per tensor, 128 MiB per rank
@@ -218,29 +219,8 @@ def main() -> int:
         return 0
     shutil.rmtree(a.dir, ignore_errors=True)
     a.dir.mkdir(parents=True)
-    from hpcscale.launch.local import local_env
-
-    env = {**os.environ, **local_env(), "OMP_NUM_THREADS": "1"}
     try:
-        out = subprocess.run(
-            [
-                "mpirun",
-                "-n",
-                str(RANKS),
-                "--oversubscribe",
-                "--bind-to",
-                "none",
-                sys.executable,
-                __file__,
-                "--worker",
-                "--dir",
-                str(a.dir),
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=3000,
-        )
+        out = mpirun_workers(__file__, RANKS, "--dir", str(a.dir), timeout=3000)
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)

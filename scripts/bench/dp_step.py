@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -22,15 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from _workers import mpirun_workers
+
 REPO = Path(__file__).resolve().parents[2]
 TARGET = 1.05
 BENCH_MODEL = {"n_layer": 4, "n_embd": 256, "n_head": 8, "seq_len": 128}
-
-
-def mpi_env() -> dict[str, str]:
-    from hpcscale.launch.local import local_env
-
-    return {**os.environ, **local_env(), "OMP_NUM_THREADS": "1"}
 
 
 def worker(steps: int, blocks: int, batch: int) -> None:
@@ -101,26 +96,7 @@ def worker(steps: int, blocks: int, batch: int) -> None:
 
 
 def part1(steps: int) -> dict:
-    out = subprocess.run(
-        [
-            "mpirun",
-            "-n",
-            "2",
-            "--oversubscribe",
-            "--bind-to",
-            "none",
-            sys.executable,
-            __file__,
-            "--worker",
-            "--steps",
-            str(steps),
-        ],
-        capture_output=True,
-        text=True,
-        env=mpi_env(),
-        cwd=REPO,
-        timeout=900,
-    )
+    out = mpirun_workers(__file__, 2, "--steps", str(steps), timeout=900)
     if out.returncode != 0:
         sys.exit(f"dp_step worker failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     doc = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
