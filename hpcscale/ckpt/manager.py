@@ -10,8 +10,6 @@ At most one save is in flight: save() first waits for the previous one, and rais
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 import threading
 import time
@@ -44,6 +42,7 @@ class SaveStats:
     blocking_s: float  # what the caller waited for (the snapshot; the whole save when synchronous)
     new_bytes: int  # this rank's newly written bytes
     referenced_bytes: int  # this rank's bytes referenced from earlier checkpoints
+    background_s: float = 0.0  # an async save: from the call's return to its commit
 
 
 class CheckpointManager:
@@ -118,15 +117,16 @@ class CheckpointManager:
         return self.last_stats
 
     def _background(self, *args) -> None:
-        # The writer yields the CPU to training: Linux schedules threads separately, so this thread alone runs
-        # at the lowest priority (the save finishes in the gaps; its deadline is the next save, not now).
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        t0 = time.perf_counter()
         try:
             result = self._write(*args)
             if self.last_stats is not None:
                 self.last_stats = SaveStats(
-                    result.step, self.last_stats.blocking_s, result.new_bytes, result.referenced_bytes
+                    result.step,
+                    self.last_stats.blocking_s,
+                    result.new_bytes,
+                    result.referenced_bytes,
+                    time.perf_counter() - t0,
                 )
         except BaseException as e:  # surfaced by wait()
             self._error = e

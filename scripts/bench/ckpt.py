@@ -146,11 +146,12 @@ def worker(base: Path) -> None:
     ma = manager("async")
     ma.save(1, state, {}, asynchronous=False)  # buffers allocated, chunks known: a steady-state save
     steps = 12
-    base_s, with_s, sync_s, block_s = [], [], [], []
+    base_s, with_s, sync_s, block_s, bg_s = [], [], [], [], []
     for rep in range(3):
         base_s.append(timed(lambda: train_steps(steps, None, None)))
         with_s.append(timed(lambda rep=rep: train_steps(steps, 100 + rep, ma)))
         block_s.append(ma.last_stats.blocking_s)
+        bg_s.append(ma.last_stats.background_s)
         for t in local:
             t.add_(1e-3)
         sync_s.append(timed(lambda rep=rep: ma.save(1000 + rep, state, {}, asynchronous=False)))
@@ -160,6 +161,7 @@ def worker(base: Path) -> None:
         "loop_with_async_save_s": statistics.median(with_s),
         "sync_save_s": statistics.median(sync_s),
         "async_call_blocking_s": statistics.median(block_s),
+        "async_background_s": statistics.median(bg_s),
     }
 
     # 4. load, resharded tp 8 -> tp 4: ranks 0-3 each load rows [r*2R, (r+1)*2R) of every tensor (two saved
