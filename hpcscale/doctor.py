@@ -155,9 +155,10 @@ def _torch_detail(info: dict) -> tuple[Status, str]:
 
 
 def _python_probe(name: str, code: str, describe, fix: str) -> CheckResult:
-    env = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_btl": "self,tcp"}
+    from hpcscale.launch.local import local_env  # MPI_Init as root and on a host without shared memory
+
     try:
-        out = proc.run([sys.executable, "-c", code], env=env, timeout=120)
+        out = proc.run([sys.executable, "-c", code], env=local_env(), timeout=120)
         status, detail = describe(json.loads(out.stdout.strip().splitlines()[-1]))
     except proc.CommandFailed as e:
         last = e.tool_message.strip().splitlines()[-1] if e.tool_message.strip() else str(e)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import xxhash
 
-from hpcscale.ckpt.format import INDEX, LATEST, Index, committed_steps, read_index, step_dir_name
+from hpcscale.ckpt.format import INDEX, LATEST, Index, committed_steps, read_index, step_dir_name, step_of
 from hpcscale.ckpt.retention import apply_retention, plan
 from hpcscale.errors import BadInput, VerificationFailure
 
@@ -54,47 +54,41 @@ def _structure_problem(root: Path, index: Index) -> str | None:
     return None
 
 
+def _info(root: Path, step: int) -> CheckpointInfo:
+    d = root / step_dir_name(step)
+    try:
+        index = read_index(d / INDEX)
+    except VerificationFailure as e:
+        return CheckpointInfo(step, str(d), 0, 0, 0, {}, 0, str(e))
+    own = f"{step_dir_name(step)}/"
+    new = sum(c.length for t in index.tensors.values() for s in t.shards for c in s.chunks if c.file.startswith(own))
+    return CheckpointInfo(
+        step,
+        str(d),
+        index.created,
+        index.total_bytes(),
+        new,
+        index.layout,
+        index.world_size,
+        _structure_problem(root, index) or "ok",
+    )
+
+
 def list_checkpoints(path: Path) -> list[CheckpointInfo]:
     root = checkpoints_root(path)
-    out = []
-    for step in committed_steps(root):
-        d = root / step_dir_name(step)
-        try:
-            index = read_index(d / INDEX)
-        except VerificationFailure as e:
-            out.append(CheckpointInfo(step, str(d), 0, 0, 0, {}, 0, str(e)))
-            continue
-        own = f"{step_dir_name(step)}/"
-        new = sum(
-            c.length for t in index.tensors.values() for s in t.shards for c in s.chunks if c.file.startswith(own)
-        )
-        out.append(
-            CheckpointInfo(
-                step,
-                str(d),
-                index.created,
-                index.total_bytes(),
-                new,
-                index.layout,
-                index.world_size,
-                _structure_problem(root, index) or "ok",
-            )
-        )
-    return out
+    return [_info(root, step) for step in committed_steps(root)]
 
 
 def latest(path: Path) -> CheckpointInfo | None:
-    """The newest committed checkpoint of a run (from LATEST when it points at a committed one)."""
+    """The newest committed checkpoint of a run (LATEST when it names a committed one); reads only that one."""
     root = checkpoints_root(path)
     pointer = root / LATEST
     if pointer.exists():
-        name = pointer.read_text().strip()
-        if (root / name / INDEX).exists():
-            infos = [i for i in list_checkpoints(path) if step_dir_name(i.step) == name]
-            if infos:
-                return infos[0]
-    infos = list_checkpoints(path)
-    return infos[0] if infos else None
+        step = step_of(pointer.read_text().strip())
+        if step is not None and (root / step_dir_name(step) / INDEX).exists():
+            return _info(root, step)
+    steps = committed_steps(root)
+    return _info(root, steps[0]) if steps else None
 
 
 @dataclass(frozen=True, slots=True)

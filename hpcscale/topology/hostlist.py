@@ -31,6 +31,11 @@ def compress(hosts: list[str]) -> str:
     return _hostlist.collect_hostlist(hosts)
 
 
+def sort_hosts(hosts: list[str]) -> list[str]:
+    """Hosts in Slurm's order: numeric parts compared as numbers (n2 before n10)."""
+    return sorted(hosts, key=_hostlist.numeric_sort_key)
+
+
 def check_hostlist(value: str) -> str | None:
     """A config field check: None if `value` is a well-formed hostlist, else why not."""
     try:

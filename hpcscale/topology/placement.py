@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hpcscale.errors import BadInput
+from hpcscale.topology.hostlist import sort_hosts
 from hpcscale.topology.tree import SwitchTree
 
 # Arrangements of leaf labels over slots that are searched exhaustively; covers every allocation of up to
@@ -178,8 +178,9 @@ def place(
         raise BadInput(f"the job needs {shape.nodes} nodes but the allocation has {len(nodes)}")
     weights = weights or TrafficWeights()
     edges = slot_edges(shape, weights)
-    by_leaf = tree.restricted_to(sorted(nodes, key=_natural))
-    hostname_cost = placement_cost(sorted(nodes, key=_natural), edges, tree)
+    hostname_order = sort_hosts(nodes)
+    by_leaf = tree.restricted_to(hostname_order)
+    hostname_cost = placement_cost(hostname_order, edges, tree)
     counts = [len(v) for v in by_leaf.values()]
     arrangements = math.factorial(len(nodes)) // math.prod(math.factorial(c) for c in counts)
     if arrangements <= EXACT_LIMIT:
@@ -198,11 +199,6 @@ def place(
     return Placement(
         order, placement_cost(order, edges, tree), hostname_cost, False, "stage packing + swap search", weights, shape
     )
-
-
-def _natural(name: str) -> tuple:
-    """Sort key that puts n2 before n10, as Slurm lists hosts."""
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
 
 def _leaf_distance_matrix(leaves: list[str], tree: SwitchTree, by_leaf: dict[str, list[str]]) -> np.ndarray:
