@@ -21,6 +21,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": ("hpcscale.cli.train_cmd", "launch", "One rank of a job, under srun or mpirun."),
     "data": ("hpcscale.cli.train_cmd", "data", "Prepare token datasets from text."),
     "ckpt": ("hpcscale.cli.ckpt_cmd", "ckpt", "List, verify, inspect, gc and export checkpoints."),
+    "manifest": ("hpcscale.cli.stage_cmd", "manifest", "Build, diff and verify dataset manifests."),
+    "stage": (
+        "hpcscale.cli.stage_cmd",
+        "stage",
+        "Copy a manifest's files between sites: verified, resumable, parallel.",
+    ),
 }
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from hpcscale.errors import BadInput
+from hpcscale.xsite import agent
 
 FORMAT = "hpcscale-manifest"
 VERSION = 1
@@ -71,46 +72,25 @@ class Manifest:
 
 
 def check_relpath(path: Any) -> str | None:
-    """None if `path` is a safe relative path, else why not."""
-    if not isinstance(path, str) or not path:
-        return "path must be a non-empty string"
-    if "\\" in path or "\x00" in path:
-        return f"path '{path}' contains a backslash or NUL"
-    p = PurePosixPath(path)
-    if p.is_absolute():
-        return f"path '{path}' is absolute"
-    if ".." in p.parts:
-        return f"path '{path}' contains '..'"
-    if str(p) != path or path.startswith("./"):
-        return f"path '{path}' is not in normal form (write '{p}')"
-    return None
+    """None if `path` is a safe relative path, else why not (the staging agent applies the same rule)."""
+    return agent.check_relpath(path)
 
 
 def hasher(algorithm: str):
     """A new hash object (update/hexdigest) for a manifest's algorithm."""
-    if algorithm == "xxh128":
-        import xxhash
-
-        return xxhash.xxh3_128()
-    if algorithm == "sha256":
-        import hashlib
-
-        return hashlib.sha256()
-    if algorithm == "blake3":
-        try:
-            import blake3
-        except ImportError:
-            raise BadInput("hash algorithm blake3 needs the blake3 package (pip install blake3)") from None
-        return blake3.blake3()
-    raise BadInput(f"unknown hash algorithm '{algorithm}' (known: {', '.join(HASH_ALGORITHMS)})")
+    try:
+        return agent.hasher(algorithm)
+    except agent.StageError as e:
+        raise BadInput(str(e)) from None
 
 
-def hash_file(path: Path, algorithm: str, *, chunk: int = 8 << 20) -> str:
-    h = hasher(algorithm)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def hash_file(path: Path, algorithm: str) -> str:
+    hasher(algorithm)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return agent.hash_fd(fd, algorithm)[0]
+    finally:
+        os.close(fd)
 
 
 def entry_for(root: Path, rel: str, algorithm: str) -> FileEntry:
@@ -118,12 +98,20 @@ def entry_for(root: Path, rel: str, algorithm: str) -> FileEntry:
     return FileEntry(rel, st.st_size, st.st_mtime_ns, hash_file(root / rel, algorithm))
 
 
+def manifest_text(manifest: Manifest) -> str:
+    """The manifest as JSON text, one file entry per line (diffable; 100k files stay a few MB)."""
+    doc = manifest.to_json()
+    files = doc.pop("files")
+    head = json.dumps(doc, indent=1)[:-2]  # drop the closing brace
+    lines = ",\n  ".join(json.dumps(f, separators=(", ", ": ")) for f in files)
+    return f'{head},\n "files": [\n  {lines}\n ]\n}}\n' if files else f'{head},\n "files": []\n}}\n'
+
+
 def write_manifest(path: Path, manifest: Manifest) -> None:
     """Atomically: a reader sees the old manifest or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump(manifest.to_json(), f, indent=1, sort_keys=False)
-        f.write("\n")
+        f.write(manifest_text(manifest))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

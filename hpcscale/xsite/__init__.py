@@ -1,0 +1,1 @@
+"""Cross-site work: staging transports (stage), later contributions and averaging rounds."""

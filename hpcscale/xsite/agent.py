@@ -1,0 +1,704 @@
+"""Both ends of a transfer, in one self-contained file: the destination (Sink) and the source (Source).
+
+`hpcscale stage` runs these in-process for local paths. For an ssh:// endpoint it sends this file's source text
+over the ssh connection and the remote `python3` executes it (see `main`), so another site needs nothing
+installed but python3 >= 3.8 (and the `xxhash` or `blake3` module for those algorithms; sha256 is in the
+standard library). Hence: standard library only, no hpcscale imports, nothing newer than Python 3.8.
+
+Guarantees the Sink keeps (docs/staging.md):
+- a file appears under its final name only after every byte of it has been hashed and the hash matched the
+  manifest, and after its data was flushed to disk (one syncfs per batch of files, then the renames);
+- an interrupted transfer leaves `.NAME.HASH16.hpcscale-part` files that a rerun continues from where they end;
+- nothing is written through a symlink: a destination directory that is a symlink is refused;
+- `.hpcscale-stage/` at the destination root records what was verified there (size, mtime, ctime, inode and
+  hash of each file), so a rerun can trust files whose stat is unchanged without reading them again.
+"""
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import stat
+import struct
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+STATE_DIR = ".hpcscale-stage"
+RECORD = "verified.json"
+PART_SUFFIX = ".hpcscale-part"
+BLOCK = 4 << 20
+HASH_ALGORITHMS = ("xxh128", "sha256", "blake3")
+# A batch is renamed into place after one syncfs; bounded so a kill loses little and acks stay timely.
+BATCH_FILES = 1024
+BATCH_BYTES = 512 << 20
+BATCH_SECONDS = 2.0
+
+
+class StageError(Exception):
+    """kind: 'input' (exit 2: the manifest or a path is unacceptable), 'verify' (exit 3: content does not match
+    the manifest), 'missing' (a source file is not there; exit 1), 'runtime' (exit 1)."""
+
+    def __init__(self, message, kind="runtime"):
+        super().__init__(message)
+        self.kind = kind
+
+
+def hasher(algorithm):
+    """A new hash object (update/hexdigest) for a manifest's algorithm name."""
+    if algorithm == "xxh128":
+        try:
+            import xxhash
+        except ImportError:
+            raise StageError("hash algorithm xxh128 needs the xxhash module (pip install xxhash)", "input") from None
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        import hashlib
+
+        return hashlib.sha256()
+    if algorithm == "blake3":
+        try:
+            import blake3
+        except ImportError:
+            raise StageError("hash algorithm blake3 needs the blake3 module (pip install blake3)", "input") from None
+        return blake3.blake3()
+    raise StageError("unknown hash algorithm '{}' (known: {})".format(algorithm, ", ".join(HASH_ALGORITHMS)), "input")
+
+
+def check_relpath(path):
+    """None if `path` is a safe relative path ('/'-separated, normal form, inside its root), else why not."""
+    if not isinstance(path, str) or not path:
+        return "path must be a non-empty string"
+    if "\\" in path or "\x00" in path:
+        return f"path '{path}' contains a backslash or NUL"
+    if path.startswith("/"):
+        return f"path '{path}' is absolute"
+    parts = path.split("/")
+    if ".." in parts:
+        return f"path '{path}' contains '..'"
+    if "" in parts or "." in parts:
+        return f"path '{path}' is not in normal form"
+    return None
+
+
+def hash_fd(fd, algorithm, limit=None, buf=None):
+    """Hash `limit` bytes (all, if None) of an open file from its start."""
+    h = hasher(algorithm)
+    buf = buf or bytearray(BLOCK)
+    view = memoryview(buf)
+    pos = 0
+    while limit is None or pos < limit:
+        want = len(buf) if limit is None else min(len(buf), limit - pos)
+        n = os.preadv(fd, [view[:want]], pos)
+        if n == 0:
+            break
+        h.update(view[:n])
+        pos += n
+    return h.hexdigest(), pos
+
+
+def _within(path, root):
+    return path == root or path.startswith(root + os.sep)
+
+
+class Source:
+    """Reads files under `root`, refusing any that lead through a symlink out of it."""
+
+    def __init__(self, root):
+        self.root = os.path.realpath(root)
+        if not os.path.isdir(self.root):
+            raise StageError(f"{root}: no such directory", "input")
+        self._dirs = {}
+        self._lock = threading.Lock()
+
+    def _dir_ok(self, reldir):
+        with self._lock:
+            ok = self._dirs.get(reldir)
+        if ok is None:
+            real = os.path.realpath(os.path.join(self.root, reldir))
+            ok = real if _within(real, self.root) else None
+            with self._lock:
+                self._dirs[reldir] = ok or ""
+        return ok or None
+
+    def open(self, rel):
+        """An fd for reading `rel`; StageError('input') if it is not a safe path to a regular file here."""
+        problem = check_relpath(rel)
+        if problem:
+            raise StageError(problem, "input")
+        reldir, _, name = rel.rpartition("/")
+        real_dir = self._dir_ok(reldir)
+        if real_dir is None:
+            raise StageError(f"'{rel}' leads through a symlink out of {self.root}", "input")
+        path = os.path.join(real_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                kind = "missing" if e.errno == errno.ENOENT else "runtime"
+                raise StageError(f"{os.path.join(self.root, rel)}: {e.strerror}", kind) from None
+            real = os.path.realpath(path)
+            if not _within(real, self.root):
+                raise StageError(f"'{rel}' leads through a symlink out of {self.root} (-> {real})", "input") from None
+            fd = os.open(real, os.O_RDONLY)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StageError(f"'{rel}' under {self.root} is not a regular file", "input")
+        return fd
+
+
+_libc = None
+
+
+def _syncfs(fd):
+    """Flush every dirty page of the filesystem holding `fd`: one call per batch instead of one fsync per file."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            getattr(_libc, "syncfs")  # noqa: B009 - probe: AttributeError where libc has none
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc and _libc.syncfs(fd) == 0:
+        return
+    os.sync()
+
+
+class Writer:
+    """One file arriving at a Sink: bytes are hashed as they are written to the part file."""
+
+    def __init__(self, sink, entry, offset):
+        self.sink = sink
+        self.path, self.size, self.mtime_ns, self.hash = entry
+        self.offset = offset
+        self.final, prefix = sink.paths(self.path, create=True)
+        self.part = sink.part_name(prefix, self.hash)
+        self.h = hasher(sink.algorithm)
+        flags = os.O_WRONLY | os.O_NOFOLLOW
+        if offset > 0:
+            self.fd = os.open(self.part, os.O_RDWR | os.O_NOFOLLOW)
+            try:
+                _, got = self._hash_prefix(offset)
+                if got != offset:
+                    raise StageError(f"{self.part}: part file shorter than announced", "runtime")
+                os.ftruncate(self.fd, offset)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        else:
+            self.fd = os.open(self.part, flags | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.n = offset
+
+    def _hash_prefix(self, offset):
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        pos = 0
+        while pos < offset:
+            n = os.preadv(self.fd, [view[: min(len(buf), offset - pos)]], pos)
+            if n == 0:
+                break
+            self.h.update(view[:n])
+            pos += n
+        os.lseek(self.fd, pos, os.SEEK_SET)
+        return None, pos
+
+    def write(self, data):
+        view = memoryview(data)
+        self.h.update(view)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+        self.n += len(data)
+
+    def finish(self):
+        """Check size and hash; queue the rename. StageError('verify') and the part removed on mismatch."""
+        try:
+            digest = self.h.hexdigest()
+            if self.n != self.size or digest != self.hash:
+                what = f"{self.n} bytes" if self.n != self.size else f"hash {digest}"
+                raise StageError(
+                    f"{self.path}: arrived with {what}, the manifest says {self.size} bytes, hash {self.hash} "
+                    "(did the source change after the manifest was built?)",
+                    "verify",
+                )
+            os.utime(self.fd, ns=(self.mtime_ns, self.mtime_ns))
+        except BaseException:
+            os.close(self.fd)
+            _unlink(self.part)
+            raise
+        os.close(self.fd)
+        self.sink.ready(self.part, self.final, (self.path, self.size, self.mtime_ns, self.hash))
+
+    def abort(self):
+        """Stop, keeping the part file so that a rerun continues it."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def _unlink(path):
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class Sink:
+    """The destination root: plans what must move, receives files, renames them in verified batches."""
+
+    def __init__(self, root, algorithm, dry_run=False, sync=True, jobs=4):
+        hasher(algorithm)  # unknown or unavailable algorithm: fail before anything is written
+        self.algorithm = algorithm
+        self.dry_run = dry_run
+        self.sync = sync
+        self.jobs = max(1, jobs)
+        if not dry_run:
+            os.makedirs(root, exist_ok=True)
+        self.root = os.path.realpath(root)
+        self._dirs = set()  # reldirs known to be real directories (not symlinks) under root
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._pending = []
+        self._pending_bytes = 0
+        self._pending_since = None
+        self._journal = None
+        self.renamed = []  # paths put in place since the last take_renamed()
+
+    # -- paths ------------------------------------------------------------------------------------------
+    def _check_dir(self, reldir, create):
+        if reldir in self._dirs or reldir == "":
+            return True
+        parent, _, _name = reldir.rpartition("/")
+        if not self._check_dir(parent, create):
+            return False
+        path = os.path.join(self.root, reldir)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                return False
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path)
+            st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise StageError(
+                f"{path} is a symlink (-> {os.readlink(path)}); "
+                "hpcscale stage never writes through a symlink in the destination",
+                "input",
+            )
+        if not stat.S_ISDIR(st.st_mode):
+            raise StageError(f"{path} is in the way: the manifest needs a directory there", "input")
+        with self._lock:
+            self._dirs.add(reldir)
+        return True
+
+    def paths(self, rel, create=False):
+        """(final path, part path) of `rel`; its directories checked (and created if `create`)."""
+        problem = check_relpath(rel)
+        if problem:
+            raise StageError(problem, "input")
+        reldir, _, name = rel.rpartition("/")
+        self._check_dir(reldir, create)
+        d = os.path.join(self.root, reldir) if reldir else self.root
+        return os.path.join(d, name), os.path.join(d, "." + name)
+
+    def part_name(self, part_prefix, digest):
+        return f"{part_prefix}.{digest[:16]}{PART_SUFFIX}"
+
+    # -- records ----------------------------------------------------------------------------------------
+    def load_records(self):
+        """{path: [size, mtime_ns, ctime_ns, ino, hash]} of what this destination verified, for our algorithm."""
+        state = os.path.join(self.root, STATE_DIR)
+        records = {}
+        try:
+            with open(os.path.join(state, RECORD)) as f:
+                doc = json.load(f)
+            if doc.get("hash_algorithm") == self.algorithm:
+                records.update(doc.get("files") or {})
+        except (OSError, ValueError, AttributeError):
+            pass
+        try:
+            names = sorted(os.listdir(state))
+        except OSError:
+            names = []
+        for name in names:
+            if name.startswith("journal-") and name.endswith(".jsonl"):
+                with open(os.path.join(state, name)) as f:
+                    for line in f:
+                        try:
+                            alg, path, rec = json.loads(line)
+                        except ValueError:
+                            continue  # a line cut short by a kill
+                        if alg == self.algorithm:
+                            records[path] = rec
+        return records
+
+    def _record_line(self, path, st, digest):
+        if self._journal is None:
+            state = os.path.join(self.root, STATE_DIR)
+            os.makedirs(state, exist_ok=True)
+            self._journal = open(os.path.join(state, f"journal-{uuid.uuid4().hex}.jsonl"), "a")  # noqa: SIM115
+        rec = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest]
+        self._journal.write(json.dumps([self.algorithm, path, rec]) + "\n")
+
+    # -- plan -------------------------------------------------------------------------------------------
+    def plan(self, entries, check="stat"):
+        """For each [path, size, mtime_ns, hash]: -1 if the destination already holds it (proven), else the
+        offset to send from (0, or the length of a part file a killed transfer left).
+
+        check='stat': trust the record when size, mtime, ctime and inode are unchanged; other files of the
+        right size are hashed. check='hash': hash every file that is there.
+        Returns (statuses, {"hashed": files hashed here, "hashed_bytes": n, "parts": parts completed})."""
+        records = self.load_records() if check == "stat" else {}
+        todo = []  # (index, path, final, kind): files to hash
+        statuses = [0] * len(entries)
+        for i, (rel, size, _mtime, digest) in enumerate(entries):
+            final, part_prefix = self.paths(rel)
+            try:
+                st = os.lstat(final)
+            except FileNotFoundError:
+                st = None
+            except NotADirectoryError:
+                st = None
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                raise StageError(f"{final} is a directory; the manifest lists a file there", "input")
+            if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == size:
+                rec = records.get(rel)
+                if (
+                    rec is not None
+                    and rec[4] == digest
+                    and rec[:4] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+                ):
+                    statuses[i] = -1
+                    continue
+                todo.append((i, final, "final"))
+                continue
+            part = self.part_name(part_prefix, digest)
+            try:
+                pst = os.lstat(part)
+            except OSError:
+                continue
+            if not stat.S_ISREG(pst.st_mode) or pst.st_size > size:
+                continue
+            if pst.st_size == size:
+                todo.append((i, part, "part"))
+            else:
+                statuses[i] = pst.st_size
+        info = {"hashed": 0, "hashed_bytes": 0, "proven": 0, "parts": 0}
+        if not todo:
+            return statuses, info
+
+        def prove(item):
+            _i, path, _kind = item
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                return item, None, 0
+            try:
+                digest, n = hash_fd(fd, self.algorithm)
+            finally:
+                os.close(fd)
+            return item, digest, n
+
+        with ThreadPoolExecutor(self.jobs) as pool:
+            for (i, path, kind), digest, n in pool.map(prove, todo):
+                info["hashed"] += 1
+                info["hashed_bytes"] += n
+                rel, size, mtime, want = entries[i]
+                if digest != want:
+                    continue  # send it again (a stale part is overwritten from offset 0)
+                statuses[i] = -1
+                info["proven"] += 1
+                if self.dry_run:
+                    continue
+                final = self.paths(rel)[0]
+                if kind == "part":
+                    os.utime(path, ns=(mtime, mtime))
+                    self.ready(path, final, (rel, size, mtime, want))
+                    info["parts"] += 1
+                else:
+                    with self._lock:
+                        self._record_line(rel, os.lstat(final), want)
+        self.flush()
+        return statuses, info
+
+    # -- receive ----------------------------------------------------------------------------------------
+    def begin(self, entry, offset=0):
+        if self.dry_run:
+            raise StageError("dry run: nothing is written", "runtime")
+        return Writer(self, entry, offset)
+
+    def ready(self, part, final, entry):
+        """A verified part file, to be renamed to `final` in the next batch."""
+        flush = False
+        with self._lock:
+            self._pending.append((part, final, entry))
+            self._pending_bytes += entry[1]
+            if self._pending_since is None:
+                self._pending_since = time.monotonic()
+            flush = (
+                len(self._pending) >= BATCH_FILES
+                or self._pending_bytes >= BATCH_BYTES
+                or time.monotonic() - self._pending_since >= BATCH_SECONDS
+            )
+        if flush:
+            self.flush()
+
+    def flush(self):
+        """syncfs, then rename every pending part into place and record it. Returns the paths renamed."""
+        with self._flush_lock:
+            with self._lock:
+                batch, self._pending = self._pending, []
+                self._pending_bytes = 0
+                self._pending_since = None
+            if not batch:
+                return []
+            if self.sync:
+                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    _syncfs(fd)
+                finally:
+                    os.close(fd)
+            done = []
+            with self._lock:
+                for part, final, (rel, _size, _mtime, digest) in batch:
+                    os.rename(part, final)
+                    self._record_line(rel, os.lstat(final), digest)
+                    done.append(rel)
+                if self._journal is not None:
+                    self._journal.flush()
+                self.renamed.extend(done)
+            return done
+
+    def take_renamed(self):
+        with self._lock:
+            done, self.renamed = self.renamed, []
+        return done
+
+    # -- commit -----------------------------------------------------------------------------------------
+    def commit(self, manifest_text=None, name="manifest.json"):
+        """Merge the journals into the record; then write the manifest last, so that a destination with a
+        manifest is a complete, verified copy."""
+        self.flush()
+        with self._lock:
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
+        state = os.path.join(self.root, STATE_DIR)
+        os.makedirs(state, exist_ok=True)
+        records = self.load_records()
+        _atomic_write(
+            os.path.join(state, RECORD),
+            json.dumps({"hash_algorithm": self.algorithm, "files": records}, separators=(",", ":")),
+        )
+        for n in os.listdir(state):
+            if n.startswith("journal-"):
+                _unlink(os.path.join(state, n))
+        if manifest_text is not None:
+            final, _ = self.paths(name, create=True)
+            _atomic_write(final, manifest_text)
+
+    def close(self):
+        with self._lock:
+            if self._journal is not None:
+                self._journal.close()
+                self._journal = None
+
+
+def _atomic_write(path, text):
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class TokenBucket:
+    """A bandwidth limit shared by threads: take(n) sleeps until n bytes fit under `rate` bytes/s."""
+
+    def __init__(self, rate):
+        self.rate = float(rate)
+        self.lock = threading.Lock()
+        self.t = time.monotonic()
+        self.debt = 0.0
+
+    def take(self, n):
+        with self.lock:
+            now = time.monotonic()
+            self.debt = max(0.0, self.debt - (now - self.t) * self.rate) + n
+            self.t = now
+            wait = self.debt / self.rate - 0.05  # allow a 50 ms burst
+        if wait > 0:
+            time.sleep(wait)
+
+
+# -- the wire protocol: a 4-byte big-endian header length, a JSON header, then `n` raw bytes if it says so --
+
+
+def send(out, header, payload=b""):
+    h = json.dumps(header, separators=(",", ":")).encode()
+    out.write(struct.pack(">I", len(h)) + h)
+    if payload:
+        out.write(payload)
+
+
+def read_exact(inp, n):
+    data = inp.read(n)
+    if data is None or len(data) != n:
+        raise EOFError(f"the stream ended {n - len(data or b'')} bytes short")
+    return data
+
+
+def recv(inp):
+    raw = inp.read(4)
+    if not raw:
+        raise EOFError("the stream ended")
+    if len(raw) != 4:
+        raise EOFError("the stream ended inside a header")
+    (n,) = struct.unpack(">I", raw)
+    return json.loads(read_exact(inp, n))
+
+
+def stream_file(fd, offset, size, out, bucket=None, block=BLOCK):
+    """Send bytes [offset, size) of fd to out."""
+    pos = offset
+    while pos < size:
+        data = os.pread(fd, min(block, size - pos), pos)
+        if not data:
+            raise StageError(f"file shrank while being sent ({pos} of {size} bytes)", "runtime")
+        if bucket is not None:
+            bucket.take(len(data))
+        out.write(data)
+        pos += len(data)
+
+
+def serve(role, root, opts, inp, out):
+    """The remote side of one ssh stream. role 'sink': plan/put/flush/commit; role 'source': get."""
+    try:
+        if role == "sink":
+            end = Sink(
+                root,
+                opts["algorithm"],
+                dry_run=opts.get("dry_run", False),
+                sync=opts.get("sync", True),
+                jobs=opts.get("jobs", 4),
+            )
+        else:
+            end = Source(root)
+    except StageError as e:
+        send(out, {"error": str(e), "kind": e.kind})
+        out.flush()
+        return
+    except OSError as e:
+        send(out, {"error": f"{root}: {e}", "kind": "runtime"})
+        out.flush()
+        return
+    send(out, {"hello": 1, "root": end.root, "python": sys.version.split()[0]})
+    out.flush()
+    bucket = TokenBucket(opts["bwlimit"]) if opts.get("bwlimit") else None
+    while True:
+        try:
+            req = recv(inp)
+        except EOFError:
+            break
+        op = req.get("op")
+        try:
+            if op == "plan":
+                statuses, info = end.plan(req["entries"], req.get("check", "stat"))
+                send(out, {"statuses": statuses, "info": info})
+            elif op == "put":
+                _serve_put(end, req, inp, out)
+            elif op == "flush":
+                end.flush()
+                send(out, {"flushed": end.take_renamed()})
+            elif op == "commit":
+                end.commit(req.get("manifest"), req.get("name", "manifest.json"))
+                send(out, {"committed": True})
+            elif op == "get":
+                _serve_get(end, req, out, bucket)
+            elif op == "bye":
+                break
+            else:
+                send(out, {"error": f"unknown op {op!r}", "kind": "runtime"})
+        except StageError as e:
+            send(out, {"error": str(e), "kind": e.kind, "path": req.get("path")})
+        except OSError as e:
+            send(
+                out, {"error": "{}: {}".format(req.get("path") or root, e), "kind": "runtime", "path": req.get("path")}
+            )
+        out.flush()
+    if role == "sink":
+        end.flush()
+        end.close()
+
+
+def _serve_put(sink, req, inp, out):
+    entry = (req["path"], req["size"], req["mtime_ns"], req["hash"])
+    left = req["n"]
+    writer = None
+    error = None
+    try:
+        writer = sink.begin(entry, req.get("offset", 0))
+    except (StageError, OSError) as e:
+        error = e
+    while left:
+        data = inp.read(min(BLOCK, left))
+        if not data:
+            if writer is not None:
+                writer.abort()
+            raise EOFError(f"the stream ended inside {entry[0]}")
+        left -= len(data)
+        if writer is not None and error is None:
+            try:
+                writer.write(data)
+            except OSError as e:
+                error = e
+                writer.abort()
+    if error is None:
+        try:
+            writer.finish()
+        except (StageError, OSError) as e:
+            error = e
+    if error is not None:
+        kind = getattr(error, "kind", "runtime")
+        send(out, {"path": entry[0], "error": str(error), "kind": kind})
+    else:
+        send(out, {"path": entry[0], "ok": True, "renamed": sink.take_renamed()})
+
+
+class Desync(Exception):
+    """The stream cannot continue (a file changed while being sent): the agent exits; a rerun resumes."""
+
+
+def _serve_get(source, req, out, bucket):
+    fd = source.open(req["path"])
+    try:
+        size = os.fstat(fd).st_size
+        offset = req.get("offset", 0)
+        send(out, {"path": req["path"], "n": max(0, size - offset), "size": size})
+        try:
+            stream_file(fd, offset, size, out, bucket)
+        except (StageError, OSError) as e:
+            raise Desync("{}: {}".format(req["path"], e)) from None
+    finally:
+        os.close(fd)
+
+
+def main(argv):
+    """`python3 -c <bootstrap> ROLE ROOT OPTIONS_JSON`: serve one stream on stdin/stdout."""
+    role, root, opts = argv[1], argv[2], json.loads(argv[3])
+    inp = sys.stdin.buffer
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but the protocol on stdout
+    serve(role, root, opts, inp, out)
+    out.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,575 @@
+"""Staging: copy what a manifest lists from one endpoint to another; only what is missing or differs, each file
+verified by hash before it takes its name, resumable, in parallel streams. Guide: docs/staging.md.
+
+Endpoints are local (or shared-filesystem) paths and `ssh://[user@]host[:port]/path`. For ssh, each stream is
+one `ssh host python3 -c ...` process running hpcscale.xsite.agent, whose source travels over the connection,
+so the other site needs only python3. This module is also the library the cross-site rounds use to move
+model contributions (`stage_files`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from hpcscale.data.manifest import Manifest
+from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
+from hpcscale.util.progress import Progress
+from hpcscale.xsite import agent
+from hpcscale.xsite.agent import BLOCK, Sink, Source, StageError, TokenBucket
+
+log = logging.getLogger("hpcscale.stage")
+
+# Executed by the remote python3: read the agent's source (length line, then text) from stdin and run it.
+BOOT = "import sys;n=int(sys.stdin.buffer.readline());exec(compile(sys.stdin.buffer.read(n),'hpcscale-agent','exec'))"
+WINDOW = 8  # get requests in flight per pull stream
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    kind: str  # "local" or "ssh"
+    path: str
+    host: str = ""
+    user: str = ""
+    port: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "local":
+            return self.path
+        user = f"{self.user}@" if self.user else ""
+        port = f":{self.port}" if self.port else ""
+        return f"ssh://{user}{self.host}{port}{self.path}"
+
+
+def parse_endpoint(text: str, what: str = "endpoint") -> Endpoint:
+    """A local path, or ssh://[user@]host[:port]/path (a path starting /~/ is relative to the remote home)."""
+    if text.startswith("ssh://"):
+        u = urlsplit(text)
+        try:
+            port = u.port
+        except ValueError:
+            raise BadInput(f"{what}: '{text}': the port is not a number") from None
+        if not u.hostname or not u.path or u.path == "/":
+            raise BadInput(f"{what}: '{text}': expected ssh://[user@]host[:port]/path")
+        path = unquote(u.path)
+        if path.startswith("/~"):
+            path = path[1:]
+        return Endpoint("ssh", path, u.hostname, u.username or "", port)
+    if "://" in text:
+        raise BadInput(f"{what}: '{text}': unknown scheme (use a local path or ssh://host/path)")
+    return Endpoint("local", os.path.abspath(os.path.expanduser(text)))
+
+
+@dataclass(slots=True)
+class StageOptions:
+    jobs: int = 4
+    check: str = "stat"  # how files already at the destination are proven: "stat" (record) or "hash"
+    bwlimit: float | None = None  # bytes per second, all streams together
+    dry_run: bool = False
+    sync: bool = True  # syncfs each batch before renaming it into place
+    ssh: Sequence[str] = ("ssh",)
+    remote_python: str = "python3"
+
+
+@dataclass(slots=True)
+class StageResult:
+    source: str
+    destination: str
+    hash_algorithm: str
+    files: int = 0
+    bytes_total: int = 0
+    up_to_date: int = 0
+    proven_by_hash: int = 0  # of up_to_date: hashed at the destination in this run (no record, or --check hash)
+    sent: int = 0
+    resumed: int = 0
+    bytes_sent: int = 0
+    verified: int = 0  # files whose hash was checked in this run (sent + proven_by_hash)
+    failed: list[dict] = field(default_factory=list)
+    would_send: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    committed: bool = False
+    seconds: float = 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_sent / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["mb_per_s"] = round(self.mb_per_s, 2)
+        doc["seconds"] = round(self.seconds, 3)
+        doc["skipped"] = self.up_to_date
+        return doc
+
+
+class _Run:
+    """Shared state of one stage: the result, its lock, the first fatal error."""
+
+    def __init__(self, result: StageResult, progress: Progress, bucket: TokenBucket | None):
+        self.result = result
+        self.progress = progress
+        self.bucket = bucket
+        self.lock = threading.Lock()
+        self.fatal: BaseException | None = None
+        self.stop = threading.Event()
+
+    def ok(self, resumed: bool) -> None:
+        with self.lock:
+            self.result.sent += 1
+            self.result.verified += 1
+            self.result.resumed += int(resumed)
+        self.progress.advance(files=1)
+
+    def sent_bytes(self, n: int) -> None:
+        with self.lock:
+            self.result.bytes_sent += n
+        self.progress.advance(nbytes=n)
+
+    def fail(self, path: str | None, message: str, kind: str) -> None:
+        with self.lock:
+            self.result.failed.append({"path": path, "error": message, "kind": kind})
+        if kind == "input" or path is None:
+            self.abort(_error(message, kind))
+
+    def abort(self, e: BaseException) -> None:
+        with self.lock:
+            if self.fatal is None:
+                self.fatal = e
+        self.stop.set()
+
+
+def _error(message: str, kind: str) -> Exception:
+    return {"input": BadInput, "verify": VerificationFailure}.get(kind, RuntimeFailure)(message)
+
+
+class Channel:
+    """One ssh stream to an agent on the remote host."""
+
+    def __init__(self, ep: Endpoint, role: str, agent_opts: dict, opts: StageOptions):
+        self.ep = ep
+        remote = shlex.join([opts.remote_python, "-c", BOOT, role, ep.path, json.dumps(agent_opts)])
+        cmd = [*opts.ssh]
+        if ep.port:
+            cmd += ["-p", str(ep.port)]
+        if ep.user:
+            cmd += ["-l", ep.user]
+        cmd += [ep.host, remote]
+        log.debug("run: %s", shlex.join(cmd))
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+        try:
+            self.p = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=1 << 20
+            )
+        except FileNotFoundError:
+            raise RuntimeFailure(f"{cmd[0]}: command not found (set --ssh)") from None
+        self.w = self.p.stdin
+        self.r = self.p.stdout
+        source = Path(agent.__file__).read_bytes()
+        try:
+            self.w.write(b"%d\n" % len(source) + source)
+            self.w.flush()
+            hello = agent.recv(self.r)
+        except (OSError, EOFError):
+            raise self.broken("could not start the staging agent") from None
+        if "error" in hello:
+            self.close()
+            raise _error(f"{ep}: {hello['error']}", hello.get("kind", "runtime"))
+
+    def stderr_tail(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-2000:].decode(errors="replace").strip()
+
+    def broken(self, what: str) -> RuntimeFailure:
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        tail = self.stderr_tail()
+        return RuntimeFailure(
+            f"{self.ep}: {what} (ssh exit {self.p.returncode}){': ' + tail if tail else ''}; "
+            "rerun the same command to resume"
+        )
+
+    def call(self, header: dict) -> dict:
+        try:
+            agent.send(self.w, header)
+            self.w.flush()
+            reply = agent.recv(self.r)
+        except (OSError, EOFError):
+            raise self.broken(f"the connection broke during '{header.get('op')}'") from None
+        if "error" in reply:
+            raise _error(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
+        return reply
+
+    def close(self) -> None:
+        try:
+            agent.send(self.w, {"op": "bye"})
+            self.w.close()
+        except OSError:
+            pass
+        try:
+            self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self.stderr.close()
+
+
+def _open_channels(ep: Endpoint, role: str, agent_opts: dict, opts: StageOptions, n: int) -> list[Channel]:
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(Channel, ep, role, agent_opts, opts) for _ in range(n)]
+        channels, error = [], None
+        for f in futures:
+            try:
+                channels.append(f.result())
+            except Exception as e:
+                error = error or e
+    if error is not None:
+        for c in channels:
+            c.close()
+        raise error
+    return channels
+
+
+def stage(
+    manifest: Manifest,
+    manifest_text: str | None,
+    src: Endpoint,
+    dst: Endpoint,
+    opts: StageOptions,
+    progress: Progress | None = None,
+) -> StageResult:
+    """Copy `manifest`'s files from src to dst. Writes `manifest_text` as dst/manifest.json last, when every file
+    is in place. Raises BadInput (2), VerificationFailure (3) or RuntimeFailure (1) after doing what it could;
+    the result so far is attached to the error as `.result`."""
+    if src.kind == "ssh" and dst.kind == "ssh":
+        raise BadInput("stage: one side must be local (run hpcscale stage on one of the two hosts)")
+    if opts.check not in ("stat", "hash"):
+        raise BadInput(f"--check: '{opts.check}' is not stat or hash")
+    if manifest_text is not None and any(f.path == "manifest.json" for f in manifest.files):
+        manifest_text = None  # the tree has its own file of that name; never overwrite it with ours
+    entries = [[f.path, f.size, f.mtime_ns, f.hash] for f in manifest.files]
+    result = StageResult(str(src), str(dst), manifest.hash_algorithm, dry_run=opts.dry_run)
+    result.files = len(entries)
+    result.bytes_total = sum(f.size for f in manifest.files)
+    run = _Run(result, progress or Progress(), TokenBucket(opts.bwlimit) if opts.bwlimit else None)
+    t0 = time.perf_counter()
+    try:
+        if dst.kind == "ssh":
+            _push(entries, manifest_text, Source(src.path), dst, opts, run, manifest.hash_algorithm)
+        else:
+            sink = Sink(dst.path, manifest.hash_algorithm, dry_run=opts.dry_run, sync=opts.sync, jobs=opts.jobs)
+            try:
+                if src.kind == "ssh":
+                    _pull(entries, manifest_text, src, sink, opts, run)
+                else:
+                    _local(entries, manifest_text, Source(src.path), sink, opts, run)
+            finally:
+                sink.close()
+    except StageError as e:
+        run.abort(_error(str(e), e.kind))
+    except OSError as e:
+        run.abort(RuntimeFailure(str(e)))
+    except (BadInput, VerificationFailure, RuntimeFailure) as e:
+        run.abort(e)
+    result.seconds = time.perf_counter() - t0
+    error = run.fatal
+    if error is None and result.failed:
+        verify = [f for f in result.failed if f["kind"] == "verify"]
+        lines = "\n  ".join(f"{f['path']}: {f['error']}" for f in result.failed)
+        cls = VerificationFailure if len(verify) == len(result.failed) else RuntimeFailure
+        error = cls(f"{len(result.failed)} of {result.files} files failed (rerun to retry):\n  {lines}")
+    if error is not None:
+        error.result = result  # type: ignore[attr-defined]
+        raise error
+    return result
+
+
+def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> list[tuple[list, int]]:
+    r = run.result
+    todo = []
+    for entry, status in zip(entries, statuses, strict=True):
+        if status < 0:
+            r.up_to_date += 1
+        else:
+            todo.append((entry, status))
+    r.proven_by_hash = info.get("proven", 0)
+    r.verified += r.proven_by_hash
+    r.would_send = [e[0] for e, _ in todo]
+    todo.sort(key=lambda t: t[0][1] - t[1], reverse=True)  # largest first: streams finish together
+    run.progress.start(len(todo), sum(e[1] - off for e, off in todo))
+    return todo
+
+
+def _copy(fd: int, offset: int, size: int, writer, run: _Run) -> None:
+    pos = offset
+    while pos < size:
+        data = os.pread(fd, min(BLOCK, size - pos), pos)
+        if not data:
+            raise StageError(f"{writer.path}: the source shrank while being read", "verify")
+        if run.bucket is not None:
+            run.bucket.take(len(data))
+        writer.write(data)
+        pos += len(data)
+        run.sent_bytes(len(data))
+
+
+def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOptions, run: _Run) -> None:
+    statuses, info = sink.plan(entries, opts.check)
+    todo = _apply_plan(entries, statuses, info, run)
+    if opts.dry_run:
+        return
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    for item in todo:
+        work.put(item)
+
+    def worker() -> None:
+        while not run.stop.is_set():
+            try:
+                entry, offset = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fd = source.open(entry[0])
+                try:
+                    w = sink.begin(tuple(entry), offset)
+                    try:
+                        _copy(fd, offset, entry[1], w, run)
+                    except BaseException:
+                        w.abort()
+                        raise
+                    w.finish()
+                finally:
+                    os.close(fd)
+            except StageError as e:
+                run.fail(entry[0], str(e), e.kind)
+                continue
+            except OSError as e:
+                run.fail(entry[0], str(e), "runtime")
+                continue
+            run.ok(offset > 0)
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(opts.jobs, len(todo))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sink.flush()
+    if run.fatal is None and not run.result.failed:
+        sink.commit(manifest_text)
+        run.result.committed = True
+
+
+def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOptions, run: _Run, algorithm) -> None:
+    agent_opts = {"algorithm": algorithm, "dry_run": opts.dry_run, "sync": opts.sync, "jobs": opts.jobs}
+    n = max(1, opts.jobs)
+    first = _open_channels(dst, "sink", agent_opts, opts, 1)
+    reply = first[0].call({"op": "plan", "entries": entries, "check": opts.check})
+    todo = _apply_plan(entries, reply["statuses"], reply.get("info", {}), run)
+    channels = first
+    try:
+        if opts.dry_run or not todo:
+            if not opts.dry_run:
+                first[0].call({"op": "commit", "manifest": manifest_text})
+                run.result.committed = True
+            return
+        more = min(n, len(todo)) - 1
+        if more > 0:
+            channels = first + _open_channels(dst, "sink", agent_opts, opts, more)
+        work: queue.SimpleQueue = queue.SimpleQueue()
+        for item in todo:
+            work.put(item)
+        threads = []
+        for ch in channels:
+            inflight: dict[str, int] = {}
+            threads.append(threading.Thread(target=_push_sender, args=(ch, work, source, run, inflight), daemon=True))
+            threads.append(threading.Thread(target=_push_receiver, args=(ch, run, inflight), daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if run.fatal is None and not run.result.failed:
+            channels[0].call({"op": "commit", "manifest": manifest_text})
+            run.result.committed = True
+    finally:
+        for ch in channels:
+            ch.close()
+
+
+def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run, inflight: dict) -> None:
+    try:
+        while not run.stop.is_set():
+            try:
+                entry, offset = work.get_nowait()
+            except queue.Empty:
+                break
+            path, size, mtime, digest = entry
+            try:
+                fd = source.open(path)
+            except StageError as e:
+                run.fail(path, str(e), e.kind)
+                continue
+            try:
+                inflight[path] = offset
+                hdr = {"op": "put", "path": path, "size": size, "mtime_ns": mtime, "hash": digest}
+                agent.send(ch.w, {**hdr, "offset": offset, "n": size - offset})
+                pos = offset
+                while pos < size:
+                    data = os.pread(fd, min(BLOCK, size - pos), pos)
+                    if not data:  # keep the stream in step: pad; the agent's hash check rejects the file
+                        data = bytes(min(BLOCK, size - pos))
+                    if run.bucket is not None:
+                        run.bucket.take(len(data))
+                    ch.w.write(data)
+                    pos += len(data)
+                    run.sent_bytes(len(data))
+            finally:
+                os.close(fd)
+        agent.send(ch.w, {"op": "flush"})
+        ch.w.flush()
+    except OSError:
+        run.abort(ch.broken("the connection broke while sending"))
+
+
+def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
+    while True:
+        try:
+            msg = agent.recv(ch.r)
+        except (OSError, EOFError):
+            if not run.stop.is_set():
+                run.abort(ch.broken("the connection broke while receiving acknowledgements"))
+            return
+        if "flushed" in msg:
+            return
+        path = msg.get("path")
+        if "error" in msg:
+            run.fail(path, msg["error"], msg.get("kind", "runtime"))
+            if path is None:
+                return
+        elif msg.get("ok"):
+            run.ok(inflight.pop(path, 0) > 0)
+
+
+def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run) -> None:
+    statuses, info = sink.plan(entries, opts.check)
+    todo = _apply_plan(entries, statuses, info, run)
+    if opts.dry_run:
+        return
+    if todo:
+        n = max(1, min(opts.jobs, len(todo)))
+        per_stream = opts.bwlimit / n if opts.bwlimit else None
+        channels = _open_channels(src, "source", {"bwlimit": per_stream}, opts, n)
+        try:
+            work: queue.SimpleQueue = queue.SimpleQueue()
+            for item in todo:
+                work.put(item)
+            threads = []
+            for ch in channels:
+                pending: queue.SimpleQueue = queue.SimpleQueue()
+                window = threading.Semaphore(WINDOW)
+                threads.append(threading.Thread(target=_pull_sender, args=(ch, work, run, pending, window)))
+                threads.append(threading.Thread(target=_pull_receiver, args=(ch, sink, run, pending, window)))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for ch in channels:
+                ch.close()
+    sink.flush()
+    if run.fatal is None and not run.result.failed:
+        sink.commit(manifest_text)
+        run.result.committed = True
+
+
+def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue.SimpleQueue, window):
+    try:
+        while not run.stop.is_set():
+            try:
+                item = work.get_nowait()
+            except queue.Empty:
+                break
+            window.acquire()
+            if run.stop.is_set():
+                break
+            pending.put(item)
+            entry, offset = item
+            agent.send(ch.w, {"op": "get", "path": entry[0], "offset": offset})
+            ch.w.flush()
+    except OSError:
+        run.abort(ch.broken("the connection broke while sending requests"))
+    finally:
+        pending.put(None)  # tells the receiver that no more requests come
+
+
+def _pull_receiver(ch: Channel, sink: Sink, run: _Run, pending: queue.SimpleQueue, window) -> None:
+    while True:
+        item = pending.get()
+        if item is None:
+            return
+        entry, offset = item
+        try:
+            msg = agent.recv(ch.r)
+            if "error" in msg:
+                run.fail(entry[0], msg["error"], msg.get("kind", "runtime"))
+                window.release()
+                continue
+            left = msg["n"]
+            if msg.get("size") != entry[1] or left != entry[1] - offset:
+                run.fail(entry[0], f"the source holds {msg.get('size')} bytes, the manifest says {entry[1]}", "verify")
+                w = None
+            else:
+                try:
+                    w = sink.begin(tuple(entry), offset)
+                except (StageError, OSError) as e:
+                    run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
+                    w = None
+            while left:
+                data = ch.r.read(min(BLOCK, left))
+                if not data:
+                    if w is not None:
+                        w.abort()
+                    raise EOFError
+                left -= len(data)
+                run.sent_bytes(len(data))
+                if w is not None:
+                    w.write(data)
+            if w is not None:
+                try:
+                    w.finish()
+                    run.ok(offset > 0)
+                except (StageError, OSError) as e:
+                    run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
+            window.release()
+        except (OSError, EOFError):
+            if not run.stop.is_set():
+                run.abort(ch.broken("the connection broke while receiving"))
+            window.release()  # the sender must never wait on the window of a dead stream
+            return
+
+
+def stage_files(
+    manifest: Manifest, src: str, dst: str, *, opts: StageOptions | None = None, progress: Progress | None = None
+) -> StageResult:
+    """Library entry point (cross-site rounds): stage `manifest`'s files from `src` to `dst` (paths or URLs)."""
+    text = json.dumps(manifest.to_json(), indent=1) + "\n"
+    return stage(
+        manifest,
+        text,
+        parse_endpoint(src, "source"),
+        parse_endpoint(dst, "destination"),
+        opts or StageOptions(),
+        progress,
+    )

@@ -1,0 +1,104 @@
+"""A real OpenSSH server on the loopback interface with throwaway keys, for the ssh transport's tests and bench.
+
+It runs as the current user (root in CI) from Debian's openssh-server, with its own host key, authorized key,
+config and pid file under `workdir`, on a port the kernel picks; `stop()` kills only it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SSHD = "/usr/sbin/sshd"
+
+
+def available() -> bool:
+    return os.path.exists(SSHD) and shutil.which("ssh") is not None and shutil.which("ssh-keygen") is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackSshd:
+    def __init__(self, workdir: Path):
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> LoopbackSshd:
+        d = self.dir
+        for name in ("host_key", "client_key"):
+            if not (d / name).exists():
+                subprocess.run(
+                    ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True, capture_output=True
+                )
+        (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
+        os.chmod(d / "authorized_keys", 0o600)
+        Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation directory Debian's sshd insists on
+        self.port = _free_port()
+        (d / "sshd_config").write_text(
+            f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\n"
+            f"AuthorizedKeysFile {d / 'authorized_keys'}\nPidFile {d / 'sshd.pid'}\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
+            "PermitRootLogin prohibit-password\nMaxStartups 64\nMaxSessions 64\nLogLevel ERROR\n"
+            "AcceptEnv none\nSubsystem sftp internal-sftp\n"
+        )
+        self.proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
+            stdout=subprocess.DEVNULL,
+            stderr=open(d / "sshd.log", "ab"),  # noqa: SIM115 - sshd holds it until stop()
+        )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sshd exited: {(d / 'sshd.log').read_text()[-1000:]}")
+            probe = subprocess.run([*self.ssh_command(), "-p", str(self.port), "127.0.0.1", "true"], capture_output=True)
+            if probe.returncode == 0:
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"sshd on port {self.port} did not accept a login: {probe.stderr.decode()[-500:]}")
+
+    def ssh_command(self) -> list[str]:
+        """ssh with the throwaway key, no host-key prompt, no agent or user config: usable as rsync -e."""
+        return [
+            "ssh",
+            "-F",
+            "/dev/null",
+            "-i",
+            str(self.dir / "client_key"),
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            f"UserKnownHostsFile={self.dir / 'known_hosts'}",
+            "-o",
+            "LogLevel=ERROR",
+        ]
+
+    def ssh_string(self) -> str:
+        """The ssh command for `--ssh` or `rsync -e`, including the port."""
+        return shlex.join([*self.ssh_command(), "-p", str(self.port)])
+
+    def url(self, path: str | os.PathLike) -> str:
+        return f"ssh://127.0.0.1:{self.port}{os.path.abspath(path)}"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
