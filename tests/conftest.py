@@ -80,3 +80,17 @@ def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 240) -> str:
             return state
         time.sleep(1)
     raise AssertionError(f"job {job_id} still {state} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 with throwaway keys (tests/helpers/sshd.py), stopped at the end."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from sshd import LoopbackSshd, available
+
+    need(available(), "sshd and ssh (apt-get install openssh-server openssh-client)")
+    server = LoopbackSshd(tmp_path_factory.mktemp("sshd")).start()
+    yield server
+    server.stop()

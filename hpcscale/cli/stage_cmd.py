@@ -179,7 +179,10 @@ def parse_rate(text: str | None) -> float | None:
 )
 @click.option("--bwlimit", metavar="RATE", help="Bandwidth limit for all streams together, e.g. 100M (bytes/s).")
 @click.option(
-    "--no-sync", is_flag=True, help="Do not flush each batch to disk before renaming it into place (faster, less safe)."
+    "--no-sync",
+    is_flag=True,
+    help="Skip the syncfs before DST's manifest is written: faster; a crash may then leave a manifest whose "
+    "data never reached the disk.",
 )
 @click.option(
     "--ssh",

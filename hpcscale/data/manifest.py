@@ -62,7 +62,7 @@ class Manifest:
             "format": FORMAT,
             "version": VERSION,
             "hash_algorithm": self.hash_algorithm,
-            "files": [asdict(f) for f in self.files],
+            "files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns, "hash": f.hash} for f in self.files],
         }
         if self.dataset is not None:
             doc["dataset"] = {"kind": "tokens", **asdict(self.dataset)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,16 +94,11 @@ def scan(root: Path, exclude: set[str]) -> tuple[list[tuple[str, os.stat_result]
 def _hash_one(root: str, rel: str, algorithm: str, progress: Progress) -> str:
     fd = os.open(os.path.join(root, rel), os.O_RDONLY)
     try:
-        h = hasher(algorithm)
-        buf = bytearray(agent.BLOCK)
-        view = memoryview(buf)
-        while n := os.readv(fd, [buf]):
-            h.update(view[:n])
-            progress.advance(nbytes=n)
+        digest, _ = agent.hash_fd(fd, algorithm, on_bytes=lambda n: progress.advance(nbytes=n))
     finally:
         os.close(fd)
     progress.advance(files=1)
-    return h.hexdigest()
+    return digest
 
 
 def build(
@@ -150,11 +144,12 @@ def build(
     stats.hashed = len(todo)
     stats.hashed_bytes = sum(listing[i][1].st_size for i in todo)
     progress.start(len(todo), stats.hashed_bytes)
-    with ThreadPoolExecutor(jobs or default_jobs()) as pool:
-        digests = pool.map(lambda i: _hash_one(str(root), listing[i][0], algorithm, progress), todo, chunksize=16)
-        for i, digest in zip(todo, digests, strict=True):
-            rel, st = listing[i]
-            entries[i] = FileEntry(rel, st.st_size, st.st_mtime_ns, digest)
+    digests = agent.parallel_map(
+        lambda i: _hash_one(str(root), listing[i][0], algorithm, progress), todo, jobs or default_jobs()
+    )
+    for i, digest in zip(todo, digests, strict=True):
+        rel, st = listing[i]
+        entries[i] = FileEntry(rel, st.st_size, st.st_mtime_ns, digest)
     files = [e for e in entries if e is not None]
     dataset = _refresh_dataset(previous, {f.path: f for f in files}, out) if previous else None
     manifest = Manifest(algorithm, files, dataset, previous.meta if previous else {})
@@ -267,11 +262,12 @@ def verify(
         progress.advance(files=1, nbytes=f.size)
         return None if digest == f.hash else f"hash {digest}, manifest says {f.hash}"
 
-    with ThreadPoolExecutor(jobs or default_jobs()) as pool:
-        for f, problem in zip(manifest.files, pool.map(check, manifest.files), strict=True):
-            if problem is None:
-                report.ok += 1
-            else:
-                report.problems.append({"path": f.path, "problem": problem})
+    for f, problem in zip(
+        manifest.files, agent.parallel_map(check, manifest.files, jobs or default_jobs()), strict=True
+    ):
+        if problem is None:
+            report.ok += 1
+        else:
+            report.problems.append({"path": f.path, "problem": problem})
     report.seconds = time.perf_counter() - t0
     return report

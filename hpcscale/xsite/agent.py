@@ -7,11 +7,16 @@ standard library). Hence: standard library only, no hpcscale imports, nothing ne
 
 Guarantees the Sink keeps (docs/staging.md):
 - a file appears under its final name only after every byte of it has been hashed and the hash matched the
-  manifest, and after its data was flushed to disk (one syncfs per batch of files, then the renames);
+  manifest (it is written as a part file, then renamed);
+- the destination's manifest and record are written last, after one syncfs of the whole destination
+  filesystem: a destination with a manifest holds the data durably (unless --no-sync);
 - an interrupted transfer leaves `.NAME.HASH16.hpcscale-part` files that a rerun continues from where they end;
 - nothing is written through a symlink: a destination directory that is a symlink is refused;
-- `.hpcscale-stage/` at the destination root records what was verified there (size, mtime, ctime, inode and
-  hash of each file), so a rerun can trust files whose stat is unchanged without reading them again.
+- `.hpcscale-stage/verified.json` at the destination root records what was verified there (size, mtime, ctime,
+  inode and hash of each file) when a transfer completed, so a rerun trusts files whose stat is unchanged
+  without reading them. Files put in place by a transfer that did not complete are journalled but not
+  trusted: a rerun hashes them (a local read) before skipping them, since without the final syncfs their data
+  may not have reached the disk.
 """
 
 import contextlib
@@ -25,17 +30,12 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 STATE_DIR = ".hpcscale-stage"
 RECORD = "verified.json"
 PART_SUFFIX = ".hpcscale-part"
 BLOCK = 4 << 20
 HASH_ALGORITHMS = ("xxh128", "sha256", "blake3")
-# A batch is renamed into place after one syncfs; bounded so a kill loses little and acks stay timely.
-BATCH_FILES = 1024
-BATCH_BYTES = 512 << 20
-BATCH_SECONDS = 2.0
 
 
 class StageError(Exception):
@@ -84,20 +84,80 @@ def check_relpath(path):
     return None
 
 
-def hash_fd(fd, algorithm, limit=None, buf=None):
-    """Hash `limit` bytes (all, if None) of an open file from its start."""
-    h = hasher(algorithm)
-    buf = buf or bytearray(BLOCK)
+_tls = threading.local()
+SMALL = 256 << 10  # below this, one pread of the whole rest: no buffer to fill
+
+
+def blocks(fd, start=0, end=None):
+    """The bytes of fd from `start` to `end` (EOF if None), as views of one reused per-thread buffer (a new
+    4 MiB buffer per file would cost more than reading a small file)."""
+    if end is None:
+        end = os.fstat(fd).st_size
+    if end - start <= SMALL:
+        data = os.pread(fd, end - start, start)
+        if data:
+            yield data
+        return
+    buf = getattr(_tls, "buf", None)
+    if buf is None:
+        buf = _tls.buf = bytearray(BLOCK)
     view = memoryview(buf)
-    pos = 0
-    while limit is None or pos < limit:
-        want = len(buf) if limit is None else min(len(buf), limit - pos)
-        n = os.preadv(fd, [view[:want]], pos)
+    pos = start
+    while pos < end:
+        n = os.preadv(fd, [view[: min(BLOCK, end - pos)]], pos)
         if n == 0:
-            break
-        h.update(view[:n])
+            return
+        yield view[:n]
         pos += n
-    return h.hexdigest(), pos
+
+
+def hash_fd(fd, algorithm, limit=None, on_bytes=None):
+    """(hex digest, bytes hashed) of the first `limit` bytes (all, if None) of an open file."""
+    h = hasher(algorithm)
+    n = 0
+    for block in blocks(fd, 0, limit):
+        h.update(block)
+        n += len(block)
+        if on_bytes is not None:
+            on_bytes(len(block))
+    return h.hexdigest(), n
+
+
+def parallel_map(fn, items, jobs, batch=32):
+    """[fn(x) for x in items] on `jobs` threads, each taking runs of `batch` neighbouring items (so reads stay
+    near-sequential) from a shared cursor; the first exception is re-raised. Lighter than an executor's
+    future per item, which costs more than hashing a small file."""
+    items = list(items)
+    out = [None] * len(items)
+    jobs = max(1, min(jobs, (len(items) + batch - 1) // batch))
+    if jobs == 1:
+        return [fn(x) for x in items]
+    lock = threading.Lock()
+    cursor = [0]
+    errors = []
+
+    def work():
+        while not errors:
+            with lock:
+                start = cursor[0]
+                cursor[0] += batch
+            if start >= len(items):
+                return
+            for j in range(start, min(start + batch, len(items))):
+                try:
+                    out[j] = fn(items[j])
+                except BaseException as e:
+                    errors.append(e)
+                    return
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 def _within(path, root):
@@ -193,15 +253,10 @@ class Writer:
         self.n = offset
 
     def _hash_prefix(self, offset):
-        buf = bytearray(BLOCK)
-        view = memoryview(buf)
         pos = 0
-        while pos < offset:
-            n = os.preadv(self.fd, [view[: min(len(buf), offset - pos)]], pos)
-            if n == 0:
-                break
-            self.h.update(view[:n])
-            pos += n
+        for block in blocks(self.fd, 0, offset):
+            self.h.update(block)
+            pos += len(block)
         os.lseek(self.fd, pos, os.SEEK_SET)
         return None, pos
 
@@ -257,10 +312,6 @@ class Sink:
         self.root = os.path.realpath(root)
         self._dirs = set()  # reldirs known to be real directories (not symlinks) under root
         self._lock = threading.Lock()
-        self._flush_lock = threading.Lock()
-        self._pending = []
-        self._pending_bytes = 0
-        self._pending_since = None
         self._journal = None
         self.renamed = []  # paths put in place since the last take_renamed()
 
@@ -306,8 +357,9 @@ class Sink:
         return f"{part_prefix}.{digest[:16]}{PART_SUFFIX}"
 
     # -- records ----------------------------------------------------------------------------------------
-    def load_records(self):
-        """{path: [size, mtime_ns, ctime_ns, ino, hash]} of what this destination verified, for our algorithm."""
+    def load_records(self, committed_only=False):
+        """({path: [size, mtime_ns, ctime_ns, ino, hash]} of what this destination verified with our algorithm,
+        whether journals were found). committed_only: the record of completed transfers, no journals."""
         state = os.path.join(self.root, STATE_DIR)
         records = {}
         try:
@@ -318,11 +370,13 @@ class Sink:
         except (OSError, ValueError, AttributeError):
             pass
         try:
-            names = sorted(os.listdir(state))
+            names = [] if committed_only else sorted(os.listdir(state))
         except OSError:
             names = []
+        journals = False
         for name in names:
             if name.startswith("journal-") and name.endswith(".jsonl"):
+                journals = True
                 with open(os.path.join(state, name)) as f:
                     for line in f:
                         try:
@@ -331,7 +385,7 @@ class Sink:
                             continue  # a line cut short by a kill
                         if alg == self.algorithm:
                             records[path] = rec
-        return records
+        return records, journals
 
     def _record_line(self, path, st, digest):
         if self._journal is None:
@@ -349,10 +403,21 @@ class Sink:
         check='stat': trust the record when size, mtime, ctime and inode are unchanged; other files of the
         right size are hashed. check='hash': hash every file that is there.
         Returns (statuses, {"hashed": files hashed here, "hashed_bytes": n, "parts": parts completed})."""
-        records = self.load_records() if check == "stat" else {}
+        records = self.load_records(committed_only=True)[0] if check == "stat" else {}
         todo = []  # (index, path, final, kind): files to hash
         statuses = [0] * len(entries)
+        absent = set()  # directories that do not exist: nothing in them to stat
         for i, (rel, size, _mtime, digest) in enumerate(entries):
+            reldir = rel.rpartition("/")[0]
+            if reldir in absent:
+                if check_relpath(rel):
+                    raise StageError(check_relpath(rel), "input")
+                continue
+            if reldir and reldir not in self._dirs and not self._check_dir(reldir, False):
+                absent.add(reldir)
+                if check_relpath(rel):
+                    raise StageError(check_relpath(rel), "input")
+                continue
             final, part_prefix = self.paths(rel)
             try:
                 st = os.lstat(final)
@@ -400,25 +465,24 @@ class Sink:
                 os.close(fd)
             return item, digest, n
 
-        with ThreadPoolExecutor(self.jobs) as pool:
-            for (i, path, kind), digest, n in pool.map(prove, todo):
-                info["hashed"] += 1
-                info["hashed_bytes"] += n
-                rel, size, mtime, want = entries[i]
-                if digest != want:
-                    continue  # send it again (a stale part is overwritten from offset 0)
-                statuses[i] = -1
-                info["proven"] += 1
-                if self.dry_run:
-                    continue
-                final = self.paths(rel)[0]
-                if kind == "part":
-                    os.utime(path, ns=(mtime, mtime))
-                    self.ready(path, final, (rel, size, mtime, want))
-                    info["parts"] += 1
-                else:
-                    with self._lock:
-                        self._record_line(rel, os.lstat(final), want)
+        for (i, path, kind), digest, n in parallel_map(prove, todo, self.jobs, batch=8):
+            info["hashed"] += 1
+            info["hashed_bytes"] += n
+            rel, size, mtime, want = entries[i]
+            if digest != want:
+                continue  # send it again (a stale part is overwritten from offset 0)
+            statuses[i] = -1
+            info["proven"] += 1
+            if self.dry_run:
+                continue
+            final = self.paths(rel)[0]
+            if kind == "part":
+                os.utime(path, ns=(mtime, mtime))
+                self.ready(path, final, (rel, size, mtime, want))
+                info["parts"] += 1
+            else:
+                with self._lock:
+                    self._record_line(rel, os.lstat(final), want)
         self.flush()
         return statuses, info
 
@@ -429,46 +493,19 @@ class Sink:
         return Writer(self, entry, offset)
 
     def ready(self, part, final, entry):
-        """A verified part file, to be renamed to `final` in the next batch."""
-        flush = False
+        """A verified part file: rename it into place and journal it."""
+        rel, _size, _mtime, digest = entry
+        os.rename(part, final)
+        st = os.lstat(final)  # after the rename: it moves the ctime
         with self._lock:
-            self._pending.append((part, final, entry))
-            self._pending_bytes += entry[1]
-            if self._pending_since is None:
-                self._pending_since = time.monotonic()
-            flush = (
-                len(self._pending) >= BATCH_FILES
-                or self._pending_bytes >= BATCH_BYTES
-                or time.monotonic() - self._pending_since >= BATCH_SECONDS
-            )
-        if flush:
-            self.flush()
+            self._record_line(rel, st, digest)
+            self.renamed.append(rel)
 
     def flush(self):
-        """syncfs, then rename every pending part into place and record it. Returns the paths renamed."""
-        with self._flush_lock:
-            with self._lock:
-                batch, self._pending = self._pending, []
-                self._pending_bytes = 0
-                self._pending_since = None
-            if not batch:
-                return []
-            if self.sync:
-                fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    _syncfs(fd)
-                finally:
-                    os.close(fd)
-            done = []
-            with self._lock:
-                for part, final, (rel, _size, _mtime, digest) in batch:
-                    os.rename(part, final)
-                    self._record_line(rel, os.lstat(final), digest)
-                    done.append(rel)
-                if self._journal is not None:
-                    self._journal.flush()
-                self.renamed.extend(done)
-            return done
+        """Push the journal to the OS (a killed agent loses no line of a file already in place)."""
+        with self._lock:
+            if self._journal is not None:
+                self._journal.flush()
 
     def take_renamed(self):
         with self._lock:
@@ -477,26 +514,48 @@ class Sink:
 
     # -- commit -----------------------------------------------------------------------------------------
     def commit(self, manifest_text=None, name="manifest.json"):
-        """Merge the journals into the record; then write the manifest last, so that a destination with a
-        manifest is a complete, verified copy."""
+        """syncfs; merge the journals into the record; then write the manifest last, so that a destination
+        with a manifest is a complete, verified, durable copy. A rerun that changed nothing writes nothing."""
         self.flush()
         with self._lock:
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
+        if self.sync:
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                _syncfs(fd)
+            finally:
+                os.close(fd)
         state = os.path.join(self.root, STATE_DIR)
-        os.makedirs(state, exist_ok=True)
-        records = self.load_records()
-        _atomic_write(
-            os.path.join(state, RECORD),
-            json.dumps({"hash_algorithm": self.algorithm, "files": records}, separators=(",", ":")),
-        )
-        for n in os.listdir(state):
-            if n.startswith("journal-"):
-                _unlink(os.path.join(state, n))
+        records, journals = self.load_records()
+        if journals:
+            for rel in list(records):  # a journal line of an earlier, killed run may be stale: stat decides
+                try:
+                    st = os.lstat(os.path.join(self.root, rel))
+                except OSError:
+                    del records[rel]
+                    continue
+                if records[rel][:4] != [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]:
+                    del records[rel]
+        if journals or not os.path.exists(os.path.join(state, RECORD)):
+            os.makedirs(state, exist_ok=True)
+            _atomic_write(
+                os.path.join(state, RECORD),
+                json.dumps({"hash_algorithm": self.algorithm, "files": records}, separators=(",", ":")),
+            )
+            for n in os.listdir(state):
+                if n.startswith("journal-"):
+                    _unlink(os.path.join(state, n))
         if manifest_text is not None:
             final, _ = self.paths(name, create=True)
-            _atomic_write(final, manifest_text)
+            try:
+                with open(final) as f:
+                    same = f.read() == manifest_text
+            except OSError:
+                same = False
+            if not same:
+                _atomic_write(final, manifest_text)
 
     def close(self):
         with self._lock:
@@ -549,10 +608,44 @@ def send(out, header, payload=b""):
 
 
 def read_exact(inp, n):
+    """Exactly n bytes, as a bytes object of its own."""
     data = inp.read(n)
-    if data is None or len(data) != n:
-        raise EOFError(f"the stream ended {n - len(data or b'')} bytes short")
-    return data
+    if len(data) == n:
+        return bytes(data)
+    parts = [bytes(data)]
+    got = len(data)
+    while got < n:
+        more = inp.read(n - got)
+        if not more:
+            raise EOFError(f"the stream ended {n - got} bytes short")
+        parts.append(bytes(more))
+        got += len(more)
+    return b"".join(parts)
+
+
+class Input:
+    """A read buffer over a pipe that calls `before_block` (flush the replies) before it waits for input.
+
+    read() returns views of one reused buffer (no allocation per read): use the bytes before the next read."""
+
+    def __init__(self, fd, before_block, size=1 << 20):
+        self.fd = fd
+        self.before_block = before_block
+        self.buf = bytearray(size)
+        self.view = memoryview(self.buf)
+        self.pos = self.end = 0
+
+    def read(self, n):
+        """Up to n bytes (fewer if fewer are buffered); empty at the end of the stream."""
+        if self.pos >= self.end:
+            self.before_block()
+            self.end = os.readv(self.fd, [self.buf])
+            self.pos = 0
+            if not self.end:
+                return b""
+        start = self.pos
+        self.pos = min(self.end, start + n)
+        return self.view[start : self.pos]
 
 
 def recv(inp):
@@ -560,22 +653,21 @@ def recv(inp):
     if not raw:
         raise EOFError("the stream ended")
     if len(raw) != 4:
-        raise EOFError("the stream ended inside a header")
+        raw = bytes(raw) + read_exact(inp, 4 - len(raw))
     (n,) = struct.unpack(">I", raw)
     return json.loads(read_exact(inp, n))
 
 
-def stream_file(fd, offset, size, out, bucket=None, block=BLOCK):
+def stream_file(fd, offset, size, out, bucket=None):
     """Send bytes [offset, size) of fd to out."""
     pos = offset
-    while pos < size:
-        data = os.pread(fd, min(block, size - pos), pos)
-        if not data:
-            raise StageError(f"file shrank while being sent ({pos} of {size} bytes)", "runtime")
+    for data in blocks(fd, offset, size):
         if bucket is not None:
             bucket.take(len(data))
         out.write(data)
         pos += len(data)
+    if pos < size:
+        raise StageError(f"file shrank while being sent ({pos} of {size} bytes)", "runtime")
 
 
 def serve(role, root, opts, inp, out):
@@ -629,10 +721,10 @@ def serve(role, root, opts, inp, out):
         except StageError as e:
             send(out, {"error": str(e), "kind": e.kind, "path": req.get("path")})
         except OSError as e:
-            send(
-                out, {"error": "{}: {}".format(req.get("path") or root, e), "kind": "runtime", "path": req.get("path")}
-            )
-        out.flush()
+            send(out, {"error": f"{req.get('path') or root}: {e}", "kind": "runtime", "path": req.get("path")})
+        # No flush here: replies wait in the buffer until the agent is about to block on input (Input), so
+        # acks of 10k small files cost a few ssh packets, not 10k.
+    out.flush()
     if role == "sink":
         end.flush()
         end.close()
@@ -693,9 +785,11 @@ def _serve_get(source, req, out, bucket):
 def main(argv):
     """`python3 -c <bootstrap> ROLE ROOT OPTIONS_JSON`: serve one stream on stdin/stdout."""
     role, root, opts = argv[1], argv[2], json.loads(argv[3])
-    inp = sys.stdin.buffer
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but the protocol on stdout
+    # Reading the raw fd is safe: the bootstrap's buffered reader holds nothing beyond the source text, because
+    # the other side sends no request before this agent's hello.
+    inp = Input(sys.stdin.fileno(), out.flush)
     serve(role, root, opts, inp, out)
     out.flush()
 

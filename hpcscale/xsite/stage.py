@@ -34,7 +34,7 @@ log = logging.getLogger("hpcscale.stage")
 
 # Executed by the remote python3: read the agent's source (length line, then text) from stdin and run it.
 BOOT = "import sys;n=int(sys.stdin.buffer.readline());exec(compile(sys.stdin.buffer.read(n),'hpcscale-agent','exec'))"
-WINDOW = 8  # get requests in flight per pull stream
+WINDOW = 64  # get requests in flight per pull stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +159,7 @@ class Channel:
 
     def __init__(self, ep: Endpoint, role: str, agent_opts: dict, opts: StageOptions):
         self.ep = ep
-        remote = shlex.join([opts.remote_python, "-c", BOOT, role, ep.path, json.dumps(agent_opts)])
+        remote = shlex.join([*shlex.split(opts.remote_python), "-c", BOOT, role, ep.path, json.dumps(agent_opts)])
         cmd = [*opts.ssh]
         if ep.port:
             cmd += ["-p", str(ep.port)]
@@ -315,15 +315,14 @@ def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> li
 
 def _copy(fd: int, offset: int, size: int, writer, run: _Run) -> None:
     pos = offset
-    while pos < size:
-        data = os.pread(fd, min(BLOCK, size - pos), pos)
-        if not data:
-            raise StageError(f"{writer.path}: the source shrank while being read", "verify")
+    for data in agent.blocks(fd, offset, size):
         if run.bucket is not None:
             run.bucket.take(len(data))
         writer.write(data)
         pos += len(data)
         run.sent_bytes(len(data))
+    if pos < size:
+        raise StageError(f"{writer.path}: the source shrank while being read", "verify")
 
 
 def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOptions, run: _Run) -> None:
@@ -426,15 +425,14 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
                 hdr = {"op": "put", "path": path, "size": size, "mtime_ns": mtime, "hash": digest}
                 agent.send(ch.w, {**hdr, "offset": offset, "n": size - offset})
                 pos = offset
-                while pos < size:
-                    data = os.pread(fd, min(BLOCK, size - pos), pos)
-                    if not data:  # keep the stream in step: pad; the agent's hash check rejects the file
-                        data = bytes(min(BLOCK, size - pos))
+                for data in agent.blocks(fd, offset, size):
                     if run.bucket is not None:
                         run.bucket.take(len(data))
                     ch.w.write(data)
                     pos += len(data)
                     run.sent_bytes(len(data))
+                if pos < size:  # the file shrank: pad to keep the stream in step; the agent's hash check rejects it
+                    ch.w.write(bytes(size - pos))
             finally:
                 os.close(fd)
         agent.send(ch.w, {"op": "flush"})
@@ -501,13 +499,15 @@ def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue
                 item = work.get_nowait()
             except queue.Empty:
                 break
-            window.acquire()
+            if not window.acquire(blocking=False):
+                ch.w.flush()  # requests go out in groups: one ssh packet per window, not per file
+                window.acquire()
             if run.stop.is_set():
                 break
             pending.put(item)
             entry, offset = item
             agent.send(ch.w, {"op": "get", "path": entry[0], "offset": offset})
-            ch.w.flush()
+        ch.w.flush()
     except OSError:
         run.abort(ch.broken("the connection broke while sending requests"))
     finally:

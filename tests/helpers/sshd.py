@@ -39,7 +39,9 @@ class LoopbackSshd:
         for name in ("host_key", "client_key"):
             if not (d / name).exists():
                 subprocess.run(
-                    ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True, capture_output=True
+                    ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)],
+                    check=True,
+                    capture_output=True,
                 )
         (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
         os.chmod(d / "authorized_keys", 0o600)
@@ -61,7 +63,9 @@ class LoopbackSshd:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sshd exited: {(d / 'sshd.log').read_text()[-1000:]}")
-            probe = subprocess.run([*self.ssh_command(), "-p", str(self.port), "127.0.0.1", "true"], capture_output=True)
+            probe = subprocess.run(
+                [*self.ssh_command(), "-p", str(self.port), "127.0.0.1", "true"], capture_output=True
+            )
             if probe.returncode == 0:
                 return self
             time.sleep(0.2)
