@@ -226,10 +226,9 @@ def stage(
       hpcscale stage /data/web/manifest.json --from /data/web --to ssh://dtn.site-b.org/lustre/web --bwlimit 500M
     """
     from hpcscale.util.progress import progress_for
-    from hpcscale.xsite.stage import StageOptions, parse_endpoint
+    from hpcscale.xsite.stage import StageOptions, connect_early, parse_endpoint
     from hpcscale.xsite.stage import stage as run_stage
 
-    path, m = _load(manifest_path)
     opts = StageOptions(
         jobs=jobs,
         check=check,
@@ -240,10 +239,19 @@ def stage(
         remote_python=remote_python,
     )
     source, dest = parse_endpoint(src, "--from"), parse_endpoint(dst, "--to")
+    # ssh comes up (a third of a second) while the manifest is read and checked
+    early = None if dry_run or (source.kind == "ssh" and dest.kind == "ssh") else connect_early(source, dest, opts)
+    try:
+        path, m = _load(manifest_path)
+        text = path.read_text()
+    except BaseException:
+        if early is not None:
+            early.add_done_callback(lambda f: f.exception() is None and f.result().close())
+        raise
     error = None
     with progress_for("staging", as_json) as progress:
         try:
-            result = run_stage(m, path.read_text(), source, dest, opts, progress)
+            result = run_stage(m, text, source, dest, opts, progress, early)
         except Exception as e:
             result = getattr(e, "result", None)
             if result is None:

@@ -227,8 +227,16 @@ def _syncfs(fd):
     os.sync()
 
 
+TMPFILE_MAX = 8 << 20  # smaller files are written as unnamed O_TMPFILE inodes: nothing to resume in them
+
+
 class Writer:
-    """One file arriving at a Sink: bytes are hashed as they are written to the part file."""
+    """One file arriving at a Sink: bytes are hashed as they are written.
+
+    A small new file is written to an unnamed inode (O_TMPFILE) and linked under its name once verified: one
+    directory operation instead of a temporary name's create and rename (about a third less time per small
+    file on ext4 here), and a killed transfer leaves nothing behind. Larger files, resumed files and
+    filesystems without O_TMPFILE use `.NAME.HASH16.hpcscale-part`, renamed once verified."""
 
     def __init__(self, sink, entry, offset):
         self.sink = sink
@@ -237,8 +245,17 @@ class Writer:
         self.final, prefix = sink.paths(self.path, create=True)
         self.part = sink.part_name(prefix, self.hash)
         self.h = hasher(sink.algorithm)
-        flags = os.O_WRONLY | os.O_NOFOLLOW
-        if offset > 0:
+        self.fd = None
+        self.unnamed = False
+        if offset == 0 and self.size < TMPFILE_MAX and sink.tmpfile_ok:
+            try:
+                self.fd = os.open(os.path.dirname(self.final), os.O_TMPFILE | os.O_WRONLY, 0o644)
+                self.unnamed = True
+            except (OSError, AttributeError):
+                sink.tmpfile_ok = False  # not on this filesystem (or platform): named part files from now on
+        if self.fd is not None:
+            pass
+        elif offset > 0:
             self.fd = os.open(self.part, os.O_RDWR | os.O_NOFOLLOW)
             try:
                 _, got = self._hash_prefix(offset)
@@ -249,7 +266,7 @@ class Writer:
                 os.close(self.fd)
                 raise
         else:
-            self.fd = os.open(self.part, flags | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fd = os.open(self.part, os.O_WRONLY | os.O_NOFOLLOW | os.O_CREAT | os.O_TRUNC, 0o644)
         self.n = offset
 
     def _hash_prefix(self, offset):
@@ -269,7 +286,7 @@ class Writer:
         self.n += len(data)
 
     def finish(self):
-        """Check size and hash; queue the rename. StageError('verify') and the part removed on mismatch."""
+        """Check size and hash, then put the file in place. StageError('verify') and nothing left on mismatch."""
         try:
             digest = self.h.hexdigest()
             if self.n != self.size or digest != self.hash:
@@ -280,17 +297,44 @@ class Writer:
                     "verify",
                 )
             os.utime(self.fd, ns=(self.mtime_ns, self.mtime_ns))
+            if self.unnamed:
+                self._link()
         except BaseException:
             os.close(self.fd)
-            _unlink(self.part)
+            if not self.unnamed:
+                _unlink(self.part)
             raise
-        os.close(self.fd)
-        self.sink.ready(self.part, self.final, (self.path, self.size, self.mtime_ns, self.hash))
+        if self.unnamed:
+            st = os.fstat(self.fd)  # after the link, which moves the ctime
+            os.close(self.fd)
+            self.sink.placed(self.path, st, self.hash)
+        else:
+            os.close(self.fd)
+            self.sink.ready(self.part, self.final, (self.path, self.size, self.mtime_ns, self.hash))
+
+    def _link(self):
+        """Give the verified unnamed inode its name: linkat(AT_SYMLINK_FOLLOW) on /proc/self/fd (an absolute
+        source path with a src_dir_fd makes Python call linkat rather than link). A name that exists already
+        is replaced atomically: link under the part name, then rename over it."""
+        proc = f"/proc/self/fd/{self.fd}"
+        try:
+            os.link(proc, self.final, src_dir_fd=self.sink.root_fd())
+        except FileExistsError:
+            _unlink(self.part)
+            os.link(proc, self.part, src_dir_fd=self.sink.root_fd())
+            os.rename(self.part, self.final)
 
     def abort(self):
-        """Stop, keeping the part file so that a rerun continues it."""
+        """Stop, keeping a named part file so that a rerun continues it (an unnamed one simply vanishes)."""
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _lstat(path):
+    try:
+        return os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _unlink(path):
@@ -310,9 +354,11 @@ class Sink:
         if not dry_run:
             os.makedirs(root, exist_ok=True)
         self.root = os.path.realpath(root)
-        self._dirs = set()  # reldirs known to be real directories (not symlinks) under root
+        self._dirs = {""}  # reldirs known to be real directories (not symlinks) under root
         self._lock = threading.Lock()
         self._journal = None
+        self._root_fd = None
+        self.tmpfile_ok = hasattr(os, "O_TMPFILE")
         self.renamed = []  # paths put in place since the last take_renamed()
 
     # -- paths ------------------------------------------------------------------------------------------
@@ -343,15 +389,18 @@ class Sink:
             self._dirs.add(reldir)
         return True
 
-    def paths(self, rel, create=False):
-        """(final path, part path) of `rel`; its directories checked (and created if `create`)."""
-        problem = check_relpath(rel)
-        if problem:
-            raise StageError(problem, "input")
+    def paths(self, rel, create=False, checked=False):
+        """(final path, part prefix) of `rel`; its directories checked (and created if `create`).
+        String concatenation, not os.path.join: this runs for every file of a 100k-file manifest."""
+        if not checked:
+            problem = check_relpath(rel)
+            if problem:
+                raise StageError(problem, "input")
         reldir, _, name = rel.rpartition("/")
-        self._check_dir(reldir, create)
-        d = os.path.join(self.root, reldir) if reldir else self.root
-        return os.path.join(d, name), os.path.join(d, "." + name)
+        if reldir not in self._dirs:
+            self._check_dir(reldir, create)
+        base = self.root + "/" + reldir if reldir else self.root
+        return base + "/" + name, base + "/." + name
 
     def part_name(self, part_prefix, digest):
         return f"{part_prefix}.{digest[:16]}{PART_SUFFIX}"
@@ -404,27 +453,27 @@ class Sink:
         right size are hashed. check='hash': hash every file that is there.
         Returns (statuses, {"hashed": files hashed here, "hashed_bytes": n, "parts": parts completed})."""
         records = self.load_records(committed_only=True)[0] if check == "stat" else {}
-        todo = []  # (index, path, final, kind): files to hash
+        todo = []  # (index, path, kind): files to hash
         statuses = [0] * len(entries)
         absent = set()  # directories that do not exist: nothing in them to stat
-        for i, (rel, size, _mtime, digest) in enumerate(entries):
+        present = []  # (index, final path, part prefix)
+        for i, (rel, _size, _mtime, _digest) in enumerate(entries):
+            problem = check_relpath(rel)
+            if problem:
+                raise StageError(problem, "input")
             reldir = rel.rpartition("/")[0]
             if reldir in absent:
-                if check_relpath(rel):
-                    raise StageError(check_relpath(rel), "input")
                 continue
             if reldir and reldir not in self._dirs and not self._check_dir(reldir, False):
                 absent.add(reldir)
-                if check_relpath(rel):
-                    raise StageError(check_relpath(rel), "input")
                 continue
-            final, part_prefix = self.paths(rel)
-            try:
-                st = os.lstat(final)
-            except FileNotFoundError:
-                st = None
-            except NotADirectoryError:
-                st = None
+            final, part_prefix = self.paths(rel, checked=True)
+            present.append((i, final, part_prefix))
+        # lstat in parallel: on a cold metadata cache each one is a disk read, and they overlap
+        sts = parallel_map(_lstat, [t[1] for t in present], self.jobs, batch=256)
+        parts = []  # (index, part path): files not there; a killed transfer may have left a part file
+        for (i, final, part_prefix), st in zip(present, sts):
+            rel, size, _mtime, digest = entries[i]
             if st is not None and stat.S_ISDIR(st.st_mode):
                 raise StageError(f"{final} is a directory; the manifest lists a file there", "input")
             if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == size:
@@ -435,15 +484,14 @@ class Sink:
                     and rec[:4] == [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
                 ):
                     statuses[i] = -1
-                    continue
-                todo.append((i, final, "final"))
+                else:
+                    todo.append((i, final, "final"))
                 continue
-            part = self.part_name(part_prefix, digest)
-            try:
-                pst = os.lstat(part)
-            except OSError:
-                continue
-            if not stat.S_ISREG(pst.st_mode) or pst.st_size > size:
+            if size >= TMPFILE_MAX:  # only such files are written under part names
+                parts.append((i, self.part_name(part_prefix, digest)))
+        for (i, part), pst in zip(parts, parallel_map(_lstat, [t[1] for t in parts], self.jobs, batch=256)):
+            size = entries[i][1]
+            if pst is None or not stat.S_ISREG(pst.st_mode) or pst.st_size > size:
                 continue
             if pst.st_size == size:
                 todo.append((i, part, "part"))
@@ -496,10 +544,17 @@ class Sink:
         """A verified part file: rename it into place and journal it."""
         rel, _size, _mtime, digest = entry
         os.rename(part, final)
-        st = os.lstat(final)  # after the rename: it moves the ctime
+        self.placed(rel, os.lstat(final), digest)  # stat after the rename: it moves the ctime
+
+    def placed(self, rel, st, digest):
         with self._lock:
             self._record_line(rel, st, digest)
             self.renamed.append(rel)
+
+    def root_fd(self):
+        if self._root_fd is None:
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        return self._root_fd
 
     def flush(self):
         """Push the journal to the OS (a killed agent loses no line of a file already in place)."""
@@ -521,14 +576,14 @@ class Sink:
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
-        if self.sync:
+        state = os.path.join(self.root, STATE_DIR)
+        records, journals = self.load_records()
+        if self.sync and journals:  # journals: something was put in place since the last commit
             fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 _syncfs(fd)
             finally:
                 os.close(fd)
-        state = os.path.join(self.root, STATE_DIR)
-        records, journals = self.load_records()
         if journals:
             for rel in list(records):  # a journal line of an earlier, killed run may be stale: stat decides
                 try:
@@ -558,6 +613,9 @@ class Sink:
                 _atomic_write(final, manifest_text)
 
     def close(self):
+        if self._root_fd is not None:
+            os.close(self._root_fd)
+            self._root_fd = None
         with self._lock:
             if self._journal is not None:
                 self._journal.close()
@@ -670,30 +728,26 @@ def stream_file(fd, offset, size, out, bucket=None):
         raise StageError(f"file shrank while being sent ({pos} of {size} bytes)", "runtime")
 
 
-def serve(role, root, opts, inp, out):
-    """The remote side of one ssh stream. role 'sink': plan/put/flush/commit; role 'source': get."""
-    try:
-        if role == "sink":
-            end = Sink(
-                root,
-                opts["algorithm"],
-                dry_run=opts.get("dry_run", False),
-                sync=opts.get("sync", True),
-                jobs=opts.get("jobs", 4),
-            )
-        else:
-            end = Source(root)
-    except StageError as e:
-        send(out, {"error": str(e), "kind": e.kind})
-        out.flush()
-        return
-    except OSError as e:
-        send(out, {"error": f"{root}: {e}", "kind": "runtime"})
-        out.flush()
-        return
-    send(out, {"hello": 1, "root": end.root, "python": sys.version.split()[0]})
+def _open_end(role, root, opts):
+    if role == "sink":
+        return Sink(
+            root,
+            opts["algorithm"],
+            dry_run=opts.get("dry_run", False),
+            sync=opts.get("sync", True),
+            jobs=opts.get("jobs", 4),
+        )
+    return Source(root)
+
+
+def serve(role, root, inp, out):
+    """The remote side of one ssh stream: hello at once (so the connection is up before the other side has
+    even read its manifest), then 'init' with the options, then role 'sink': plan/put/flush/commit; role
+    'source': get."""
+    send(out, {"hello": 1, "python": sys.version.split()[0]})
     out.flush()
-    bucket = TokenBucket(opts["bwlimit"]) if opts.get("bwlimit") else None
+    end = None
+    bucket = None
     while True:
         try:
             req = recv(inp)
@@ -701,6 +755,14 @@ def serve(role, root, opts, inp, out):
             break
         op = req.get("op")
         try:
+            if op == "init":
+                opts = req.get("opts") or {}
+                end = _open_end(role, root, opts)
+                bucket = TokenBucket(opts["bwlimit"]) if opts.get("bwlimit") else None
+                send(out, {"ready": True, "root": end.root})
+                continue
+            if end is None:
+                raise StageError(f"'{op}' before 'init'", "runtime")
             if op == "plan":
                 statuses, info = end.plan(req["entries"], req.get("check", "stat"))
                 send(out, {"statuses": statuses, "info": info})
@@ -725,7 +787,7 @@ def serve(role, root, opts, inp, out):
         # No flush here: replies wait in the buffer until the agent is about to block on input (Input), so
         # acks of 10k small files cost a few ssh packets, not 10k.
     out.flush()
-    if role == "sink":
+    if role == "sink" and end is not None:
         end.flush()
         end.close()
 
@@ -783,14 +845,14 @@ def _serve_get(source, req, out, bucket):
 
 
 def main(argv):
-    """`python3 -c <bootstrap> ROLE ROOT OPTIONS_JSON`: serve one stream on stdin/stdout."""
-    role, root, opts = argv[1], argv[2], json.loads(argv[3])
+    """`python3 -c <bootstrap> ROLE ROOT`: serve one stream on stdin/stdout."""
+    role, root = argv[1], argv[2]
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but the protocol on stdout
     # Reading the raw fd is safe: the bootstrap's buffered reader holds nothing beyond the source text, because
     # the other side sends no request before this agent's hello.
     inp = Input(sys.stdin.fileno(), out.flush)
-    serve(role, root, opts, inp, out)
+    serve(role, root, inp, out)
     out.flush()
 
 

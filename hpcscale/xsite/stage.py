@@ -9,6 +9,7 @@ model contributions (`stage_files`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,8 +19,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -157,9 +159,9 @@ def _error(message: str, kind: str) -> Exception:
 class Channel:
     """One ssh stream to an agent on the remote host."""
 
-    def __init__(self, ep: Endpoint, role: str, agent_opts: dict, opts: StageOptions):
+    def __init__(self, ep: Endpoint, role: str, opts: StageOptions):
         self.ep = ep
-        remote = shlex.join([*shlex.split(opts.remote_python), "-c", BOOT, role, ep.path, json.dumps(agent_opts)])
+        remote = shlex.join([*shlex.split(opts.remote_python), "-c", BOOT, role, ep.path])
         cmd = [*opts.ssh]
         if ep.port:
             cmd += ["-p", str(ep.port)]
@@ -187,6 +189,9 @@ class Channel:
             self.close()
             raise _error(f"{ep}: {hello['error']}", hello.get("kind", "runtime"))
 
+    def init(self, agent_opts: dict) -> None:
+        self.call({"op": "init", "opts": agent_opts})
+
     def stderr_tail(self) -> str:
         self.stderr.seek(0)
         return self.stderr.read()[-2000:].decode(errors="replace").strip()
@@ -202,15 +207,18 @@ class Channel:
             "rerun the same command to resume"
         )
 
-    def call(self, header: dict) -> dict:
+    def call(self, header: dict, replies: int = 1) -> dict:
+        """Send a request; read `replies` replies (requests sent before it without reading count too)."""
         try:
             agent.send(self.w, header)
             self.w.flush()
-            reply = agent.recv(self.r)
+            for _ in range(replies):
+                reply = agent.recv(self.r)
+                if "error" in reply:
+                    raise _error(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
         except (OSError, EOFError):
             raise self.broken(f"the connection broke during '{header.get('op')}'") from None
-        if "error" in reply:
-            raise _error(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
+        self.last = reply
         return reply
 
     def close(self) -> None:
@@ -227,9 +235,26 @@ class Channel:
         self.stderr.close()
 
 
-def _open_channels(ep: Endpoint, role: str, agent_opts: dict, opts: StageOptions, n: int) -> list[Channel]:
+def _open_channels(
+    ep: Endpoint, role: str, agent_opts: dict, opts: StageOptions, n: int, on_open=None
+) -> list[Channel]:
+    """n streams connected in parallel; on_open(channel) is called as each one comes up."""
+
+    def connect() -> Channel:
+        ch = Channel(ep, role, opts)
+        try:
+            ch.init(agent_opts)
+        except BaseException:
+            ch.close()
+            raise
+        if on_open is not None:
+            on_open(ch)
+        return ch
+
+    if n <= 0:
+        return []
     with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(Channel, ep, role, agent_opts, opts) for _ in range(n)]
+        futures = [pool.submit(connect) for _ in range(n)]
         channels, error = [], None
         for f in futures:
             try:
@@ -250,10 +275,45 @@ def stage(
     dst: Endpoint,
     opts: StageOptions,
     progress: Progress | None = None,
+    early: Future | None = None,
 ) -> StageResult:
     """Copy `manifest`'s files from src to dst. Writes `manifest_text` as dst/manifest.json last, when every file
     is in place. Raises BadInput (2), VerificationFailure (3) or RuntimeFailure (1) after doing what it could;
-    the result so far is attached to the error as `.result`."""
+    the result so far is attached to the error as `.result`. `early`: a connection begun by connect_early()."""
+    try:
+        return _stage(manifest, manifest_text, src, dst, opts, progress, early)
+    finally:
+        if early is not None and not early.cancel():
+            with contextlib.suppress(Exception):
+                ch = early.result()
+                if not getattr(ch, "taken", False):
+                    ch.close()
+
+
+def connect_early(src: Endpoint, dst: Endpoint, opts: StageOptions) -> Future | None:
+    """Start the ssh connection (and the remote agent) in the background, so that it comes up while the
+    manifest is being read. None for local-to-local."""
+    if dst.kind == "ssh" and src.kind == "local":
+        ep, role = dst, "sink"
+    elif src.kind == "ssh" and dst.kind == "local":
+        ep, role = src, "source"
+    else:
+        return None
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(Channel, ep, role, opts)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _take(early: Future | None) -> Channel | None:
+    if early is None:
+        return None
+    ch = early.result()
+    ch.taken = True
+    return ch
+
+
+def _stage(manifest, manifest_text, src, dst, opts, progress, early) -> StageResult:
     if src.kind == "ssh" and dst.kind == "ssh":
         raise BadInput("stage: one side must be local (run hpcscale stage on one of the two hosts)")
     if opts.check not in ("stat", "hash"):
@@ -268,12 +328,12 @@ def stage(
     t0 = time.perf_counter()
     try:
         if dst.kind == "ssh":
-            _push(entries, manifest_text, Source(src.path), dst, opts, run, manifest.hash_algorithm)
+            _push(entries, manifest_text, Source(src.path), dst, opts, run, manifest.hash_algorithm, early)
         else:
             sink = Sink(dst.path, manifest.hash_algorithm, dry_run=opts.dry_run, sync=opts.sync, jobs=opts.jobs)
             try:
                 if src.kind == "ssh":
-                    _pull(entries, manifest_text, src, sink, opts, run)
+                    _pull(entries, manifest_text, src, sink, opts, run, early)
                 else:
                     _local(entries, manifest_text, Source(src.path), sink, opts, run)
             finally:
@@ -371,11 +431,22 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
         run.result.committed = True
 
 
-def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOptions, run: _Run, algorithm) -> None:
+def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOptions, run: _Run, algorithm, early):
     agent_opts = {"algorithm": algorithm, "dry_run": opts.dry_run, "sync": opts.sync, "jobs": opts.jobs}
     n = max(1, opts.jobs)
-    first = _open_channels(dst, "sink", agent_opts, opts, 1)
-    reply = first[0].call({"op": "plan", "entries": entries, "check": opts.check})
+    t0 = time.perf_counter()
+    ch0 = _take(early) or Channel(dst, "sink", opts)
+    first = [ch0]
+    log.debug("push: connected in %.3f s", time.perf_counter() - t0)
+    try:
+        # init and plan in one round trip
+        agent.send(ch0.w, {"op": "init", "opts": agent_opts})
+        ch0.call({"op": "plan", "entries": entries, "check": opts.check}, replies=2)
+    except BaseException:
+        ch0.close()
+        raise
+    reply = ch0.last
+    log.debug("push: planned at %.3f s", time.perf_counter() - t0)
     todo = _apply_plan(entries, reply["statuses"], reply.get("info", {}), run)
     channels = first
     try:
@@ -383,43 +454,102 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
             if not opts.dry_run:
                 first[0].call({"op": "commit", "manifest": manifest_text})
                 run.result.committed = True
+                log.debug("push: committed at %.3f s", time.perf_counter() - t0)
             return
-        more = min(n, len(todo)) - 1
-        if more > 0:
-            channels = first + _open_channels(dst, "sink", agent_opts, opts, more)
         work: queue.SimpleQueue = queue.SimpleQueue()
         for item in todo:
             work.put(item)
-        threads = []
-        for ch in channels:
+        threads: list[threading.Thread] = []
+        lock = threading.Lock()
+
+        def serve(ch: Channel) -> None:
             inflight: dict[str, int] = {}
-            threads.append(threading.Thread(target=_push_sender, args=(ch, work, source, run, inflight), daemon=True))
-            threads.append(threading.Thread(target=_push_receiver, args=(ch, run, inflight), daemon=True))
-        for t in threads:
-            t.start()
-        for t in threads:
+            pair = [
+                threading.Thread(target=_push_sender, args=(ch, work, source, run, inflight), daemon=True),
+                threading.Thread(target=_push_receiver, args=(ch, run, inflight), daemon=True),
+            ]
+            with lock:
+                threads.extend(pair)
+            for t in pair:
+                t.start()
+
+        def join_late() -> None:
+            """More streams connect while the first one already sends; each takes work as soon as it is up."""
+            try:
+                late = _open_channels(dst, "sink", agent_opts, opts, more, on_open=serve)
+            except Exception as e:  # the first stream carries on alone
+                log.debug("push: an extra stream failed to connect: %s", e)
+                late = []
+            with lock:
+                channels.extend(late)
+
+        serve(first[0])
+        more = min(n, len(todo)) - 1
+        opener = threading.Thread(target=join_late, daemon=True) if more > 0 else None
+        if opener is not None:
+            opener.start()
+            opener.join()
+        i = 0
+        while True:
+            with lock:
+                if i >= len(threads):
+                    break
+                t = threads[i]
             t.join()
+            i += 1
+        log.debug("push: data sent and acknowledged at %.3f s", time.perf_counter() - t0)
         if run.fatal is None and not run.result.failed:
             channels[0].call({"op": "commit", "manifest": manifest_text})
             run.result.committed = True
+        log.debug("push: committed at %.3f s", time.perf_counter() - t0)
     finally:
         for ch in channels:
             ch.close()
+        log.debug("push: closed at %.3f s", time.perf_counter() - t0)
+
+
+class _Prefetch:
+    """Files opened a little ahead of the sender, each with POSIX_FADV_WILLNEED, so the kernel reads the next
+    files from a cold disk while this one is being sent (a cold read is otherwise one file at a time)."""
+
+    AHEAD = 64
+
+    def __init__(self, work: queue.SimpleQueue, source: Source, run: _Run):
+        self.work, self.source, self.run = work, source, run
+        self.ahead: deque = deque()
+
+    def _fill(self) -> None:
+        while len(self.ahead) < self.AHEAD:
+            try:
+                entry, offset = self.work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fd = self.source.open(entry[0])
+            except StageError as e:
+                self.run.fail(entry[0], str(e), e.kind)
+                continue
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)
+            self.ahead.append((entry, offset, fd))
+
+    def next(self):
+        self._fill()
+        return self.ahead.popleft() if self.ahead else None
+
+    def close(self) -> None:
+        while self.ahead:
+            os.close(self.ahead.popleft()[2])
 
 
 def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run, inflight: dict) -> None:
+    files = _Prefetch(work, source, run)
     try:
         while not run.stop.is_set():
-            try:
-                entry, offset = work.get_nowait()
-            except queue.Empty:
+            item = files.next()
+            if item is None:
                 break
-            path, size, mtime, digest = entry
-            try:
-                fd = source.open(path)
-            except StageError as e:
-                run.fail(path, str(e), e.kind)
-                continue
+            (path, size, mtime, digest), offset, fd = item
             try:
                 inflight[path] = offset
                 hdr = {"op": "put", "path": path, "size": size, "mtime_ns": mtime, "hash": digest}
@@ -439,6 +569,8 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
         ch.w.flush()
     except OSError:
         run.abort(ch.broken("the connection broke while sending"))
+    finally:
+        files.close()
 
 
 def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
@@ -460,7 +592,7 @@ def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
             run.ok(inflight.pop(path, 0) > 0)
 
 
-def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run) -> None:
+def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run, early) -> None:
     statuses, info = sink.plan(entries, opts.check)
     todo = _apply_plan(entries, statuses, info, run)
     if opts.dry_run:
@@ -468,7 +600,21 @@ def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions,
     if todo:
         n = max(1, min(opts.jobs, len(todo)))
         per_stream = opts.bwlimit / n if opts.bwlimit else None
-        channels = _open_channels(src, "source", {"bwlimit": per_stream}, opts, n)
+        channels = []
+        ch0 = _take(early)
+        if ch0 is not None:
+            try:
+                ch0.init({"bwlimit": per_stream})
+            except BaseException:
+                ch0.close()
+                raise
+            channels.append(ch0)
+        try:
+            channels += _open_channels(src, "source", {"bwlimit": per_stream}, opts, n - len(channels))
+        except BaseException:
+            for ch in channels:
+                ch.close()
+            raise
         try:
             work: queue.SimpleQueue = queue.SimpleQueue()
             for item in todo:
