@@ -181,7 +181,8 @@ BAD_MANIFESTS = {
 def test_malformed_manifests_exit_2_naming_the_entry(tmp_path, case):
     entry, key, words = BAD_MANIFESTS[case]
     m = tmp_path / "manifest.json"
-    m.write_text(json.dumps({"format": "hpcscale-manifest", "version": 1, "hash_algorithm": "xxh128", "files": [entry]}))
+    doc = {"format": "hpcscale-manifest", "version": 1, "hash_algorithm": "xxh128", "files": [entry]}
+    m.write_text(json.dumps(doc))
     (tmp_path / "dst").mkdir()
     for r in (
         run_cli("manifest", "verify", str(m)),
@@ -459,3 +460,25 @@ def test_manifest_of_100k_files(tmp_path):
     assert again["reused"] == 100_000 and again["hashed"] == 0
     m = read_manifest(root / "manifest.json")
     assert m.files[12345].path == "12/0345" and m.files[12345].hash == xxhash.xxh3_128(b"12/345").hexdigest()
+
+
+def test_manifest_and_stage_never_import_torch(tmp_path):
+    """They run on login and transfer nodes: no torch, no mpi4py."""
+    src = make_tree(tmp_path / "src", small=3)
+    probe = (
+        "import json, sys\n"
+        "from hpcscale.cli.main import cli\n"
+        "for args in ({build!r}, {stage!r}, {verify!r}):\n"
+        "    try:\n"
+        "        cli(args)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code in (0, None), (args, e.code)\n"
+        "print(json.dumps({{'torch': 'torch' in sys.modules, 'mpi4py': 'mpi4py' in sys.modules}}))\n"
+    ).format(
+        build=["manifest", "build", str(src)],
+        stage=["stage", str(src / "manifest.json"), "--from", str(src), "--to", str(tmp_path / "dst")],
+        verify=["manifest", "verify", str(tmp_path / "dst" / "manifest.json")],
+    )
+    out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"torch": False, "mpi4py": False}

@@ -748,6 +748,7 @@ def serve(role, root, inp, out):
     out.flush()
     end = None
     bucket = None
+    pool = None
     while True:
         try:
             req = recv(inp)
@@ -767,11 +768,20 @@ def serve(role, root, inp, out):
                 statuses, info = end.plan(req["entries"], req.get("check", "stat"))
                 send(out, {"statuses": statuses, "info": info})
             elif op == "put":
-                _serve_put(end, req, inp, out)
+                if req.get("offset", 0) == 0 and req["n"] < POOL_MAX:
+                    pool = pool or _WriterPool(end, out)
+                    entry = (req["path"], req["size"], req["mtime_ns"], req["hash"])
+                    pool.submit(entry, read_exact(inp, req["n"]))
+                else:
+                    _serve_put(end, req, inp, out)
             elif op == "flush":
+                if pool is not None:
+                    pool.drain()
                 end.flush()
-                send(out, {"flushed": end.take_renamed()})
+                send(out, {"flushed": True})
             elif op == "commit":
+                if pool is not None:
+                    pool.drain()
                 end.commit(req.get("manifest"), req.get("name", "manifest.json"))
                 send(out, {"committed": True})
             elif op == "get":
@@ -786,6 +796,8 @@ def serve(role, root, inp, out):
             send(out, {"error": f"{req.get('path') or root}: {e}", "kind": "runtime", "path": req.get("path")})
         # No flush here: replies wait in the buffer until the agent is about to block on input (Input), so
         # acks of 10k small files cost a few ssh packets, not 10k.
+    if pool is not None:
+        pool.close()
     out.flush()
     if role == "sink" and end is not None:
         end.flush()
@@ -823,7 +835,59 @@ def _serve_put(sink, req, inp, out):
         kind = getattr(error, "kind", "runtime")
         send(out, {"path": entry[0], "error": str(error), "kind": kind})
     else:
-        send(out, {"path": entry[0], "ok": True, "renamed": sink.take_renamed()})
+        send(out, {"path": entry[0], "ok": True})
+
+
+POOL_MAX = 1 << 20  # files below this are read off the stream whole and written by the pool
+
+
+class _WriterPool:
+    """Two threads that write small files while the main thread reads the next ones off the pipe: creating a
+    file is system time that would otherwise stall the stream (both release the GIL). Replies go out in
+    completion order; each names its file."""
+
+    def __init__(self, sink, out, threads=2):
+        import queue
+
+        self.sink, self.out = sink, out
+        self.q = queue.Queue(maxsize=64)
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, entry, data):
+        self.q.put((entry, data))
+
+    def _run(self):
+        while True:
+            item = self.q.get()
+            try:
+                if item is None:
+                    return
+                entry, data = item
+                try:
+                    w = self.sink.begin(entry, 0)
+                    try:
+                        w.write(data)
+                    except BaseException:
+                        w.abort()
+                        raise
+                    w.finish()
+                    msg = {"path": entry[0], "ok": True}
+                except (StageError, OSError) as e:
+                    msg = {"path": entry[0], "error": str(e), "kind": getattr(e, "kind", "runtime")}
+                send(self.out, msg)  # one write call: BufferedWriter's own lock keeps replies whole
+            finally:
+                self.q.task_done()
+
+    def drain(self):
+        self.q.join()
+
+    def close(self):
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
 
 
 class Desync(Exception):

@@ -256,7 +256,8 @@ def main() -> None:
     print(
         f"touched {t['touched']} files: manifest rebuild hashed {t['manifest_rebuild']['hashed']} "
         f"(reused {t['manifest_rebuild']['reused']}) in {t['manifest_rebuild']['seconds']} s; "
-        f"hpcscale sent {t['hpcscale_local_sent']} (local), {t['hpcscale_ssh_sent']} (ssh); rsync sent {t['rsync_local_transferred']}"
+        f"hpcscale sent {t['hpcscale_local_sent']} (local), {t['hpcscale_ssh_sent']} (ssh); "
+        f"rsync sent {t['rsync_local_transferred']}"
     )
     print(f"hashing: {mbs / med['hash_build']:.0f} MB/s, raw read {mbs / med['read_raw']:.0f} MB/s")
 
