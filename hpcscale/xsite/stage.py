@@ -261,6 +261,10 @@ def _open_channels(
                 channels.append(f.result())
             except Exception as e:
                 error = error or e
+    if error is not None and on_open is not None:
+        # extra streams joining a transfer: those that came up are already working; carry on with them
+        log.debug("stage: an extra stream failed to connect: %s", error)
+        return channels
     if error is not None:
         for c in channels:
             c.close()
@@ -475,11 +479,7 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
 
         def join_late() -> None:
             """More streams connect while the first one already sends; each takes work as soon as it is up."""
-            try:
-                late = _open_channels(dst, "sink", agent_opts, opts, more, on_open=serve)
-            except Exception as e:  # the first stream carries on alone
-                log.debug("push: an extra stream failed to connect: %s", e)
-                late = []
+            late = _open_channels(dst, "sink", agent_opts, opts, more, on_open=serve)
             with lock:
                 channels.extend(late)
 
