@@ -908,9 +908,25 @@ def _serve_get(source, req, out, bucket):
         os.close(fd)
 
 
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named there only from Python 3.10
+
+
+def widen_pipe(fd, size=1 << 20):
+    """Grow a pipe's buffer from 64 KiB (up to /proc/sys/fs/pipe-max-size): fewer, larger hand-offs between
+    this process and ssh. Not a pipe, or not allowed: nothing changes."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, F_SETPIPE_SZ, size)
+    except (OSError, ImportError):
+        pass
+
+
 def main(argv):
     """`python3 -c <bootstrap> ROLE ROOT`: serve one stream on stdin/stdout."""
     role, root = argv[1], argv[2]
+    widen_pipe(0)
+    widen_pipe(1)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but the protocol on stdout
     # Reading the raw fd is safe: the bootstrap's buffered reader holds nothing beyond the source text, because

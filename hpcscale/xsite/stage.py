@@ -178,6 +178,8 @@ class Channel:
             raise RuntimeFailure(f"{cmd[0]}: command not found (set --ssh)") from None
         self.w = self.p.stdin
         self.r = self.p.stdout
+        agent.widen_pipe(self.w.fileno())
+        agent.widen_pipe(self.r.fileno())
         source = Path(agent.__file__).read_bytes()
         try:
             self.w.write(b"%d\n" % len(source) + source)
