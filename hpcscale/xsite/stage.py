@@ -19,7 +19,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -511,37 +510,47 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
 
 
 class _Prefetch:
-    """Files opened a little ahead of the sender, each with POSIX_FADV_WILLNEED, so the kernel reads the next
-    files from a cold disk while this one is being sent (a cold read is otherwise one file at a time)."""
+    """A thread that opens the next files ahead of the sender, each with POSIX_FADV_WILLNEED: on a cold disk
+    an open is a metadata read and the data a second one, and done in the sender's thread they stall the
+    stream. One per sender; `next()` returns (entry, offset, fd) or None when the work is done."""
 
-    AHEAD = 64
+    AHEAD = 256
 
     def __init__(self, work: queue.SimpleQueue, source: Source, run: _Run):
         self.work, self.source, self.run = work, source, run
-        self.ahead: deque = deque()
+        self.ahead: queue.Queue = queue.Queue(maxsize=self.AHEAD)
+        self.thread = threading.Thread(target=self._fill, daemon=True)
+        self.thread.start()
 
     def _fill(self) -> None:
-        while len(self.ahead) < self.AHEAD:
-            try:
-                entry, offset = self.work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fd = self.source.open(entry[0])
-            except StageError as e:
-                self.run.fail(entry[0], str(e), e.kind)
-                continue
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)
-            self.ahead.append((entry, offset, fd))
+        try:
+            while not self.run.stop.is_set():
+                try:
+                    entry, offset = self.work.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    fd = self.source.open(entry[0])
+                except StageError as e:
+                    self.run.fail(entry[0], str(e), e.kind)
+                    continue
+                with contextlib.suppress(OSError, AttributeError):
+                    os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)
+                self.ahead.put((entry, offset, fd))
+        finally:
+            self.ahead.put(None)
 
     def next(self):
-        self._fill()
-        return self.ahead.popleft() if self.ahead else None
+        return self.ahead.get()
 
     def close(self) -> None:
-        while self.ahead:
-            os.close(self.ahead.popleft()[2])
+        while True:
+            try:
+                item = self.ahead.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                os.close(item[2])
 
 
 def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run, inflight: dict) -> None:
