@@ -210,7 +210,7 @@ def test_local_stage_copies_verifies_and_reruns_as_a_no_op(tmp_path):
     src = make_tree(tmp_path / "src", big_mb=9)
     build(src)
     dst = tmp_path / "dst"
-    first = stage_json(src / "manifest.json", str(src), str(dst), "-j", "3")
+    first = stage_json(src / "manifest.json", str(src), str(dst), "-j", "3", "--sync")
     assert first["sent"] == first["files"] == 42 and first["verified"] == 42 and first["committed"]
     assert first["bytes_sent"] == first["bytes_total"] and not first["failed"]
     same_tree(src, dst)

@@ -179,10 +179,10 @@ def parse_rate(text: str | None) -> float | None:
 )
 @click.option("--bwlimit", metavar="RATE", help="Bandwidth limit for all streams together, e.g. 100M (bytes/s).")
 @click.option(
-    "--no-sync",
+    "--sync",
     is_flag=True,
-    help="Skip the syncfs before DST's manifest is written: faster; a crash may then leave a manifest whose "
-    "data never reached the disk.",
+    help="syncfs the destination before its manifest is written, so that a manifest there means the data is on "
+    "disk even across a power loss (costs the writeback rsync leaves to the kernel).",
 )
 @click.option(
     "--ssh",
@@ -208,7 +208,7 @@ def stage(
     jobs: int,
     check: str,
     bwlimit: str | None,
-    no_sync: bool,
+    sync: bool,
     ssh_cmd: str,
     remote_python: str,
     dry_run: bool,
@@ -234,7 +234,7 @@ def stage(
         check=check,
         bwlimit=parse_rate(bwlimit),
         dry_run=dry_run,
-        sync=not no_sync,
+        sync=sync,
         ssh=shlex.split(ssh_cmd),
         remote_python=remote_python,
     )

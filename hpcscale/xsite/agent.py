@@ -9,7 +9,7 @@ Guarantees the Sink keeps (docs/staging.md):
 - a file appears under its final name only after every byte of it has been hashed and the hash matched the
   manifest (it is written as a part file, then renamed);
 - the destination's manifest and record are written last, after one syncfs of the whole destination
-  filesystem: a destination with a manifest holds the data durably (unless --no-sync);
+  filesystem if asked (--sync): a destination with a manifest then holds the data durably;
 - an interrupted transfer leaves `.NAME.HASH16.hpcscale-part` files that a rerun continues from where they end;
 - nothing is written through a symlink: a destination directory that is a symlink is refused;
 - `.hpcscale-stage/verified.json` at the destination root records what was verified there (size, mtime, ctime,
@@ -214,7 +214,7 @@ _libc = None
 
 
 def _syncfs(fd):
-    """Flush every dirty page of the filesystem holding `fd`: one call per batch instead of one fsync per file."""
+    """Flush every dirty page of the filesystem holding `fd`: one call instead of one fsync per file."""
     global _libc
     if _libc is None:
         try:
@@ -345,7 +345,7 @@ def _unlink(path):
 class Sink:
     """The destination root: plans what must move, receives files, renames them in verified batches."""
 
-    def __init__(self, root, algorithm, dry_run=False, sync=True, jobs=4):
+    def __init__(self, root, algorithm, dry_run=False, sync=False, jobs=4):
         hasher(algorithm)  # unknown or unavailable algorithm: fail before anything is written
         self.algorithm = algorithm
         self.dry_run = dry_run
@@ -734,7 +734,7 @@ def _open_end(role, root, opts):
             root,
             opts["algorithm"],
             dry_run=opts.get("dry_run", False),
-            sync=opts.get("sync", True),
+            sync=opts.get("sync", False),
             jobs=opts.get("jobs", 4),
         )
     return Source(root)

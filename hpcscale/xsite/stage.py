@@ -79,7 +79,7 @@ class StageOptions:
     check: str = "stat"  # how files already at the destination are proven: "stat" (record) or "hash"
     bwlimit: float | None = None  # bytes per second, all streams together
     dry_run: bool = False
-    sync: bool = True  # syncfs each batch before renaming it into place
+    sync: bool = False  # syncfs the destination before its manifest and record are written
     ssh: Sequence[str] = ("ssh",)
     remote_python: str = "python3"
 
