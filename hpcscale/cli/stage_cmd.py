@@ -225,28 +225,35 @@ def stage(
       hpcscale stage /data/web/manifest.json --from /data/web --to /scratch/web -j 8
       hpcscale stage /data/web/manifest.json --from /data/web --to ssh://dtn.site-b.org/lustre/web --bwlimit 500M
     """
+    from hpcscale.xsite.channel import Channel, parse_endpoint
+
+    # ssh first (a third of a second here, more across sites), then everything else while it connects
+    source, dest = parse_endpoint(src, "--from"), parse_endpoint(dst, "--to")
+    ssh = shlex.split(ssh_cmd)
+    early = None
+    if not dry_run and (source.kind == "ssh") != (dest.kind == "ssh"):
+        remote = dest if dest.kind == "ssh" else source
+        early = Channel(remote, "sink" if remote is dest else "source", ssh, remote_python)
+
     from hpcscale.util.progress import progress_for
-    from hpcscale.xsite.stage import StageOptions, connect_early, parse_endpoint
+    from hpcscale.xsite.stage import StageOptions
     from hpcscale.xsite.stage import stage as run_stage
 
-    opts = StageOptions(
-        jobs=jobs,
-        check=check,
-        bwlimit=parse_rate(bwlimit),
-        dry_run=dry_run,
-        sync=sync,
-        ssh=shlex.split(ssh_cmd),
-        remote_python=remote_python,
-    )
-    source, dest = parse_endpoint(src, "--from"), parse_endpoint(dst, "--to")
-    # ssh comes up (a third of a second) while the manifest is read and checked
-    early = None if dry_run or (source.kind == "ssh" and dest.kind == "ssh") else connect_early(source, dest, opts)
     try:
+        opts = StageOptions(
+            jobs=jobs,
+            check=check,
+            bwlimit=parse_rate(bwlimit),
+            dry_run=dry_run,
+            sync=sync,
+            ssh=ssh,
+            remote_python=remote_python,
+        )
         path, m = _load(manifest_path)
         text = path.read_text()
     except BaseException:
         if early is not None:
-            early.add_done_callback(lambda f: f.exception() is None and f.result().close())
+            early.close()
         raise
     error = None
     with progress_for("staging", as_json) as progress:

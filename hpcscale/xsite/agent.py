@@ -20,7 +20,6 @@ Guarantees the Sink keeps (docs/staging.md):
 """
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
@@ -29,7 +28,6 @@ import struct
 import sys
 import threading
 import time
-import uuid
 
 STATE_DIR = ".hpcscale-stage"
 RECORD = "verified.json"
@@ -218,6 +216,8 @@ def _syncfs(fd):
     global _libc
     if _libc is None:
         try:
+            import ctypes
+
             _libc = ctypes.CDLL(None, use_errno=True)
             getattr(_libc, "syncfs")  # noqa: B009 - probe: AttributeError where libc has none
         except (OSError, AttributeError):
@@ -440,7 +440,7 @@ class Sink:
         if self._journal is None:
             state = os.path.join(self.root, STATE_DIR)
             os.makedirs(state, exist_ok=True)
-            self._journal = open(os.path.join(state, f"journal-{uuid.uuid4().hex}.jsonl"), "a")  # noqa: SIM115
+            self._journal = open(os.path.join(state, f"journal-{os.urandom(8).hex()}.jsonl"), "a")  # noqa: SIM115
         rec = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest]
         self._journal.write(json.dumps([self.algorithm, path, rec]) + "\n")
 
@@ -929,8 +929,7 @@ def main(argv):
     widen_pipe(1)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but the protocol on stdout
-    # Reading the raw fd is safe: the bootstrap's buffered reader holds nothing beyond the source text, because
-    # the other side sends no request before this agent's hello.
+    # Reading the raw fd is safe: the bootstrap read exactly the source's bytes from it, unbuffered.
     inp = Input(sys.stdin.fileno(), out.flush)
     serve(role, root, inp, out)
     out.flush()

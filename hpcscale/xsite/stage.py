@@ -14,63 +14,22 @@ import json
 import logging
 import os
 import queue
-import shlex
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 from hpcscale.data.manifest import Manifest
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.util.progress import Progress
 from hpcscale.xsite import agent
 from hpcscale.xsite.agent import BLOCK, Sink, Source, StageError, TokenBucket
+from hpcscale.xsite.channel import Channel, Endpoint, error_for, parse_endpoint
 
 log = logging.getLogger("hpcscale.stage")
 
-# Executed by the remote python3: read the agent's source (length line, then text) from stdin and run it.
-BOOT = "import sys;n=int(sys.stdin.buffer.readline());exec(compile(sys.stdin.buffer.read(n),'hpcscale-agent','exec'))"
 WINDOW = 64  # get requests in flight per pull stream
-
-
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    kind: str  # "local" or "ssh"
-    path: str
-    host: str = ""
-    user: str = ""
-    port: int | None = None
-
-    def __str__(self) -> str:
-        if self.kind == "local":
-            return self.path
-        user = f"{self.user}@" if self.user else ""
-        port = f":{self.port}" if self.port else ""
-        return f"ssh://{user}{self.host}{port}{self.path}"
-
-
-def parse_endpoint(text: str, what: str = "endpoint") -> Endpoint:
-    """A local path, or ssh://[user@]host[:port]/path (a path starting /~/ is relative to the remote home)."""
-    if text.startswith("ssh://"):
-        u = urlsplit(text)
-        try:
-            port = u.port
-        except ValueError:
-            raise BadInput(f"{what}: '{text}': the port is not a number") from None
-        if not u.hostname or not u.path or u.path == "/":
-            raise BadInput(f"{what}: '{text}': expected ssh://[user@]host[:port]/path")
-        path = unquote(u.path)
-        if path.startswith("/~"):
-            path = path[1:]
-        return Endpoint("ssh", path, u.hostname, u.username or "", port)
-    if "://" in text:
-        raise BadInput(f"{what}: '{text}': unknown scheme (use a local path or ssh://host/path)")
-    return Endpoint("local", os.path.abspath(os.path.expanduser(text)))
 
 
 @dataclass(slots=True)
@@ -142,7 +101,7 @@ class _Run:
         with self.lock:
             self.result.failed.append({"path": path, "error": message, "kind": kind})
         if kind == "input" or path is None:
-            self.abort(_error(message, kind))
+            self.abort(error_for(message, kind))
 
     def abort(self, e: BaseException) -> None:
         with self.lock:
@@ -151,98 +110,13 @@ class _Run:
         self.stop.set()
 
 
-def _error(message: str, kind: str) -> Exception:
-    return {"input": BadInput, "verify": VerificationFailure}.get(kind, RuntimeFailure)(message)
-
-
-class Channel:
-    """One ssh stream to an agent on the remote host."""
-
-    def __init__(self, ep: Endpoint, role: str, opts: StageOptions):
-        self.ep = ep
-        remote = shlex.join([*shlex.split(opts.remote_python), "-c", BOOT, role, ep.path])
-        cmd = [*opts.ssh]
-        if ep.port:
-            cmd += ["-p", str(ep.port)]
-        if ep.user:
-            cmd += ["-l", ep.user]
-        cmd += [ep.host, remote]
-        log.debug("run: %s", shlex.join(cmd))
-        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
-        try:
-            self.p = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=1 << 20
-            )
-        except FileNotFoundError:
-            raise RuntimeFailure(f"{cmd[0]}: command not found (set --ssh)") from None
-        self.w = self.p.stdin
-        self.r = self.p.stdout
-        agent.widen_pipe(self.w.fileno())
-        agent.widen_pipe(self.r.fileno())
-        source = Path(agent.__file__).read_bytes()
-        try:
-            self.w.write(b"%d\n" % len(source) + source)
-            self.w.flush()
-            hello = agent.recv(self.r)
-        except (OSError, EOFError):
-            raise self.broken("could not start the staging agent") from None
-        if "error" in hello:
-            self.close()
-            raise _error(f"{ep}: {hello['error']}", hello.get("kind", "runtime"))
-
-    def init(self, agent_opts: dict) -> None:
-        self.call({"op": "init", "opts": agent_opts})
-
-    def stderr_tail(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read()[-2000:].decode(errors="replace").strip()
-
-    def broken(self, what: str) -> RuntimeFailure:
-        try:
-            self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-        tail = self.stderr_tail()
-        return RuntimeFailure(
-            f"{self.ep}: {what} (ssh exit {self.p.returncode}){': ' + tail if tail else ''}; "
-            "rerun the same command to resume"
-        )
-
-    def call(self, header: dict, replies: int = 1) -> dict:
-        """Send a request; read `replies` replies (requests sent before it without reading count too)."""
-        try:
-            agent.send(self.w, header)
-            self.w.flush()
-            for _ in range(replies):
-                reply = agent.recv(self.r)
-                if "error" in reply:
-                    raise _error(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
-        except (OSError, EOFError):
-            raise self.broken(f"the connection broke during '{header.get('op')}'") from None
-        self.last = reply
-        return reply
-
-    def close(self) -> None:
-        try:
-            agent.send(self.w, {"op": "bye"})
-            self.w.close()
-        except OSError:
-            pass
-        try:
-            self.p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-        self.stderr.close()
-
-
 def _open_channels(
     ep: Endpoint, role: str, agent_opts: dict, opts: StageOptions, n: int, on_open=None
 ) -> list[Channel]:
     """n streams connected in parallel; on_open(channel) is called as each one comes up."""
 
     def connect() -> Channel:
-        ch = Channel(ep, role, opts)
+        ch = Channel(ep, role, opts.ssh, opts.remote_python)
         try:
             ch.init(agent_opts)
         except BaseException:
@@ -280,7 +154,7 @@ def stage(
     dst: Endpoint,
     opts: StageOptions,
     progress: Progress | None = None,
-    early: Future | None = None,
+    early: Channel | None = None,
 ) -> StageResult:
     """Copy `manifest`'s files from src to dst. Writes `manifest_text` as dst/manifest.json last, when every file
     is in place. Raises BadInput (2), VerificationFailure (3) or RuntimeFailure (1) after doing what it could;
@@ -288,34 +162,24 @@ def stage(
     try:
         return _stage(manifest, manifest_text, src, dst, opts, progress, early)
     finally:
-        if early is not None and not early.cancel():
-            with contextlib.suppress(Exception):
-                ch = early.result()
-                if not getattr(ch, "taken", False):
-                    ch.close()
+        if early is not None and not early.taken:
+            early.close()
 
 
-def connect_early(src: Endpoint, dst: Endpoint, opts: StageOptions) -> Future | None:
-    """Start the ssh connection (and the remote agent) in the background, so that it comes up while the
-    manifest is being read. None for local-to-local."""
+def connect_early(src: Endpoint, dst: Endpoint, opts: StageOptions) -> Channel | None:
+    """Start ssh (and the remote agent) now, so that it comes up while the manifest is read. None for
+    local-to-local."""
     if dst.kind == "ssh" and src.kind == "local":
-        ep, role = dst, "sink"
-    elif src.kind == "ssh" and dst.kind == "local":
-        ep, role = src, "source"
-    else:
-        return None
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(Channel, ep, role, opts)
-    pool.shutdown(wait=False)
-    return future
+        return Channel(dst, "sink", opts.ssh, opts.remote_python)
+    if src.kind == "ssh" and dst.kind == "local":
+        return Channel(src, "source", opts.ssh, opts.remote_python)
+    return None
 
 
-def _take(early: Future | None) -> Channel | None:
-    if early is None:
-        return None
-    ch = early.result()
-    ch.taken = True
-    return ch
+def _take(early: Channel | None) -> Channel | None:
+    if early is not None:
+        early.taken = True
+    return early
 
 
 def _stage(manifest, manifest_text, src, dst, opts, progress, early) -> StageResult:
@@ -344,7 +208,7 @@ def _stage(manifest, manifest_text, src, dst, opts, progress, early) -> StageRes
             finally:
                 sink.close()
     except StageError as e:
-        run.abort(_error(str(e), e.kind))
+        run.abort(error_for(str(e), e.kind))
     except OSError as e:
         run.abort(RuntimeFailure(str(e)))
     except (BadInput, VerificationFailure, RuntimeFailure) as e:
@@ -440,17 +304,14 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
     agent_opts = {"algorithm": algorithm, "dry_run": opts.dry_run, "sync": opts.sync, "jobs": opts.jobs}
     n = max(1, opts.jobs)
     t0 = time.perf_counter()
-    ch0 = _take(early) or Channel(dst, "sink", opts)
+    ch0 = _take(early) or Channel(dst, "sink", opts.ssh, opts.remote_python)
     first = [ch0]
-    log.debug("push: connected in %.3f s", time.perf_counter() - t0)
     try:
         # init and plan in one round trip
-        agent.send(ch0.w, {"op": "init", "opts": agent_opts})
-        ch0.call({"op": "plan", "entries": entries, "check": opts.check}, replies=2)
+        reply = ch0.call({"op": "init", "opts": agent_opts}, {"op": "plan", "entries": entries, "check": opts.check})
     except BaseException:
         ch0.close()
         raise
-    reply = ch0.last
     log.debug("push: planned at %.3f s", time.perf_counter() - t0)
     todo = _apply_plan(entries, reply["statuses"], reply.get("info", {}), run)
     channels = first

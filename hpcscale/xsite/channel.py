@@ -1,0 +1,184 @@
+"""Endpoints (`/path`, `ssh://[user@]host[:port]/path`) and the ssh stream to a staging agent.
+
+Kept light on imports: `hpcscale stage` starts ssh from here before it loads the rest of itself, so the
+connection (a third of a second on loopback, more across sites) comes up while the manifest is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
+from hpcscale.xsite import agent
+
+log = logging.getLogger("hpcscale.stage")
+
+# Executed by the remote python3: read the agent's source (a 10-digit length and a newline, then the text) from
+# fd 0 and run it. Unbuffered reads of exactly those bytes: requests sent right behind the source (without
+# waiting for the agent's hello) must stay in the pipe for the agent, not in a buffered reader's read-ahead.
+BOOT = (
+    "import os\n"
+    "def r(n):\n"
+    " b=b''\n"
+    " while len(b)<n:\n"
+    "  c=os.read(0,n-len(b))\n"
+    "  if not c:raise SystemExit(1)\n"
+    "  b+=c\n"
+    " return b\n"
+    "exec(compile(r(int(r(11))),'hpcscale-agent','exec'))"
+)
+AGENT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
+
+
+def error_for(message: str, kind: str) -> Exception:
+    """The hpcscale error (and so the exit code) for an agent error kind."""
+    return {"input": BadInput, "verify": VerificationFailure}.get(kind, RuntimeFailure)(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    kind: str  # "local" or "ssh"
+    path: str
+    host: str = ""
+    user: str = ""
+    port: int | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "local":
+            return self.path
+        user = f"{self.user}@" if self.user else ""
+        port = f":{self.port}" if self.port else ""
+        return f"ssh://{user}{self.host}{port}{self.path}"
+
+
+def parse_endpoint(text: str, what: str = "endpoint") -> Endpoint:
+    """A local path, or ssh://[user@]host[:port]/path (a path starting /~/ is relative to the remote home)."""
+    if text.startswith("ssh://"):
+        from urllib.parse import unquote, urlsplit
+
+        u = urlsplit(text)
+        try:
+            port = u.port
+        except ValueError:
+            raise BadInput(f"{what}: '{text}': the port is not a number") from None
+        if not u.hostname or not u.path or u.path == "/":
+            raise BadInput(f"{what}: '{text}': expected ssh://[user@]host[:port]/path")
+        path = unquote(u.path)
+        if path.startswith("/~"):
+            path = path[1:]
+        return Endpoint("ssh", path, u.hostname, u.username or "", port)
+    if "://" in text:
+        raise BadInput(f"{what}: '{text}': unknown scheme (use a local path or ssh://host/path)")
+    return Endpoint("local", os.path.abspath(os.path.expanduser(text)))
+
+
+class Channel:
+    """One ssh stream to an agent on the remote host. The constructor starts ssh and sends the agent without
+    waiting; the agent's hello is read on first use."""
+
+    def __init__(self, ep: Endpoint, role: str, ssh: Sequence[str], remote_python: str):
+        self.ep = ep
+        self.taken = False
+        self.last: dict = {}
+        remote = shlex.join([*shlex.split(remote_python), "-c", BOOT, role, ep.path])
+        cmd = [*ssh]
+        if ep.port:
+            cmd += ["-p", str(ep.port)]
+        if ep.user:
+            cmd += ["-l", ep.user]
+        cmd += [ep.host, remote]
+        log.debug("run: %s", shlex.join(cmd))
+        self.stderr_fd = os.memfd_create("hpcscale-ssh-stderr")  # ssh's own words, for error messages
+        try:
+            self.p = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr_fd, bufsize=1 << 20
+            )
+        except FileNotFoundError:
+            os.close(self.stderr_fd)
+            raise RuntimeFailure(f"{cmd[0]}: command not found (set --ssh)") from None
+        self.w = self.p.stdin
+        self.r = self.p.stdout
+        agent.widen_pipe(self.w.fileno())
+        agent.widen_pipe(self.r.fileno())
+        with open(AGENT_SOURCE, "rb") as f:
+            source = f.read()
+        self._greeted = False
+        try:
+            self.w.write(b"%010d\n" % len(source) + source)
+            self.w.flush()
+        except OSError:
+            pass  # the hello read below reports what ssh said
+
+    def hello(self) -> None:
+        if self._greeted:
+            return
+        try:
+            hello = agent.recv(self.r)
+        except (OSError, EOFError):
+            raise self.broken("could not start the staging agent") from None
+        if "error" in hello:
+            self.close()
+            raise error_for(f"{self.ep}: {hello['error']}", hello.get("kind", "runtime"))
+        self._greeted = True
+
+    def init(self, agent_opts: dict) -> None:
+        self.call({"op": "init", "opts": agent_opts})
+
+    def stderr_tail(self) -> str:
+        os.lseek(self.stderr_fd, 0, os.SEEK_SET)
+        data = b""
+        while chunk := os.read(self.stderr_fd, 1 << 16):
+            data += chunk
+        return data[-2000:].decode(errors="replace").strip()
+
+    def broken(self, what: str) -> RuntimeFailure:
+        try:
+            self.p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+        tail = self.stderr_tail()
+        return RuntimeFailure(
+            f"{self.ep}: {what} (ssh exit {self.p.returncode}){': ' + tail if tail else ''}; "
+            "rerun the same command to resume"
+        )
+
+    def call(self, *headers: dict) -> dict:
+        """Send requests in one go (the agent's hello needs no round trip of its own), read one reply per
+        request; returns the last. The first error reply is raised."""
+        try:
+            for header in headers:
+                agent.send(self.w, header)
+            self.w.flush()
+        except OSError:
+            pass  # reported by the reads below, with ssh's words
+        self.hello()
+        header = headers[-1]
+        try:
+            for _ in headers:
+                reply = agent.recv(self.r)
+                if "error" in reply:
+                    raise error_for(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
+        except (OSError, EOFError):
+            raise self.broken(f"the connection broke during '{header.get('op')}'") from None
+        self.last = reply
+        return reply
+
+    def close(self) -> None:
+        try:
+            agent.send(self.w, {"op": "bye"})
+            self.w.close()
+        except OSError:
+            pass
+        try:
+            self.p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        if self.stderr_fd >= 0:
+            os.close(self.stderr_fd)
+            self.stderr_fd = -1
