@@ -67,17 +67,18 @@ def hasher(algorithm):
 
 
 def check_relpath(path):
-    """None if `path` is a safe relative path ('/'-separated, normal form, inside its root), else why not."""
+    """None if `path` is a safe relative path ('/'-separated, normal form, inside its root), else why not.
+    Substring tests rather than a split: this runs for every file of every plan."""
     if not isinstance(path, str) or not path:
         return "path must be a non-empty string"
     if "\\" in path or "\x00" in path:
         return f"path '{path}' contains a backslash or NUL"
-    if path.startswith("/"):
+    if path[0] == "/":
         return f"path '{path}' is absolute"
-    parts = path.split("/")
-    if ".." in parts:
+    wrapped = "/" + path + "/"
+    if "/../" in wrapped:
         return f"path '{path}' contains '..'"
-    if "" in parts or "." in parts:
+    if "//" in wrapped or "/./" in wrapped:
         return f"path '{path}' is not in normal form"
     return None
 
