@@ -250,7 +250,7 @@ class Writer:
         self.unnamed = False
         if offset == 0 and self.size < TMPFILE_MAX and sink.tmpfile_ok:
             try:
-                self.fd = os.open(os.path.dirname(self.final), os.O_TMPFILE | os.O_WRONLY, 0o644)
+                self.fd = os.open(os.path.dirname(self.final), os.O_TMPFILE | os.O_RDWR, 0o644)
                 self.unnamed = True
             except (OSError, AttributeError):
                 sink.tmpfile_ok = False  # not on this filesystem (or platform): named part files from now on
@@ -298,15 +298,12 @@ class Writer:
                     "verify",
                 )
             os.utime(self.fd, ns=(self.mtime_ns, self.mtime_ns))
-            if self.unnamed:
-                self._link()
+            st = self._link() if self.unnamed else None
         except BaseException:
             os.close(self.fd)
-            if not self.unnamed:
-                _unlink(self.part)
+            _unlink(self.part)
             raise
         if self.unnamed:
-            st = os.fstat(self.fd)  # after the link, which moves the ctime
             os.close(self.fd)
             self.sink.placed(self.path, st, self.hash)
         else:
@@ -320,10 +317,25 @@ class Writer:
         proc = f"/proc/self/fd/{self.fd}"
         try:
             os.link(proc, self.final, src_dir_fd=self.sink.root_fd())
+            return os.fstat(self.fd)  # after the link, which moves the ctime
         except FileExistsError:
             _unlink(self.part)
             os.link(proc, self.part, src_dir_fd=self.sink.root_fd())
-            os.rename(self.part, self.final)
+        except OSError:
+            # no /proc, or a filesystem that refuses: copy the verified bytes to a named part file instead
+            self.sink.tmpfile_ok = False
+            _unlink(self.part)
+            out = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            try:
+                for block in blocks(self.fd, 0, self.size):
+                    view = memoryview(block)
+                    while view:
+                        view = view[os.write(out, view) :]
+                os.utime(out, ns=(self.mtime_ns, self.mtime_ns))
+            finally:
+                os.close(out)
+        os.rename(self.part, self.final)
+        return os.lstat(self.final)
 
     def abort(self):
         """Stop, keeping a named part file so that a rerun continues it (an unnamed one simply vanishes)."""
