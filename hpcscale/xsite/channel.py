@@ -85,7 +85,8 @@ class Channel:
         self.ep = ep
         self.taken = False
         self.last: dict = {}
-        remote = shlex.join([*shlex.split(remote_python), "-c", BOOT, role, ep.path])
+        # -S: the agent loads site-packages only if it needs a hash module (agent._site)
+        remote = shlex.join([*shlex.split(remote_python), "-S", "-c", BOOT, role, ep.path])
         cmd = [*ssh]
         if ep.port:
             cmd += ["-p", str(ep.port)]

@@ -10,6 +10,7 @@ model contributions (`stage_files`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -308,7 +309,10 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
     first = [ch0]
     try:
         # init and plan in one round trip
-        reply = ch0.call({"op": "init", "opts": agent_opts}, {"op": "plan", "entries": entries, "check": opts.check})
+        plan = {"op": "plan", "entries": entries, "check": opts.check, "manifest_sha256": None}
+        if manifest_text is not None:
+            plan["manifest_sha256"] = hashlib.sha256(manifest_text.encode()).hexdigest()
+        reply = ch0.call({"op": "init", "opts": agent_opts}, plan)
     except BaseException:
         ch0.close()
         raise
@@ -318,7 +322,8 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
     try:
         if opts.dry_run or not todo:
             if not opts.dry_run:
-                first[0].call({"op": "commit", "manifest": manifest_text})
+                if not reply.get("clean"):  # a clean no-op: the destination already holds this commit
+                    first[0].call({"op": "commit", "manifest": manifest_text})
                 run.result.committed = True
                 log.debug("push: committed at %.3f s", time.perf_counter() - t0)
             return
