@@ -45,13 +45,23 @@ class StageError(Exception):
         self.kind = kind
 
 
+_site_lock = threading.Lock()
+_site_done = []
+
+
 def _site():
     """The agent runs under `python3 -S` (site-packages processing is a good part of an interpreter's start, and
-    a no-op rerun needs nothing from it); the first time a third-party module is needed, load the site now."""
-    if sys.flags.no_site and "site" not in sys.modules:
-        import site
+    a no-op rerun needs nothing from it); the first time a third-party module is needed, load the site now.
+    Under a lock, and marked done only after site.main() returns: the writer threads ask at the same time, and
+    'site' is in sys.modules before its paths are."""
+    if _site_done or not sys.flags.no_site:
+        return
+    with _site_lock:
+        if not _site_done:
+            import site
 
-        site.main()
+            site.main()
+            _site_done.append(True)
 
 
 def hasher(algorithm):
