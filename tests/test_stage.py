@@ -482,3 +482,19 @@ def test_manifest_and_stage_never_import_torch(tmp_path):
     out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"torch": False, "mpi4py": False}
+
+
+def test_stage_files_is_a_library_for_the_cross_site_rounds(tmp_path):
+    """The cross-site rounds call stage_files in-process: same guarantees, a result object, errors as exceptions."""
+    from hpcscale.errors import VerificationFailure
+    from hpcscale.xsite.stage import StageOptions, stage_files
+
+    src = make_tree(tmp_path / "src", small=4)
+    build(src)
+    m = read_manifest(src / "manifest.json")
+    r = stage_files(m, str(src), str(tmp_path / "dst"), opts=StageOptions(jobs=2))
+    assert r.sent == 5 and r.committed and read_manifest(tmp_path / "dst" / "manifest.json").files == m.files
+    (src / "d0" / "sub" / "f0.bin").write_bytes(b"x" * 100)  # same size as before, other bytes
+    with pytest.raises(VerificationFailure) as e:
+        stage_files(m, str(src), str(tmp_path / "other"))
+    assert "d0/sub/f0.bin" in str(e.value) and e.value.result.sent == 4

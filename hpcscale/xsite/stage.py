@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -21,7 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from hpcscale.data.manifest import Manifest
+from hpcscale.data.manifest import Manifest, manifest_text
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.util.progress import Progress
 from hpcscale.xsite import agent
@@ -587,7 +586,7 @@ def stage_files(
     manifest: Manifest, src: str, dst: str, *, opts: StageOptions | None = None, progress: Progress | None = None
 ) -> StageResult:
     """Library entry point (cross-site rounds): stage `manifest`'s files from `src` to `dst` (paths or URLs)."""
-    text = json.dumps(manifest.to_json(), indent=1) + "\n"
+    text = manifest_text(manifest)
     return stage(
         manifest,
         text,
