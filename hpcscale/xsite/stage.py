@@ -254,6 +254,14 @@ def _copy(fd: int, offset: int, size: int, writer, run: _Run) -> None:
         raise StageError(f"{writer.path}: the source shrank while being read", "verify")
 
 
+def _commit(sink: Sink, manifest_text: str | None, run: _Run) -> None:
+    """Record and manifest at a local destination, only when every file made it."""
+    sink.flush()
+    if run.fatal is None and not run.result.failed:
+        sink.commit(manifest_text)
+        run.result.committed = True
+
+
 def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOptions, run: _Run) -> None:
     statuses, info = sink.plan(entries, opts.check)
     todo = _apply_plan(entries, statuses, info, run)
@@ -294,10 +302,7 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
         t.start()
     for t in threads:
         t.join()
-    sink.flush()
-    if run.fatal is None and not run.result.failed:
-        sink.commit(manifest_text)
-        run.result.committed = True
+    _commit(sink, manifest_text, run)
 
 
 def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOptions, run: _Run, algorithm, early):
@@ -508,10 +513,7 @@ def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions,
         finally:
             for ch in channels:
                 ch.close()
-    sink.flush()
-    if run.fatal is None and not run.result.failed:
-        sink.commit(manifest_text)
-        run.result.committed = True
+    _commit(sink, manifest_text, run)
 
 
 def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue.SimpleQueue, window):
