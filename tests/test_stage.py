@@ -500,3 +500,21 @@ def test_stage_files_is_a_library_for_the_cross_site_rounds(tmp_path):
     with pytest.raises(VerificationFailure) as e:
         stage_files(m, str(src), str(tmp_path / "other"))
     assert "d0/sub/f0.bin" in str(e.value) and e.value.result.sent == 4
+
+
+def test_a_remote_path_under_home_is_expanded_there(tmp_path, sshd):
+    """ssh://host/~/x means x under the remote user's home, not a directory named '~'."""
+    src = make_tree(tmp_path / "src", small=2)
+    build(src)
+    name = f"hpcscale-test-{os.getpid()}-{tmp_path.name}"
+    home = Path(os.path.expanduser("~"))
+    url = f"ssh://127.0.0.1:{sshd.port}/~/{name}"
+    try:
+        r = stage_json(src / "manifest.json", str(src), url, *ssh_args(sshd))
+        assert r["sent"] == 3
+        same_tree(src, home / name)
+        assert not (REPO / "~").exists() and not (home / "~").exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(home / name, ignore_errors=True)

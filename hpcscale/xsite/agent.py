@@ -188,7 +188,7 @@ class Source:
     """Reads files under `root`, refusing any that lead through a symlink out of it."""
 
     def __init__(self, root):
-        self.root = os.path.realpath(root)
+        self.root = os.path.realpath(os.path.expanduser(root))  # ssh://host/~/data names ~/data
         if not os.path.isdir(self.root):
             raise StageError(f"{root}: no such directory", "input")
         self._dirs = {}
@@ -386,6 +386,7 @@ class Sink:
         self.dry_run = dry_run
         self.sync = sync
         self.jobs = max(2, jobs)  # plan-time lstat and hashing threads (2 measured best here for -j 1)
+        root = os.path.expanduser(root)  # ssh://host/~/data names ~/data
         if not dry_run:
             os.makedirs(root, exist_ok=True)
         self.root = os.path.realpath(root)
