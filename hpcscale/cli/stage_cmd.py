@@ -225,15 +225,12 @@ def stage(
       hpcscale stage /data/web/manifest.json --from /data/web --to /scratch/web -j 8
       hpcscale stage /data/web/manifest.json --from /data/web --to ssh://dtn.site-b.org/lustre/web --bwlimit 500M
     """
-    from hpcscale.xsite.channel import Channel, parse_endpoint
+    from hpcscale.xsite.channel import connect_early, parse_endpoint
 
     # ssh first (a third of a second here, more across sites), then everything else while it connects
     source, dest = parse_endpoint(src, "--from"), parse_endpoint(dst, "--to")
     ssh = shlex.split(ssh_cmd)
-    early = None
-    if not dry_run and (source.kind == "ssh") != (dest.kind == "ssh"):
-        remote = dest if dest.kind == "ssh" else source
-        early = Channel(remote, "sink" if remote is dest else "source", ssh, remote_python)
+    early = None if dry_run else connect_early(source, dest, ssh, remote_python)
 
     from hpcscale.util.progress import progress_for
     from hpcscale.xsite.stage import StageOptions

@@ -45,10 +45,6 @@ class BuildStats:
     seconds: float = 0.0
 
 
-def _within(path: str, root: str) -> bool:
-    return path == root or path.startswith(root + os.sep)
-
-
 def scan(root: Path, exclude: set[str]) -> tuple[list[tuple[str, os.stat_result]], list[str]]:
     """Every regular file under root as (relative path, stat), sorted; symlinks followed only inside root.
 
@@ -70,7 +66,7 @@ def scan(root: Path, exclude: set[str]) -> tuple[list[tuple[str, os.stat_result]
                     continue
                 if de.is_symlink():
                     target = os.path.realpath(de.path)
-                    if not _within(target, real_root):
+                    if not agent.within(target, real_root):
                         raise BadInput(f"{root}/{rel}: symlink leads out of the root (-> {target})")
                     try:
                         st = os.stat(target)
@@ -126,7 +122,7 @@ def build(
             previous = None  # rebuilt from scratch below
     exclude: set[str] = set()
     out_real = os.path.realpath(out)
-    if _within(out_real, str(root)):
+    if agent.within(out_real, str(root)):
         exclude.add(os.path.relpath(out_real, root))
     listing, skipped = scan(root, exclude)
     old = {f.path: f for f in previous.files} if previous and previous.hash_algorithm == algorithm else {}
@@ -238,9 +234,10 @@ def verify(
     A path leading through a symlink out of root is BadInput."""
     t0 = time.perf_counter()
     progress = progress or Progress()
-    source = agent.Source(str(root)) if Path(root).is_dir() else None
-    if source is None:
-        raise BadInput(f"{root}: no such directory")
+    try:
+        source = agent.Source(str(root))
+    except agent.StageError as e:  # "ROOT: no such directory"
+        raise BadInput(str(e)) from None
     report = VerifyReport(files=len(manifest.files), bytes=sum(f.size for f in manifest.files))
     progress.start(report.files, report.bytes)
 

@@ -7,7 +7,7 @@ standard library). Hence: standard library only, no hpcscale imports, nothing ne
 
 Guarantees the Sink keeps (docs/staging.md):
 - a file appears under its final name only after every byte of it has been hashed and the hash matched the
-  manifest (it is written as a part file, then renamed);
+  manifest (it is written to an unnamed inode or a part file, then linked or renamed);
 - the destination's manifest and record are written last, after one syncfs of the whole destination
   filesystem if asked (--sync): a destination with a manifest then holds the data durably;
 - an interrupted transfer leaves `.NAME.HASH16.hpcscale-part` files that a rerun continues from where they end;
@@ -180,7 +180,8 @@ def parallel_map(fn, items, jobs, batch=32):
     return out
 
 
-def _within(path, root):
+def within(path, root):
+    """Whether the resolved `path` is `root` or lies under it."""
     return path == root or path.startswith(root + os.sep)
 
 
@@ -199,7 +200,7 @@ class Source:
             ok = self._dirs.get(reldir)
         if ok is None:
             real = os.path.realpath(os.path.join(self.root, reldir))
-            ok = real if _within(real, self.root) else None
+            ok = real if within(real, self.root) else None
             with self._lock:
                 self._dirs[reldir] = ok or ""
         return ok or None
@@ -221,7 +222,7 @@ class Source:
                 kind = "missing" if e.errno == errno.ENOENT else "runtime"
                 raise StageError(f"{os.path.join(self.root, rel)}: {e.strerror}", kind) from None
             real = os.path.realpath(path)
-            if not _within(real, self.root):
+            if not within(real, self.root):
                 raise StageError(f"'{rel}' leads through a symlink out of {self.root} (-> {real})", "input") from None
             fd = os.open(real, os.O_RDONLY)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -263,7 +264,6 @@ class Writer:
     def __init__(self, sink, entry, offset):
         self.sink = sink
         self.path, self.size, self.mtime_ns, self.hash = entry
-        self.offset = offset
         self.final, prefix = sink.paths(self.path, create=True)
         self.part = sink.part_name(prefix, self.hash)
         self.h = hasher(sink.algorithm)
@@ -275,13 +275,12 @@ class Writer:
                 self.unnamed = True
             except (OSError, AttributeError):
                 sink.tmpfile_ok = False  # not on this filesystem (or platform): named part files from now on
-        if self.fd is not None:
+        if self.unnamed:
             pass
-        elif offset > 0:
+        elif offset > 0:  # a part file a killed transfer left: hash what is there, append the rest
             self.fd = os.open(self.part, os.O_RDWR | os.O_NOFOLLOW)
             try:
-                _, got = self._hash_prefix(offset)
-                if got != offset:
+                if self._hash_prefix(offset) != offset:
                     raise StageError(f"{self.part}: part file shorter than announced", "runtime")
                 os.ftruncate(self.fd, offset)
             except BaseException:
@@ -292,12 +291,13 @@ class Writer:
         self.n = offset
 
     def _hash_prefix(self, offset):
+        """Feed the first `offset` bytes to the hash and seek past them; returns how many there were."""
         pos = 0
         for block in blocks(self.fd, 0, offset):
             self.h.update(block)
             pos += len(block)
         os.lseek(self.fd, pos, os.SEEK_SET)
-        return None, pos
+        return pos
 
     def write(self, data):
         view = memoryview(data)
@@ -395,7 +395,6 @@ class Sink:
         self._journal = None
         self._root_fd = None
         self.tmpfile_ok = hasattr(os, "O_TMPFILE")
-        self.renamed = []  # paths put in place since the last take_renamed()
 
     # -- paths ------------------------------------------------------------------------------------------
     def _check_dir(self, reldir, create):
@@ -594,7 +593,6 @@ class Sink:
     def placed(self, rel, st, digest):
         with self._lock:
             self._record_line(rel, st, digest)
-            self.renamed.append(rel)
 
     def root_fd(self):
         if self._root_fd is None:
@@ -606,11 +604,6 @@ class Sink:
         with self._lock:
             if self._journal is not None:
                 self._journal.flush()
-
-    def take_renamed(self):
-        with self._lock:
-            done, self.renamed = self.renamed, []
-        return done
 
     # -- commit -----------------------------------------------------------------------------------------
     def commit(self, manifest_text=None, name="manifest.json"):

@@ -6,6 +6,7 @@ connection (a third of a second on loopback, more across sites) comes up while t
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shlex
@@ -33,6 +34,13 @@ BOOT = (
     "exec(compile(r(int(r(11))),'hpcscale-agent','exec'))"
 )
 AGENT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
+
+
+@functools.cache
+def _agent_source() -> bytes:
+    """Read once per process, however many streams are opened."""
+    with open(AGENT_SOURCE, "rb") as f:
+        return f.read()
 
 
 def error_for(message: str, kind: str) -> Exception:
@@ -106,8 +114,7 @@ class Channel:
         self.r = self.p.stdout
         agent.widen_pipe(self.w.fileno())
         agent.widen_pipe(self.r.fileno())
-        with open(AGENT_SOURCE, "rb") as f:
-            source = f.read()
+        source = _agent_source()
         self._greeted = False
         try:
             self.w.write(b"%010d\n" % len(source) + source)
@@ -183,3 +190,13 @@ class Channel:
         if self.stderr_fd >= 0:
             os.close(self.stderr_fd)
             self.stderr_fd = -1
+
+
+def connect_early(src: Endpoint, dst: Endpoint, ssh: Sequence[str], remote_python: str) -> Channel | None:
+    """Start ssh (and the remote agent) now, so that it comes up while the manifest is read; `stage()` takes it
+    over. None unless exactly one side is remote."""
+    if dst.kind == "ssh" and src.kind == "local":
+        return Channel(dst, "sink", ssh, remote_python)
+    if src.kind == "ssh" and dst.kind == "local":
+        return Channel(src, "source", ssh, remote_python)
+    return None
