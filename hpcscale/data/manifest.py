@@ -84,11 +84,12 @@ def hasher(algorithm: str):
         raise BadInput(str(e)) from None
 
 
-def hash_file(path: Path, algorithm: str) -> str:
+def hash_file(path: Path | str, algorithm: str, on_bytes=None) -> str:
+    """Hex digest of a whole file; `on_bytes(n)` is told of each block hashed (progress)."""
     hasher(algorithm)
     fd = os.open(path, os.O_RDONLY)
     try:
-        return agent.hash_fd(fd, algorithm)[0]
+        return agent.hash_fd(fd, algorithm, on_bytes=on_bytes)[0]
     finally:
         os.close(fd)
 

@@ -19,6 +19,7 @@ from hpcscale.data.manifest import (
     Manifest,
     TokenDataset,
     TokenShard,
+    hash_file,
     hasher,
     read_manifest,
     write_manifest,
@@ -88,11 +89,7 @@ def scan(root: Path, exclude: set[str]) -> tuple[list[tuple[str, os.stat_result]
 
 
 def _hash_one(root: str, rel: str, algorithm: str, progress: Progress) -> str:
-    fd = os.open(os.path.join(root, rel), os.O_RDONLY)
-    try:
-        digest, _ = agent.hash_fd(fd, algorithm, on_bytes=lambda n: progress.advance(nbytes=n))
-    finally:
-        os.close(fd)
+    digest = hash_file(os.path.join(root, rel), algorithm, on_bytes=lambda n: progress.advance(nbytes=n))
     progress.advance(files=1)
     return digest
 

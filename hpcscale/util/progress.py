@@ -14,6 +14,12 @@ class Progress:
 
     def advance(self, files: int = 0, nbytes: int = 0) -> None: ...
 
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
 
 class RichProgress(Progress):
     """Files and bytes, with rate and time left, on stderr. A context manager."""
@@ -69,13 +75,5 @@ class RichProgress(Progress):
 def progress_for(label: str, as_json: bool) -> Progress:
     """A rich bar when stderr is a terminal and the output is not JSON; otherwise silence."""
     if as_json or not sys.stderr.isatty():
-        return _Null()
+        return Progress()
     return RichProgress(label)
-
-
-class _Null(Progress):
-    def __enter__(self) -> _Null:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
