@@ -56,6 +56,7 @@ class CheckpointManager:
         tp_rank: int,
         keep_last: int = 3,
         keep_every: int = 0,
+        direct_io: bool = True,
         log=None,
     ):
         self.root, self.dims, self.rank = root, dims, rank
@@ -72,7 +73,7 @@ class CheckpointManager:
                 apply_retention(root, keep_last=10**9, keep_every=0)  # removes .tmp-* only: keep everything
                 self.log(f"hpcscale: removed {len(leftovers)} unfinished save(s) in {root}")
         dist.barrier(group=self.group)
-        self.writer = ShardWriter(root, rank=rank, group=self.group)
+        self.writer = ShardWriter(root, rank=rank, group=self.group, direct_io=direct_io)
         self.last_step: int | None = None
         self._adopt_newest()
         self.last_stats: SaveStats | None = None

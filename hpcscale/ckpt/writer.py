@@ -17,9 +17,12 @@ Fault injection for tests: HPCSCALE_CKPT_FAULT=<point>[@<rank>] kills the proces
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,17 +46,141 @@ from hpcscale.ckpt.format import (
 )
 from hpcscale.ckpt.shards import LocalShard
 
+ALIGN = 4096  # O_DIRECT's alignment for memory, file offsets and lengths (every device's logical block divides it)
+
+
+HUGE = 2 << 20  # a transparent huge page
+
+
+def arena(nbytes: int, *, huge: bool = True) -> torch.Tensor:
+    """`nbytes` of fresh anonymous memory as a flat uint8 tensor that starts on a huge-page boundary, with `huge`
+    advised to use transparent huge pages. O_DIRECT then pins its pages 512 at a time (measured here: a third of
+    the kernel time of a write from 4 KiB pages), and copies into it miss the TLB less; the price is paid once,
+    when the pages are first touched (the kernel may have to compact memory to find 2 MiB pieces)."""
+    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
+    skip = -raw.data_ptr() % HUGE
+    return raw[skip : skip + nbytes]
+
+
+def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in its own arena, so O_DIRECT can write straight from it."""
+    return arena(shape.numel() * dtype.itemsize).view(dtype).view(shape)
+
+
+def _carve(shards: list[LocalShard]) -> list[torch.Tensor]:
+    """Buffers shaped like the shards' tensors, all in one arena, each starting on an ALIGN boundary."""
+    sizes = [-(-s.tensor.numel() * s.tensor.dtype.itemsize // ALIGN) * ALIGN for s in shards]
+    whole = arena(sum(sizes))
+    out, pos = [], 0
+    for s, size in zip(shards, sizes, strict=True):
+        n = s.tensor.numel() * s.tensor.dtype.itemsize
+        out.append(whole[pos : pos + n].view(s.tensor.dtype).view(s.tensor.shape))
+        pos += size
+    return out
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+class DataFile:
+    """One rank's data file of one save. `append` hands chunks to an I/O thread, so the caller hashes the next
+    chunk while the previous one is written.
+
+    With `direct`, it is opened with O_DIRECT: chunks go from memory to the device without passing through the
+    page cache, so a save costs no copy into kernel memory and leaves no gigabytes of dirty pages for the fsync
+    (and for training, during an async save) to wait on. Then every chunk starts on an ALIGN boundary; the gap
+    after a chunk whose length is not a multiple of ALIGN is zero padding that no reference covers. A source
+    that is not aligned (a live tensor, in a synchronous save), and any chunk's last partial block, go through
+    an aligned bounce buffer. Filesystems that refuse O_DIRECT (tmpfs, some FUSE mounts) get buffered writes.
+    """
+
+    def __init__(self, path: Path, *, direct: bool, bounce: torch.Tensor):
+        self.path, self.bounce = path, bounce
+        self.offset = 0
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        if self.direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
+        self.padded = self.direct  # the layout is fixed at open, even if the writes fall back to buffered
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-io")
+        self._writes: list[Future] = []
+
+    def append(self, chunk: torch.Tensor) -> int:
+        """Queue `chunk` (1-D uint8; its memory must not change until `close`) to be written after everything
+        queued before it; returns its offset in the file."""
+        offset = self.offset
+        n = chunk.numel()
+        self.offset += -(-n // ALIGN) * ALIGN if self.padded else n
+        self._writes.append(self._io.submit(self._write, chunk, offset))
+        return offset
+
+    def _write(self, chunk: torch.Tensor, offset: int) -> None:
+        if self.direct:
+            try:
+                self._direct(chunk, offset)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                # The filesystem took the open but not the write: go on buffered, in the same file.
+                os.close(self.fd)
+                self.fd = os.open(self.path, os.O_WRONLY)
+                self.direct = False
+        _pwrite_all(self.fd, memoryview(chunk.numpy()), offset)
+
+    def _direct(self, chunk: torch.Tensor, offset: int) -> None:
+        n = chunk.numel()
+        done = n - n % ALIGN if chunk.data_ptr() % ALIGN == 0 else 0
+        if done:
+            _pwrite_all(self.fd, memoryview(chunk[:done].numpy()), offset)
+        step = self.bounce.numel()
+        for start in range(done, n, step):
+            piece = chunk[start : start + step]
+            k = piece.numel()
+            padded = -(-k // ALIGN) * ALIGN
+            self.bounce[:k].copy_(piece)
+            self.bounce[k:padded].zero_()
+            _pwrite_all(self.fd, memoryview(self.bounce[:padded].numpy()), offset + start)
+
+    def close(self, *, sync: bool) -> None:
+        """Wait for the queued writes (raising the first one's error), fsync with `sync`, close."""
+        try:
+            self._io.shutdown(wait=True)
+            for w in self._writes:
+                w.result()
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
 
 def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy when it is contiguous on CPU."""
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor, without a copy when it is contiguous on CPU."""
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8)
+
+
+def _key(s: LocalShard) -> str:
+    return f"{s.name}@{s.offset}"
 
 
 @dataclass(slots=True)
@@ -75,10 +202,12 @@ class SaveResult:
 class ShardWriter:
     """One rank's side of saving. `known` maps chunk hashes to committed locations (for dedup)."""
 
-    def __init__(self, root: Path, *, rank: int, group: dist.ProcessGroup | None):
+    def __init__(self, root: Path, *, rank: int, group: dist.ProcessGroup | None, direct_io: bool = True):
         self.root = root
         self.rank = rank
         self.group = group
+        self.direct_io = direct_io
+        self._bounce: torch.Tensor | None = None  # DataFile's aligned bounce buffer, kept across saves
         self.known: dict[str, ChunkRef] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._versions: dict[str, tuple[int, int]] = {}  # name -> (id of tensor, version) at the last save
@@ -92,8 +221,11 @@ class ShardWriter:
         """Take what will be written. With `copy`, into reused CPU buffers, so training can go on; tensors not
         modified since the last committed save (same object, same version counter) are not copied at all."""
         out = []
+        if copy:  # CPU buffers first missing (or of another shape) get one new arena together
+            missing = [s for s in shards if not self._has_buffer(s) and not s.tensor.is_cuda]
+            self._buffers.update({_key(s): b for s, b in zip(missing, _carve(missing), strict=True)})
         for s in shards:
-            key = f"{s.name}@{s.offset}"
+            key = _key(s)
             # A DTensor's in-place ops move the DTensor's counter; in-place ops on its local tensor move only the
             # local tensor's. Either means "changed".
             src = s.source if s.source is not None else s.tensor
@@ -103,10 +235,9 @@ class ShardWriter:
                 out.append(PendingShard(s, None, self._last_refs[key]))
                 continue
             if copy:
-                buf = self._buffers.get(key)
-                if buf is None or buf.shape != s.tensor.shape or buf.dtype != s.tensor.dtype:
-                    buf = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, device="cpu", pin_memory=s.tensor.is_cuda)
-                    self._buffers[key] = buf
+                if not self._has_buffer(s):  # a GPU tensor's: pinned, so the copy runs asynchronously
+                    self._buffers[key] = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, pin_memory=True)
+                buf = self._buffers[key]
                 buf.copy_(s.tensor.detach(), non_blocking=s.tensor.is_cuda)
                 out.append(PendingShard(s, buf))
             else:
@@ -116,6 +247,15 @@ class ShardWriter:
             torch.cuda.synchronize()
         return out
 
+    def _has_buffer(self, s: LocalShard) -> bool:
+        buf = self._buffers.get(_key(s))
+        return buf is not None and buf.shape == s.tensor.shape and buf.dtype == s.tensor.dtype
+
+    def _data_file(self, tmp: Path) -> DataFile:
+        if self._bounce is None:
+            self._bounce = arena(CHUNK_BYTES, huge=False)  # mostly untouched: no huge pages to fault in
+        return DataFile(tmp / "data" / f"rank-{self.rank:05d}.bin", direct=self.direct_io, bounce=self._bounce)
+
     def write(self, step: int, pending: list[PendingShard]) -> tuple[list[tuple], SaveResult]:
         """Write this rank's new chunks durably; returns its table rows and what it wrote."""
         t0 = time.perf_counter()
@@ -124,8 +264,7 @@ class ShardWriter:
         final_rel = f"{step_dir_name(step)}/data/rank-{self.rank:05d}.bin"
         (tmp / "data").mkdir(parents=True, exist_ok=True)
         rows = []
-        fd = None
-        offset = 0
+        out: DataFile | None = None
         new_here: dict[str, ChunkRef] = {}
         try:
             for p in pending:
@@ -135,34 +274,28 @@ class ShardWriter:
                     result.referenced_bytes += sum(c.length for c in refs)
                 else:
                     refs = []
-                    view = tensor_bytes(p.data)
-                    for start in range(0, max(len(view), 1), CHUNK_BYTES):
-                        piece = view[start : start + CHUNK_BYTES]
-                        digest = xxhash.xxh3_128_hexdigest(piece)
+                    flat = tensor_bytes(p.data)
+                    for start in range(0, max(flat.numel(), 1), CHUNK_BYTES):
+                        piece = flat[start : start + CHUNK_BYTES]
+                        digest = xxhash.xxh3_128_hexdigest(memoryview(piece.numpy()))
                         ref = self.known.get(digest) or new_here.get(digest)
                         if ref is None:
-                            if fd is None:
-                                fd = os.open(
-                                    tmp / "data" / f"rank-{self.rank:05d}.bin",
-                                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                                    0o644,
-                                )
-                            os.write(fd, piece)
-                            ref = ChunkRef(digest, final_rel, offset, len(piece))
+                            out = out or self._data_file(tmp)
+                            ref = ChunkRef(digest, final_rel, out.append(piece), piece.numel())
                             new_here[digest] = ref
-                            offset += len(piece)
-                            result.new_bytes += len(piece)
+                            result.new_bytes += piece.numel()
                         else:
                             result.referenced_bytes += ref.length
                         refs.append(ref)
-                    self._candidate[f"{s.name}@{s.offset}"] = refs
+                    self._candidate[_key(s)] = refs
                 rows.append((s.name, s.global_shape, dtype_name(s.tensor), s.offset, tuple(s.tensor.shape), refs))
             fault("data_written", self.rank)
-            if fd is not None:
-                os.fsync(fd)
-        finally:
-            if fd is not None:
-                os.close(fd)
+        except BaseException:
+            if out is not None:
+                out.close(sync=False)
+            raise
+        if out is not None:
+            out.close(sync=True)
         fsync_dir(tmp / "data")
         fault("data_durable", self.rank)
         result.seconds = time.perf_counter() - t0

@@ -60,6 +60,10 @@ class CheckpointPolicy:
     keep_last: int = setting("Keep the newest K checkpoints.", default=3, min=1)
     keep_every: int = setting("Also keep every M-th step's checkpoint; 0 for none.", default=0, min=0)
     asynchronous: bool = setting("Write in the background while training goes on.", default=True, key="async")
+    direct_io: bool = setting(
+        "Write checkpoint data with O_DIRECT, past the page cache (buffered where the filesystem refuses it).",
+        default=True,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

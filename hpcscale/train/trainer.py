@@ -147,6 +147,7 @@ def train(ctx: Context) -> None:
         tp_rank=ctx.tp_rank,
         keep_last=policy.keep_last,
         keep_every=policy.keep_every,
+        direct_io=policy.direct_io,
         log=ctx.metrics.print,
     )
     ctx.hooks["checkpoint"] = ckpt
