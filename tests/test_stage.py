@@ -518,3 +518,36 @@ def test_a_remote_path_under_home_is_expanded_there(tmp_path, sshd):
         import shutil
 
         shutil.rmtree(home / name, ignore_errors=True)
+
+
+def test_prelaunch_starts_ssh_from_raw_arguments_and_the_command_adopts_only_a_match(tmp_path, sshd):
+    """`hpcscale stage` starts ssh from its raw arguments before click loads (about 50 ms sooner); the command
+    takes that channel only if it is the one click's parse calls for, and closes it otherwise."""
+    import shlex
+
+    from hpcscale.xsite import channel
+
+    url = sshd.url(tmp_path / "remote")
+    ssh = sshd.ssh_string()
+    args = ["m.json", "--from", str(tmp_path), f"--to={url}", "-j", "2", "--ssh", ssh, "--remote-python", PY]
+    src, dst = channel.parse_endpoint(str(tmp_path)), channel.parse_endpoint(url)
+
+    channel.prelaunch(args)
+    ch = channel._prelaunched
+    assert ch is not None
+    assert channel.take_prelaunched(src, dst, shlex.split(ssh), PY) is ch
+    reply = ch.call({"op": "init", "opts": {"algorithm": "xxh128", "dry_run": False, "sync": False, "jobs": 1}})
+    assert reply["ready"] and reply["root"] == str(tmp_path / "remote")  # a live agent at the other end
+    ch.close()
+    assert ch.p.returncode == 0
+
+    channel.prelaunch(args)
+    other = channel._prelaunched
+    assert channel.take_prelaunched(src, dst, shlex.split(ssh), "python3.99") is None  # not what click parsed
+    assert other.p.returncode is not None  # closed, not left running
+
+    for extra in (["--dry-run"], ["--help"]):
+        channel.prelaunch(args + extra)
+        assert channel._prelaunched is None
+    channel.prelaunch(["m.json", "--from", str(tmp_path)])  # no --to: nothing to start
+    assert channel._prelaunched is None

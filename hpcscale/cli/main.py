@@ -5,6 +5,11 @@ from __future__ import annotations
 import importlib
 import sys
 
+if sys.argv[1:2] == ["stage"]:  # start ssh before loading click and the rest (hpcscale/xsite/channel.py)
+    from hpcscale.xsite.channel import prelaunch
+
+    prelaunch(sys.argv[2:])
+
 import click
 
 from hpcscale import __version__

@@ -10,6 +10,7 @@ import click
 
 from hpcscale.cli.options import console, dry_run_option, json_option, print_json
 from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.xsite.channel import DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
 
 jobs_option = click.option(
     "-j", "--jobs", type=click.IntRange(1, 256), default=None, help="Parallel hashing threads or transfer streams."
@@ -188,14 +189,14 @@ def parse_rate(text: str | None) -> float | None:
     "--ssh",
     "ssh_cmd",
     envvar="HPCSCALE_SSH",
-    default="ssh",
+    default=DEFAULT_SSH,
     show_default=True,
     help="ssh command and options, e.g. 'ssh -i ~/.ssh/dtn -o BatchMode=yes' (env HPCSCALE_SSH).",
 )
 @click.option(
     "--remote-python",
     envvar="HPCSCALE_REMOTE_PYTHON",
-    default="python3",
+    default=DEFAULT_REMOTE_PYTHON,
     show_default=True,
     help="python3 on the ssh host (needs xxhash for xxh128) (env HPCSCALE_REMOTE_PYTHON).",
 )
@@ -225,12 +226,15 @@ def stage(
       hpcscale stage /data/web/manifest.json --from /data/web --to /scratch/web -j 8
       hpcscale stage /data/web/manifest.json --from /data/web --to ssh://dtn.site-b.org/lustre/web --bwlimit 500M
     """
-    from hpcscale.xsite.channel import connect_early, parse_endpoint
+    from hpcscale.xsite.channel import connect_early, parse_endpoint, take_prelaunched
 
-    # ssh first (a third of a second here, more across sites), then everything else while it connects
+    # ssh first (a third of a second here, more across sites), then everything else while it connects; usually
+    # it was started before click was even imported (channel.prelaunch)
     source, dest = parse_endpoint(src, "--from"), parse_endpoint(dst, "--to")
     ssh = shlex.split(ssh_cmd)
-    early = None if dry_run else connect_early(source, dest, ssh, remote_python)
+    early = take_prelaunched(source, dest, ssh, remote_python)
+    if early is None and not dry_run:
+        early = connect_early(source, dest, ssh, remote_python)
 
     from hpcscale.util.progress import progress_for
     from hpcscale.xsite.stage import StageOptions

@@ -180,6 +180,29 @@ def parallel_map(fn, items, jobs, batch=32):
     return out
 
 
+def in_background(fn, *args):
+    """Start fn(*args) on a thread; returns a function that waits for it and returns its result (or raises)."""
+    box = []
+
+    def run():
+        try:
+            box.append((True, fn(*args)))
+        except BaseException as e:
+            box.append((False, e))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def result():
+        t.join()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    return result
+
+
 def within(path, root):
     """Whether the resolved `path` is `root` or lies under it."""
     return path == root or path.startswith(root + os.sep)
@@ -821,13 +844,13 @@ def serve(role, root, inp, out):
             if end is None:
                 raise StageError(f"'{op}' before 'init'", "runtime")
             if op == "plan":
+                # Whether the destination already holds this very commit, found beside the plan's lstats (it
+                # reads and hashes the destination's manifest). Meaningful only if the plan hashes nothing:
+                # then nothing the plan does changes it.
+                sha, name = req.get("manifest_sha256"), req.get("name", "manifest.json")
+                is_clean = in_background(end.is_clean, sha, name) if sha else None
                 statuses, info = end.plan(req["entries"], req.get("check", "stat"))
-                clean = (
-                    "manifest_sha256" in req
-                    and info["hashed"] == 0
-                    and all(x < 0 for x in statuses)
-                    and end.is_clean(req["manifest_sha256"], req.get("name", "manifest.json"))
-                )
+                clean = is_clean is not None and info["hashed"] == 0 and all(x < 0 for x in statuses) and is_clean()
                 send(out, {"statuses": statuses, "info": info, "clean": clean})
             elif op == "put":
                 if req.get("offset", 0) == 0 and req["n"] < POOL_MAX:
@@ -995,6 +1018,9 @@ def main(argv):
     inp = Input(sys.stdin.fileno(), out.flush)
     serve(role, root, inp, out)
     out.flush()
+    sys.stderr.flush()
+    # serve() closed everything it opened; skip the interpreter's teardown, which the other side would wait for
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,24 @@
 """Endpoints (`/path`, `ssh://[user@]host[:port]/path`) and the ssh stream to a staging agent.
 
-Kept light on imports: `hpcscale stage` starts ssh from here before it loads the rest of itself, so the
-connection (a third of a second on loopback, more across sites) comes up while the manifest is read.
+Kept light on imports: `hpcscale stage` starts ssh from here before it loads the rest of itself (even click:
+see `prelaunch`), so the connection (a third of a second on loopback, more across sites) comes up while the
+command loads and reads its manifest.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import shlex
 import subprocess
+import sys
+from collections import namedtuple
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
-from hpcscale.xsite import agent
 
-log = logging.getLogger("hpcscale.stage")
+DEFAULT_SSH = "ssh"  # `hpcscale stage --ssh` (env HPCSCALE_SSH)
+DEFAULT_REMOTE_PYTHON = "python3"  # `hpcscale stage --remote-python` (env HPCSCALE_REMOTE_PYTHON)
 
 # Executed by the remote python3: read the agent's source (a 10-digit length and a newline, then the text) from
 # fd 0 and run it. Unbuffered reads of exactly those bytes: requests sent right behind the source (without
@@ -36,6 +37,13 @@ BOOT = (
 AGENT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
 
 
+def _agent():
+    """The agent module, imported on first use: not needed to start ssh."""
+    from hpcscale.xsite import agent
+
+    return agent
+
+
 @functools.cache
 def _agent_source() -> bytes:
     """Read once per process, however many streams are opened."""
@@ -48,13 +56,11 @@ def error_for(message: str, kind: str) -> Exception:
     return {"input": BadInput, "verify": VerificationFailure}.get(kind, RuntimeFailure)(message)
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    kind: str  # "local" or "ssh"
-    path: str
-    host: str = ""
-    user: str = ""
-    port: int | None = None
+class Endpoint(namedtuple("Endpoint", "kind path host user port", defaults=("", "", None))):
+    """kind "local" or "ssh"; host, user and port (None: ssh's default) for ssh. A named tuple, not a dataclass:
+    this module loads before ssh starts, and dataclasses costs milliseconds to import."""
+
+    __slots__ = ()
 
     def __str__(self) -> str:
         if self.kind == "local":
@@ -91,6 +97,7 @@ class Channel:
 
     def __init__(self, ep: Endpoint, role: str, ssh: Sequence[str], remote_python: str):
         self.ep = ep
+        self.spec = (ep, role, tuple(ssh), remote_python)
         self.taken = False
         self.last: dict = {}
         # -S: the agent loads site-packages only if it needs a hash module (agent._site)
@@ -101,7 +108,9 @@ class Channel:
         if ep.user:
             cmd += ["-l", ep.user]
         cmd += [ep.host, remote]
-        log.debug("run: %s", shlex.join(cmd))
+        logging = sys.modules.get("logging")  # not imported here: it costs milliseconds before ssh starts
+        if logging is not None:  # and when it is not loaded, nothing has configured it to show debug lines
+            logging.getLogger("hpcscale.stage").debug("run: %s", shlex.join(cmd))
         self.stderr_fd = os.memfd_create("hpcscale-ssh-stderr")  # ssh's own words, for error messages
         try:
             self.p = subprocess.Popen(
@@ -112,6 +121,7 @@ class Channel:
             raise RuntimeFailure(f"{cmd[0]}: command not found (set --ssh)") from None
         self.w = self.p.stdin
         self.r = self.p.stdout
+        agent = _agent()  # imported once ssh is on its way
         agent.widen_pipe(self.w.fileno())
         agent.widen_pipe(self.r.fileno())
         source = _agent_source()
@@ -126,7 +136,7 @@ class Channel:
         if self._greeted:
             return
         try:
-            hello = agent.recv(self.r)
+            hello = _agent().recv(self.r)
         except (OSError, EOFError):
             raise self.broken("could not start the staging agent") from None
         if "error" in hello:
@@ -137,6 +147,22 @@ class Channel:
     def init(self, agent_opts: dict) -> None:
         self.call({"op": "init", "opts": agent_opts})
 
+    def _wait(self, timeout: float) -> None:
+        """Popen.wait(timeout=...) polls, sleeping up to 50 ms between looks; a pidfd wakes us when ssh exits."""
+        try:
+            fd = os.pidfd_open(self.p.pid)
+        except (AttributeError, OSError):  # not Linux >= 5.3
+            self.p.wait(timeout=timeout)
+            return
+        try:
+            import select
+
+            if not select.select([fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.p.args, timeout)
+        finally:
+            os.close(fd)
+        self.p.wait()
+
     def stderr_tail(self) -> str:
         os.lseek(self.stderr_fd, 0, os.SEEK_SET)
         data = b""
@@ -146,7 +172,7 @@ class Channel:
 
     def broken(self, what: str) -> RuntimeFailure:
         try:
-            self.p.wait(timeout=10)
+            self._wait(10)
         except subprocess.TimeoutExpired:
             self.p.kill()
         tail = self.stderr_tail()
@@ -160,7 +186,7 @@ class Channel:
         request; returns the last. The first error reply is raised."""
         try:
             for header in headers:
-                agent.send(self.w, header)
+                _agent().send(self.w, header)
             self.w.flush()
         except OSError:
             pass  # reported by the reads below, with ssh's words
@@ -168,7 +194,7 @@ class Channel:
         header = headers[-1]
         try:
             for _ in headers:
-                reply = agent.recv(self.r)
+                reply = _agent().recv(self.r)
                 if "error" in reply:
                     raise error_for(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
         except (OSError, EOFError):
@@ -178,12 +204,12 @@ class Channel:
 
     def close(self) -> None:
         try:
-            agent.send(self.w, {"op": "bye"})
+            _agent().send(self.w, {"op": "bye"})
             self.w.close()
         except OSError:
             pass
         try:
-            self.p.wait(timeout=30)
+            self._wait(30)
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
@@ -199,4 +225,48 @@ def connect_early(src: Endpoint, dst: Endpoint, ssh: Sequence[str], remote_pytho
         return Channel(dst, "sink", ssh, remote_python)
     if src.kind == "ssh" and dst.kind == "local":
         return Channel(src, "source", ssh, remote_python)
+    return None
+
+
+_prelaunched: Channel | None = None
+
+
+def prelaunch(argv: Sequence[str]) -> None:
+    """Called with `hpcscale stage`'s arguments before the CLI imports click and the rest: start ssh now if
+    they name exactly one ssh endpoint. This is a best guess at what click will parse, never an error: the
+    command adopts the channel only if it matches what click parsed (`take_prelaunched`), and closes it
+    otherwise."""
+    global _prelaunched
+    opts = {"--from": None, "--to": None, "--ssh": None, "--remote-python": None}
+    takes_value = {*opts, "-j", "--jobs", "--check", "--bwlimit"}
+    try:
+        it = iter(argv)
+        for arg in it:
+            if arg in ("--dry-run", "--help", "--"):
+                return
+            name, eq, value = arg.partition("=")
+            if name in takes_value:
+                value = value if eq else next(it)
+                if name in opts:
+                    opts[name] = value
+        if opts["--from"] is None or opts["--to"] is None:
+            return
+        ssh = opts["--ssh"] or os.environ.get("HPCSCALE_SSH") or DEFAULT_SSH
+        remote_python = opts["--remote-python"] or os.environ.get("HPCSCALE_REMOTE_PYTHON") or DEFAULT_REMOTE_PYTHON
+        src, dst = parse_endpoint(opts["--from"]), parse_endpoint(opts["--to"])
+        _prelaunched = connect_early(src, dst, shlex.split(ssh), remote_python)
+    except Exception:  # anything odd here is for click to report
+        _prelaunched = None
+
+
+def take_prelaunched(src: Endpoint, dst: Endpoint, ssh: Sequence[str], remote_python: str) -> Channel | None:
+    """The channel `prelaunch` started, if it is the one these parsed options call for."""
+    global _prelaunched
+    ch, _prelaunched = _prelaunched, None
+    if ch is None:
+        return None
+    role = "sink" if dst.kind == "ssh" else "source"
+    if ch.spec == (dst if role == "sink" else src, role, tuple(ssh), remote_python):
+        return ch
+    ch.close()
     return None
