@@ -245,21 +245,23 @@ def test_data_file_round_trips_odd_chunks_from_aligned_and_unaligned_memory(tmp_
     intact at the offsets `append` returns, with nothing else in the file referenced."""
     import torch
 
-    from hpcscale.ckpt.writer import ALIGN, DataFile, aligned_empty
+    from hpcscale.ckpt.writer import ALIGN, SLOT, SLOTS, DataFile, aligned_empty
 
     g = torch.Generator().manual_seed(0)
     aligned = aligned_empty(torch.Size([3 * ALIGN + 123]), torch.uint8)
     aligned.copy_(torch.randint(0, 256, aligned.shape, generator=g, dtype=torch.uint8))
-    backing = torch.randint(0, 256, (5 * ALIGN,), generator=g, dtype=torch.uint8)
+    backing = torch.randint(0, 256, (5 * SLOT,), generator=g, dtype=torch.uint8)
     skew = 1 if backing.data_ptr() % ALIGN == 0 else 0
     chunks = [
-        aligned,  # aligned body written in place, partial last block through the bounce buffer
-        backing[skew + 7 : skew + 7 + 2 * ALIGN + 5],  # unaligned start: all through the bounce buffer
+        aligned,  # aligned body written in place, partial last block through a bounce slot
+        backing[skew + 7 : skew + 7 + 2 * ALIGN + 5],  # unaligned start: all through a bounce slot
         torch.empty(0, dtype=torch.uint8),
         aligned[: 2 * ALIGN],  # aligned and whole blocks: no bounce at all
-        backing[skew : skew + 3],
+        backing[skew : skew + 4 * SLOT + 3],  # more pieces than slots: the ring is reused while writes run
+        backing[skew + 1 : skew + 4],
     ]
-    f = DataFile(tmp_path / "rank.bin", direct=direct, bounce=aligned_empty(torch.Size([ALIGN]), torch.uint8))
+    bounce = aligned_empty(torch.Size([SLOTS * SLOT]), torch.uint8)
+    f = DataFile(tmp_path / "rank.bin", direct=direct, bounce=bounce)
     assert f.direct == direct  # ext4 under the test's tmp takes O_DIRECT: the direct path really ran
     offsets = [f.append(c) for c in chunks]
     f.close(sync=True)

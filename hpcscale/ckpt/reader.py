@@ -23,7 +23,7 @@ class ChunkReader:
         self._fds: dict[str, int] = {}
         self.bytes_read = 0
 
-    def read(self, tensor: str, ref, out: memoryview) -> None:
+    def _fd(self, tensor: str, ref) -> int:
         fd = self._fds.get(ref.file)
         if fd is None:
             try:
@@ -32,6 +32,18 @@ class ChunkReader:
                 raise VerificationFailure(
                     f"tensor {tensor}: chunk {ref.hash} is in {ref.file}, which is missing"
                 ) from None
+        return fd
+
+    def prefetch(self, tensor: str, refs) -> None:
+        """Ask the kernel to start reading these chunks now (POSIX_FADV_WILLNEED), so the disk works on the next
+        ones while this rank hashes the one in hand, with more than one read in flight."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for ref in refs:
+            os.posix_fadvise(self._fd(tensor, ref), ref.offset, ref.length, os.POSIX_FADV_WILLNEED)
+
+    def read(self, tensor: str, ref, out: memoryview) -> None:
+        fd = self._fd(tensor, ref)
         got = os.preadv(fd, [out], ref.offset)
         self.bytes_read += got
         if got != ref.length:
@@ -63,6 +75,26 @@ def _overlap(a_off, a_shape, b_off, b_shape):
     return (lo, hi) if all(h > low for low, h in zip(lo, hi, strict=True)) else None
 
 
+def _byte_span(shard: ShardRecord, elt: int, lo, hi) -> tuple[int, int]:
+    """[start, end) of the shard's bytes (row-major) that hold the global box [lo, hi)."""
+    if not shard.shape:
+        return 0, elt
+    local_lo = [x - o for x, o in zip(lo, shard.offset, strict=True)]
+    local_hi = [x - o for x, o in zip(hi, shard.offset, strict=True)]
+    first = int(np.ravel_multi_index(local_lo, shard.shape))
+    last = int(np.ravel_multi_index([h - 1 for h in local_hi], shard.shape))
+    return first * elt, (last + 1) * elt
+
+
+def _chunks_in(shard: ShardRecord, span: tuple[int, int]):
+    """(position in the shard, chunk) of the chunks that hold any byte of `span`."""
+    pos = 0
+    for ref in shard.chunks:
+        if pos < span[1] and pos + ref.length > span[0]:
+            yield pos, ref
+        pos += ref.length
+
+
 def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype: torch.dtype, lo, hi) -> torch.Tensor:
     """The saved shard's elements in the global box [lo, hi), reading only the chunks that span it."""
     elt = torch.empty((), dtype=dtype).element_size()
@@ -70,18 +102,10 @@ def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype:
     local_hi = [x - o for x, o in zip(hi, shard.offset, strict=True)]
     shape = shard.shape
     numel = int(np.prod(shape)) if shape else 1
-    if shape:
-        first = int(np.ravel_multi_index(local_lo, shape))
-        last = int(np.ravel_multi_index([h - 1 for h in local_hi], shape))
-    else:
-        first = last = 0
-    start_b, end_b = first * elt, (last + 1) * elt
     buf = np.empty(numel * elt, dtype=np.uint8)
-    pos = 0
-    for ref in shard.chunks:
-        if pos < end_b and pos + ref.length > start_b:
-            reader.read(name, ref, memoryview(buf[pos : pos + ref.length]))
-        pos += ref.length
+    for at, ref in _chunks_in(shard, _byte_span(shard, elt, lo, hi)):
+        reader.read(name, ref, memoryview(buf[at : at + ref.length]))
+    pos = sum(ref.length for ref in shard.chunks)
     if pos != numel * elt:
         raise VerificationFailure(
             f"tensor {name}: shard at {shard.offset} has {pos} bytes of chunks for {numel * elt} bytes of data"
@@ -107,6 +131,15 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
     """Fill each target piece from the checkpoint; returns bytes read. VerificationFailure on any problem."""
     reader = ChunkReader(root)
     try:
+        for t in targets:  # every read this load will make, started now (each rank reads only what it needs)
+            rec = index.tensors.get(t.name)
+            if rec is None or tuple(rec.global_shape) != tuple(t.global_shape):
+                continue  # reported below
+            elt = _torch_dtype(rec.dtype).itemsize
+            for shard in rec.shards:
+                box = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
+                if box is not None:
+                    reader.prefetch(t.name, [ref for _, ref in _chunks_in(shard, _byte_span(shard, elt, *box))])
         for t in targets:
             rec = index.tensors.get(t.name)
             if rec is None:

@@ -17,9 +17,11 @@ Fault injection for tests: HPCSCALE_CKPT_FAULT=<point>[@<rank>] kills the proces
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
+import queue
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -88,6 +90,10 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+SLOT = 4 << 20  # one slot of the bounce ring
+SLOTS = 3  # the caller fills one while the I/O thread writes another
+
+
 class DataFile:
     """One rank's data file of one save. `append` hands chunks to an I/O thread, so the caller hashes the next
     chunk while the previous one is written.
@@ -95,13 +101,14 @@ class DataFile:
     With `direct`, it is opened with O_DIRECT: chunks go from memory to the device without passing through the
     page cache, so a save costs no copy into kernel memory and leaves no gigabytes of dirty pages for the fsync
     (and for training, during an async save) to wait on. Then every chunk starts on an ALIGN boundary; the gap
-    after a chunk whose length is not a multiple of ALIGN is zero padding that no reference covers. A source
-    that is not aligned (a live tensor, in a synchronous save), and any chunk's last partial block, go through
-    an aligned bounce buffer. Filesystems that refuse O_DIRECT (tmpfs, some FUSE mounts) get buffered writes.
+    after a chunk whose length is not a multiple of ALIGN is zero padding that no reference covers. Memory that
+    is not aligned (a live tensor, in a synchronous save), and any chunk's last partial block, are copied by the
+    caller into a ring of aligned bounce slots, so those copies overlap the writes too. Filesystems that refuse
+    O_DIRECT (tmpfs, some FUSE mounts) get buffered writes.
     """
 
     def __init__(self, path: Path, *, direct: bool, bounce: torch.Tensor):
-        self.path, self.bounce = path, bounce
+        self.path = path
         self.offset = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = direct and hasattr(os, "O_DIRECT")
@@ -115,6 +122,10 @@ class DataFile:
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
         self.padded = self.direct  # the layout is fixed at open, even if the writes fall back to buffered
+        self._slots = bounce.view(SLOTS, SLOT)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(SLOTS):
+            self._free.put(i)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="ckpt-io")
         self._writes: list[Future] = []
 
@@ -124,36 +135,43 @@ class DataFile:
         offset = self.offset
         n = chunk.numel()
         self.offset += -(-n // ALIGN) * ALIGN if self.padded else n
-        self._writes.append(self._io.submit(self._write, chunk, offset))
+        if not self.padded:
+            self._submit(memoryview(chunk.numpy()), offset)
+            return offset
+        done = n - n % ALIGN if chunk.data_ptr() % ALIGN == 0 else 0
+        if done:  # aligned: straight from the caller's memory
+            self._submit(memoryview(chunk[:done].numpy()), offset)
+        for start in range(done, n, SLOT):
+            piece = chunk[start : start + SLOT]
+            k = piece.numel()
+            slot = self._free.get()  # waits while the I/O thread still writes from every slot
+            buf = self._slots[slot]
+            buf[:k].copy_(piece)
+            padded = -(-k // ALIGN) * ALIGN
+            buf[k:padded].zero_()
+            self._submit(memoryview(buf[:padded].numpy()), offset + start, slot)
         return offset
 
-    def _write(self, chunk: torch.Tensor, offset: int) -> None:
-        if self.direct:
-            try:
-                self._direct(chunk, offset)
-                return
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                # The filesystem took the open but not the write: go on buffered, in the same file.
-                os.close(self.fd)
-                self.fd = os.open(self.path, os.O_WRONLY)
-                self.direct = False
-        _pwrite_all(self.fd, memoryview(chunk.numpy()), offset)
+    def _submit(self, view: memoryview, offset: int, slot: int | None = None) -> None:
+        self._writes.append(self._io.submit(self._write, view, offset, slot))
 
-    def _direct(self, chunk: torch.Tensor, offset: int) -> None:
-        n = chunk.numel()
-        done = n - n % ALIGN if chunk.data_ptr() % ALIGN == 0 else 0
-        if done:
-            _pwrite_all(self.fd, memoryview(chunk[:done].numpy()), offset)
-        step = self.bounce.numel()
-        for start in range(done, n, step):
-            piece = chunk[start : start + step]
-            k = piece.numel()
-            padded = -(-k // ALIGN) * ALIGN
-            self.bounce[:k].copy_(piece)
-            self.bounce[k:padded].zero_()
-            _pwrite_all(self.fd, memoryview(self.bounce[:padded].numpy()), offset + start)
+    def _write(self, view: memoryview, offset: int, slot: int | None) -> None:
+        try:
+            if self.direct:
+                try:
+                    _pwrite_all(self.fd, view, offset)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    # The filesystem took the open but not the write: go on buffered, in the same file.
+                    os.close(self.fd)
+                    self.fd = os.open(self.path, os.O_WRONLY)
+                    self.direct = False
+            _pwrite_all(self.fd, view, offset)
+        finally:
+            if slot is not None:
+                self._free.put(slot)
 
     def close(self, *, sync: bool) -> None:
         """Wait for the queued writes (raising the first one's error), fsync with `sync`, close."""
@@ -253,7 +271,7 @@ class ShardWriter:
 
     def _data_file(self, tmp: Path) -> DataFile:
         if self._bounce is None:
-            self._bounce = arena(CHUNK_BYTES, huge=False)  # mostly untouched: no huge pages to fault in
+            self._bounce = arena(SLOTS * SLOT, huge=False)  # small, and often unused
         return DataFile(tmp / "data" / f"rank-{self.rank:05d}.bin", direct=self.direct_io, bounce=self._bounce)
 
     def write(self, step: int, pending: list[PendingShard]) -> tuple[list[tuple], SaveResult]:
@@ -292,7 +310,8 @@ class ShardWriter:
             fault("data_written", self.rank)
         except BaseException:
             if out is not None:
-                out.close(sync=False)
+                with contextlib.suppress(Exception):  # the error in hand is the one to report
+                    out.close(sync=False)
             raise
         if out is not None:
             out.close(sync=True)
