@@ -551,3 +551,33 @@ def test_prelaunch_starts_ssh_from_raw_arguments_and_the_command_adopts_only_a_m
         assert channel._prelaunched is None
     channel.prelaunch(["m.json", "--from", str(tmp_path)])  # no --to: nothing to start
     assert channel._prelaunched is None
+
+
+@pytest.mark.parametrize("same_python", [True, False])
+def test_boot_runs_the_compiled_agent_only_under_the_same_bytecode_magic(tmp_path, same_python):
+    """The bootstrap runs the marshalled agent when the remote python has the local one's bytecode magic
+    number, and compiles the source otherwise (here: a foreign magic number and bytes that are not even
+    marshal data, which must then never be loaded)."""
+    import io
+    from importlib.util import MAGIC_NUMBER
+
+    from hpcscale.xsite import agent, channel
+
+    blobs = channel._agent_blobs()
+    if not same_python:
+        source = Path(channel.AGENT_SOURCE).read_bytes()
+        blobs = b"".join(b"%010d\n" % len(b) + b for b in (b"\x00\x01\r\n", b"not marshal data", source))
+    assert (MAGIC_NUMBER in blobs[:32]) == same_python
+    requests = io.BytesIO()
+    agent.send(requests, {"op": "init", "opts": {"algorithm": "sha256"}})
+    agent.send(requests, {"op": "bye"})
+    r = subprocess.run(
+        [PY, "-S", "-c", channel.BOOT, "sink", str(tmp_path / "dst")],
+        input=blobs + requests.getvalue(),
+        capture_output=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    out = io.BytesIO(r.stdout)
+    assert "hello" in agent.recv(out)
+    assert agent.recv(out)["ready"] is True
