@@ -275,30 +275,33 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
     for item in todo:
         work.put(item)
 
+    # One thread opens the files ahead of the copiers (each with FADV_WILLNEED), so their cold opens and reads
+    # overlap the copying; with it, 2 copiers beat 4 without it here (4 threads spend their time handing over
+    # the GIL and queueing on the destination directories' locks).
+    files = _Prefetch(work, source, run)
+
     def worker() -> None:
         while not run.stop.is_set():
-            try:
-                entry, offset = work.get_nowait()
-            except queue.Empty:
+            item = files.next()
+            if item is None:
                 return
+            entry, offset, fd = item
             try:
-                fd = source.open(entry[0])
+                w = sink.begin(tuple(entry), offset)
                 try:
-                    w = sink.begin(tuple(entry), offset)
-                    try:
-                        _copy(fd, offset, entry[1], w, run)
-                    except BaseException:
-                        w.abort()
-                        raise
-                    w.finish()
-                finally:
-                    os.close(fd)
+                    _copy(fd, offset, entry[1], w, run)
+                except BaseException:
+                    w.abort()
+                    raise
+                w.finish()
             except StageError as e:
                 run.fail(entry[0], str(e), e.kind)
                 continue
             except OSError as e:
                 run.fail(entry[0], str(e), "runtime")
                 continue
+            finally:
+                os.close(fd)
             run.ok(offset > 0)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(opts.jobs, len(todo))))]
@@ -306,6 +309,7 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
         t.start()
     for t in threads:
         t.join()
+    files.close()  # after a fatal error: files opened ahead and never copied
     _commit(sink, manifest_text, run)
 
 
@@ -415,14 +419,21 @@ class _Prefetch:
             self.ahead.put(None)
 
     def next(self):
-        return self.ahead.get()
+        item = self.ahead.get()
+        if item is None:
+            self.ahead.put(None)  # for the other consumers
+        return item
 
     def close(self) -> None:
+        """Close the files opened ahead and never taken (after a fatal error), until the opener has stopped."""
         while True:
             try:
                 item = self.ahead.get_nowait()
             except queue.Empty:
-                return
+                if not self.thread.is_alive():
+                    return
+                self.thread.join(0.01)
+                continue
             if item is not None:
                 os.close(item[2])
 
