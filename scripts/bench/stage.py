@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument(
         "--ssh-jobs", type=int, default=1, help="hpcscale -j over ssh (on 2 cores each extra stream costs CPU)"
     )
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
