@@ -261,11 +261,14 @@ def test_data_file_round_trips_odd_chunks_from_aligned_and_unaligned_memory(tmp_
         backing[skew + 1 : skew + 4],
     ]
     bounce = aligned_empty(torch.Size([SLOTS * SLOT]), torch.uint8)
-    f = DataFile(tmp_path / "rank.bin", direct=direct, bounce=bounce)
+    reserve = 16 * SLOT  # more than is written: what is left over must be given back
+    f = DataFile(tmp_path / "rank.bin", direct=direct, bounce=bounce, reserve=reserve)
     assert f.direct == direct  # ext4 under the test's tmp takes O_DIRECT: the direct path really ran
+    assert f.reserved == (reserve if direct else 0)  # and it takes fallocate
     offsets = [f.append(c) for c in chunks]
     f.close(sync=True)
     data = (tmp_path / "rank.bin").read_bytes()
+    assert len(data) == f.offset < reserve
     for c, off in zip(chunks, offsets, strict=True):
         assert data[off : off + c.numel()] == bytes(c.numpy())
         assert not direct or off % ALIGN == 0

@@ -4,13 +4,14 @@ copies the overlap into place; the saved layout and the loading layout may diffe
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
-from hpcscale.ckpt.format import Index, ShardRecord
+from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord
 from hpcscale.ckpt.shards import LocalShard
 from hpcscale.errors import VerificationFailure
 
@@ -34,13 +35,22 @@ class ChunkReader:
                 ) from None
         return fd
 
-    def prefetch(self, tensor: str, refs) -> None:
-        """Ask the kernel to start reading these chunks now (POSIX_FADV_WILLNEED), so the disk works on the next
-        ones while this rank hashes the one in hand, with more than one read in flight."""
+    def prefetch(self, reads: list[tuple[str, ChunkRef, memoryview]]) -> threading.Thread | None:
+        """Ask the kernel for these chunks ahead of `read` (POSIX_FADV_WILLNEED), from a thread: the advice
+        blocks while the device queue is full, and the point is that the disk works on the next chunks while
+        this rank hashes the one in hand. Files are opened here, in the caller's thread; join the thread
+        before `close`."""
         if not hasattr(os, "posix_fadvise"):
-            return
-        for ref in refs:
-            os.posix_fadvise(self._fd(tensor, ref), ref.offset, ref.length, os.POSIX_FADV_WILLNEED)
+            return None
+        ranges = [(self._fd(tensor, ref), ref.offset, ref.length) for tensor, ref, _ in reads]
+
+        def advise() -> None:
+            for fd, offset, length in ranges:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+
+        t = threading.Thread(target=advise, name="ckpt-prefetch", daemon=True)
+        t.start()
+        return t
 
     def read(self, tensor: str, ref, out: memoryview) -> None:
         fd = self._fd(tensor, ref)
@@ -118,61 +128,70 @@ def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype:
     return full[tuple(slice(a, b) for a, b in zip(local_lo, local_hi, strict=True))]
 
 
-def _read_into(reader: ChunkReader, name: str, shard: ShardRecord, out: memoryview) -> None:
-    pos = 0
-    for ref in shard.chunks:
-        reader.read(name, ref, out[pos : pos + ref.length])
-        pos += ref.length
-    if pos != len(out):
-        raise VerificationFailure(f"tensor {name}: shard at {shard.offset} has {pos} bytes of chunks for {len(out)}")
-
-
 def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
-    """Fill each target piece from the checkpoint; returns bytes read. VerificationFailure on any problem."""
+    """Fill each target piece from the checkpoint; returns bytes read. VerificationFailure on any problem.
+
+    First every chunk this rank needs is listed with where its bytes go (straight into the destination when a
+    saved shard lands whole in one contiguous run of it, else into a buffer of that shard); then the chunks are
+    read in file order, each file front to back as a plain sequential read would go, with the kernel asked for
+    them ahead; then the partly needed shards are copied into place."""
+    reads: list[tuple[str, ChunkRef, memoryview]] = []
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, region of a shard buffer)
+    for t in targets:
+        rec = index.tensors.get(t.name)
+        if rec is None:
+            raise VerificationFailure(f"the checkpoint has no tensor {t.name}")
+        if tuple(rec.global_shape) != tuple(t.global_shape):
+            raise VerificationFailure(
+                f"tensor {t.name}: saved with shape {rec.global_shape}, the model has {t.global_shape}"
+            )
+        dtype = _torch_dtype(rec.dtype)
+        elt = dtype.itemsize
+        covered = 0
+        for shard in rec.shards:
+            box = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
+            if box is None:
+                continue
+            lo, hi = box
+            nbytes = int(np.prod(shard.shape)) * elt if shard.shape else elt
+            have = sum(ref.length for ref in shard.chunks)
+            if have != nbytes:
+                raise VerificationFailure(
+                    f"tensor {t.name}: shard at {shard.offset} has {have} bytes of chunks for {nbytes} bytes of data"
+                )
+            dest = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offset, strict=True))]
+            whole = list(lo) == list(shard.offset) and tuple(h - a for a, h in zip(lo, hi, strict=True)) == shard.shape
+            if whole and dest.is_contiguous() and dest.dtype == dtype and dest.device.type == "cpu":
+                out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+                pos = 0
+                for ref in shard.chunks:
+                    reads.append((t.name, ref, out[pos : pos + ref.length]))
+                    pos += ref.length
+                covered += dest.numel()
+                continue
+            buf = np.empty(nbytes, dtype=np.uint8)
+            for at, ref in _chunks_in(shard, _byte_span(shard, elt, lo, hi)):
+                reads.append((t.name, ref, memoryview(buf[at : at + ref.length])))
+            full = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shard.shape)
+            region = full[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard.offset, strict=True))]
+            later.append((dest, region))
+            covered += region.numel()
+        if covered != t.tensor.numel():
+            raise VerificationFailure(
+                f"tensor {t.name}: the checkpoint covers {covered} of the {t.tensor.numel()} elements this rank needs"
+            )
+    reads.sort(key=lambda r: (r[1].file, r[1].offset))
     reader = ChunkReader(root)
+    ahead = None
     try:
-        for t in targets:  # every read this load will make, started now (each rank reads only what it needs)
-            rec = index.tensors.get(t.name)
-            if rec is None or tuple(rec.global_shape) != tuple(t.global_shape):
-                continue  # reported below
-            elt = _torch_dtype(rec.dtype).itemsize
-            for shard in rec.shards:
-                box = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
-                if box is not None:
-                    reader.prefetch(t.name, [ref for _, ref in _chunks_in(shard, _byte_span(shard, elt, *box))])
-        for t in targets:
-            rec = index.tensors.get(t.name)
-            if rec is None:
-                raise VerificationFailure(f"the checkpoint has no tensor {t.name}")
-            if tuple(rec.global_shape) != tuple(t.global_shape):
-                raise VerificationFailure(
-                    f"tensor {t.name}: saved with shape {rec.global_shape}, the model has {t.global_shape}"
-                )
-            dtype = _torch_dtype(rec.dtype)
-            covered = 0
-            for shard in rec.shards:
-                box = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
-                if box is None:
-                    continue
-                lo, hi = box
-                dest = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offset, strict=True))]
-                whole = (
-                    list(lo) == list(shard.offset) and tuple(h - a for a, h in zip(lo, hi, strict=True)) == shard.shape
-                )
-                if whole and dest.is_contiguous() and dest.dtype == dtype and dest.device.type == "cpu":
-                    # The saved shard lands in one contiguous run of the destination: read straight into it.
-                    _read_into(reader, t.name, shard, memoryview(dest.reshape(-1).view(torch.uint8).numpy()))
-                    covered += dest.numel()
-                    continue
-                region = read_shard_region(reader, t.name, shard, dtype, lo, hi)
-                with torch.no_grad():
-                    dest.copy_(region.to(dest.dtype))
-                covered += region.numel()
-            if covered != t.tensor.numel():
-                raise VerificationFailure(
-                    f"tensor {t.name}: the checkpoint covers {covered} of the "
-                    f"{t.tensor.numel()} elements this rank needs"
-                )
+        ahead = reader.prefetch(reads)
+        for name, ref, out in reads:
+            reader.read(name, ref, out)
+        with torch.no_grad():
+            for dest, region in later:
+                dest.copy_(region.to(dest.dtype))
         return reader.bytes_read
     finally:
+        if ahead is not None:
+            ahead.join()
         reader.close()

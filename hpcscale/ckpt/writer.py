@@ -84,6 +84,24 @@ def _carve(shards: list[LocalShard]) -> list[torch.Tensor]:
     return out
 
 
+_libc = None
+
+
+def _fallocate(fd: int, length: int) -> bool:
+    """fallocate(2) mode 0: allocate blocks for [0, length) without writing them. False where the filesystem
+    cannot (posix_fallocate would then write zeros instead, which is worse than not reserving)."""
+    global _libc
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        return _libc.fallocate(fd, 0, 0, length) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
@@ -107,9 +125,10 @@ class DataFile:
     O_DIRECT (tmpfs, some FUSE mounts) get buffered writes.
     """
 
-    def __init__(self, path: Path, *, direct: bool, bounce: torch.Tensor):
+    def __init__(self, path: Path, *, direct: bool, bounce: torch.Tensor, reserve: int = 0):
         self.path = path
         self.offset = 0
+        self.reserved = 0
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self.direct = direct and hasattr(os, "O_DIRECT")
         if self.direct:
@@ -122,6 +141,11 @@ class DataFile:
         if not self.direct:
             self.fd = os.open(path, flags, 0o644)
         self.padded = self.direct  # the layout is fixed at open, even if the writes fall back to buffered
+        if self.direct and reserve:
+            # O_DIRECT allocates blocks write by write, so ranks writing side by side interleave their files'
+            # extents on disk (16 extents for 128 MiB measured here) and later sequential reads seek. Reserving
+            # the most this save can write keeps the file contiguous; `close` gives back what was not used.
+            self.reserved = reserve if _fallocate(self.fd, reserve) else 0
         self._slots = bounce.view(SLOTS, SLOT)
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(SLOTS):
@@ -179,6 +203,8 @@ class DataFile:
             self._io.shutdown(wait=True)
             for w in self._writes:
                 w.result()
+            if self.reserved > self.offset:
+                os.ftruncate(self.fd, self.offset)
             if sync:
                 os.fsync(self.fd)
         finally:
@@ -269,10 +295,11 @@ class ShardWriter:
         buf = self._buffers.get(_key(s))
         return buf is not None and buf.shape == s.tensor.shape and buf.dtype == s.tensor.dtype
 
-    def _data_file(self, tmp: Path) -> DataFile:
+    def _data_file(self, tmp: Path, reserve: int) -> DataFile:
         if self._bounce is None:
             self._bounce = arena(SLOTS * SLOT, huge=False)  # small, and often unused
-        return DataFile(tmp / "data" / f"rank-{self.rank:05d}.bin", direct=self.direct_io, bounce=self._bounce)
+        path = tmp / "data" / f"rank-{self.rank:05d}.bin"
+        return DataFile(path, direct=self.direct_io, bounce=self._bounce, reserve=reserve)
 
     def write(self, step: int, pending: list[PendingShard]) -> tuple[list[tuple], SaveResult]:
         """Write this rank's new chunks durably; returns its table rows and what it wrote."""
@@ -284,6 +311,14 @@ class ShardWriter:
         rows = []
         out: DataFile | None = None
         new_here: dict[str, ChunkRef] = {}
+        # the most this save can write: every chunk of every snapshot new, each padded to ALIGN
+        most = sum(
+            -(-min(CHUNK_BYTES, n - start) // ALIGN) * ALIGN
+            for p in pending
+            if p.data is not None
+            for n in [p.data.numel() * p.data.element_size()]
+            for start in range(0, n, CHUNK_BYTES)
+        )
         try:
             for p in pending:
                 s = p.shard
@@ -298,7 +333,7 @@ class ShardWriter:
                         digest = xxhash.xxh3_128_hexdigest(memoryview(piece.numpy()))
                         ref = self.known.get(digest) or new_here.get(digest)
                         if ref is None:
-                            out = out or self._data_file(tmp)
+                            out = out or self._data_file(tmp, most)
                             ref = ChunkRef(digest, final_rel, out.append(piece), piece.numel())
                             new_here[digest] = ref
                             result.new_bytes += piece.numel()
