@@ -54,6 +54,11 @@ ALIGN = 4096  # O_DIRECT's alignment for memory, file offsets and lengths (every
 HUGE = 2 << 20  # a transparent huge page
 
 
+def aligned_size(n: int) -> int:
+    """n rounded up to a multiple of ALIGN: the room a chunk of n bytes takes in an O_DIRECT data file."""
+    return -(-n // ALIGN) * ALIGN
+
+
 def arena(nbytes: int, *, huge: bool = True) -> torch.Tensor:
     """`nbytes` of fresh anonymous memory as a flat uint8 tensor that starts on a huge-page boundary, with `huge`
     advised to use transparent huge pages. O_DIRECT then pins its pages 512 at a time (measured here: a third of
@@ -74,7 +79,7 @@ def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 
 def _carve(shards: list[LocalShard]) -> list[torch.Tensor]:
     """Buffers shaped like the shards' tensors, all in one arena, each starting on an ALIGN boundary."""
-    sizes = [-(-s.tensor.numel() * s.tensor.dtype.itemsize // ALIGN) * ALIGN for s in shards]
+    sizes = [aligned_size(s.tensor.numel() * s.tensor.dtype.itemsize) for s in shards]
     whole = arena(sum(sizes))
     out, pos = [], 0
     for s, size in zip(shards, sizes, strict=True):
@@ -158,7 +163,7 @@ class DataFile:
         queued before it; returns its offset in the file."""
         offset = self.offset
         n = chunk.numel()
-        self.offset += -(-n // ALIGN) * ALIGN if self.padded else n
+        self.offset += aligned_size(n) if self.padded else n
         if not self.padded:
             self._submit(memoryview(chunk.numpy()), offset)
             return offset
@@ -171,9 +176,9 @@ class DataFile:
             slot = self._free.get()  # waits while the I/O thread still writes from every slot
             buf = self._slots[slot]
             buf[:k].copy_(piece)
-            padded = -(-k // ALIGN) * ALIGN
-            buf[k:padded].zero_()
-            self._submit(memoryview(buf[:padded].numpy()), offset + start, slot)
+            end = aligned_size(k)
+            buf[k:end].zero_()
+            self._submit(memoryview(buf[:end].numpy()), offset + start, slot)
         return offset
 
     def _submit(self, view: memoryview, offset: int, slot: int | None = None) -> None:
@@ -313,7 +318,7 @@ class ShardWriter:
         new_here: dict[str, ChunkRef] = {}
         # the most this save can write: every chunk of every snapshot new, each padded to ALIGN
         most = sum(
-            -(-min(CHUNK_BYTES, n - start) // ALIGN) * ALIGN
+            aligned_size(min(CHUNK_BYTES, n - start))
             for p in pending
             if p.data is not None
             for n in [p.data.numel() * p.data.element_size()]
