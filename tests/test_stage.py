@@ -276,6 +276,29 @@ def test_a_source_changed_after_the_manifest_exits_3_and_never_takes_the_name(tm
     assert not (dst / "manifest.json").exists()  # not a complete copy: no manifest
 
 
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_source_file_that_cannot_be_opened_fails_alone_and_blocks_the_manifest(tmp_path, request, remote):
+    """A dangling symlink where the manifest lists a file: opening it fails with a plain OSError in the opener
+    thread. That file is reported failed, every other file still arrives, and no manifest is written."""
+    src = make_tree(tmp_path / "src", small=6)
+    build(src)
+    target = src / "d1" / "sub" / "f1.bin"
+    target.unlink()
+    target.symlink_to(src / "d1" / "sub" / "gone.bin")  # inside the root, leading nowhere
+    dst = tmp_path / "dst"
+    args = ()
+    to = str(dst)
+    if remote:
+        sshd = request.getfixturevalue("sshd")
+        to, args = sshd.url(dst), ssh_args(sshd)
+    r = stage(src / "manifest.json", str(src), to, "--json", *args)
+    assert r.returncode == 1, r.stderr
+    doc = json.loads(r.stdout)
+    assert [f["path"] for f in doc["failed"]] == ["d1/sub/f1.bin"]
+    assert doc["sent"] == 6  # the 5 other small files and "empty"; not the broken one
+    assert not (dst / "manifest.json").exists()
+
+
 def test_a_source_symlink_leading_out_is_refused_with_exit_2(tmp_path):
     src = make_tree(tmp_path / "src", small=3)
     build(src)
@@ -546,7 +569,7 @@ def test_prelaunch_starts_ssh_from_raw_arguments_and_the_command_adopts_only_a_m
     assert channel.take_prelaunched(src, dst, shlex.split(ssh), "python3.99") is None  # not what click parsed
     assert other.p.returncode is not None  # closed, not left running
 
-    for extra in (["--dry-run"], ["--help"]):
+    for extra in (["--dry-run"], ["--help"], ["-h"]):
         channel.prelaunch(args + extra)
         assert channel._prelaunched is None
     channel.prelaunch(["m.json", "--from", str(tmp_path)])  # no --to: nothing to start

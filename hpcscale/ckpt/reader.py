@@ -117,9 +117,10 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
     saved shard lands whole in one contiguous run of it, else into a buffer of that shard); then the chunks are
     read in file order, each file front to back as a plain sequential read would go (the kernel's read-ahead
     then works as for one; asking for all of them ahead with POSIX_FADV_WILLNEED measured slower here, 0.91 s
-    against 0.48 s); then the partly needed shards are copied into place."""
-    reads: list[tuple[str, ChunkRef, memoryview]] = []
-    later: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, region of a shard buffer)
+    against 0.48 s). A partly needed shard is copied into place, and its buffer dropped, as soon as its last
+    chunk is in."""
+    reads: list[tuple[str, ChunkRef, memoryview, int] | None] = []  # ..., index into `partial` or -1
+    partial: list[list | None] = []  # [destination, region of a shard buffer, chunks still to read]
     for t in targets:
         rec = index.tensors.get(t.name)
         if rec is None:
@@ -148,16 +149,17 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
                 out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
                 pos = 0
                 for ref in shard.chunks:
-                    reads.append((t.name, ref, out[pos : pos + ref.length]))
+                    reads.append((t.name, ref, out[pos : pos + ref.length], -1))
                     pos += ref.length
                 covered += dest.numel()
                 continue
             buf = np.empty(nbytes, dtype=np.uint8)
-            for at, ref in _chunks_in(shard, _byte_span(shard, elt, lo, hi)):
-                reads.append((t.name, ref, memoryview(buf[at : at + ref.length])))
+            needed = list(_chunks_in(shard, _byte_span(shard, elt, lo, hi)))
+            for at, ref in needed:
+                reads.append((t.name, ref, memoryview(buf[at : at + ref.length]), len(partial)))
             full = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shard.shape)
             region = full[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard.offset, strict=True))]
-            later.append((dest, region))
+            partial.append([dest, region, len(needed)])
             covered += region.numel()
         if covered != t.tensor.numel():
             raise VerificationFailure(
@@ -166,11 +168,16 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
     reads.sort(key=lambda r: (r[1].file, r[1].offset))
     reader = ChunkReader(root)
     try:
-        for name, ref, out in reads:
+        for i in range(len(reads)):
+            (name, ref, out, k), reads[i] = reads[i], None  # a read done holds no shard buffer any longer
             reader.read(name, ref, out)
-        with torch.no_grad():
-            for dest, region in later:
-                dest.copy_(region.to(dest.dtype))
+            if k >= 0:
+                piece = partial[k]
+                piece[2] -= 1
+                if piece[2] == 0:
+                    with torch.no_grad():
+                        piece[0].copy_(piece[1].to(piece[0].dtype))
+                    partial[k] = None  # the shard's buffer goes with it
         return reader.bytes_read
     finally:
         reader.close()

@@ -11,8 +11,8 @@ A crash before (3) leaves only a `.tmp-*` directory (cleaned at the next start);
 without `index.h5` is never considered complete.
 
 Fault injection for tests: HPCSCALE_CKPT_FAULT=<point>[@<rank>] kills the process with SIGKILL at one of
-`data_written` (before fsync), `data_durable` (before sending tables), `index_written` (before the renames),
-`gc` (between deleting files).
+`data_written` (every chunk queued, some maybe not yet written; before fsync), `data_durable` (before sending
+tables), `index_written` (before the renames), `gc` (between deleting files).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def arena(nbytes: int, *, huge: bool = True) -> torch.Tensor:
     when the pages are first touched (the kernel may have to compact memory to find 2 MiB pieces)."""
     m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # EINVAL from kernels built without transparent huge pages
+            m.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to the mapping
     skip = -raw.data_ptr() % HUGE
     return raw[skip : skip + nbytes]
@@ -194,9 +195,9 @@ class DataFile:
                     if e.errno != errno.EINVAL:
                         raise
                     # The filesystem took the open but not the write: go on buffered, in the same file.
+                    buffered = os.open(self.path, os.O_WRONLY)
                     os.close(self.fd)
-                    self.fd = os.open(self.path, os.O_WRONLY)
-                    self.direct = False
+                    self.fd, self.direct = buffered, False
             _pwrite_all(self.fd, view, offset)
         finally:
             if slot is not None:
@@ -272,7 +273,8 @@ class ShardWriter:
         out = []
         if copy:  # CPU buffers first missing (or of another shape) get one new arena together
             missing = [s for s in shards if not self._has_buffer(s) and not s.tensor.is_cuda]
-            self._buffers.update({_key(s): b for s, b in zip(missing, _carve(missing), strict=True)})
+            if missing:
+                self._buffers.update({_key(s): b for s, b in zip(missing, _carve(missing), strict=True)})
         for s in shards:
             key = _key(s)
             # A DTensor's in-place ops move the DTensor's counter; in-place ops on its local tensor move only the

@@ -847,8 +847,9 @@ def serve(role, root, inp, out):
                 # Whether the destination already holds this very commit, found beside the plan's lstats (it
                 # reads and hashes the destination's manifest). Meaningful only if the plan hashes nothing:
                 # then nothing the plan does changes it.
-                sha, name = req.get("manifest_sha256"), req.get("name", "manifest.json")
-                is_clean = in_background(end.is_clean, sha, name) if sha else None
+                is_clean = None
+                if "manifest_sha256" in req:  # None: no manifest is written, and nothing to commit can be
+                    is_clean = in_background(end.is_clean, req["manifest_sha256"], req.get("name", "manifest.json"))
                 statuses, info = end.plan(req["entries"], req.get("check", "stat"))
                 clean = is_clean is not None and info["hashed"] == 0 and all(x < 0 for x in statuses) and is_clean()
                 send(out, {"statuses": statuses, "info": info, "clean": clean})
@@ -1014,7 +1015,7 @@ def main(argv):
     widen_pipe(1)
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but the protocol on stdout
-    # Reading the raw fd is safe: the bootstrap read exactly the source's bytes from it, unbuffered.
+    # Reading the raw fd is safe: the bootstrap read exactly its three blobs' bytes from it, unbuffered.
     inp = Input(sys.stdin.fileno(), out.flush)
     serve(role, root, inp, out)
     out.flush()

@@ -7,6 +7,7 @@ command loads and reads its manifest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shlex
@@ -162,6 +163,8 @@ class Channel:
 
     def _wait(self, timeout: float) -> None:
         """Popen.wait(timeout=...) polls, sleeping up to 50 ms between looks; a pidfd wakes us when ssh exits."""
+        if self.p.poll() is not None:  # exited (and reaped: its pid may belong to another process by now)
+            return
         try:
             fd = os.pidfd_open(self.p.pid)
         except (AttributeError, OSError):  # not Linux >= 5.3
@@ -170,7 +173,9 @@ class Channel:
         try:
             import select
 
-            if not select.select([fd], [], [], timeout)[0]:
+            poller = select.poll()  # not select(): it fails on descriptor numbers from 1024 up
+            poller.register(fd, select.POLLIN)
+            if not poller.poll(timeout * 1000):
                 raise subprocess.TimeoutExpired(self.p.args, timeout)
         finally:
             os.close(fd)
@@ -215,6 +220,16 @@ class Channel:
         self.last = reply
         return reply
 
+    def discard(self) -> None:
+        """End a channel nobody will use: ssh is stopped at once, whatever it was doing."""
+        with contextlib.suppress(OSError):
+            self.w.close()
+        self.p.terminate()
+        self.p.wait()
+        if self.stderr_fd >= 0:
+            os.close(self.stderr_fd)
+            self.stderr_fd = -1
+
     def close(self) -> None:
         try:
             _agent().send(self.w, {"op": "bye"})
@@ -251,12 +266,12 @@ def prelaunch(argv: Sequence[str]) -> None:
     otherwise."""
     global _prelaunched
     opts = {"--from": None, "--to": None, "--ssh": None, "--remote-python": None}
+    if any(arg in ("--dry-run", "--help", "-h", "--") for arg in argv):
+        return
     takes_value = {*opts, "-j", "--jobs", "--check", "--bwlimit"}
     try:
         it = iter(argv)
         for arg in it:
-            if arg in ("--dry-run", "--help", "--"):
-                return
             name, eq, value = arg.partition("=")
             if name in takes_value:
                 value = value if eq else next(it)
@@ -268,8 +283,19 @@ def prelaunch(argv: Sequence[str]) -> None:
         remote_python = opts["--remote-python"] or os.environ.get("HPCSCALE_REMOTE_PYTHON") or DEFAULT_REMOTE_PYTHON
         src, dst = parse_endpoint(opts["--from"]), parse_endpoint(opts["--to"])
         _prelaunched = connect_early(src, dst, shlex.split(ssh), remote_python)
+        if _prelaunched is not None:  # click may reject the command line: then nothing takes it
+            import atexit
+
+            atexit.register(_discard_prelaunched)
     except Exception:  # anything odd here is for click to report
         _prelaunched = None
+
+
+def _discard_prelaunched() -> None:
+    global _prelaunched
+    ch, _prelaunched = _prelaunched, None
+    if ch is not None:
+        ch.discard()
 
 
 def take_prelaunched(src: Endpoint, dst: Endpoint, ssh: Sequence[str], remote_python: str) -> Channel | None:
@@ -281,5 +307,5 @@ def take_prelaunched(src: Endpoint, dst: Endpoint, ssh: Sequence[str], remote_py
     role = "sink" if dst.kind == "ssh" else "source"
     if ch.spec == (dst if role == "sink" else src, role, tuple(ssh), remote_python):
         return ch
-    ch.close()
+    ch.discard()
     return None

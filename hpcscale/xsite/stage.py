@@ -388,9 +388,11 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
 
 
 class _Prefetch:
-    """A thread that opens the next files ahead of the sender, each with POSIX_FADV_WILLNEED: on a cold disk
-    an open is a metadata read and the data a second one, and done in the sender's thread they stall the
-    stream. One per sender; `next()` returns (entry, offset, fd) or None when the work is done."""
+    """A thread that opens the next files ahead of their consumers, each with POSIX_FADV_WILLNEED: on a cold
+    disk an open is a metadata read and the data a second one, and done in the consumer's thread they stall it.
+    One per ssh sender; one shared by the copiers of a local copy. `next()` returns (entry, offset, fd), or None
+    to every consumer once the work is done. A file that cannot be opened is failed; the opener itself never
+    ends quietly (anything unexpected aborts the run)."""
 
     AHEAD = 256
 
@@ -412,9 +414,14 @@ class _Prefetch:
                 except StageError as e:
                     self.run.fail(entry[0], str(e), e.kind)
                     continue
+                except OSError as e:  # e.g. a dangling symlink: this file fails, the others go on
+                    self.run.fail(entry[0], str(e), "runtime")
+                    continue
                 with contextlib.suppress(OSError, AttributeError):
                     os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)
                 self.ahead.put((entry, offset, fd))
+        except BaseException as e:  # the opener must never end quietly: files not handed out would not be copied
+            self.run.abort(e)
         finally:
             self.ahead.put(None)
 
