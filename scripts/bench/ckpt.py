@@ -215,11 +215,14 @@ def worker(base: Path) -> None:
 
     read_s, load_s = [], []
     index_path = full0 / "step-00000001" / INDEX
-    for _ in range(2):
-        barrier_drop()
-        read_s.append(timed(raw_read))
-        barrier_drop()
-        load_s.append(timed(lambda: load_shards(read_index(index_path), full0, pieces) if pieces else None))
+    runs = [
+        lambda: read_s.append(timed(raw_read)),
+        lambda: load_s.append(timed(lambda: load_shards(read_index(index_path), full0, pieces) if pieces else None)),
+    ]
+    for rep in range(6):  # alternating order: a cold read's time on this virtual disk varies by 2x run to run
+        for run in runs if rep % 2 == 0 else runs[::-1]:
+            barrier_drop()
+            run()
     ok = torch.tensor([1.0])
     if pieces:  # what was saved at full0 is `saved_w00` (rows of all ranks), so check rank's rows
         got = pieces[0].tensor
