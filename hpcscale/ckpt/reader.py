@@ -87,27 +87,37 @@ def _chunks_in(shard: ShardRecord, span: tuple[int, int]):
         pos += ref.length
 
 
+def _shard_bytes(name: str, shard: ShardRecord, elt: int) -> int:
+    """The saved shard's size in bytes, checked against the lengths of its chunks."""
+    nbytes = int(np.prod(shard.shape)) * elt if shard.shape else elt
+    have = sum(ref.length for ref in shard.chunks)
+    if have != nbytes:
+        raise VerificationFailure(
+            f"tensor {name}: shard at {shard.offset} has {have} bytes of chunks for {nbytes} bytes of data"
+        )
+    return nbytes
+
+
+def _region(name: str, shard: ShardRecord, dtype: torch.dtype, lo, hi):
+    """For the global box [lo, hi) of a saved shard: a buffer for the shard's bytes, the (position, chunk) pairs
+    that hold the box, and the box's view of the buffer, valid once those chunks are read into it."""
+    elt = dtype.itemsize
+    buf = np.empty(_shard_bytes(name, shard, elt), dtype=np.uint8)
+    needed = list(_chunks_in(shard, _byte_span(shard, elt, lo, hi)))
+    full = (
+        torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shard.shape)
+        if buf.size
+        else torch.empty(shard.shape, dtype=dtype)
+    )
+    return buf, needed, full[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard.offset, strict=True))]
+
+
 def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype: torch.dtype, lo, hi) -> torch.Tensor:
     """The saved shard's elements in the global box [lo, hi), reading only the chunks that span it."""
-    elt = torch.empty((), dtype=dtype).element_size()
-    local_lo = [x - o for x, o in zip(lo, shard.offset, strict=True)]
-    local_hi = [x - o for x, o in zip(hi, shard.offset, strict=True)]
-    shape = shard.shape
-    numel = int(np.prod(shape)) if shape else 1
-    buf = np.empty(numel * elt, dtype=np.uint8)
-    for at, ref in _chunks_in(shard, _byte_span(shard, elt, lo, hi)):
+    buf, needed, region = _region(name, shard, dtype, lo, hi)
+    for at, ref in needed:
         reader.read(name, ref, memoryview(buf[at : at + ref.length]))
-    pos = sum(ref.length for ref in shard.chunks)
-    if pos != numel * elt:
-        raise VerificationFailure(
-            f"tensor {name}: shard at {shard.offset} has {pos} bytes of chunks for {numel * elt} bytes of data"
-        )
-    full = (
-        torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
-        if numel
-        else torch.empty(shape, dtype=dtype)
-    )
-    return full[tuple(slice(a, b) for a, b in zip(local_lo, local_hi, strict=True))]
+    return region
 
 
 def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
@@ -130,22 +140,16 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
                 f"tensor {t.name}: saved with shape {rec.global_shape}, the model has {t.global_shape}"
             )
         dtype = _torch_dtype(rec.dtype)
-        elt = dtype.itemsize
         covered = 0
         for shard in rec.shards:
             box = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
             if box is None:
                 continue
             lo, hi = box
-            nbytes = int(np.prod(shard.shape)) * elt if shard.shape else elt
-            have = sum(ref.length for ref in shard.chunks)
-            if have != nbytes:
-                raise VerificationFailure(
-                    f"tensor {t.name}: shard at {shard.offset} has {have} bytes of chunks for {nbytes} bytes of data"
-                )
             dest = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offset, strict=True))]
             whole = list(lo) == list(shard.offset) and tuple(h - a for a, h in zip(lo, hi, strict=True)) == shard.shape
             if whole and dest.is_contiguous() and dest.dtype == dtype and dest.device.type == "cpu":
+                _shard_bytes(t.name, shard, dtype.itemsize)
                 out = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
                 pos = 0
                 for ref in shard.chunks:
@@ -153,12 +157,9 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
                     pos += ref.length
                 covered += dest.numel()
                 continue
-            buf = np.empty(nbytes, dtype=np.uint8)
-            needed = list(_chunks_in(shard, _byte_span(shard, elt, lo, hi)))
+            buf, needed, region = _region(t.name, shard, dtype, lo, hi)
             for at, ref in needed:
                 reads.append((t.name, ref, memoryview(buf[at : at + ref.length]), len(partial)))
-            full = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shard.shape)
-            region = full[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard.offset, strict=True))]
             partial.append([dest, region, len(needed)])
             covered += region.numel()
         if covered != t.tensor.numel():
