@@ -10,7 +10,7 @@ import click
 
 from hpcscale.cli.options import console, dry_run_option, json_option, print_json
 from hpcscale.errors import BadInput, VerificationFailure
-from hpcscale.xsite.channel import DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
+from hpcscale.xsite import DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
 
 jobs_option = click.option(
     "-j", "--jobs", type=click.IntRange(1, 256), default=None, help="Parallel hashing threads or transfer streams."

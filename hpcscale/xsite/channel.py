@@ -17,9 +17,7 @@ from collections import namedtuple
 from collections.abc import Sequence
 
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
-
-DEFAULT_SSH = "ssh"  # `hpcscale stage --ssh` (env HPCSCALE_SSH)
-DEFAULT_REMOTE_PYTHON = "python3"  # `hpcscale stage --remote-python` (env HPCSCALE_REMOTE_PYTHON)
+from hpcscale.xsite import DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
 
 # Executed by the remote python3: read three length-prefixed blobs (a 10-digit length and a newline, then the
 # bytes) from fd 0: the bytecode magic number of the local python, the agent compiled by it (marshal), and the
@@ -113,7 +111,6 @@ class Channel:
         self.ep = ep
         self.spec = (ep, role, tuple(ssh), remote_python)
         self.taken = False
-        self.last: dict = {}
         # -S: the agent loads site-packages only if it needs a hash module (agent._site)
         remote = shlex.join([*shlex.split(remote_python), "-S", "-c", BOOT, role, ep.path])
         cmd = [*ssh]
@@ -217,7 +214,6 @@ class Channel:
                     raise error_for(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
         except (OSError, EOFError):
             raise self.broken(f"the connection broke during '{header.get('op')}'") from None
-        self.last = reply
         return reply
 
     def discard(self) -> None:
@@ -226,9 +222,7 @@ class Channel:
             self.w.close()
         self.p.terminate()
         self.p.wait()
-        if self.stderr_fd >= 0:
-            os.close(self.stderr_fd)
-            self.stderr_fd = -1
+        self._release()
 
     def close(self) -> None:
         try:
@@ -241,6 +235,9 @@ class Channel:
         except subprocess.TimeoutExpired:
             self.p.kill()
             self.p.wait()
+        self._release()
+
+    def _release(self) -> None:
         if self.stderr_fd >= 0:
             os.close(self.stderr_fd)
             self.stderr_fd = -1
@@ -262,8 +259,8 @@ _prelaunched: Channel | None = None
 def prelaunch(argv: Sequence[str]) -> None:
     """Called with `hpcscale stage`'s arguments before the CLI imports click and the rest: start ssh now if
     they name exactly one ssh endpoint. This is a best guess at what click will parse, never an error: the
-    command adopts the channel only if it matches what click parsed (`take_prelaunched`), and closes it
-    otherwise."""
+    command adopts the channel only if it matches what click parsed (`take_prelaunched`); otherwise, or if the
+    command never runs (help, a rejected command line), ssh is stopped."""
     global _prelaunched
     opts = {"--from": None, "--to": None, "--ssh": None, "--remote-python": None}
     if any(arg in ("--dry-run", "--help", "-h", "--") for arg in argv):
