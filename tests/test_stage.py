@@ -584,23 +584,23 @@ def test_boot_runs_the_compiled_agent_only_under_the_same_bytecode_magic(tmp_pat
     import io
     from importlib.util import MAGIC_NUMBER
 
-    from hpcscale.xsite import agent, channel
+    from hpcscale.portable import wire
+    from hpcscale.xsite import bootstrap
 
-    blobs = channel._agent_blobs()
+    blobs = bootstrap.agent_blobs()
     if not same_python:
-        source = Path(channel.AGENT_SOURCE).read_bytes()
-        blobs = b"".join(b"%010d\n" % len(b) + b for b in (b"\x00\x01\r\n", b"not marshal data", source))
+        blobs = bootstrap.boot_input(b"\x00\x01\r\n", b"not marshal data", bootstrap.agent_sources())
     assert (MAGIC_NUMBER in blobs[:32]) == same_python
     requests = io.BytesIO()
-    agent.send(requests, {"op": "init", "opts": {"algorithm": "sha256"}})
-    agent.send(requests, {"op": "bye"})
+    wire.send(requests, {"op": "init", "opts": {"algorithm": "sha256"}})
+    wire.send(requests, {"op": "bye"})
     r = subprocess.run(
-        [PY, "-S", "-c", channel.BOOT, "sink", str(tmp_path / "dst")],
+        [PY, "-S", "-c", bootstrap.BOOT, "sink", str(tmp_path / "dst")],
         input=blobs + requests.getvalue(),
         capture_output=True,
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
     out = io.BytesIO(r.stdout)
-    assert "hello" in agent.recv(out)
-    assert agent.recv(out)["ready"] is True
+    assert "hello" in wire.recv(out)
+    assert wire.recv(out)["ready"] is True

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import re
-import shlex
 from pathlib import Path
 
 import click
 
-from hpcscale.cli.options import console, dry_run_option, json_option, print_json
-from hpcscale.errors import BadInput, VerificationFailure
-from hpcscale.xsite import DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
+from hpcscale.cli.options import console, dry_run_option, json_option, print_json, site_option
+from hpcscale.errors import VerificationFailure
+from hpcscale.portable.hashing import HASH_ALGORITHMS, XXH128
+from hpcscale.xsite import DEFAULT_JOBS, DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
 
 jobs_option = click.option(
     "-j", "--jobs", type=click.IntRange(1, 256), default=None, help="Parallel hashing threads or transfer streams."
@@ -31,8 +30,8 @@ def manifest() -> None:
 @click.option("-o", "--out", type=click.Path(dir_okay=False, path_type=Path), help="Default: DIRECTORY/manifest.json.")
 @click.option(
     "--algorithm",
-    type=click.Choice(["xxh128", "sha256", "blake3"]),
-    default="xxh128",
+    type=click.Choice(HASH_ALGORITHMS),
+    default=XXH128,
     show_default=True,
     help="Hash; recorded in the manifest.",
 )
@@ -141,35 +140,28 @@ def verify_cmd(manifest_path: Path, root: Path | None, jobs: int | None, as_json
     path, m = _load(manifest_path)
     root = root or path.parent
     with progress_for("verifying", as_json) as progress:
-        report = verify(m, root, jobs=jobs, progress=progress)
+        report = verify(m, root, jobs=jobs, progress=progress, target=str(path))
     if as_json:
-        print_json({"manifest": str(path), "root": str(root), **report.to_json()})
+        print_json({"manifest": str(path), **report.to_json()})
     else:
         for p in report.problems:
-            click.echo(f"{root}/{p['path']}: {p['problem']}", err=True)
-        click.echo(f"{path}: {report.ok} of {report.files} files verified under {root} ({report.seconds:.2f} s)")
+            click.echo(f"{root}/{p.path}: {p.problem}", err=True)
+        click.echo(f"{path}: {report.ok} of {report.items} files verified under {root} ({report.seconds:.2f} s)")
     if report.problems:
-        raise VerificationFailure(f"{len(report.problems)} of {report.files} files do not match {path}")
-
-
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:i?B?)?(?:/s)?\s*$", re.IGNORECASE)
-
-
-def parse_rate(text: str | None) -> float | None:
-    """'100M' -> bytes per second (K, M, G are powers of 1024); None for no limit."""
-    if text is None:
-        return None
-    m = _RATE.match(text)
-    if not m or float(m.group(1)) <= 0:
-        raise BadInput(f"--bwlimit: '{text}' is not a rate such as 500K, 100M or 1G (bytes per second)")
-    return float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+        raise VerificationFailure(f"{len(report.problems)} of {report.items} files do not match {path}")
 
 
 @click.command()
 @click.argument("manifest_path", metavar="MANIFEST", type=click.Path(exists=True, path_type=Path))
 @click.option("--from", "src", required=True, metavar="SRC", help="Source: a path or ssh://[user@]host[:port]/path.")
 @click.option("--to", "dst", required=True, metavar="DST", help="Destination: a path or ssh://[user@]host[:port]/path.")
-@click.option("-j", "--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Parallel streams.")
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(1, 64),
+    default=None,
+    help=f"Parallel streams.  [default: the site's staging.jobs with --site, else {DEFAULT_JOBS}]",
+)
 @click.option(
     "--check",
     type=click.Choice(["stat", "hash"]),
@@ -178,7 +170,12 @@ def parse_rate(text: str | None) -> float | None:
     help="How files already at DST are proven: 'stat' trusts DST's record of what it verified while size, "
     "mtime, ctime and inode are unchanged (files without a record are hashed); 'hash' hashes them all.",
 )
-@click.option("--bwlimit", metavar="RATE", help="Bandwidth limit for all streams together, e.g. 100M (bytes/s).")
+@click.option(
+    "--bwlimit",
+    metavar="RATE",
+    help="Bandwidth limit for all streams together, e.g. 100M (bytes/s).  "
+    "[default: the site's staging.bandwidth_limit_mbps with --site, else none]",
+)
 @click.option(
     "--sync",
     is_flag=True,
@@ -200,18 +197,20 @@ def parse_rate(text: str | None) -> float | None:
     show_default=True,
     help="python3 on the ssh host (needs xxhash for xxh128) (env HPCSCALE_REMOTE_PYTHON).",
 )
+@site_option
 @dry_run_option
 @json_option
 def stage(
     manifest_path: Path,
     src: str,
     dst: str,
-    jobs: int,
+    jobs: int | None,
     check: str,
     bwlimit: str | None,
     sync: bool,
     ssh_cmd: str,
     remote_python: str,
+    site: str | None,
     dry_run: bool,
     as_json: bool,
 ) -> None:
@@ -220,46 +219,33 @@ def stage(
 
     A killed transfer leaves no partial file under a real name; rerun the same command to finish it (partial
     files continue where they stopped). One side must be local. Exit 3 if a file arrives with the wrong hash.
+    With --site, -j and --bwlimit default to that site's staging settings.
 
     \b
     Examples:
       hpcscale stage /data/web/manifest.json --from /data/web --to /scratch/web -j 8
       hpcscale stage /data/web/manifest.json --from /data/web --to ssh://dtn.site-b.org/lustre/web --bwlimit 500M
     """
-    from hpcscale.xsite.channel import connect_early, parse_endpoint, take_prelaunched
-
-    # ssh first (a third of a second here, more across sites), then everything else while it connects; usually
-    # it was started before click was even imported (channel.prelaunch)
-    source, dest = parse_endpoint(src, "--from"), parse_endpoint(dst, "--to")
-    ssh = shlex.split(ssh_cmd)
-    early = take_prelaunched(source, dest, ssh, remote_python)
-    if early is None and not dry_run:
-        early = connect_early(source, dest, ssh, remote_python)
-
     from hpcscale.util.progress import progress_for
-    from hpcscale.xsite.stage import StageOptions
-    from hpcscale.xsite.stage import stage as run_stage
+    from hpcscale.xsite.stage_command import run_stage_command
 
-    try:
-        opts = StageOptions(
-            jobs=jobs,
-            check=check,
-            bwlimit=parse_rate(bwlimit),
-            dry_run=dry_run,
-            sync=sync,
-            ssh=ssh,
-            remote_python=remote_python,
-        )
-        path, m = _load(manifest_path)
-        text = path.read_text()
-    except BaseException:
-        if early is not None:
-            early.close()
-        raise
     error = None
     with progress_for("staging", as_json) as progress:
         try:
-            result = run_stage(m, text, source, dest, opts, progress, early)
+            result = run_stage_command(
+                manifest_path,
+                src=src,
+                dst=dst,
+                jobs=jobs,
+                check=check,
+                bwlimit=bwlimit,
+                sync=sync,
+                ssh=ssh_cmd,
+                remote_python=remote_python,
+                site=site,
+                dry_run=dry_run,
+                progress=progress,
+            )
         except Exception as e:
             result = getattr(e, "result", None)
             if result is None:

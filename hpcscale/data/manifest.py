@@ -2,7 +2,8 @@
 
 One JSON document (`manifest.json` at the dataset root) that the data loader and `hpcscale stage` both read.
 Paths are relative, use `/`, and may not be absolute, contain `..`, or be empty: a manifest from another
-site can name nothing outside its root.
+site can name nothing outside its root. The path rule and the hash algorithms are hpcscale.portable's
+(paths.check_relpath, hashing.HASH_ALGORITHMS): the staging agent at another site applies the very same code.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from hpcscale.errors import BadInput
-from hpcscale.xsite import agent
+from hpcscale.portable import hashing, paths
+from hpcscale.portable.errors import StageError
+from hpcscale.portable.hashing import HASH_ALGORITHMS
 
 FORMAT = "hpcscale-manifest"
 VERSION = 1
-HASH_ALGORITHMS = ("xxh128", "sha256", "blake3")
 MANIFEST_NAME = "manifest.json"
 
 
@@ -73,14 +75,14 @@ class Manifest:
 
 def check_relpath(path: Any) -> str | None:
     """None if `path` is a safe relative path, else why not (the staging agent applies the same rule)."""
-    return agent.check_relpath(path)
+    return paths.check_relpath(path)
 
 
 def hasher(algorithm: str):
     """A new hash object (update/hexdigest) for a manifest's algorithm."""
     try:
-        return agent.hasher(algorithm)
-    except agent.StageError as e:
+        return hashing.hasher(algorithm)
+    except StageError as e:
         raise BadInput(str(e)) from None
 
 
@@ -89,7 +91,7 @@ def hash_file(path: Path | str, algorithm: str, on_bytes=None) -> str:
     hasher(algorithm)
     fd = os.open(path, os.O_RDONLY)
     try:
-        return agent.hash_fd(fd, algorithm, on_bytes=on_bytes)[0]
+        return hashing.hash_fd(fd, algorithm, on_bytes=on_bytes)[0]
     finally:
         os.close(fd)
 

@@ -25,8 +25,13 @@ from hpcscale.data.manifest import (
     write_manifest,
 )
 from hpcscale.errors import BadInput
+from hpcscale.portable.errors import StageError
+from hpcscale.portable.hashing import XXH128, hash_fd
+from hpcscale.portable.paths import PART_SUFFIX, STATE_DIR, within
+from hpcscale.portable.source import Source
+from hpcscale.portable.threads import parallel_map
 from hpcscale.util.progress import Progress
-from hpcscale.xsite import agent
+from hpcscale.util.verify import VerifyProblem, VerifyReport
 
 ITEMSIZE = {"uint8": 1, "uint16": 2, "uint32": 4}
 
@@ -63,11 +68,11 @@ def scan(root: Path, exclude: set[str]) -> tuple[list[tuple[str, os.stat_result]
         with it:
             for de in it:
                 rel = f"{rel_dir}/{de.name}" if rel_dir else de.name
-                if rel in exclude or de.name == agent.STATE_DIR or de.name.endswith(agent.PART_SUFFIX):
+                if rel in exclude or de.name == STATE_DIR or de.name.endswith(PART_SUFFIX):
                     continue
                 if de.is_symlink():
                     target = os.path.realpath(de.path)
-                    if not agent.within(target, real_root):
+                    if not within(target, real_root):
                         raise BadInput(f"{root}/{rel}: symlink leads out of the root (-> {target})")
                     try:
                         st = os.stat(target)
@@ -98,7 +103,7 @@ def build(
     root: Path,
     out: Path | None = None,
     *,
-    algorithm: str = "xxh128",
+    algorithm: str = XXH128,
     rehash: bool = False,
     jobs: int | None = None,
     progress: Progress | None = None,
@@ -119,7 +124,7 @@ def build(
             previous = None  # rebuilt from scratch below
     exclude: set[str] = set()
     out_real = os.path.realpath(out)
-    if agent.within(out_real, str(root)):
+    if within(out_real, str(root)):
         exclude.add(os.path.relpath(out_real, root))
     listing, skipped = scan(root, exclude)
     old = {f.path: f for f in previous.files} if previous and previous.hash_algorithm == algorithm else {}
@@ -137,7 +142,7 @@ def build(
     stats.hashed = len(todo)
     stats.hashed_bytes = sum(listing[i][1].st_size for i in todo)
     progress.start(len(todo), stats.hashed_bytes)
-    digests = agent.parallel_map(
+    digests = parallel_map(
         lambda i: _hash_one(str(root), listing[i][0], algorithm, progress), todo, jobs or default_jobs()
     )
     for i, digest in zip(todo, digests, strict=True):
@@ -206,42 +211,35 @@ def diff(a: Manifest, b: Manifest, a_name: str = "A", b_name: str = "B") -> Diff
     )
 
 
-@dataclass(slots=True)
-class VerifyReport:
-    files: int = 0
-    bytes: int = 0
-    ok: int = 0
-    problems: list[dict] = field(default_factory=list)  # {"path", "problem"}
-    seconds: float = 0.0
-
-    def to_json(self) -> dict:
-        return {
-            "files": self.files,
-            "bytes": self.bytes,
-            "ok": self.ok,
-            "problems": self.problems,
-            "seconds": round(self.seconds, 3),
-        }
-
-
 def verify(
-    manifest: Manifest, root: Path, *, jobs: int | None = None, progress: Progress | None = None
+    manifest: Manifest,
+    root: Path,
+    *,
+    jobs: int | None = None,
+    progress: Progress | None = None,
+    target: str = "",
 ) -> VerifyReport:
     """Hash every file the manifest lists under root. Problems: missing, size, hash (each named).
     A path leading through a symlink out of root is BadInput."""
     t0 = time.perf_counter()
     progress = progress or Progress()
     try:
-        source = agent.Source(str(root))
-    except agent.StageError as e:  # "ROOT: no such directory"
+        source = Source(str(root))
+    except StageError as e:  # "ROOT: no such directory"
         raise BadInput(str(e)) from None
-    report = VerifyReport(files=len(manifest.files), bytes=sum(f.size for f in manifest.files))
-    progress.start(report.files, report.bytes)
+    report = VerifyReport(
+        target=target,
+        root=str(root),
+        items=len(manifest.files),
+        bytes=sum(f.size for f in manifest.files),
+        details={"files": len(manifest.files)},
+    )
+    progress.start(report.items, report.bytes)
 
     def check(f: FileEntry) -> str | None:
         try:
             fd = source.open(f.path)
-        except agent.StageError as e:
+        except StageError as e:
             if e.kind == "input":
                 raise BadInput(f"{root}: {e}") from None
             return "missing" if e.kind == "missing" else str(e)
@@ -250,18 +248,16 @@ def verify(
             if size != f.size:
                 progress.advance(files=1, nbytes=f.size)
                 return f"size {size}, manifest says {f.size}"
-            digest, _ = agent.hash_fd(fd, manifest.hash_algorithm)
+            digest, _ = hash_fd(fd, manifest.hash_algorithm)
         finally:
             os.close(fd)
         progress.advance(files=1, nbytes=f.size)
         return None if digest == f.hash else f"hash {digest}, manifest says {f.hash}"
 
-    for f, problem in zip(
-        manifest.files, agent.parallel_map(check, manifest.files, jobs or default_jobs()), strict=True
-    ):
+    for f, problem in zip(manifest.files, parallel_map(check, manifest.files, jobs or default_jobs()), strict=True):
         if problem is None:
             report.ok += 1
         else:
-            report.problems.append({"path": f.path, "problem": problem})
+            report.problems.append(VerifyProblem(path=f.path, problem=problem))
     report.seconds = time.perf_counter() - t0
     return report

@@ -8,7 +8,6 @@ command loads and reads its manifest.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import shlex
 import subprocess
@@ -18,49 +17,14 @@ from collections.abc import Sequence
 
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.xsite import DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
-
-# Executed by the remote python3: read three length-prefixed blobs (a 10-digit length and a newline, then the
-# bytes) from fd 0: the bytecode magic number of the local python, the agent compiled by it (marshal), and the
-# agent's source. A remote python with the same magic number (the same minor version, as for .pyc files) runs
-# the compiled agent, saving the ~8 ms compile on the critical path of every connection; any other compiles the
-# source. Unbuffered reads of exactly those bytes: requests sent right behind (without waiting for the agent's
-# hello) must stay in the pipe for the agent, not in a buffered reader's read-ahead.
-BOOT = (
-    "import os,marshal\n"
-    "def r(n):\n"
-    " b=b''\n"
-    " while len(b)<n:\n"
-    "  c=os.read(0,n-len(b))\n"
-    "  if not c:raise SystemExit(1)\n"
-    "  b+=c\n"
-    " return b\n"
-    "def g():return r(int(r(11)))\n"
-    "m,c,s=g(),g(),g()\n"
-    "try:\n"
-    " import _frozen_importlib_external as e;k=e.MAGIC_NUMBER\n"
-    "except Exception:k=None\n"
-    "exec(marshal.loads(c) if m==k else compile(s,'hpcscale-agent','exec'))"
-)
-AGENT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
+from hpcscale.xsite.bootstrap import BOOT, agent_blobs
 
 
-def _agent():
-    """The agent module, imported on first use: not needed to start ssh."""
-    from hpcscale.xsite import agent
+def _wire():
+    """The wire protocol (hpcscale.portable.wire), imported on first use: not needed to start ssh."""
+    from hpcscale.portable import wire
 
-    return agent
-
-
-@functools.cache
-def _agent_blobs() -> bytes:
-    """What BOOT reads: magic number, compiled agent, source. Built once per process, however many streams."""
-    import marshal
-    from importlib.util import MAGIC_NUMBER
-
-    with open(AGENT_SOURCE, "rb") as f:
-        source = f.read()
-    code = marshal.dumps(compile(source, "hpcscale-agent", "exec", dont_inherit=True))
-    return b"".join(b"%010d\n" % len(blob) + blob for blob in (MAGIC_NUMBER, code, source))
+    return wire
 
 
 def error_for(message: str, kind: str) -> Exception:
@@ -111,7 +75,7 @@ class Channel:
         self.ep = ep
         self.spec = (ep, role, tuple(ssh), remote_python)
         self.taken = False
-        # -S: the agent loads site-packages only if it needs a hash module (agent._site)
+        # -S: the agent loads site-packages only if it needs a hash module (hpcscale.portable.hashing._site)
         remote = shlex.join([*shlex.split(remote_python), "-S", "-c", BOOT, role, ep.path])
         cmd = [*ssh]
         if ep.port:
@@ -132,10 +96,10 @@ class Channel:
             raise RuntimeFailure(f"{cmd[0]}: command not found (set --ssh)") from None
         self.w = self.p.stdin
         self.r = self.p.stdout
-        agent = _agent()  # imported once ssh is on its way
-        agent.widen_pipe(self.w.fileno())
-        agent.widen_pipe(self.r.fileno())
-        blobs = _agent_blobs()
+        wire = _wire()  # imported once ssh is on its way
+        wire.widen_pipe(self.w.fileno())
+        wire.widen_pipe(self.r.fileno())
+        blobs = agent_blobs()
         self._greeted = False
         try:
             self.w.write(blobs)
@@ -147,7 +111,7 @@ class Channel:
         if self._greeted:
             return
         try:
-            hello = _agent().recv(self.r)
+            hello = _wire().recv(self.r)
         except (OSError, EOFError):
             raise self.broken("could not start the staging agent") from None
         if "error" in hello:
@@ -201,7 +165,7 @@ class Channel:
         request; returns the last. The first error reply is raised."""
         try:
             for header in headers:
-                _agent().send(self.w, header)
+                _wire().send(self.w, header)
             self.w.flush()
         except OSError:
             pass  # reported by the reads below, with ssh's words
@@ -209,7 +173,7 @@ class Channel:
         header = headers[-1]
         try:
             for _ in headers:
-                reply = _agent().recv(self.r)
+                reply = _wire().recv(self.r)
                 if "error" in reply:
                     raise error_for(f"{self.ep}: {reply['error']}", reply.get("kind", "runtime"))
         except (OSError, EOFError):
@@ -226,7 +190,7 @@ class Channel:
 
     def close(self) -> None:
         try:
-            _agent().send(self.w, {"op": "bye"})
+            _wire().send(self.w, {"op": "bye"})
             self.w.close()
         except OSError:
             pass
@@ -256,25 +220,53 @@ def connect_early(src: Endpoint, dst: Endpoint, ssh: Sequence[str], remote_pytho
 _prelaunched: Channel | None = None
 
 
+# Every option of `hpcscale stage` (hpcscale/cli/stage_cmd.py) and whether it takes a value: the scan below
+# must step over each value, or a value that looks like an option would be read as one. A test walks the
+# click command's options and fails on any that is missing here (tests/test_stage_prelaunch.py).
+STAGE_OPTIONS = {
+    "--from": True,
+    "--to": True,
+    "-j": True,
+    "--jobs": True,
+    "--check": True,
+    "--bwlimit": True,
+    "--sync": False,
+    "--ssh": True,
+    "--remote-python": True,
+    "--site": True,
+    "--dry-run": False,
+    "--json": False,
+    "--help": False,
+    "-h": False,
+}
+NO_EARLY_START = ("--dry-run", "--help", "-h", "--")  # nothing to connect for, or too odd to guess at
+
+
+def scan_stage_args(argv: Sequence[str]) -> dict[str, str | None] | None:
+    """--from, --to, --ssh and --remote-python (None where not given) as click would most likely parse them
+    from `hpcscale stage`'s raw arguments, or None where nothing should start early (NO_EARLY_START)."""
+    if any(arg in NO_EARLY_START for arg in argv):
+        return None
+    opts: dict[str, str | None] = {"--from": None, "--to": None, "--ssh": None, "--remote-python": None}
+    it = iter(argv)
+    for arg in it:
+        name, eq, value = arg.partition("=")
+        if STAGE_OPTIONS.get(name):
+            value = value if eq else next(it, None)
+            if name in opts:
+                opts[name] = value
+    return opts
+
+
 def prelaunch(argv: Sequence[str]) -> None:
     """Called with `hpcscale stage`'s arguments before the CLI imports click and the rest: start ssh now if
     they name exactly one ssh endpoint. This is a best guess at what click will parse, never an error: the
     command adopts the channel only if it matches what click parsed (`take_prelaunched`); otherwise, or if the
     command never runs (help, a rejected command line), ssh is stopped."""
     global _prelaunched
-    opts = {"--from": None, "--to": None, "--ssh": None, "--remote-python": None}
-    if any(arg in ("--dry-run", "--help", "-h", "--") for arg in argv):
-        return
-    takes_value = {*opts, "-j", "--jobs", "--check", "--bwlimit"}
     try:
-        it = iter(argv)
-        for arg in it:
-            name, eq, value = arg.partition("=")
-            if name in takes_value:
-                value = value if eq else next(it)
-                if name in opts:
-                    opts[name] = value
-        if opts["--from"] is None or opts["--to"] is None:
+        opts = scan_stage_args(argv)
+        if opts is None or opts["--from"] is None or opts["--to"] is None:
             return
         ssh = opts["--ssh"] or os.environ.get("HPCSCALE_SSH") or DEFAULT_SSH
         remote_python = opts["--remote-python"] or os.environ.get("HPCSCALE_REMOTE_PYTHON") or DEFAULT_REMOTE_PYTHON

@@ -2,9 +2,10 @@
 verified by hash before it takes its name, resumable, in parallel streams. Guide: docs/staging.md.
 
 Endpoints are local (or shared-filesystem) paths and `ssh://[user@]host[:port]/path`. For ssh, each stream is
-one `ssh host python3 -c ...` process running hpcscale.xsite.agent, whose source travels over the connection,
-so the other site needs only python3. This module is also the library the cross-site rounds use to move
-model contributions (`stage_files`).
+one `ssh host python3 -c ...` process running hpcscale.xsite.agent, which travels over the connection with
+the hpcscale.portable modules it imports (hpcscale/xsite/bootstrap.py), so the other site needs only python3.
+Both ends place and read files with the same code (hpcscale.portable.sink, hpcscale.portable.source). This
+module is also the library the cross-site rounds use to move model contributions (`stage_files`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,13 @@ from dataclasses import asdict, dataclass, field
 
 from hpcscale.data.manifest import Manifest, manifest_text
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
+from hpcscale.portable.errors import StageError
+from hpcscale.portable.hashing import BLOCK, blocks
+from hpcscale.portable.sink import TMPFILE_MAX, Sink
+from hpcscale.portable.source import Source
+from hpcscale.portable.wire import TokenBucket, recv, send
 from hpcscale.util.progress import Progress
-from hpcscale.xsite import agent
-from hpcscale.xsite.agent import BLOCK, Sink, Source, StageError, TokenBucket
+from hpcscale.xsite import DEFAULT_JOBS
 from hpcscale.xsite.channel import Channel, Endpoint, error_for, parse_endpoint
 
 log = logging.getLogger("hpcscale.stage")
@@ -34,7 +39,7 @@ WINDOW = 64  # get requests in flight per pull stream
 
 @dataclass(slots=True)
 class StageOptions:
-    jobs: int = 4
+    jobs: int = DEFAULT_JOBS
     check: str = "stat"  # how files already at the destination are proven: "stat" (record) or "hash"
     bwlimit: float | None = None  # bytes per second, all streams together
     dry_run: bool = False
@@ -61,6 +66,8 @@ class StageResult:
     dry_run: bool = False
     committed: bool = False
     seconds: float = 0.0
+    streams: int = 0  # parallel streams that carried this run: copier threads (local) or ssh connections
+    bwlimit: float | None = None  # the cap in bytes/s, all streams together; None: none
 
     @property
     def mb_per_s(self) -> float:
@@ -180,7 +187,7 @@ def _stage(manifest, manifest_text, src, dst, opts, progress, early) -> StageRes
     if manifest_text is not None and any(f.path == "manifest.json" for f in manifest.files):
         manifest_text = None  # the tree has its own file of that name; never overwrite it with ours
     entries = [[f.path, f.size, f.mtime_ns, f.hash] for f in manifest.files]
-    result = StageResult(str(src), str(dst), manifest.hash_algorithm, dry_run=opts.dry_run)
+    result = StageResult(str(src), str(dst), manifest.hash_algorithm, dry_run=opts.dry_run, bwlimit=opts.bwlimit)
     result.files = len(entries)
     result.bytes_total = sum(f.size for f in manifest.files)
     run = _Run(result, progress or Progress(), TokenBucket(opts.bwlimit) if opts.bwlimit else None)
@@ -233,7 +240,7 @@ def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> li
     # reads of a cold 10k-file local copy fell by 40%; its wall time did not move beyond the noise).
     def order(item: tuple[list, int]) -> tuple[int, int]:
         left = item[0][1] - item[1]
-        return (0, -left) if left >= agent.TMPFILE_MAX else (1, 0)  # stable: small ones keep path order
+        return (0, -left) if left >= TMPFILE_MAX else (1, 0)  # stable: small ones keep path order
 
     todo.sort(key=order)
     run.progress.start(len(todo), sum(e[1] - off for e, off in todo))
@@ -244,7 +251,7 @@ def _pump(fd: int, offset: int, size: int, write, run: _Run) -> int:
     """Bytes [offset, size) of fd to `write`, under the bandwidth limit, counted; returns where it stopped
     (short of size if the file shrank)."""
     pos = offset
-    for data in agent.blocks(fd, offset, size):
+    for data in blocks(fd, offset, size):
         if run.bucket is not None:
             run.bucket.take(len(data))
         write(data)
@@ -305,6 +312,7 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
             run.ok(offset > 0)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(opts.jobs, len(todo))))]
+    run.result.streams = len(threads)
     for t in threads:
         t.start()
     for t in threads:
@@ -382,6 +390,7 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
             run.result.committed = True
         log.debug("push: committed at %.3f s", time.perf_counter() - t0)
     finally:
+        run.result.streams = len(channels)
         for ch in channels:
             ch.close()
         log.debug("push: closed at %.3f s", time.perf_counter() - t0)
@@ -456,13 +465,13 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
             try:
                 inflight[path] = offset
                 hdr = {"op": "put", "path": path, "size": size, "mtime_ns": mtime, "hash": digest}
-                agent.send(ch.w, {**hdr, "offset": offset, "n": size - offset})
+                send(ch.w, {**hdr, "offset": offset, "n": size - offset})
                 pos = _pump(fd, offset, size, ch.w.write, run)
                 if pos < size:  # the file shrank: pad to keep the stream in step; the agent's hash check rejects it
                     ch.w.write(bytes(size - pos))
             finally:
                 os.close(fd)
-        agent.send(ch.w, {"op": "flush"})
+        send(ch.w, {"op": "flush"})
         ch.w.flush()
     except OSError:
         run.abort(ch.broken("the connection broke while sending"))
@@ -473,7 +482,7 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
 def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
     while True:
         try:
-            msg = agent.recv(ch.r)
+            msg = recv(ch.r)
         except (OSError, EOFError):
             if not run.stop.is_set():
                 run.abort(ch.broken("the connection broke while receiving acknowledgements"))
@@ -512,6 +521,7 @@ def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions,
             for ch in channels:
                 ch.close()
             raise
+        run.result.streams = len(channels)
         try:
             work: queue.SimpleQueue = queue.SimpleQueue()
             for item in todo:
@@ -546,7 +556,7 @@ def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue
                 break
             pending.put(item)
             entry, offset = item
-            agent.send(ch.w, {"op": "get", "path": entry[0], "offset": offset})
+            send(ch.w, {"op": "get", "path": entry[0], "offset": offset})
         ch.w.flush()
     except OSError:
         run.abort(ch.broken("the connection broke while sending requests"))
@@ -561,7 +571,7 @@ def _pull_receiver(ch: Channel, sink: Sink, run: _Run, pending: queue.SimpleQueu
             return
         entry, offset = item
         try:
-            msg = agent.recv(ch.r)
+            msg = recv(ch.r)
             if "error" in msg:
                 run.fail(entry[0], msg["error"], msg.get("kind", "runtime"))
                 window.release()
