@@ -1,5 +1,5 @@
 """`python -m hpcscale` is the `hpcscale` command (mpirun starts ranks this way, with the same interpreter)."""
 
-from hpcscale.cli.main import cli
+from hpcscale.cli.entry import main
 
-cli(prog_name="hpcscale")
+main()

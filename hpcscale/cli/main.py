@@ -1,14 +1,10 @@
-"""Entry point: `hpcscale`. Commands are loaded only when invoked, so `--help` stays fast on login nodes."""
+"""The `hpcscale` click group. Commands are loaded only when invoked, so `--help` stays fast on login nodes.
+The console script starts at hpcscale.cli.entry:main, which may start ssh before this module loads."""
 
 from __future__ import annotations
 
 import importlib
 import sys
-
-if sys.argv[1:2] == ["stage"]:  # start ssh before loading click and the rest (hpcscale/xsite/channel.py)
-    from hpcscale.xsite.channel import prelaunch
-
-    prelaunch(sys.argv[2:])
 
 import click
 

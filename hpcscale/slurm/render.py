@@ -6,7 +6,6 @@ number, so a job name like `x; rm -rf ~` is just a name. Template variables: doc
 
 from __future__ import annotations
 
-import itertools
 import shlex
 from pathlib import Path
 from typing import Any
@@ -15,18 +14,11 @@ from hpcscale import __version__
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput
 from hpcscale.slurm.resolve import ResolvedJob
-from hpcscale.topology.hostlist import compress
+from hpcscale.util.hostlist import compress
+from hpcscale.util.resources import templates_dir
 from hpcscale.util.slurmtime import format_duration, parse_duration
 
 BUILTIN_TEMPLATES = ("default", "container", "array")
-
-
-def templates_dir() -> Path:
-    package = Path(__file__).resolve().parent.parent
-    for candidate in (package / "sbatch_templates", package.parent / "sbatch_templates"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("sbatch_templates not found next to the hpcscale package")
 
 
 def choose_template(job: ResolvedJob, template: str | None) -> str:
@@ -40,12 +32,6 @@ def choose_template(job: ResolvedJob, template: str | None) -> str:
     if name in BUILTIN_TEMPLATES and spec.sweep is not None and name != "array":
         raise BadInput(f"the job spec has a `sweep:`; template '{name}' would ignore it (use --template array)")
     return name
-
-
-def sweep_points(sweep_params: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    """The combinations an array sweep runs, in array-index order (last parameter varies fastest)."""
-    keys = list(sweep_params)
-    return [dict(zip(keys, values, strict=True)) for values in itertools.product(*sweep_params.values())]
 
 
 def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
