@@ -1,10 +1,15 @@
 """Errors that carry hpcscale's exit-code contract (docs/user-guide.md, "Exit codes").
 
-0 success; 1 a runtime failure; 2 bad input; 3 a verification failure. The CLI turns an HpcscaleError into
-its message and exit code; nothing else it raises reaches the user as a traceback for bad input.
+0 success; 1 a runtime failure; 2 bad input; 3 a verification failure; 75 stopped on request (a training
+run that checkpointed and stopped on a signal: resume it). The CLI turns an HpcscaleError into its message and
+exit code; nothing else it raises reaches the user as a traceback for bad input.
 """
 
 from __future__ import annotations
+
+# EX_TEMPFAIL (sysexits.h): stopped on request; resume from the last checkpoint. Ranks, `run --local` and the
+# sbatch templates' requeue logic all mean this one number.
+STOPPED_EXIT_CODE = 75
 
 
 class HpcscaleError(Exception):

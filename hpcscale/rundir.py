@@ -5,7 +5,13 @@ RUN/
   site.yaml             the resolved site config it ran on
   submissions.jsonl     one JSON line per submission: index, job id, cluster, time, script, excluded, reason
   submissions/0001.sbatch  the exact script each submission sent
-  logs/                 slurm-<jobid>.out/.err (array jobs: slurm-<array>_<task>.*)
+  logs/                 slurm-<jobid>.out/.err (array jobs: slurm-<array>_<task>.*); local-<time>.out
+  metrics.jsonl         rank 0's metrics, one JSON line per step
+  checkpoints/          step-NNNNNNNN/ directories (hpcscale.ckpt); a symlink to
+                        <filesystems.checkpoint_root>/<run name> when the site sets a separate checkpoint root
+  sweep/NNNN/           an array task's own metrics.jsonl and checkpoints/
+
+This module owns these names; everything else asks it for the paths.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,9 +27,19 @@ from pathlib import Path
 import yaml
 
 from hpcscale.config.job import JobSpec
+from hpcscale.config.load import LoadedJob, load_job, parse_site
 from hpcscale.config.render import to_plain
 from hpcscale.config.site import SiteConfig
+from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput
+from hpcscale.util.paths import expand_path
+
+JOB = "job.yaml"
+SITE = "site.yaml"
+SUBMISSIONS = "submissions.jsonl"
+LOGS = "logs"
+METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +66,32 @@ def default_run_dir(run_root: Path, job_name: str, now: datetime | None = None) 
     return candidate
 
 
+def link_checkpoints(work_dir: Path, target: Path) -> Path:
+    """Make `work_dir/checkpoints` lead to `target` (under the site's separate checkpoint root), creating it.
+
+    Called by every rank when the job starts (on compute nodes, where that filesystem is mounted; never on
+    the login node at submit time); safe to call from every rank at once. A run directory that already holds
+    real checkpoints keeps them where they are: moving a run's checkpoints is the operator's decision, never
+    a side effect."""
+    link = work_dir / CHECKPOINTS
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        link.symlink_to(target, target_is_directory=True)
+    except FileExistsError:
+        if link.is_symlink() and Path(os.readlink(link)) != target:
+            raise BadInput(
+                f"{link} leads to {os.readlink(link)}, not to {target} (filesystems.checkpoint_root changed "
+                "since the run started); point the link where the checkpoints are, or start a new run"
+            ) from None
+    return link
+
+
+def site_checkpoint_root(site: SiteConfig) -> Path | None:
+    """The site's separate checkpoint root (filesystems.checkpoint_root), expanded; None when unset."""
+    root = site.filesystems.checkpoint_root
+    return expand_path(root) if root else None
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
@@ -61,22 +104,44 @@ class RunDir:
                 raise BadInput(
                     f"run directory {path} exists; pass --reuse to add a submission to it, or choose another --run-dir"
                 )
-            if not (path / "submissions.jsonl").exists() and any(path.iterdir()):
+            if not (path / SUBMISSIONS).exists() and any(path.iterdir()):
                 raise BadInput(f"{path} exists and is not an hpcscale run directory; refusing to write into it")
-        (path / "logs").mkdir(parents=True, exist_ok=True)
+        (path / LOGS).mkdir(parents=True, exist_ok=True)
         (path / "submissions").mkdir(exist_ok=True)
         return cls(path)
 
     @classmethod
     def open(cls, path: Path) -> RunDir:
-        if not (path / "submissions.jsonl").is_file() and not (path / "job.yaml").is_file():
-            raise BadInput(f"{path} is not an hpcscale run directory (no job.yaml or submissions.jsonl)")
+        if not (path / SUBMISSIONS).is_file() and not (path / JOB).is_file():
+            raise BadInput(f"{path} is not an hpcscale run directory (no {JOB} or {SUBMISSIONS})")
         return cls(path)
+
+    @property
+    def logs(self) -> Path:
+        return self.path / LOGS
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    def discard(self) -> None:
+        """Remove a run directory this command just created."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def load_job(self) -> LoadedJob:
+        """The job as recorded here (job.yaml with its recorded site.yaml): what every rank runs."""
+        if not (self.path / JOB).is_file():
+            raise BadInput(f"{self.path} is not an hpcscale run directory (no {JOB})")
+        return load_job(self.path / JOB, site=str(self.path / SITE))
 
     def write_resolved(self, spec: JobSpec, site: SiteConfig) -> None:
         """The job spec and site as they were run, every default filled in."""
-        _atomic_write(self.path / "job.yaml", yaml.safe_dump(to_plain(spec), sort_keys=False))
-        _atomic_write(self.path / "site.yaml", yaml.safe_dump(to_plain(site), sort_keys=False))
+        _atomic_write(self.path / JOB, yaml.safe_dump(to_plain(spec), sort_keys=False))
+        _atomic_write(self.path / SITE, yaml.safe_dump(to_plain(site), sort_keys=False))
 
     def next_index(self) -> int:
         return len(self.submissions()) + 1
@@ -90,7 +155,7 @@ class RunDir:
     def record(self, sub: Submission) -> None:
         """Append one submission; fsynced so a crash right after sbatch never loses the job id."""
         line = json.dumps(asdict(sub), sort_keys=True) + "\n"
-        fd = os.open(self.path / "submissions.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path / SUBMISSIONS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())
             os.fsync(fd)
@@ -98,7 +163,7 @@ class RunDir:
             os.close(fd)
 
     def submissions(self) -> list[Submission]:
-        path = self.path / "submissions.jsonl"
+        path = self.path / SUBMISSIONS
         if not path.exists():
             return []
         out = []
@@ -111,12 +176,9 @@ class RunDir:
                 raise BadInput(f"{path}:{lineno}: damaged submission record ({e})") from None
         return out
 
-    def site_config(self):
+    def site_config(self) -> SiteConfig:
         """The site this run was submitted to, as recorded (so status works without the site file)."""
-        from hpcscale.config.load import parse_site
-        from hpcscale.config.yamlsrc import load_yaml
-
-        return parse_site(load_yaml(self.path / "site.yaml"))
+        return parse_site(load_yaml(self.path / SITE))
 
 
 def _atomic_write(path: Path, text: str) -> None:

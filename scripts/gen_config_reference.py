@@ -18,7 +18,7 @@ from pathlib import Path
 from hpcscale.config.fields import yaml_key
 from hpcscale.config.job import JobSpec
 from hpcscale.config.site import SiteConfig
-from hpcscale.train.config import TrainConfig
+from hpcscale.config.train import TrainConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 

@@ -216,12 +216,12 @@ def test_unchanged_tensors_are_neither_copied_nor_hashed(tmp_path):
     import torch.distributed as dist
 
     from hpcscale.ckpt.manager import CheckpointManager
-    from hpcscale.parallel.dims import ParallelDims
+    from hpcscale.layout import ParallelDims
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the kernel picks a free one
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, pp_rank=0, tp_rank=0)
+        m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0)
         frozen, live = torch.ones(1000), torch.zeros(1000)
         m.save(1, {"frozen": frozen, "live": live}, {}, asynchronous=True)
         m.wait()

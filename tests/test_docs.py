@@ -17,8 +17,8 @@ def test_every_schema_key_is_in_the_reference():
     import dataclasses
 
     from hpcscale.config import job, site
+    from hpcscale.config import train as train_config
     from hpcscale.config.fields import yaml_key
-    from hpcscale.train import config as train_config
 
     text = (REPO / "docs" / "config-reference.md").read_text()
     for module in (site, job, train_config):

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from hpcscale.errors import BadInput
+from hpcscale.layout import JobLayout
 from hpcscale.topology.placement import (
-    LayoutShape,
     TrafficWeights,
     place,
     placement_cost,
@@ -37,13 +37,13 @@ def _random_tree(rng: random.Random, hosts: list[str]):
     return build_tree(entries)
 
 
-def _random_shape(rng: random.Random, nodes: int) -> LayoutShape:
+def _random_layout(rng: random.Random, nodes: int) -> JobLayout:
     while True:
         tpn = rng.choice([1, 2, 4])
         tp = rng.choice([t for t in (1, 2, 4) if tpn % t == 0])
         pp = rng.choice([1, 2, 3, 4, 8])
         if (nodes * tpn) % (tp * pp) == 0:
-            return LayoutShape(nodes=nodes, tasks_per_node=tpn, tp=tp, pp=pp)
+            return JobLayout(nodes=nodes, tasks_per_node=tpn, tp=tp, pp=pp)
 
 
 def test_equals_brute_force_optimum_up_to_8_nodes():
@@ -52,13 +52,13 @@ def test_equals_brute_force_optimum_up_to_8_nodes():
         n = rng.randint(2, 8)
         hosts = [f"n{i}" for i in range(1, n + 1)]
         tree = _random_tree(rng, hosts)
-        shape = _random_shape(rng, n)
+        layout = _random_layout(rng, n)
         weights = TrafficWeights(tp=rng.choice([50.0, 100.0]), dp=rng.choice([5.0, 10.0]), pp=rng.choice([1.0, 3.0]))
-        p = place(nodes=hosts, tree=tree, shape=shape, weights=weights)
-        edges = slot_edges(shape, weights)
+        p = place(nodes=hosts, tree=tree, layout=layout, weights=weights)
+        edges = slot_edges(layout, weights)
         brute = min(placement_cost(list(order), edges, tree) for order in itertools.permutations(hosts))
         assert p.optimal
-        assert p.cost == pytest.approx(brute), (trial, shape)
+        assert p.cost == pytest.approx(brute), (trial, layout)
         assert p.cost <= p.hostname_order_cost + 1e-9
         assert sorted(p.nodes) == sorted(hosts)
 
@@ -75,14 +75,14 @@ def test_large_allocation_beats_hostname_order_when_hostnames_ignore_cabling():
         ("core", None, ["spine0", "spine1"]),
     ]
     tree = build_tree(entries)
-    p = place(nodes=hosts, tree=tree, shape=LayoutShape(nodes=256, tasks_per_node=8, tp=8, pp=4))
+    p = place(nodes=hosts, tree=tree, layout=JobLayout(nodes=256, tasks_per_node=8, tp=8, pp=4))
     assert not p.optimal
     assert p.cost < 0.6 * p.hostname_order_cost
 
 
 def test_rank_order_is_tp_then_dp_then_pp():
-    shape = LayoutShape(nodes=4, tasks_per_node=2, tp=2, pp=2)  # dp = 2
-    p = place(nodes=["a", "b", "c", "d"], tree=flat_tree("abcd"), shape=shape)
+    layout = JobLayout(nodes=4, tasks_per_node=2, tp=2, pp=2)  # dp = 2
+    p = place(nodes=["a", "b", "c", "d"], tree=flat_tree("abcd"), layout=layout)
     coords = [(r.tp, r.dp, r.pp) for r in p.ranks()]
     assert coords == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]
     assert [r.local_rank for r in p.ranks()] == [0, 1] * 4
@@ -95,13 +95,14 @@ def test_rank_order_is_tp_then_dp_then_pp():
 
 def test_tp_must_divide_tasks_per_node():
     with pytest.raises(BadInput, match=r"tp\(4\) does not divide tasks_per_node\(2\)"):
-        LayoutShape(nodes=2, tasks_per_node=2, tp=4, pp=1)
+        JobLayout(nodes=2, tasks_per_node=2, tp=4, pp=1)
 
 
 def test_weights_from_model_size():
-    shape = LayoutShape(nodes=16, tasks_per_node=8, tp=8, pp=2)  # dp = 8
+    layout = JobLayout(nodes=16, tasks_per_node=8, tp=8, pp=2)  # dp = 8
     w = traffic_weights(
-        shape, {"n_layer": 24, "n_embd": 2048, "seq_len": 2048, "micro_batch": 1, "global_batch": 64, "vocab_size": 256}
+        layout,
+        {"n_layer": 24, "n_embd": 2048, "seq_len": 2048, "micro_batch": 1, "global_batch": 64, "vocab_size": 256},
     )
     n_micro = 64 // 8
     act = 1 * 2048 * 2048 * 2  # bytes of one micro-batch's activations in bf16
@@ -110,4 +111,4 @@ def test_weights_from_model_size():
     assert w.dp == pytest.approx(params / 16 * 2 * 2 * 7 / 8)
     assert w.pp == pytest.approx(2 * n_micro * act)
     assert w.tp > w.dp > w.pp  # the usual order for a modest global batch
-    assert traffic_weights(shape, {}) == TrafficWeights()
+    assert traffic_weights(layout, {}) == TrafficWeights()

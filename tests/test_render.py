@@ -19,9 +19,9 @@ from conftest import REPO, need, run_cli
 from hpcscale.cli.main import cli
 from hpcscale.config.load import load_job
 from hpcscale.errors import BadInput
+from hpcscale.slurm.allocation import site_tree
 from hpcscale.slurm.render import render_script
 from hpcscale.slurm.resolve import resolve
-from hpcscale.topology.source import site_tree
 from hpcscale.topology.tree import parse_scontrol_topology
 
 GOLDEN = REPO / "tests" / "golden"

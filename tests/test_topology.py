@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from hpcscale.topology.hostlist import BadHostlist, compress, expand
 from hpcscale.topology.tree import BadTopology, build_tree, parse_scontrol_topology, parse_topology_addr
+from hpcscale.util.hostlist import BadHostlist, compress, expand
 
 LOCAL_TOPOLOGY = """SwitchName=leaf1 Level=0 LinkSpeed=1 Nodes=n[1-2]
 SwitchName=leaf2 Level=0 LinkSpeed=1 Nodes=n[3-4]

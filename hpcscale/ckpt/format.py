@@ -7,7 +7,7 @@
         data/rank-00003.bin       the chunks this rank wrote for this step (new content only)
       .tmp-step-00000150-<id>/    a save in progress (or a crashed one: cleaned on the next start)
 
-Chunks are content-addressed (xxh3-128): a chunk whose hash is already stored in a committed checkpoint is
+Chunks are content-addressed (xxh128): a chunk whose hash is already stored in a committed checkpoint is
 referenced there, not written again. Files are opened without HDF5 file locking (Lustre/GPFS without flock);
 only one process ever writes an index, and only before it is renamed into place.
 """
@@ -23,10 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from hpcscale.errors import VerificationFailure
+from hpcscale.portable.hashing import XXH128
 
 FORMAT = "hpcscale-checkpoint"
 VERSION = 1
-HASH_ALGORITHM = "xxh3-128"
+HASH_ALGORITHM = XXH128  # the same name manifests use (hpcscale.portable.hashing owns the names)
+_LEGACY_HASH_NAMES = {"xxh3-128"}  # what indexes written before that called the same hash
 INDEX = "index.h5"
 LATEST = "LATEST"
 CHUNK_BYTES = 16 << 20
@@ -46,7 +48,7 @@ def step_of(name: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
-    hash: str  # hex xxh3-128 of the chunk's bytes
+    hash: str  # hex xxh128 (xxHash3, 128 bits) of the chunk's bytes
     file: str  # relative to the checkpoints root, e.g. step-00000100/data/rank-00003.bin
     offset: int
     length: int
@@ -172,6 +174,9 @@ def read_index(path: Path) -> Index:
                 raise VerificationFailure(f"{path}: not an hpcscale checkpoint index")
             if int(f.attrs["version"]) != VERSION:
                 raise VerificationFailure(f"{path}: index version {f.attrs['version']} is not supported")
+            algorithm = f.attrs.get("hash_algorithm")
+            if algorithm != HASH_ALGORITHM and algorithm not in _LEGACY_HASH_NAMES:
+                raise VerificationFailure(f"{path}: chunks hashed with {algorithm!r}, which this version cannot check")
             files = strings(f["files"])
             names, dtypes = strings(f["tensor_name"]), strings(f["tensor_dtype"])
             ndims, tshape = f["tensor_ndim"][()], f["tensor_shape"][()]

@@ -26,7 +26,7 @@ from hpcscale.ckpt.retention import apply_retention
 from hpcscale.ckpt.shards import local_shards, writer_of, writers
 from hpcscale.ckpt.writer import ShardWriter, commit, rng_state
 from hpcscale.errors import RuntimeFailure, VerificationFailure
-from hpcscale.parallel.dims import ParallelDims
+from hpcscale.layout import ParallelDims
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +52,13 @@ class CheckpointManager:
         *,
         dims: ParallelDims,
         rank: int,
-        pp_rank: int,
-        tp_rank: int,
         keep_last: int = 3,
         keep_every: int = 0,
         direct_io: bool = True,
         log=None,
     ):
         self.root, self.dims, self.rank = root, dims, rank
-        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
         self.keep_last, self.keep_every = keep_last, keep_every
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
@@ -101,8 +99,8 @@ class CheckpointManager:
             return self.last_stats or SaveStats(step, 0.0, 0, 0)
         t0 = time.perf_counter()
         shards = local_shards(tensors)
-        table = writers(shards, self.dims, pp_rank=self.pp_rank)
-        mine = [s for s in shards if writer_of(s, table, tp_rank=self.tp_rank) == self.rank]
+        table = writers(shards, self.dims, pp_rank=self.coords.pp)
+        mine = [s for s in shards if writer_of(s, table, tp_rank=self.coords.tp) == self.rank]
         pending = self.writer.snapshot(mine, copy=asynchronous)
         rng = rng_state()
         parent = step_dir_name(self.last_step) if self.last_step is not None else None
@@ -153,7 +151,7 @@ class CheckpointManager:
                         self.root,
                         step,
                         parts,
-                        layout={"pp": self.dims.pp, "dp": self.dims.dp, "tp": self.dims.tp},
+                        layout=self.dims.as_dict(),
                         parent=parent,
                         trainer_state=trainer_state,
                         keep_last=self.keep_last,
@@ -206,6 +204,6 @@ class CheckpointManager:
                 continue
             self.writer.adopt(index)
             self.last_step = step
-            same_layout = index.layout == {"pp": self.dims.pp, "dp": self.dims.dp, "tp": self.dims.tp}
+            same_layout = index.layout == self.dims.as_dict()
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
         return None

@@ -10,15 +10,26 @@ from pathlib import Path
 
 import xxhash
 
-from hpcscale.ckpt.format import INDEX, LATEST, Index, committed_steps, read_index, step_dir_name, step_of
+from hpcscale.ckpt.format import (
+    HASH_ALGORITHM,
+    INDEX,
+    LATEST,
+    Index,
+    committed_steps,
+    read_index,
+    step_dir_name,
+    step_of,
+)
 from hpcscale.ckpt.retention import apply_retention, plan
 from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.rundir import CHECKPOINTS
+from hpcscale.util.verify import VerifyProblem, VerifyReport
 
 
 def checkpoints_root(path: Path) -> Path:
     """A run directory, its checkpoints/ directory, or a step directory -> the checkpoints root."""
-    if (path / "checkpoints").is_dir():
-        return path / "checkpoints"
+    if (path / CHECKPOINTS).is_dir():
+        return path / CHECKPOINTS
     if (path / INDEX).exists() or path.name.startswith("step-"):
         return path.parent
     if path.is_dir():
@@ -38,7 +49,16 @@ class CheckpointInfo:
     verified: str  # "ok" (structure checked: files present and long enough) or the problem
 
 
-def _structure_problem(root: Path, index: Index) -> str | None:
+@dataclass(frozen=True, slots=True)
+class FileProblem:
+    file: str  # a data file, relative to the checkpoints root
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.file} {self.problem}"
+
+
+def _structure_problem(root: Path, index: Index) -> FileProblem | None:
     sizes: dict[str, int] = {}
     for rec in index.tensors.values():
         for shard in rec.shards:
@@ -48,9 +68,9 @@ def _structure_problem(root: Path, index: Index) -> str | None:
         try:
             have = (root / f).stat().st_size
         except FileNotFoundError:
-            return f"{f} is missing"
+            return FileProblem(f, "is missing")
         if have < need:
-            return f"{f} is truncated ({have} of {need} bytes)"
+            return FileProblem(f, f"is truncated ({have} of {need} bytes)")
     return None
 
 
@@ -70,7 +90,7 @@ def _info(root: Path, step: int) -> CheckpointInfo:
         new,
         index.layout,
         index.world_size,
-        _structure_problem(root, index) or "ok",
+        str(_structure_problem(root, index) or "ok"),
     )
 
 
@@ -91,29 +111,29 @@ def latest(path: Path) -> CheckpointInfo | None:
     return _info(root, steps[0]) if steps else None
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyReport:
-    path: str
-    step: int
-    tensors: int
-    chunks: int
-    bytes: int
-    seconds: float
-
-
 def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Read every chunk and check its hash. VerificationFailure (exit 3) names the tensor and the chunk."""
+    """Read every chunk and check its hash; the report names every bad chunk with its tensor and data file.
+    An unreadable index raises VerificationFailure (exit 3): nothing else can be checked then."""
     if not (step_dir / INDEX).exists():
         raise VerificationFailure(f"{step_dir}: no {INDEX} (not a committed checkpoint)")
     t0 = time.perf_counter()
     root = step_dir.parent
     index = read_index(step_dir / INDEX)
+    total = index.total_bytes()
+    report = VerifyReport(
+        target=str(step_dir),
+        root=str(root),
+        items=sum(len(s.chunks) for t in index.tensors.values() for s in t.shards),
+        bytes=total,
+        details={"step": index.step, "tensors": len(index.tensors)},
+    )
     problem = _structure_problem(root, index)
     if problem:
-        raise VerificationFailure(f"{step_dir}: {problem}")
-    total = index.total_bytes()
-    done = chunks = 0
-    seen: dict[tuple, bool] = {}
+        report.problems.append(VerifyProblem(path=problem.file, problem=problem.problem))
+        report.seconds = time.perf_counter() - t0
+        return report
+    done = 0
+    verdict: dict[tuple, str | None] = {}  # a chunk referenced twice is read once
     fds: dict[str, int] = {}
     try:
         for name in sorted(index.tensors):
@@ -121,23 +141,33 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
             for shard in rec.shards:
                 for c in shard.chunks:
                     key = (c.file, c.offset, c.length, c.hash)
-                    if key not in seen:
+                    if key not in verdict:
                         fd = fds.get(c.file) or fds.setdefault(c.file, os.open(root / c.file, os.O_RDONLY))
                         data = os.pread(fd, c.length, c.offset)
-                        if len(data) != c.length or xxhash.xxh3_128_hexdigest(data) != c.hash:
-                            raise VerificationFailure(
-                                f"{step_dir}: tensor {name}: chunk {c.hash} in {c.file} at offset {c.offset} "
-                                + ("is truncated" if len(data) != c.length else "does not match its hash")
+                        verdict[key] = (
+                            "is truncated"
+                            if len(data) != c.length
+                            else None
+                            if xxhash.xxh3_128_hexdigest(data) == c.hash
+                            else "does not match its hash"
+                        )
+                    if verdict[key] is None:
+                        report.ok += 1
+                    else:
+                        report.problems.append(
+                            VerifyProblem(
+                                path=c.file,
+                                problem=f"tensor {name}: chunk {c.hash} at offset {c.offset} {verdict[key]}",
                             )
-                        seen[key] = True
-                    chunks += 1
+                        )
                     done += c.length
                     if progress:
                         progress(done, total)
     finally:
         for fd in fds.values():
             os.close(fd)
-    return VerifyReport(str(step_dir), index.step, len(index.tensors), chunks, total, time.perf_counter() - t0)
+    report.seconds = time.perf_counter() - t0
+    return report
 
 
 def inspect(step_dir: Path) -> dict:
@@ -149,7 +179,7 @@ def inspect(step_dir: Path) -> dict:
         "layout": index.layout,
         "parent": index.parent,
         "created": index.created,
-        "hash_algorithm": "xxh3-128",
+        "hash_algorithm": HASH_ALGORITHM,
         "bytes": index.total_bytes(),
         "files": sorted(index.files()),
         "trainer_state": index.trainer_state,

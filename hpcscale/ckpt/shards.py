@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hpcscale.parallel.dims import ParallelDims
+from hpcscale.layout import ParallelDims
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,7 @@ def writers(shards: list[LocalShard], dims: ParallelDims, *, pp_rank: int) -> di
     out: dict[tuple, int] = {}
 
     def rank(dp: int, tp: int) -> int:
-        return (pp_rank * dims.dp + dp) * dims.tp + tp
+        return dims.rank(pp=pp_rank, dp=dp, tp=tp)
 
     items = []
     for s in shards:

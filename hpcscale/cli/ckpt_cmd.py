@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from hpcscale.cli.options import console, dry_run_option, json_option, print_json
+from hpcscale.errors import VerificationFailure
 
 dir_arg = click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 
@@ -79,8 +80,6 @@ def verify(path: Path, as_json: bool) -> None:
     Example:
       hpcscale ckpt verify RUN/checkpoints/step-00001000
     """
-    from dataclasses import asdict
-
     from hpcscale.ckpt.ops import verify as run_verify
 
     if as_json or not sys.stderr.isatty():
@@ -99,12 +98,17 @@ def verify(path: Path, as_json: bool) -> None:
             task = bar.add_task("verifying", total=None)
             report = run_verify(path, progress=lambda done, total: bar.update(task, completed=done, total=total))
     if as_json:
-        print_json({"ok": True, **asdict(report)})
+        print_json(report.to_json())
     else:
-        click.echo(
-            f"ok: step {report.step}: {report.tensors} tensors, {report.chunks} chunks, "
-            f"{_size(report.bytes)} verified in {report.seconds:.2f}s"
-        )
+        for p in report.problems:
+            click.echo(f"{report.root}/{p.path}: {p.problem}", err=True)
+        if report.passed:
+            click.echo(
+                f"ok: step {report.details['step']}: {report.details['tensors']} tensors, {report.items} chunks, "
+                f"{_size(report.bytes)} verified in {report.seconds:.2f}s"
+            )
+    if not report.passed:
+        raise VerificationFailure(f"{report.target}: {len(report.problems)} problem(s); the checkpoint is damaged")
 
 
 @ckpt.command()

@@ -16,7 +16,7 @@ def format_tree(tree):
     """A rich Tree of switches and their nodes."""
     from rich.tree import Tree
 
-    from hpcscale.topology.hostlist import compress
+    from hpcscale.util.hostlist import compress
 
     top = Tree("[bold]topology[/bold]")
 
@@ -46,7 +46,7 @@ def show(site: str | None, as_json: bool) -> None:
     """
     from hpcscale.config.load import resolve_site
     from hpcscale.errors import BadInput
-    from hpcscale.topology.source import site_tree
+    from hpcscale.slurm.allocation import site_tree
 
     if site is None:
         raise BadInput("--site is required")
@@ -94,7 +94,7 @@ def place(job: str, nodes: str, site: str | None, as_json: bool) -> None:
     from dataclasses import asdict
 
     from hpcscale.config.load import load_job
-    from hpcscale.topology.plan import place_job
+    from hpcscale.slurm.allocation import place_job
 
     loaded = load_job(job, site=site)
     p = place_job(loaded, nodes)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from hpcscale.cli.options import json_option, print_json, site_option
+from hpcscale.errors import STOPPED_EXIT_CODE
 
 
 @click.command()
@@ -61,7 +62,7 @@ def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, reuse: b
 
     result = run_local(load_job(job, site=site), ranks=ranks, run_dir=run_dir, reuse=reuse, echo=click.echo)
     click.echo(f"run directory: {result.run_dir}", err=True)
-    if result.exit_code not in (0, 75):
+    if result.exit_code not in (0, STOPPED_EXIT_CODE):
         click.echo(
             f"error: the job failed (exit {result.exit_code})" + (f": {result.failure}" if result.failure else ""),
             err=True,

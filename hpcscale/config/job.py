@@ -118,6 +118,17 @@ class Sweep:
             n *= len(values)
         return n
 
+    def point(self, index: int) -> dict[str, Any]:
+        """The parameters array task `index` runs: the index-th combination, last parameter varying fastest
+        (itertools.product order), computed without listing the combinations before it."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"sweep index {index} is outside 0..{self.size - 1}")
+        chosen: dict[str, Any] = {}
+        for key in reversed(list(self.params)):
+            index, i = divmod(index, len(self.params[key]))
+            chosen[key] = self.params[key][i]
+        return {key: chosen[key] for key in self.params}
+
 
 @dataclass(kw_only=True, slots=True)
 class JobSpec:

@@ -11,8 +11,11 @@ from hpcscale.config.decode import Decoder
 from hpcscale.config.errors import ConfigError, ConfigIssue, did_you_mean
 from hpcscale.config.job import JobSpec
 from hpcscale.config.site import SiteConfig
+from hpcscale.config.train import TrainConfig, train_checks
 from hpcscale.config.yamlsrc import YamlSource, load_yaml
-from hpcscale.topology.hostlist import expand
+from hpcscale.layout import ParallelDims, layout_problems
+from hpcscale.util.hostlist import expand
+from hpcscale.util.resources import SITE_CONFIGS, find_shipped
 from hpcscale.util.slurmtime import parse_duration
 
 SITE_PATH_ENV = "HPCSCALE_SITE_PATH"
@@ -36,8 +39,8 @@ def site_search_path() -> list[Path]:
     ./site_configs, ~/.config/hpcscale/sites, then the site configs shipped with hpcscale."""
     dirs = [Path(p) for p in os.environ.get(SITE_PATH_ENV, "").split(":") if p]
     dirs += [Path.cwd() / "site_configs", Path.home() / ".config" / "hpcscale" / "sites"]
-    package = Path(__file__).resolve().parent.parent
-    dirs += [package / "site_configs", package.parent / "site_configs"]  # wheel install / editable checkout
+    shipped = find_shipped(SITE_CONFIGS)  # inside the installed wheel, or the checkout's for editable installs
+    dirs += [shipped] if shipped is not None else []
     return dirs
 
 
@@ -168,21 +171,15 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         dec.error(("command",), "must name a program")
     if spec.sweep is not None and spec.sweep.size > 100_000:
         dec.error(("sweep", "params"), f"{spec.sweep.size} combinations; Slurm arrays are far smaller")
-    tp, pp, world = spec.parallel.tp, spec.parallel.pp, spec.world_size
-    if spec.train is not None and spec.train.entry == "builtin" and not world % (tp * pp):
-        _check_train_params(spec, dec, world_size=world)
-    if world % (tp * pp):
-        dec.error(
-            ("parallel",),
-            f"tp({tp}) * pp({pp}) = {tp * pp} does not divide the world size "
-            f"nodes({spec.nodes}) * tasks_per_node({spec.tasks_per_node}) = {world}",
-        )
-    if spec.tasks_per_node % tp:
-        dec.error(
-            ("parallel", "tp"),
-            f"tp({tp}) does not divide tasks_per_node({spec.tasks_per_node}); "
-            "tensor-parallel groups must stay inside a node",
-        )
+    problems = layout_problems(
+        nodes=spec.nodes, tasks_per_node=spec.tasks_per_node, tp=spec.parallel.tp, pp=spec.parallel.pp
+    )
+    for problem in problems:
+        dec.error(tuple(problem.key.split(".")), problem.message)
+    # The trainer's rules need dp, which exists once the mesh divides the world (tp may still break a node).
+    if spec.train is not None and spec.train.entry == "builtin" and all(p.key != "parallel" for p in problems):
+        dims = ParallelDims.for_world(world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp)
+        _check_train_params(spec, dec, dims=dims)
     if site.scheduler == "local":
         if spec.nodes != 1:
             dec.error(("nodes",), f"site '{site.name}' is this machine only: nodes must be 1")
@@ -215,14 +212,11 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         dec.error(("time_limit",), f"{spec.time_limit} is over {where}'s limit of {part.max_time}")
 
 
-def _check_train_params(spec: JobSpec, dec: Decoder, *, world_size: int) -> None:
+def _check_train_params(spec: JobSpec, dec: Decoder, *, dims: ParallelDims) -> None:
     """The built-in trainer's params, decoded where they stand (train.params.KEY) and checked against the layout."""
-    from hpcscale.train.config import TrainConfig, train_checks
-
     path = ("train", "params")
     cfg = dec.decode(TrainConfig, spec.train.params, path)
     if cfg is None:
         return
-    tp, pp = spec.parallel.tp, spec.parallel.pp
-    for key, message in train_checks(cfg, dp=world_size // (tp * pp), tp=tp, pp=pp):
+    for key, message in train_checks(cfg, dims=dims):
         dec.error((*path, key), message)

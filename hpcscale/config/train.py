@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hpcscale.config.fields import setting
+from hpcscale.layout import ParallelDims
 
 
 @dataclass(kw_only=True, slots=True)
@@ -47,8 +48,9 @@ class TrainConfig:
     bf16: bool = setting("bf16 autocast on GPUs (ignored on CPU, where runs stay fp32).", default=False)
 
 
-def train_checks(cfg: TrainConfig, *, dp: int, tp: int, pp: int) -> list[tuple[str, str]]:
+def train_checks(cfg: TrainConfig, *, dims: ParallelDims) -> list[tuple[str, str]]:
     """(key, message) for every rule across keys and the parallel layout."""
+    dp, tp, pp = dims.dp, dims.tp, dims.pp
     out = []
     if cfg.n_embd % cfg.n_head:
         out.append(("n_embd", f"n_embd({cfg.n_embd}) is not a multiple of n_head({cfg.n_head})"))

@@ -19,7 +19,7 @@ from typing import Any
 
 from hpcscale.config.job import JobSpec
 from hpcscale.launch.signals import StopFlag
-from hpcscale.parallel.dims import ParallelDims
+from hpcscale.layout import ParallelDims
 
 
 class MetricsLogger:

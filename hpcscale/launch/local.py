@@ -15,8 +15,8 @@ from hpcscale.config.decode import Decoder
 from hpcscale.config.load import LoadedJob, check_job
 from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
-from hpcscale.errors import BadInput, RuntimeFailure
-from hpcscale.slurm.rundir import RunDir, Submission, default_run_dir
+from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
+from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
 
@@ -72,7 +72,7 @@ def run_local(
     run_dir = (run_dir or default_run_dir(expand_path(site.filesystems.run_root), spec.name)).resolve()
     rd = RunDir.create(run_dir, reuse=reuse)  # reusing resumes from its newest checkpoint
     rd.write_resolved(spec, site)
-    log = run_dir / "logs" / f"local-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.out"
+    log = rd.logs / f"local-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.out"
     args = [
         mpirun,
         "-n",
@@ -109,7 +109,7 @@ def run_local(
             echo(line.rstrip("\n"))
 
         code = proc.stream(args, env=env, on_line=on_line)
-    return LocalResult(run_dir, code, describe_failure(lines) if code not in (0, 75) else None)
+    return LocalResult(run_dir, code, describe_failure(lines) if code not in (0, STOPPED_EXIT_CODE) else None)
 
 
 def describe_failure(lines) -> str | None:

@@ -14,25 +14,19 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcscale.config.load import LoadedJob, load_job
+from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.signals import STOPPED_EXIT_CODE, StopFlag, StopRequested
+from hpcscale.rundir import METRICS, RunDir, link_checkpoints, site_checkpoint_root
 from hpcscale.util.paths import expand_path
 
-
-def load_run(run_dir: Path) -> LoadedJob:
-    """The job as recorded in the run directory (job.yaml with its recorded site.yaml)."""
-    if not (run_dir / "job.yaml").is_file():
-        raise BadInput(f"{run_dir} is not an hpcscale run directory (no job.yaml)")
-    return load_job(run_dir / "job.yaml", site=str(run_dir / "site.yaml"))
+# The reference trainer is loaded by name like any user's entry point: launch runs entry points, it does not
+# know the trainer (hpcscale.train sits above launch and builds on its Context).
+BUILTIN_ENTRY = "hpcscale.train.trainer:train"
 
 
 def resolve_entry(entry: str) -> Callable:
-    if entry == "builtin":
-        from hpcscale.train.trainer import train
-
-        return train
-    module, _, func = entry.partition(":")
+    module, _, func = (BUILTIN_ENTRY if entry == "builtin" else entry).partition(":")
     try:
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as e:
@@ -47,8 +41,7 @@ def _order_nodes(loaded: LoadedJob) -> Callable[[list[str]], list[str]]:
             return nodes
         from dataclasses import replace
 
-        from hpcscale.topology.plan import place_job
-        from hpcscale.topology.source import site_tree
+        from hpcscale.slurm.allocation import place_job, site_tree
         from hpcscale.topology.tree import flat_tree
 
         try:
@@ -68,7 +61,7 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
 
     stop = StopFlag()
     stop.install()  # before the slow imports: a signal during start-up is not lost
-    loaded = load_run(run_dir)
+    loaded = RunDir(run_dir).load_job()
     spec = loaded.spec
     if spec.train is None:
         raise BadInput(f"{run_dir}/job.yaml has no `train:` entry; `command:` jobs run their program directly")
@@ -101,35 +94,38 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpcscale.launch.context import Context, MetricsLogger
-    from hpcscale.parallel.dims import ParallelDims
-    from hpcscale.slurm.render import sweep_points
+    from hpcscale.layout import ParallelDims
 
     os.environ["HPCSCALE_RANK"] = str(info.rank)
     spec = loaded.spec
     dims = ParallelDims.for_world(world_size=info.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp)
     device = torch.device("cuda", torch.cuda.current_device()) if info.backend == "nccl" else torch.device("cpu")
     mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, dp_rank, tp_rank = dims.coords(info.rank)
+    coords = dims.coords(info.rank)
     params = dict(spec.train.params)
     point: dict = {}
     work_dir = run_dir
     if sweep_index is not None:
-        if spec.sweep is None:
-            raise BadInput("--sweep-index given but the job has no sweep:")
-        point = sweep_points(spec.sweep.params)[sweep_index]
+        if spec.sweep is None or not 0 <= sweep_index < spec.sweep.size:
+            raise BadInput(f"--sweep-index {sweep_index}: the job has no such sweep point")
+        point = spec.sweep.point(sweep_index)
         params.update(point)
         work_dir = run_dir / "sweep" / f"{sweep_index:04d}"
         work_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsLogger(work_dir / "metrics.jsonl" if info.rank == 0 else None)
+    checkpoint_root = site_checkpoint_root(loaded.site.config)
+    if checkpoint_root is not None:  # checkpoints on their own filesystem, under the run's name
+        target = checkpoint_root / run_dir.name
+        link_checkpoints(work_dir, target if sweep_index is None else target / "sweep" / work_dir.name)
+    metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None)
     ctx = Context(
         rank=info.rank,
         world_size=info.world_size,
         local_rank=info.local_rank,
         node=info.node,
         dims=dims,
-        pp_rank=pp_rank,
-        dp_rank=dp_rank,
-        tp_rank=tp_rank,
+        pp_rank=coords.pp,
+        dp_rank=coords.dp,
+        tp_rank=coords.tp,
         mesh=mesh,
         device=device,
         backend=info.backend,

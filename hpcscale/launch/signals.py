@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import signal
 
-STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request; resume from the last checkpoint
+from hpcscale.errors import STOPPED_EXIT_CODE
+
+__all__ = ["STOPPED_EXIT_CODE", "STOP_SIGNALS", "StopFlag", "StopRequested"]
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 
 

@@ -1,19 +1,20 @@
-"""Pipeline parallelism for the reference GPT with torch.distributed.pipelining (GPipe or 1F1B).
+"""Pipeline parallelism with torch.distributed.pipelining (GPipe or 1F1B), for any model built as a stack.
 
 The model is built whole on every rank (same seed, so identical), then each stage drops what it does not own:
-layers are split into pp contiguous runs (earlier stages take the remainder), embeddings stay on the first
-stage, the final norm and output head on the last. 1F1B: Narayanan et al., SC'21; GPipe: Huang et al. 2019.
+the blocks in `model.layers` (a ModuleDict keyed by global index "0", "1", ...) are split into pp contiguous
+runs (earlier stages take the remainder); the modules named as first-stage-only (embeddings) stay on the first
+stage, those named as last-stage-only (final norm, output head) on the last. The reference GPT
+(hpcscale.train.model) is built this way, and a user's model can be too. 1F1B: Narayanan et al., SC'21;
+GPipe: Huang et al. 2019.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-from hpcscale.train.model import GPT
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -24,20 +25,26 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def cut_stage(model: GPT, *, stage: int, pp: int) -> GPT:
-    """Keep only this stage's part of `model` (in place)."""
+def cut_stage(
+    model: torch.nn.Module,
+    *,
+    stage: int,
+    pp: int,
+    first_stage_only: Sequence[str],
+    last_stage_only: Sequence[str],
+) -> torch.nn.Module:
+    """Keep only this stage's part of `model` (in place): its run of `model.layers`, and the named attributes
+    that belong to the first or last stage set to None elsewhere (the model's forward skips None parts)."""
     if pp == 1:
         return model
-    keep = {str(i) for i in stage_layers(model.shape.n_layer, pp, stage)}
+    keep = {str(i) for i in stage_layers(len(model.layers), pp, stage)}
     for name in list(model.layers):
         if name not in keep:
             del model.layers[name]
-    if stage > 0:
-        model.tok_emb = None
-        model.pos_emb = None
-    if stage < pp - 1:
-        model.norm = None
-        model.output = None
+    for attr in first_stage_only if stage > 0 else ():
+        setattr(model, attr, None)
+    for attr in last_stage_only if stage < pp - 1 else ():
+        setattr(model, attr, None)
     return model
 
 

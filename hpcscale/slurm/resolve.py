@@ -13,8 +13,8 @@ from hpcscale.config.job import JobSpec
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.site import Partition, SiteConfig
 from hpcscale.errors import BadInput
-from hpcscale.topology.hostlist import expand
 from hpcscale.topology.tree import SwitchTree
+from hpcscale.util.hostlist import expand
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from hpcscale.rundir import JOB, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
-from hpcscale.slurm.rundir import RunDir, Submission
 from hpcscale.util import proc
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End")
@@ -75,28 +75,27 @@ def run_status(path: Path) -> RunStatus:
                 states[job_id] = _scontrol(client, job_id)
                 sources.add("scontrol")
     source = ", ".join(sorted(sources)) or "none"
-    name = (yaml.safe_load((rd.path / "job.yaml").read_text()) or {}).get("name")
+    name = (yaml.safe_load((rd.path / JOB).read_text()) or {}).get("name")
     return RunStatus(
         rd.path,
         name,
         source,
         [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs],
-        _latest_checkpoint(rd.path),
-        _last_metrics(rd.path),
+        _latest_checkpoint(rd),
+        _last_metrics(rd.metrics),
     )
 
 
-def _latest_checkpoint(run: Path) -> dict | None:
+def _latest_checkpoint(rd: RunDir) -> dict | None:
     from hpcscale.ckpt.ops import latest
 
-    if not (run / "checkpoints").is_dir():
+    if not rd.checkpoints.is_dir():
         return None
-    info = latest(run)
+    info = latest(rd.path)
     return asdict(info) if info else None
 
 
-def _last_metrics(run: Path) -> dict | None:
-    path = run / "metrics.jsonl"
+def _last_metrics(path: Path) -> dict | None:
     if not path.exists():
         return None
     for line in reversed(path.read_text().splitlines()):

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
+from hpcscale.rundir import RunDir, Submission, default_run_dir
+from hpcscale.slurm.allocation import site_tree
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.slurm.render import choose_template, render_script
 from hpcscale.slurm.resolve import ResolvedJob, resolve
-from hpcscale.slurm.rundir import RunDir, Submission, default_run_dir
-from hpcscale.topology.source import site_tree
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
 
@@ -84,6 +83,6 @@ def submit_job(
             )
     except proc.CommandFailed:
         if not existed:
-            shutil.rmtree(rd.path, ignore_errors=True)
+            rd.discard()
         raise
     return SubmitResult(job_id, cluster or None, rd.path, script, name, job.switches, dry_run)

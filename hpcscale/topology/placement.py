@@ -1,9 +1,8 @@
 """Rank placement: which node each rank runs on, chosen to keep heavy traffic under low switches.
 
-Ranks are ordered tp fastest, then dp, then pp (Megatron's default order), so a rank's coordinates are
-    rank = (pp_idx * dp + dp_idx) * tp + tp_idx
-and ranks fill node slots in order (slot = rank // tasks_per_node). The search is over which physical node
-takes which slot. Cost model (docs/placement.md):
+Ranks are in the layout's order (hpcscale.layout: tp fastest, then dp, then pp) and fill node slots in order
+(slot = rank // tasks_per_node). The search is over which physical node takes which slot.
+Cost model (docs/placement.md):
 
     cost = sum over communicating rank pairs (a, b) of  bytes_per_step(kind) * distance(node(a), node(b))
 
@@ -23,45 +22,13 @@ from typing import Any
 import numpy as np
 
 from hpcscale.errors import BadInput
-from hpcscale.topology.hostlist import sort_hosts
+from hpcscale.layout import JobLayout
 from hpcscale.topology.tree import SwitchTree
+from hpcscale.util.hostlist import sort_hosts
 
 # Arrangements of leaf labels over slots that are searched exhaustively; covers every allocation of up to
 # 8 nodes (8! = 40320), and larger ones whose nodes sit on few leaves.
 EXACT_LIMIT = 50_000
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayoutShape:
-    """The parallel layout as placement sees it."""
-
-    nodes: int
-    tasks_per_node: int
-    tp: int
-    pp: int
-
-    def __post_init__(self) -> None:
-        world = self.nodes * self.tasks_per_node
-        if min(self.nodes, self.tasks_per_node, self.tp, self.pp) < 1:
-            raise BadInput("nodes, tasks_per_node, tp and pp must all be at least 1")
-        if self.tasks_per_node % self.tp:
-            raise BadInput(
-                f"tp({self.tp}) does not divide tasks_per_node({self.tasks_per_node}); "
-                "tensor-parallel groups must stay inside a node"
-            )
-        if world % (self.tp * self.pp):
-            raise BadInput(
-                f"tp({self.tp}) * pp({self.pp}) does not divide the world size "
-                f"nodes({self.nodes}) * tasks_per_node({self.tasks_per_node}) = {world}"
-            )
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.tasks_per_node
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,7 +41,7 @@ class TrafficWeights:
     source: str = "default ratios (tp 100 : dp 10 : pp 1)"
 
 
-def traffic_weights(shape: LayoutShape, params: dict[str, Any] | None) -> TrafficWeights:
+def traffic_weights(layout: JobLayout, params: dict[str, Any] | None) -> TrafficWeights:
     """Bytes per step from the model's size when the job gives it (GPT: n_layer, n_embd, seq_len, micro_batch,
     global_batch, vocab_size); the default ratios otherwise. Megatron-style TP all-reduces activations 4 times
     per layer per micro-batch (2 forward, 2 backward); DP all-reduces this rank's gradient shard once per step;
@@ -83,19 +50,19 @@ def traffic_weights(shape: LayoutShape, params: dict[str, Any] | None) -> Traffi
     try:
         layers, hidden, seq = int(p["n_layer"]), int(p["n_embd"]), int(p["seq_len"])
         micro = int(p.get("micro_batch", 1))
-        global_batch = int(p.get("global_batch", micro * shape.dp))
+        global_batch = int(p.get("global_batch", micro * layout.dp))
         vocab = int(p.get("vocab_size", 256))
     except (KeyError, TypeError, ValueError):
         return TrafficWeights()
     elt = 2  # bytes per element in bf16
-    n_micro = max(1, global_batch // (micro * shape.dp))
+    n_micro = max(1, global_batch // (micro * layout.dp))
     act = micro * seq * hidden * elt
     params_total = 12 * layers * hidden * hidden + vocab * hidden
     ring = lambda n: 2 * (n - 1) / n if n > 1 else 0.0  # noqa: E731 - bytes factor of a ring all-reduce
     return TrafficWeights(
-        tp=4 * (layers / shape.pp) * n_micro * act * ring(shape.tp),
-        dp=params_total / (shape.tp * shape.pp) * elt * ring(shape.dp),
-        pp=2 * n_micro * act if shape.pp > 1 else 0.0,
+        tp=4 * (layers / layout.pp) * n_micro * act * ring(layout.tp),
+        dp=params_total / (layout.tp * layout.pp) * elt * ring(layout.dp),
+        pp=2 * n_micro * act if layout.pp > 1 else 0.0,
         source=f"model size ({layers} layers, width {hidden}, seq {seq})",
     )
 
@@ -118,44 +85,43 @@ class Placement:
     optimal: bool  # proven optimal by exhaustive search
     method: str
     weights: TrafficWeights
-    shape: LayoutShape
+    layout: JobLayout
 
     def ranks(self) -> list[RankSlot]:
-        s = self.shape
+        s, dims = self.layout, self.layout.dims
         out = []
         for r in range(s.world):
-            tp, rest = r % s.tp, r // s.tp
-            out.append(
-                RankSlot(r, self.nodes[r // s.tasks_per_node], r % s.tasks_per_node, tp, rest % s.dp, rest // s.dp)
-            )
+            c = dims.coords(r)
+            out.append(RankSlot(r, self.nodes[r // s.tasks_per_node], r % s.tasks_per_node, c.tp, c.dp, c.pp))
         return out
 
 
-def slot_edges(shape: LayoutShape, weights: TrafficWeights) -> dict[tuple[int, int], float]:
+def slot_edges(layout: JobLayout, weights: TrafficWeights) -> dict[tuple[int, int], float]:
     """(slot a, slot b) with a < b -> bytes per step between the two nodes' ranks. Same-slot pairs cost 0."""
-    r = np.arange(shape.world)
-    tp_i, rest = r % shape.tp, r // shape.tp
-    dp_i, pp_i = rest % shape.dp, rest // shape.dp
+    dims = layout.dims
+    r = np.arange(layout.world)
+    c = dims.coords(r)  # every rank's coordinates at once, as arrays
+    tp_i, dp_i, pp_i = c.tp, c.dp, c.pp
 
     def rank_of(tp: np.ndarray, dp: np.ndarray, pp: np.ndarray) -> np.ndarray:
-        return (pp * shape.dp + dp) * shape.tp + tp
+        return dims.rank(pp=pp, dp=dp, tp=tp)
 
     pairs = []
-    if shape.tp > 1:
-        pairs.append((r, rank_of((tp_i + 1) % shape.tp, dp_i, pp_i), weights.tp))
-    if shape.dp > 1:
-        pairs.append((r, rank_of(tp_i, (dp_i + 1) % shape.dp, pp_i), weights.dp))
-    if shape.pp > 1:
-        last = pp_i + 1 < shape.pp
+    if layout.tp > 1:
+        pairs.append((r, rank_of((tp_i + 1) % layout.tp, dp_i, pp_i), weights.tp))
+    if layout.dp > 1:
+        pairs.append((r, rank_of(tp_i, (dp_i + 1) % layout.dp, pp_i), weights.dp))
+    if layout.pp > 1:
+        last = pp_i + 1 < layout.pp
         pairs.append((r[last], rank_of(tp_i[last], dp_i[last], pp_i[last] + 1), weights.pp))
     edges: dict[tuple[int, int], float] = defaultdict(float)
     for a, b, w in pairs:
-        sa, sb = a // shape.tasks_per_node, b // shape.tasks_per_node
+        sa, sb = a // layout.tasks_per_node, b // layout.tasks_per_node
         lo, hi = np.minimum(sa, sb), np.maximum(sa, sb)
         cross = lo != hi
-        keys, counts = np.unique(lo[cross] * shape.nodes + hi[cross], return_counts=True)
+        keys, counts = np.unique(lo[cross] * layout.nodes + hi[cross], return_counts=True)
         for key, count in zip(keys.tolist(), counts.tolist(), strict=True):
-            edges[divmod(key, shape.nodes)] += w * count
+            edges[divmod(key, layout.nodes)] += w * count
     return dict(edges)
 
 
@@ -167,17 +133,17 @@ def place(
     *,
     nodes: list[str],
     tree: SwitchTree,
-    shape: LayoutShape,
+    layout: JobLayout,
     weights: TrafficWeights | None = None,
     time_budget: float = 0.4,
 ) -> Placement:
-    """The node order for `shape` on the allocation `nodes` that minimises the cost model."""
+    """The node order for `layout` on the allocation `nodes` that minimises the cost model."""
     if len(set(nodes)) != len(nodes):
         raise BadInput("the allocation names a node twice")
-    if len(nodes) != shape.nodes:
-        raise BadInput(f"the job needs {shape.nodes} nodes but the allocation has {len(nodes)}")
+    if len(nodes) != layout.nodes:
+        raise BadInput(f"the job needs {layout.nodes} nodes but the allocation has {len(nodes)}")
     weights = weights or TrafficWeights()
-    edges = slot_edges(shape, weights)
+    edges = slot_edges(layout, weights)
     hostname_order = sort_hosts(nodes)
     by_leaf = tree.restricted_to(hostname_order)
     hostname_cost = placement_cost(hostname_order, edges, tree)
@@ -192,12 +158,12 @@ def place(
             True,
             f"exhaustive over {arrangements} arrangements",
             weights,
-            shape,
+            layout,
         )
-    order = _pack_stages(by_leaf, shape)
+    order = _pack_stages(by_leaf, layout)
     order = _local_search(order, edges, tree, deadline=time.monotonic() + time_budget)
     return Placement(
-        order, placement_cost(order, edges, tree), hostname_cost, False, "stage packing + swap search", weights, shape
+        order, placement_cost(order, edges, tree), hostname_cost, False, "stage packing + swap search", weights, layout
     )
 
 
@@ -251,9 +217,11 @@ def _multiset_permutations(counts: list[int]):
     yield from rec()
 
 
-def _pack_stages(by_leaf: dict[str, list[str]], shape: LayoutShape) -> list[str]:
+def _pack_stages(by_leaf: dict[str, list[str]], layout: JobLayout) -> list[str]:
     """Whole pipeline stages (their dp rings) on one leaf where they fit, consecutive stages on nearby leaves."""
-    block = shape.dp * shape.tp // shape.tasks_per_node if (shape.dp * shape.tp) % shape.tasks_per_node == 0 else 1
+    block = (
+        layout.dp * layout.tp // layout.tasks_per_node if (layout.dp * layout.tp) % layout.tasks_per_node == 0 else 1
+    )
     block = max(block, 1)
     whole: list[list[str]] = []
     leftover: list[str] = []

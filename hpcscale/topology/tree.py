@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hpcscale.errors import BadInput
-from hpcscale.topology.hostlist import BadHostlist, expand
+from hpcscale.util.hostlist import BadHostlist, expand
 
 
 class BadTopology(BadInput):

@@ -67,6 +67,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # What a pipeline cut (hpcscale.parallel.pipeline.cut_stage) keeps only on the first and the last stage.
+    FIRST_STAGE_ONLY = ("tok_emb", "pos_emb")
+    LAST_STAGE_ONLY = ("norm", "output")
+
     def __init__(self, s: GPTShape):
         super().__init__()
         self.shape = s

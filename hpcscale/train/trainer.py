@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hpcscale.config.decode import Decoder
+from hpcscale.config.train import TrainConfig, train_checks
 from hpcscale.config.yamlsrc import YamlSource
 from hpcscale.data.loader import TokenLoader
 from hpcscale.data.prepare import default_corpus_dataset
@@ -29,16 +30,16 @@ from hpcscale.parallel.clip import clip_grad_norm
 from hpcscale.parallel.grad_sync import GradSync
 from hpcscale.parallel.pipeline import build_schedule, cut_stage
 from hpcscale.parallel.tensor_parallel import apply_tp
-from hpcscale.train.config import TrainConfig, train_checks
+from hpcscale.rundir import CHECKPOINTS, JOB
 from hpcscale.train.model import GPT, GPTShape, lm_loss
 from hpcscale.util.paths import expand_path
 
 
 def load_config(ctx: Context) -> TrainConfig:
-    dec = Decoder(YamlSource(str(ctx.run_dir / "job.yaml"), ctx.params))
+    dec = Decoder(YamlSource(str(ctx.run_dir / JOB), ctx.params))
     cfg = dec.decode(TrainConfig, ctx.params, ("train", "params"))
     dec.raise_if_any()
-    for key, message in train_checks(cfg, dp=ctx.dims.dp, tp=ctx.dims.tp, pp=ctx.dims.pp):
+    for key, message in train_checks(cfg, dims=ctx.dims):
         dec.error(("train", "params", key), message)
     dec.raise_if_any()
     return cfg
@@ -58,7 +59,13 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
         vocab_size=vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head
     )
     model = GPT(shape)
-    cut_stage(model, stage=ctx.pp_rank, pp=ctx.dims.pp)
+    cut_stage(
+        model,
+        stage=ctx.pp_rank,
+        pp=ctx.dims.pp,
+        first_stage_only=GPT.FIRST_STAGE_ONLY,
+        last_stage_only=GPT.LAST_STAGE_ONLY,
+    )
     model.to(ctx.device)
     apply_tp(model, tp_mesh=ctx.mesh["tp"])
     return model
@@ -140,11 +147,9 @@ def train(ctx: Context) -> None:
     from hpcscale.ckpt.manager import CheckpointManager
 
     ckpt = CheckpointManager(
-        ctx.run_dir / "checkpoints",
+        ctx.run_dir / CHECKPOINTS,
         dims=dims,
         rank=ctx.rank,
-        pp_rank=ctx.pp_rank,
-        tp_rank=ctx.tp_rank,
         keep_last=policy.keep_last,
         keep_every=policy.keep_every,
         direct_io=policy.direct_io,

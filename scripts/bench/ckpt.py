@@ -52,7 +52,7 @@ def worker(base: Path) -> None:
     from hpcscale.ckpt.shards import LocalShard
     from hpcscale.ckpt.writer import aligned_empty
     from hpcscale.launch.bootstrap import bootstrap
-    from hpcscale.parallel.dims import ParallelDims
+    from hpcscale.layout import ParallelDims
 
     info = bootstrap(timeout_s=600, order_nodes=lambda n: n)
     rank = info.rank
@@ -99,7 +99,7 @@ def worker(base: Path) -> None:
     dims = ParallelDims(pp=1, dp=1, tp=RANKS)
 
     def manager(name: str) -> CheckpointManager:
-        return CheckpointManager(base / name, dims=dims, rank=rank, pp_rank=0, tp_rank=rank, keep_last=100)
+        return CheckpointManager(base / name, dims=dims, rank=rank, keep_last=100)
 
     # 1. full save: raw buffered, raw O_DIRECT, hpcscale, DCP, five times in rotating order; each one's median
     import torch.distributed.checkpoint as dcp

@@ -17,7 +17,8 @@ import random
 import sys
 import time
 
-from hpcscale.topology.placement import LayoutShape, TrafficWeights, place, placement_cost, slot_edges
+from hpcscale.layout import JobLayout
+from hpcscale.topology.placement import TrafficWeights, place, placement_cost, slot_edges
 from hpcscale.topology.tree import build_tree
 
 TARGET_S = 1.0
@@ -49,9 +50,9 @@ def main() -> int:
     hosts, tree = big_tree(4096)
     large = []
     for tpn, tp, pp in [(8, 8, 8), (8, 4, 16), (4, 4, 1)]:
-        shape = LayoutShape(nodes=4096, tasks_per_node=tpn, tp=tp, pp=pp)
+        layout = JobLayout(nodes=4096, tasks_per_node=tpn, tp=tp, pp=pp)
         t = time.perf_counter()
-        p = place(nodes=hosts, tree=tree, shape=shape)
+        p = place(nodes=hosts, tree=tree, layout=layout)
         dt = time.perf_counter() - t
         large.append(
             {
@@ -59,7 +60,7 @@ def main() -> int:
                 "tasks_per_node": tpn,
                 "tp": tp,
                 "pp": pp,
-                "dp": shape.dp,
+                "dp": layout.dp,
                 "seconds": round(dt, 3),
                 "cost_vs_hostname_order": round(p.cost / p.hostname_order_cost, 3),
                 "method": p.method,
@@ -74,14 +75,14 @@ def main() -> int:
         tpn = rng.choice([1, 2, 4])
         tp = rng.choice([t for t in (1, 2, 4) if tpn % t == 0])
         pp = rng.choice([p for p in (1, 2, 4) if (n * tpn) % (tp * p) == 0])
-        shape = LayoutShape(nodes=len(small_hosts), tasks_per_node=tpn, tp=tp, pp=pp)
+        layout = JobLayout(nodes=len(small_hosts), tasks_per_node=tpn, tp=tp, pp=pp)
         if len(small_hosts) != n:
             continue
         t = time.perf_counter()
-        p = place(nodes=small_hosts, tree=small_tree, shape=shape)
+        p = place(nodes=small_hosts, tree=small_tree, layout=layout)
         small["seconds_place"] += time.perf_counter() - t
         t = time.perf_counter()
-        edges = slot_edges(shape, TrafficWeights())
+        edges = slot_edges(layout, TrafficWeights())
         best = min(placement_cost(list(o), edges, small_tree) for o in itertools.permutations(small_hosts))
         small["seconds_brute"] += time.perf_counter() - t
         small["cases"] += 1

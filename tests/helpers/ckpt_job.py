@@ -15,14 +15,12 @@ import torch
 
 from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.launch.bootstrap import bootstrap
-from hpcscale.parallel.dims import ParallelDims
+from hpcscale.layout import ParallelDims
 
 root, action, *steps = sys.argv[1:]
 info = bootstrap(timeout_s=60, order_nodes=lambda nodes: nodes)
 dims = ParallelDims(pp=1, dp=info.world_size, tp=1)
-manager = CheckpointManager(
-    Path(root), dims=dims, rank=info.rank, pp_rank=0, tp_rank=0, keep_last=int(os.environ.get("KEEP", "10"))
-)
+manager = CheckpointManager(Path(root), dims=dims, rank=info.rank, keep_last=int(os.environ.get("KEEP", "10")))
 
 
 def tensors(step: int) -> dict[str, torch.Tensor]:
