@@ -179,7 +179,7 @@ def _filesystem_checks(scratch: Path, site: SiteConfig | None) -> list[CheckResu
             )
         ]
     try:
-        return [_scratch_info(scratch, site), _flock_check(probe_dir, site), _hdf5_check(probe_dir, site)]
+        return [_scratch_info(scratch, site), _flock_check(probe_dir), _hdf5_check(probe_dir)]
     finally:
         shutil.rmtree(probe_dir, ignore_errors=True)
 
@@ -199,48 +199,36 @@ def _scratch_info(scratch: Path, site: SiteConfig | None) -> CheckResult:
     return CheckResult("scratch", "ok", detail)
 
 
-def _flock_check(probe_dir: Path, site: SiteConfig | None) -> CheckResult:
-    promised = site.filesystems.flock if site else True
+def _flock_check(probe_dir: Path) -> CheckResult:
+    """Information for the operator: hpcscale itself never takes a lock (checkpoints and staged files are
+    committed by rename), so scratch without flock (common on Lustre/GPFS) is fine for hpcscale."""
     try:
         with open(probe_dir / "flock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(f, fcntl.LOCK_UN)
     except OSError as e:
-        if promised:
-            return CheckResult(
-                "flock",
-                "fail",
-                f"flock fails here ({e.strerror})",
-                "set filesystems.flock: false in the site config (HDF5 then opens without locks)",
-            )
-        return CheckResult("flock", "ok", "flock unavailable, and the site config says so")
-    return CheckResult("flock", "ok", "works" + ("" if promised else " (site config says flock: false; harmless)"))
+        return CheckResult("flock", "ok", f"unavailable ({e.strerror}); hpcscale never locks, so this is fine")
+    return CheckResult("flock", "ok", "works (hpcscale never relies on it)")
 
 
-def _hdf5_check(probe_dir: Path, site: SiteConfig | None) -> CheckResult:
+def _hdf5_check(probe_dir: Path) -> CheckResult:
+    """HDF5 as checkpoints use it: opened without file locking, which works with and without flock."""
     try:
         import h5py
     except ImportError:
         return CheckResult("hdf5", "fail", "h5py not installed", "pip install h5py")
-    locking = site.filesystems.flock if site else True
     path = probe_dir / "probe.h5"
     try:
-        with h5py.File(path, "w", locking=locking) as f:
+        with h5py.File(path, "w", locking=False) as f:
             f["x"] = [1, 2, 3]
-        with h5py.File(path, "r", locking=locking) as f:
+        with h5py.File(path, "r", locking=False) as f:
             ok = list(f["x"][:]) == [1, 2, 3]
     except OSError as e:
-        if locking:
-            return CheckResult(
-                "hdf5",
-                "fail",
-                f"HDF5 with file locking fails: {e}",
-                "set filesystems.flock: false (or export HDF5_USE_FILE_LOCKING=FALSE)",
-            )
         return CheckResult("hdf5", "fail", f"HDF5 write fails: {e}", "check the scratch filesystem")
-    mode = "with file locking" if locking else "without file locking"
     return CheckResult(
-        "hdf5", "ok" if ok else "fail", f"h5py {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, read back {mode}"
+        "hdf5",
+        "ok" if ok else "fail",
+        f"h5py {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, read back without file locking",
     )
 
 

@@ -70,6 +70,11 @@ def show(site: str, as_json: bool) -> None:
     import yaml
 
     text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
+    site_cfg = loaded.config
+    header = [f"# {site_cfg.name}: {site_cfg.description}" if site_cfg.description else f"# {site_cfg.name}"]
+    if site_cfg.example:
+        header.append("# an example modelled on a public cluster: copy it to site_configs/ and adapt it")
+    text = "\n".join(header) + "\n" + text
     if sys.stdout.isatty():
         from rich.syntax import Syntax
 

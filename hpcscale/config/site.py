@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hpcscale.config.fields import setting
-from hpcscale.topology.hostlist import check_hostlist
+from hpcscale.util.hostlist import check_hostlist
 from hpcscale.util.slurmtime import check_duration
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -40,7 +40,6 @@ class Partition:
     cpus_per_node: int = setting("CPU cores per node usable by jobs.", min=1)
     gpus_per_node: int = setting("GPUs per node (0 for CPU partitions).", default=0, min=0)
     gpu_type: str | None = setting("GPU model, e.g. `a100`, used in `--gres=gpu:<type>:N` when set.", default=None)
-    memory_gb: float | None = setting("Memory per node in GB, if the site limits it.", default=None, min=0)
     max_time: str | None = setting(
         "Longest time limit the partition allows (Slurm time).", default=None, check=check_duration
     )
@@ -110,17 +109,14 @@ class Filesystems:
     scratch: str = setting("Scratch root for data and staging.", check=check_abs_path)
     run_root: str = setting("Where `hpcscale submit` creates run directories by default.", check=check_abs_path)
     checkpoint_root: str | None = setting(
-        "Checkpoint root when it differs from the run directory (e.g. a burst buffer).",
+        "Checkpoint root when it differs from the run directory (e.g. a burst buffer or a project filesystem). "
+        "When the job starts, `RUN/checkpoints` becomes a symlink to `<checkpoint_root>/<run name>` (array "
+        "tasks: `.../sweep/NNNN`); every command that takes RUN follows it. Unset: checkpoints live in RUN.",
         default=None,
         check=check_abs_path,
     )
     type: Literal["lustre", "gpfs", "beegfs", "nfs", "local"] = setting(
         "Filesystem type of scratch; parallel filesystems get large sequential writes.", default="local"
-    )
-    flock: bool = setting(
-        "Whether flock works on scratch. When false, HDF5 files are opened without file locking "
-        "(Lustre/GPFS mounted without flock).",
-        default=True,
     )
 
 
@@ -128,11 +124,19 @@ class Filesystems:
 class Staging:
     """How other sites reach this one's data (hpcscale stage)."""
 
-    endpoint: str | None = setting(
-        "Where other sites send data: `ssh://user@dtn.example.org/path` or a shared path.", default=None
+    jobs: int = setting(
+        "Parallel transfer streams of `hpcscale stage --site` (its `-j`): ssh connections or local copy "
+        "threads. An explicit `-j` wins.",
+        default=8,
+        min=1,
+        max=256,
     )
-    jobs: int = setting("Parallel transfer streams.", default=8, min=1, max=256)
-    bandwidth_limit_mbps: float | None = setting("Cap on transfer rate in MB/s; unset for none.", default=None, min=0)
+    bandwidth_limit_mbps: float | None = setting(
+        "Cap on the transfer rate of `hpcscale stage --site`, in MB/s (10^6 bytes/s), all streams together "
+        "(its `--bwlimit`). An explicit `--bwlimit` wins; unset or 0: no cap.",
+        default=None,
+        min=0,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -155,8 +159,11 @@ class SiteConfig:
     """A site: one cluster (or this machine) and how to run on it."""
 
     name: str = setting("Site name; job specs refer to it with `site:`.", check=check_name)
-    description: str = setting("One line for people reading `hpcscale config show`.", default="")
-    example: bool = setting("Marks a file modelled on a public cluster, shipped as an example to adapt.", default=False)
+    description: str = setting("One line for people: the first line of `hpcscale config show`.", default="")
+    example: bool = setting(
+        "Marks a file modelled on a public cluster, shipped as an example to adapt (`config show` says so).",
+        default=False,
+    )
     scheduler: Literal["slurm", "local"] = setting("`slurm`, or `local` for this machine through mpirun without Slurm.")
     partitions: list[Partition] = setting("The partitions jobs may use (none for `local`).", factory=list)
     topology: Topology = setting("The switch tree.", factory=Topology)
