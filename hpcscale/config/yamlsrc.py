@@ -2,11 +2,15 @@
 
 PyYAML's composer already knows each node's position; we build plain Python data from the node tree
 ourselves and keep a map from key path (a tuple of str keys and int indexes) to its 1-based line.
-Anchors, aliases and merge keys (`<<`) work as in yaml.safe_load.
+Anchors, aliases and merge keys (`<<`) work as in yaml.safe_load, within bounds: PyYAML's composer keeps an
+alias as a reference to its anchor's node, and only building plain data expands it, so the builder counts
+every value it builds and stops at MAX_VALUES (a 400-byte "billion laughs" document would expand to 10^9
+values); files over MAX_BYTES and nesting over 64 levels are refused before anything large is built.
 """
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,9 @@ import yaml
 from hpcscale.config.errors import ConfigError, ConfigIssue
 
 KeyPath = tuple[str | int, ...]
+
+MAX_BYTES = 16 << 20  # a site config or job spec is a few KB; a generated sweep may be large, not this large
+MAX_VALUES = 200_000  # scalars, lists and mappings after alias expansion
 
 
 @dataclass(slots=True)
@@ -49,6 +56,7 @@ class _Builder:
         self.file = file
         self.lines: dict[KeyPath, int] = {}
         self.scalars = yaml.constructor.SafeConstructor()
+        self.built = 0
 
     def issue(self, node: yaml.Node, key: str, message: str) -> ConfigError:
         return ConfigError([ConfigIssue(self.file, node.start_mark.line + 1, key, message)])
@@ -56,6 +64,11 @@ class _Builder:
     def build(self, node: yaml.Node, path: KeyPath, depth: int = 0) -> Any:
         if depth > 64:
             raise self.issue(node, format_path(path), "nesting deeper than 64 levels")
+        self.built += 1
+        if self.built > MAX_VALUES:
+            raise self.issue(
+                node, format_path(path), f"expands to more than {MAX_VALUES} values (anchors and aliases included)"
+            )
         self.lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.MappingNode):
             return self._mapping(node, path, depth)
@@ -97,6 +110,8 @@ class _Builder:
 
 def parse_yaml(text: str, file: str) -> YamlSource:
     """Parse one YAML document; any syntax problem becomes a ConfigError with its line."""
+    if len(text) > MAX_BYTES:
+        raise ConfigError([ConfigIssue(file, None, "", f"{len(text)} characters, over the limit of {MAX_BYTES}")])
     builder = _Builder(file)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -121,6 +136,11 @@ def load_yaml(path: str | Path) -> YamlSource:
     """Read and parse a YAML file; unreadable files are bad input too."""
     p = Path(path)
     try:
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):  # a FIFO would block open() forever
+            raise ConfigError([ConfigIssue(str(p), None, "", "not a regular file")])
+        if st.st_size > MAX_BYTES:
+            raise ConfigError([ConfigIssue(str(p), None, "", f"{st.st_size} bytes, over the limit of {MAX_BYTES}")])
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError([ConfigIssue(str(p), None, "", "no such file")]) from None

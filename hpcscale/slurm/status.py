@@ -6,8 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
+from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.rundir import JOB, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
@@ -75,7 +74,8 @@ def run_status(path: Path) -> RunStatus:
                 states[job_id] = _scontrol(client, job_id)
                 sources.add("scontrol")
     source = ", ".join(sorted(sources)) or "none"
-    name = (yaml.safe_load((rd.path / JOB).read_text()) or {}).get("name")
+    job = load_yaml(rd.path / JOB).data
+    name = job.get("name") if isinstance(job, dict) else None
     return RunStatus(
         rd.path,
         name,
