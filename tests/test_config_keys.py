@@ -91,15 +91,8 @@ def test_checkpoint_root_puts_checkpoints_there_and_every_command_follows(mpi, t
     local["filesystems"]["checkpoint_root"] = str(tmp_path / "burst")
     local["filesystems"]["scratch"] = str(tmp_path / "scratch")
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(local))
-    spec = job_spec(
-        tmp_path / "job.yaml",
-        tp=1,
-        pp=1,
-        ranks=2,
-        site=str(tmp_path / "site.yaml"),
-        steps=4,
-        checkpoint={"every_steps": 2},
-    )
+    tiny = {"tp": 1, "pp": 1, "ranks": 2, "site": str(tmp_path / "site.yaml"), "checkpoint": {"every_steps": 2}}
+    spec = job_spec(tmp_path / "job.yaml", steps=4, **tiny)
     run = tmp_path / "run"
     first = run_cli("run", str(spec), "--local", "--run-dir", str(run), timeout=300)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
@@ -109,15 +102,7 @@ def test_checkpoint_root_puts_checkpoints_there_and_every_command_follows(mpi, t
     ls = run_cli("ckpt", "ls", str(run), "--json")
     assert ls.returncode == 0 and sorted(c["step"] for c in json.loads(ls.stdout)["checkpoints"]) == [2, 4]
     # A longer run in the same directory resumes from what lives under the checkpoint root.
-    job_spec(
-        tmp_path / "job.yaml",
-        tp=1,
-        pp=1,
-        ranks=2,
-        site=str(tmp_path / "site.yaml"),
-        steps=6,
-        checkpoint={"every_steps": 2},
-    )
+    job_spec(tmp_path / "job.yaml", steps=6, **tiny)
     again = run_cli("run", str(spec), "--local", "--run-dir", str(run), "--reuse", timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "resumed from checkpoint step 4" in again.stdout
