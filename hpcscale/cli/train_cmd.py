@@ -55,20 +55,41 @@ def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, reuse: b
       hpcscale run docs/examples/gpt-local.yaml --local -n 8
       hpcscale run job.yaml --local --run-dir RUN --reuse     # resume RUN from its newest checkpoint
 
+    SIGTERM, SIGHUP or Ctrl-C stops every rank after the same step, with a checkpoint; a second one stops
+    them at once. Nothing of the run outlives the command, even if it is killed.
+
     Exit codes: 0 done, 75 stopped on request, 1 a rank failed (named in the message).
     """
     from hpcscale.config.load import load_job
     from hpcscale.launch.local import run_local
 
-    result = run_local(load_job(job, site=site), ranks=ranks, run_dir=run_dir, reuse=reuse, echo=click.echo)
+    result = run_local(
+        load_job(job, site=site),
+        ranks=ranks,
+        run_dir=run_dir,
+        reuse=reuse,
+        echo=click.echo,
+        warn=lambda line: click.echo(line, err=True),
+    )
     click.echo(f"run directory: {result.run_dir}", err=True)
-    if result.exit_code not in (0, STOPPED_EXIT_CODE):
-        click.echo(
-            f"error: the job failed (exit {result.exit_code})" + (f": {result.failure}" if result.failure else ""),
-            err=True,
+    if (outcome := _outcome(result)) is not None:
+        click.echo(outcome, err=True)
+    sys.exit(1 if result.exit_code not in (0, STOPPED_EXIT_CODE) else result.exit_code)
+
+
+def _outcome(result) -> str | None:
+    """The last line, unless the run simply finished: how it ended, and the rank to blame if one failed."""
+    if result.stopped_by is not None and result.exit_code == STOPPED_EXIT_CODE:
+        how = (
+            "the ranks were terminated before they stopped" if result.forced else "every rank stopped at the same step"
         )
-        sys.exit(1)
-    sys.exit(result.exit_code)
+        why = f" (mpirun then reported: {result.failure})" if result.failure else ""
+        return f"stopped on {result.stopped_by}: {how}{why}; resume with --reuse (exit 75)"
+    if result.exit_code == 0:
+        return None
+    if result.exit_code == STOPPED_EXIT_CODE:
+        return "stopped on request: every rank stopped at the same step; resume with --reuse (exit 75)"
+    return f"error: the job failed (exit {result.exit_code})" + (f": {result.failure}" if result.failure else "")
 
 
 @click.group()

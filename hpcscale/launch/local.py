@@ -1,11 +1,25 @@
-"""`hpcscale run JOB --local`: the same job on this machine through mpirun, no Slurm, same run directory."""
+"""`hpcscale run JOB --local`: the same job on this machine through mpirun, no Slurm, same run directory.
+
+What the command promises, and who keeps it:
+- Nothing of the run outlives it. mpirun runs in a session of its own that dies with the command, even by
+  SIGKILL, and whatever mpirun leaves in it is killed when it exits (util/proc.Session).
+- SIGTERM, SIGHUP and SIGINT stop every rank after the same step, with a checkpoint, and the command exits 75
+  (launch/signals.StopForwarder: the signal becomes SIGUSR2 for mpirun, which forwards it to every rank).
+- The log, RUN/logs/local-*.out, holds every line as soon as it is shown; a log that cannot be written costs
+  one warning line, not the run (_Output).
+- A failure is summed up in one line naming the rank that failed first, and how (describe_failure).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -16,20 +30,26 @@ from hpcscale.config.load import LoadedJob, check_job
 from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
+from hpcscale.launch.signals import STOP_SAVE_S, StopForwarder
 from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
 
 # mpirun's own words when a rank dies: "process rank 2 with PID 123 on node vm exited on signal 9 (Killed)"
-_DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)")
+_DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)(?: \(([^)]*)\))?")
 _EXITED = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
+# The end of hpcscale's own failure line (launch/main.py): " [at 2026-01-02T03:04:05.678901Z, after losing a peer]"
+_FAILED_AT = re.compile(r" \[at (\S+?)(, after losing a peer)?\]\s*$")
 
 
 @dataclass(frozen=True, slots=True)
 class LocalResult:
     run_dir: Path
     exit_code: int
-    failure: str | None
+    failure: str | None  # one line naming the rank that failed first, and how
+    log: Path
+    stopped_by: str | None = None  # the signal the front end got (SIGTERM, SIGHUP, SIGINT)
+    forced: bool = False  # the ranks did not stop in time and were killed
 
 
 def local_env() -> dict[str, str]:
@@ -60,8 +80,17 @@ def resize(loaded: LoadedJob, ranks: int | None) -> LoadedJob:
 
 
 def run_local(
-    loaded: LoadedJob, *, ranks: int | None, run_dir: Path | None, reuse: bool = False, echo=print
+    loaded: LoadedJob,
+    *,
+    ranks: int | None,
+    run_dir: Path | None,
+    reuse: bool = False,
+    echo=print,
+    warn=None,
 ) -> LocalResult:
+    """Run the job through mpirun, showing its output through `echo` and writing it to RUN/logs/local-*.out;
+    `warn` (default `echo`) gets the front end's own one-line warnings. SIGTERM, SIGHUP and SIGINT stop every
+    rank at one step (launch/signals.StopForwarder); the exit code is then 75."""
     job = resize(loaded, ranks)
     spec, site = job.spec, job.site.config
     if spec.train is None:
@@ -100,26 +129,130 @@ def run_local(
         )
     )
     env = {**site.environment.variables, **spec.environment, **local_env(), "OMP_NUM_THREADS": "1"}
-    lines: deque[str] = deque(maxlen=500)  # the tail, where mpirun and hpcscale report a failed rank
-    with open(log, "w") as f:
+    out = _Output(log, echo=echo, warn=warn or echo)
+    # Handlers go in before mpirun starts: a signal during start-up is queued and forwarded, not lost.
+    with contextlib.closing(out), StopForwarder(grace_s=spec.timeout_seconds + STOP_SAVE_S, notify=out.line) as stop:
+        child = proc.Session(args, env=env)
+        stop.watch(child)
+        try:
+            for line in child.lines():
+                out.line(line.rstrip("\n"))
+        except BaseException:  # nothing of the run outlives the command, whatever ends it
+            child.kill_all(signal.SIGKILL)
+            child.finish()
+            raise
+        code = child.finish()
+    failure = None if code in (0, STOPPED_EXIT_CODE) else describe_failure([*out.failure_lines, *out.tail])
+    if stop.requested is not None and code != 0:
+        # The user asked for the stop: exit 75 even where the ranks had to be killed; a resume starts from
+        # the newest checkpoint that verifies. How it went is in `forced` and `failure`.
+        code = STOPPED_EXIT_CODE
+    return LocalResult(run_dir, code, failure, log, stopped_by=stop.requested, forced=stop.forced)
 
-        def on_line(line: str) -> None:
-            f.write(line)
-            lines.append(line)
-            echo(line.rstrip("\n"))
 
-        code = proc.stream(args, env=env, on_line=on_line)
-    return LocalResult(run_dir, code, describe_failure(lines) if code not in (0, STOPPED_EXIT_CODE) else None)
+class _Output:
+    """mpirun's output and the front end's notices: to the log, line by line as they arrive (one write(2) per
+    line, no buffer to lose if the front end is killed), to the user, and into the tail kept for
+    describe_failure. The forwarder thread writes here too, hence the lock.
+
+    A log write that fails (ENOSPC, EIO, a quota) is reported in one line and logging stops; the run goes on,
+    still shown to the user: a full disk should not kill hours of training for the sake of its log (a
+    checkpoint that cannot be written fails the run on its own). A user who went away (a closed terminal:
+    EIO, EPIPE) stops the echo, not the run or its log.
+    """
+
+    def __init__(self, path: Path, *, echo, warn) -> None:
+        self.path = path
+        self.tail: deque[str] = deque(maxlen=500)  # where mpirun reports a failed rank
+        self.failure_lines: list[str] = []  # every rank's own failure line, however long the tracebacks after it
+        self.log_error: str | None = None
+        self._echo, self._warn = echo, warn
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            self._failed(e)
+
+    def line(self, text: str) -> None:
+        with self._lock:
+            if _RankFailure.parse(text) is not None and len(self.failure_lines) < 100_000:
+                self.failure_lines.append(text + "\n")
+            else:
+                self.tail.append(text + "\n")
+            self._write((text + "\n").encode("utf-8", "replace"))
+            self._say(self._echo, text)
+
+    def _write(self, data: bytes) -> None:
+        if self._fd is None:
+            return
+        try:
+            while data:  # a regular file takes less than asked only when it is out of space: the next write says so
+                data = data[os.write(self._fd, data) :]
+        except OSError as e:
+            self._failed(e)
+
+    def _failed(self, e: OSError) -> None:
+        self.close()
+        code = errno.errorcode.get(e.errno or 0, e.errno)
+        self.log_error = f"cannot write the run log {self.path}: {e.strerror} ({code})"
+        self._say(self._warn, f"warning: {self.log_error}; the run goes on, its output is no longer logged")
+
+    def _say(self, out, text: str) -> None:
+        if out is None:
+            return
+        try:
+            out(text)
+        except OSError:  # the terminal went away (SIGHUP's usual company): keep running and logging
+            if out is self._echo:
+                self._echo = None
+            else:
+                self._warn = None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def describe_failure(lines) -> str | None:
-    """Which rank failed, from hpcscale's own report or mpirun's."""
-    for line in lines:
-        if "hpcscale launch: rank" in line and "failed:" in line:
-            return line.strip()
-    text = "".join(lines)
-    if m := _DIED.search(text):
-        return f"rank {m.group(1)} (MPI rank) on node {m.group(2)} was killed by signal {m.group(3)}"
-    if m := _EXITED.search(text):
+    """One line naming the rank that failed first, and how.
+
+    A rank killed by a signal (mpirun: "process rank 2 ... exited on signal 9") is the cause: the others fail
+    after it with connection errors ("after losing a peer"), and a rank that raises calls MPI_Abort, after which
+    mpirun reports no signal deaths. The exception is SIGABRT, which a rank may also die of in the aftermath
+    (a torch thread's std::terminate while the process exits): it yields to a rank that raised for a reason of
+    its own. Among ranks that raised, the first with a reason of its own (each failure line carries its time
+    and the peer mark, launch/main.py), else the first. Under run --local all ranks are on one node, where
+    placement keeps MPI order, so MPI rank = hpcscale rank.
+    """
+    failures = [f for line in lines if (f := _RankFailure.parse(line)) is not None]
+    own = [f for f in failures if not f.peer_lost]
+    m = _DIED.search("".join(lines))
+    if m and not (int(m.group(3)) == signal.SIGABRT and own):
+        rank, node, signum, name = m.groups()
+        how = f"signal {signum}" + (f" ({name})" if name else "")
+        others = f"; {len(failures)} other rank(s) failed after it (see the log)" if failures else ""
+        return f"rank {rank} (MPI rank {rank}) on node {node} was killed by {how}{others}"
+    if failures:
+        first = min(failures, key=lambda f: (f.peer_lost, f.time or "~"))
+        more = len(failures) - 1
+        return first.line + (f"; {more} other rank(s) failed too (see the log)" if more else "")
+    if m := _EXITED.search("".join(lines)):
         return f"rank {m.group(1)} (MPI rank) exited with code {m.group(2)}"
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class _RankFailure:
+    line: str
+    time: str | None  # ISO 8601 UTC: sorts as text
+    peer_lost: bool
+
+    @classmethod
+    def parse(cls, line: str) -> _RankFailure | None:
+        if not line.startswith("hpcscale launch: rank") or " failed: " not in line:
+            return None
+        m = _FAILED_AT.search(line)
+        return cls(line.strip(), m.group(1) if m else None, bool(m and m.group(2)))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
@@ -55,6 +57,30 @@ def _order_nodes(loaded: LoadedJob) -> Callable[[list[str]], list[str]]:
     return order
 
 
+# A peer that died or hung shows up in the survivors as these (gloo, MPI, sockets): consequences, not causes.
+_PEER_LOST = re.compile(
+    r"Connection (closed|reset|refused)|closed by peer|Broken pipe|ECONNRESET|EPIPE|timed? ?out|Timeout", re.IGNORECASE
+)
+
+
+def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> str:
+    """`hpcscale launch: rank R (MPI rank M) on node N failed: Type: first line [at TIME(, after losing a peer)]`.
+
+    The time (UTC, microseconds) and the peer mark let `run --local` name the rank that failed first for a
+    reason of its own (launch/local.describe_failure), not the survivors that failed because it was gone."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    chain, seen = [], set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:  # the exception and what it was raised from or during
+        seen.add(id(cause))
+        chain.append(f"{type(cause).__name__}: {cause}")
+        cause = cause.__cause__ or cause.__context__
+    at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    peer = ", after losing a peer" if any(_PEER_LOST.search(c) for c in chain) else ""
+    who = f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node}"
+    return f"{who} failed: {type(e).__name__}: {first} [at {at}{peer}]"
+
+
 def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     """Run this rank; returns the process exit code (0, or STOPPED_EXIT_CODE after a stop request)."""
     from mpi4py import MPI
@@ -75,12 +101,7 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     except Exception as e:
         # One line that names the rank and node, then the traceback; then take the whole job down now.
         rank = os.environ.get("HPCSCALE_RANK", "?")
-        print(
-            f"hpcscale launch: rank {rank} (MPI rank {MPI.COMM_WORLD.rank}) on node {node_name()} failed: "
-            f"{type(e).__name__}: {e}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(failure_line(e, rank=rank, mpi_rank=MPI.COMM_WORLD.rank, node=node_name()), file=sys.stderr, flush=True)
         traceback.print_exc()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
@@ -139,6 +160,12 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
     )
     try:
         resolve_entry(spec.train.entry)(ctx)
+    except StopRequested:
+        # Every rank agreed on this step (Context.should_stop), but no barrier: a rank stopped alone must not
+        # wait on its peers. Tearing the process group down here joins gloo's threads; exiting with them
+        # alive aborted ranks after a clean stop ("terminate called without an active exception").
+        dist.destroy_process_group()
+        raise
     finally:
         metrics.close()
     dist.barrier()

@@ -3,16 +3,45 @@
 Slurm sends the job's `--signal` (default USR1, 120 s before the time limit) and SIGTERM on preemption or
 scancel. The trainer finishes the step it is in, checkpoints (with the checkpoint issue), and the launcher
 exits with STOPPED_EXIT_CODE so scripts and requeue logic can tell "stopped on request" from a failure.
+
+`run --local` has no Slurm to deliver the signal to every rank, so its front end does (StopForwarder):
+1. SIGTERM, SIGHUP or SIGINT (Ctrl-C) to the front end becomes SIGUSR2 to mpirun. mpirun forwards SIGUSR1 and
+   SIGUSR2 to every rank (Open MPI's `ess_base_forward_signals` default) but takes SIGTERM, SIGINT and SIGHUP
+   as "kill the job": SIGTERM 1 s before SIGKILL (`odls_base_sigkill_timeout`), too soon for a step and a
+   checkpoint. mpirun runs in a session of its own (util/proc.Session), so a terminal's Ctrl-C reaches only
+   the front end.
+2. The ranks stop as above and exit 75; mpirun exits 75.
+3. If they have not within the grace (the job's `timeout_seconds` + STOP_SAVE_S), or the user signals again,
+   mpirun gets SIGTERM (it kills its ranks); KILL_AFTER_S later, or at a third signal, every process of the
+   session gets SIGKILL. Either way the command still exits 75: the stop was requested, and the newest
+   checkpoint that verifies is where a resume starts.
 """
 
 from __future__ import annotations
 
+import queue
 import signal
+import threading
+import time
+from collections.abc import Callable
 
 from hpcscale.errors import STOPPED_EXIT_CODE
+from hpcscale.util.proc import Session
 
-__all__ = ["STOPPED_EXIT_CODE", "STOP_SIGNALS", "StopFlag", "StopRequested"]
+__all__ = [
+    "FORWARDED_STOP",
+    "FRONT_END_SIGNALS",
+    "STOPPED_EXIT_CODE",
+    "STOP_SIGNALS",
+    "StopFlag",
+    "StopForwarder",
+    "StopRequested",
+]
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+FRONT_END_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+FORWARDED_STOP = signal.SIGUSR2  # mpirun forwards it to every rank; USR1 stays Slurm's time-limit warning
+STOP_SAVE_S = 120.0  # on top of timeout_seconds: the stop step's checkpoint
+KILL_AFTER_S = 10.0  # from SIGTERM to mpirun to SIGKILL of the whole session
 
 
 class StopRequested(Exception):
@@ -34,3 +63,92 @@ class StopFlag:
 
     def _handle(self, signum, _frame) -> None:
         self.signal = signum
+
+
+_EXITED = object()
+
+
+class StopForwarder:
+    """The front end's side of a stop (see the module docstring). Use as a context manager around the run:
+
+        with StopForwarder(grace_s=..., notify=...) as fwd:   # handlers installed before mpirun starts
+            child = Session(args)
+            fwd.watch(child)
+            ...read child's output...
+        fwd.requested, fwd.forced
+
+    The signal handler only puts the signal number in a SimpleQueue (documented as safe from a handler); a
+    thread does the rest, so nothing in a handler writes to a stream or takes a lock the main thread may hold.
+    The thread blocks these signals, so the kernel delivers them to the main thread, whose blocking read of
+    mpirun's output they interrupt: a silent run still reacts at once. The thread also notices mpirun's exit
+    and kills whatever it left in its session, so the output pipe reaches its end.
+    """
+
+    def __init__(self, *, grace_s: float, notify: Callable[[str], None], kill_after_s: float = KILL_AFTER_S):
+        self.grace_s = grace_s
+        self.kill_after_s = kill_after_s
+        self.notify = notify
+        self.requested: str | None = None  # the first signal's name
+        self.forced = False  # the ranks were terminated rather than stopped
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._old: dict[int, object] = {}
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StopForwarder:
+        for sig in FRONT_END_SIGNALS:
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self._thread is not None:
+            self._events.put(_EXITED)
+            self._thread.join()
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, _frame) -> None:
+        self._events.put(signum)
+
+    def watch(self, child: Session) -> None:
+        # Started with the signals blocked so the thread inherits the mask; unblocked again here at once.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, FRONT_END_SIGNALS)
+        try:
+            self._thread = threading.Thread(target=self._run, args=(child,), name="stop-forwarder", daemon=True)
+            self._thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+    def _run(self, child: Session) -> None:
+        stage = 0  # 0 running, 1 stop forwarded, 2 mpirun terminated, 3 session killed
+        deadline = None
+        while True:
+            if child.exited():
+                child.kill_all(signal.SIGKILL)  # what mpirun left behind, so the pipe reaches its end
+                return
+            wait = 0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic()))
+            try:
+                event = self._events.get(timeout=wait)
+            except queue.Empty:
+                if deadline is None or time.monotonic() < deadline:
+                    continue
+                event = None  # the deadline passed
+            if event is _EXITED:
+                return
+            if stage == 0 and event is not None:
+                self.requested = signal.Signals(event).name
+                child.send(FORWARDED_STOP)
+                self.notify(
+                    f"hpcscale run: {self.requested}: asking every rank to stop after its current step "
+                    f"(checkpoint, exit 75); signal again to stop now"
+                )
+                stage, deadline = 1, time.monotonic() + self.grace_s
+            elif stage == 1:
+                why = f"ranks did not stop within {self.grace_s:.0f}s" if event is None else "signalled again"
+                self.forced = True
+                child.send(signal.SIGTERM)
+                self.notify(f"hpcscale run: {why}: terminating the ranks (progress since the last checkpoint is lost)")
+                stage, deadline = 2, time.monotonic() + self.kill_after_s
+            elif stage == 2:
+                killed = child.kill_all(signal.SIGKILL)
+                self.notify(f"hpcscale run: killed {len(killed)} process(es) of the run")
+                stage, deadline = 3, None

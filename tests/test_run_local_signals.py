@@ -1,0 +1,217 @@
+"""`hpcscale run --local` under signals, a killed rank and a full disk, for real (mpirun, ranks, tmpfs):
+a signal to the front end stops every rank at one step with exit 75 and a checkpoint; nothing of the run
+outlives the command, even when the front end is SIGKILLed; the log is written as the run goes; a rank killed
+with SIGKILL is the one the headline names; a full log disk costs one warning line, not a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, need
+from trainjobs import job_spec, losses
+
+from hpcscale.launch.local import describe_failure
+
+
+def _start(tmp_path: Path, *, tp: int = 1, pp: int = 2, ranks: int = 2, reuse: bool = False, **params):
+    """The front end, its output in tmp/out.txt (a file: a pipe nobody reads would stall the run)."""
+    run_dir = tmp_path / "run"
+    job = job_spec(tmp_path / "job.yaml", tp=tp, pp=pp, ranks=ranks, **{"steps": 100000, "log_every": 1, **params})
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        args = ["hpcscale", "run", str(job), "--local", "--run-dir", str(run_dir), *(["--reuse"] if reuse else [])]
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+    return proc, run_dir, out
+
+
+def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= n:
+            return
+        assert proc.poll() is None, out.read_text()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} steps after {timeout}s:\n{out.read_text()[-3000:]}")
+
+
+def _processes_of(run_dir: Path) -> dict[int, str]:
+    """Every live process whose command line names the run directory (mpirun, ranks, the front end)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(run_dir) in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def _no_processes_left(run_dir: Path, within: float) -> dict[int, str]:
+    deadline = time.monotonic() + within
+    while (left := _processes_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _rank_pids(run_dir: Path) -> dict[int, int]:
+    """MPI rank -> pid of each rank process (OMPI_COMM_WORLD_RANK in its environment)."""
+    ranks = {}
+    for pid, cmdline in _processes_of(run_dir).items():
+        if "hpcscale launch --run-dir" not in cmdline or cmdline.startswith(("mpirun", "/usr/bin/mpirun")):
+            continue
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next((v.split(b"=", 1)[1] for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+        if rank is not None:
+            ranks[int(rank)] = pid
+    return ranks
+
+
+def _kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Teardown after a failed assertion: the front end and anything of the run."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in _processes_of(run_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["TERM", "HUP", "INT"])
+def test_signal_to_the_front_end_stops_every_rank_at_one_step(mpi, tmp_path, sig):
+    proc, run_dir, out = _start(tmp_path)  # pp=2: each rank holds half the model, so a checkpoint needs both
+    try:
+        _wait_for_steps(run_dir, 3, proc, out)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        left = _no_processes_left(run_dir, within=5)
+    finally:
+        _kill_run(proc, run_dir)
+    text = out.read_text()
+    assert code == 75, text[-3000:]
+    assert left == {}, f"left running: {left}"
+    stopped_at = int(text.split("stop requested: stopping after step")[1].split()[0])
+    assert len(losses(run_dir)) == stopped_at + 1  # rank 0 logged exactly the steps every rank completed
+    assert (run_dir / "checkpoints" / f"step-{stopped_at + 1:08d}" / "index.h5").is_file()  # committed by both
+    assert f"stopped on {sig.name}: every rank stopped at the same step" in text.splitlines()[-1]
+    (log,) = (run_dir / "logs").glob("local-*.out")
+    logged = log.read_text()
+    assert "step      2  loss" in logged and f"stopping after step {stopped_at}" in logged
+    assert f"hpcscale run: {sig.name}: asking every rank to stop" in logged
+
+
+def test_a_second_signal_ends_ranks_that_do_not_stop(mpi, tmp_path):
+    proc, run_dir, out = _start(tmp_path)
+    try:
+        _wait_for_steps(run_dir, 3, proc, out)
+        os.kill(_rank_pids(run_dir)[1], signal.SIGSTOP)  # a rank that cannot finish its step
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        assert proc.poll() is None  # waiting for the ranks to stop
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        left = _no_processes_left(run_dir, within=5)
+    finally:
+        _kill_run(proc, run_dir)
+    text = out.read_text()
+    assert code == 75, text[-3000:]
+    assert left == {}, f"left running: {left}"
+    assert "hpcscale run: signalled again: terminating the ranks" in text
+    assert "stopped on SIGTERM: the ranks were terminated before they stopped" in text.splitlines()[-1]
+
+
+def test_killing_the_front_end_leaves_nothing_running(mpi, tmp_path):
+    proc, run_dir, out = _start(tmp_path)
+    try:
+        _wait_for_steps(run_dir, 3, proc, out)
+        assert len(_rank_pids(run_dir)) == 2
+        proc.kill()  # no handler runs: the kernel's parent-death signal must end mpirun, and mpirun its ranks
+        proc.wait()
+        left = _no_processes_left(run_dir, within=5)
+    finally:
+        _kill_run(proc, run_dir)
+    assert left == {}, f"left running: {left}"
+    (log,) = (run_dir / "logs").glob("local-*.out")
+    assert "step      2  loss" in log.read_text()  # written as it went: nothing was waiting in a buffer
+
+
+def test_killed_rank_is_named_not_a_survivor(mpi, tmp_path):
+    # tp=2 x pp=2: the survivors fail too (connection closed or reset by the dead peer) and print first.
+    proc, run_dir, out = _start(tmp_path, tp=2, pp=2, ranks=4)
+    try:
+        _wait_for_steps(run_dir, 3, proc, out)
+        ranks = _rank_pids(run_dir)
+        assert sorted(ranks) == [0, 1, 2, 3]
+        os.kill(ranks[2], signal.SIGKILL)
+        code = proc.wait(timeout=30)
+        left = _no_processes_left(run_dir, within=5)
+    finally:
+        _kill_run(proc, run_dir)
+    text = out.read_text()
+    headline = text.splitlines()[-1]
+    assert code == 1
+    assert left == {}, f"left running: {left}"
+    assert "rank 2 (MPI rank 2) on node " in headline and "was killed by signal 9" in headline, headline
+    assert "hpcscale launch:" not in headline and "Connection" not in headline, headline
+    (log,) = (run_dir / "logs").glob("local-*.out")
+    assert "exited on signal 9" in log.read_text()  # the full story stays in the log
+
+
+def test_headline_prefers_a_rank_of_its_own_over_those_that_lost_it():
+    at = "2026-01-02T03:04:05.{:06d}Z"
+    lines = [
+        f"hpcscale launch: rank 3 (MPI rank 3) on node a failed: RuntimeError: Connection closed by peer "
+        f"[at {at.format(1)}, after losing a peer]\n",
+        "Traceback (most recent call last):\n",
+        f"hpcscale launch: rank 1 (MPI rank 1) on node b failed: ValueError: bad shard [at {at.format(5)}]\n",
+        f"hpcscale launch: rank 0 (MPI rank 0) on node a failed: ValueError: later [at {at.format(9)}]\n",
+    ]
+    assert describe_failure(lines).startswith("hpcscale launch: rank 1 (MPI rank 1) on node b failed: ValueError")
+    died = "mpirun noticed that process rank 2 with PID 0 on node a exited on signal 9 (Killed).\n"
+    assert describe_failure([*lines, died]) == (
+        "rank 2 (MPI rank 2) on node a was killed by signal 9 (Killed); 3 other rank(s) failed after it (see the log)"
+    )
+    aborted = "mpirun noticed that process rank 2 with PID 0 on node a exited on signal 6 (Aborted).\n"
+    assert describe_failure([*lines, aborted]).startswith("hpcscale launch: rank 1 (MPI rank 1) on node b failed")
+    assert describe_failure([lines[0], aborted]).startswith("rank 2 (MPI rank 2) on node a was killed by signal 6")
+
+
+@pytest.fixture
+def full_log_disk(tmp_path):
+    """A run directory whose logs/ is a 64 KiB tmpfs with about 4 KiB left (needs root to mount)."""
+    run_dir = tmp_path / "run"
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True)
+    (run_dir / "submissions.jsonl").touch()  # an (empty) run directory: --reuse accepts it
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(logs)], capture_output=True)
+    need(mounted.returncode == 0, f"mounting a tmpfs (root): {mounted.stderr.decode().strip()}")
+    try:
+        (logs / "filler").write_bytes(b"\0" * (60 * 1024))
+        yield run_dir
+    finally:
+        subprocess.run(["umount", "-l", str(logs)], check=False)
+
+
+def test_a_full_log_disk_is_one_warning_not_a_traceback(mpi, tmp_path, full_log_disk):
+    proc, run_dir, out = _start(tmp_path, reuse=True, steps=60)
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        _kill_run(proc, run_dir)
+    text = out.read_text()
+    assert code == 0, text[-3000:]  # the run goes on: its output still reaches the user
+    assert len(losses(run_dir)) == 60
+    warnings = [line for line in text.splitlines() if "cannot write the run log" in line]
+    assert len(warnings) == 1 and "No space left on device (ENOSPC)" in warnings[0], warnings
+    assert "Traceback" not in text
+    assert "step     59  loss" in text
+    (log,) = (run_dir / "logs").glob("local-*.out")
+    assert "step      0  loss" in log.read_text()  # what fitted was written
