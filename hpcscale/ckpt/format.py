@@ -4,12 +4,15 @@
       LATEST                      "step-00000100" (replaced atomically after each commit)
       step-00000100/
         index.h5                  written last: everything below is durable before it exists
+        DIGEST                    the index's root digest ("sha256:<hex>"), what a signature covers
         data/rank-00003.bin       the chunks this rank wrote for this step (new content only)
       .tmp-step-00000150-<id>/    a save in progress (or a crashed one: cleaned on the next start)
 
 Chunks are content-addressed (xxh128): a chunk whose hash is already stored in a committed checkpoint is
-referenced there, not written again. Files are opened without HDF5 file locking (Lustre/GPFS without flock);
-only one process ever writes an index, and only before it is renamed into place.
+referenced there, not written again. What binds a chunk to its tensor, shard and position, and what proves the
+index whole (structure checks and a sha256 root digest, also written to DIGEST), is integrity.py.
+Files are opened without HDF5 file locking (Lustre/GPFS without flock); only one process ever writes an
+index, and only before it is renamed into place.
 """
 
 from __future__ import annotations
@@ -22,19 +25,31 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcscale.ckpt.integrity import (
+    ATTRS,
+    CHUNK_DTYPE,
+    DTYPE_SIZES,
+    INT_TABLES,
+    STRING_TABLES,
+    Tables,
+    parsed_layout,
+    parsed_trainer_state,
+    root_digest,
+    structure_problems,
+    valid_digest_text,
+)
 from hpcscale.errors import VerificationFailure
 from hpcscale.portable.hashing import XXH128
 
 FORMAT = "hpcscale-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: root digest, DIGEST file, chunk_bytes; version 1 is refused (docs/checkpoint-format.md)
 HASH_ALGORITHM = XXH128  # the same name manifests use (hpcscale.portable.hashing owns the names)
-_LEGACY_HASH_NAMES = {"xxh3-128"}  # what indexes written before that called the same hash
 INDEX = "index.h5"
+DIGEST = "DIGEST"  # beside index.h5: the root digest as one line of text, for a signature to cover
+MAX_TABLE_BYTES = 1 << 30  # no index table is this large; a crafted one that claims more is refused unread
 LATEST = "LATEST"
 CHUNK_BYTES = 16 << 20
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-CHUNK_DTYPE = np.dtype([("hash", "S32"), ("file", "<i4"), ("offset", "<i8"), ("length", "<i8")])
 
 
 def step_dir_name(step: int) -> str:
@@ -82,6 +97,8 @@ class Index:
     tensors: dict[str, TensorRecord]
     trainer_state: dict  # JSON-able: step, loader position, ...
     rng: dict[int, dict[str, np.ndarray]]  # rank -> {"cpu": uint8 array, ...}
+    chunk_bytes: int = CHUNK_BYTES  # where shards were cut into chunks: all but a shard's last are this long
+    digest: str = ""  # the root digest of what was read ("sha256:<hex>"); "" for an index not yet written
 
     def files(self) -> set[str]:
         return {c.file for t in self.tensors.values() for s in t.shards for c in s.chunks}
@@ -90,137 +107,297 @@ class Index:
         return sum(c.length for t in self.tensors.values() for s in t.shards for c in s.chunks)
 
 
-def write_index(path: Path, index: Index) -> None:
-    """Write to `path` (a temporary name) and fsync; the caller renames it into place.
+def _tables_of(index: Index) -> Tables:
+    """The index as the normalised tables that are written and digested (docs/checkpoint-format.md)."""
+    files = sorted(index.files())
+    file_id = {f: i for i, f in enumerate(files)}
+    names = sorted(index.tensors)
+    recs = [index.tensors[n] for n in names]
+    for r in recs:
+        if r.dtype not in DTYPE_SIZES:
+            raise ValueError(f"tensor {r.name}: dtype {r.dtype} cannot be checkpointed (no plain element bytes)")
+    maxd = max([1, *(len(r.global_shape) for r in recs)])
+
+    def padded(rows) -> np.ndarray:
+        return np.array([list(x) + [-1] * (maxd - len(x)) for x in rows], dtype=np.int64).reshape(len(rows), maxd)
+
+    shards = [s for r in recs for s in r.shards]
+    shard_counts = np.array([len(r.shards) for r in recs], dtype=np.int64)
+    chunk_counts = np.array([len(s.chunks) for s in shards], dtype=np.int64)
+    ranks = sorted(index.rng)
+    return Tables(
+        attrs={
+            "format": FORMAT,
+            "version": VERSION,
+            "hash_algorithm": HASH_ALGORITHM,
+            "chunk_bytes": index.chunk_bytes,
+            "step": index.step,
+            "world_size": index.world_size,
+            "layout": json.dumps(index.layout),
+            "parent": index.parent or "",
+            "created": float(index.created),
+            "trainer_state": json.dumps(index.trainer_state),
+        },
+        strings={
+            "files": [f.encode() for f in files],
+            "tensor_name": [n.encode() for n in names],
+            "tensor_dtype": [r.dtype.encode() for r in recs],
+        },
+        ints={
+            "tensor_ndim": np.array([len(r.global_shape) for r in recs], dtype=np.int64),
+            "tensor_shape": padded([r.global_shape for r in recs]),
+            "tensor_shard_start": (np.cumsum(shard_counts) - shard_counts).astype(np.int64),
+            "tensor_shard_count": shard_counts,
+            "shard_offset": padded([s.offset for s in shards]),
+            "shard_shape": padded([s.shape for s in shards]),
+            "shard_chunk_start": (np.cumsum(chunk_counts) - chunk_counts).astype(np.int64),
+            "shard_chunk_count": chunk_counts,
+            "rng_rank": np.array(ranks, dtype=np.int64),
+        },
+        chunks=np.array(
+            [(c.hash.encode(), file_id[c.file], c.offset, c.length) for sh in shards for c in sh.chunks],
+            dtype=CHUNK_DTYPE,
+        ),
+        rng={
+            f"rng_{key}": np.stack([np.asarray(index.rng[r][key], dtype=np.uint8) for r in ranks])
+            for key in sorted({k for states in index.rng.values() for k in states})
+        },
+    )
+
+
+def write_index(path: Path, index: Index) -> str:
+    """Write to `path` (a temporary name) and fsync; the caller renames it into place and writes the returned
+    root digest to DIGEST beside it.
 
     Flat tables, so the number of HDF5 objects does not grow with the model: tensors, their shards and the
     shards' chunks are rows of three tables linked by start/count columns (docs/checkpoint-format.md)."""
     import h5py
 
-    files = sorted(index.files())
-    file_id = {f: i for i, f in enumerate(files)}
-    names = sorted(index.tensors)
-    recs = [index.tensors[n] for n in names]
-    maxd = max([1, *(len(r.global_shape) for r in recs)])
-
-    def padded(shape) -> list[int]:
-        return list(shape) + [-1] * (maxd - len(shape))
-
-    shards = [s for r in recs for s in r.shards]
-    shard_counts = [len(r.shards) for r in recs]
-    chunk_counts = [len(s.chunks) for s in shards]
+    tables = _tables_of(index)
+    digest = root_digest(tables)
     str_dt = h5py.string_dtype()
     with h5py.File(path, "w", locking=False) as f:
-        f.attrs.update(
-            {
-                "format": FORMAT,
-                "version": VERSION,
-                "hash_algorithm": HASH_ALGORITHM,
-                "step": index.step,
-                "world_size": index.world_size,
-                "layout": json.dumps(index.layout),
-                "parent": index.parent or "",
-                "created": index.created,
-                "trainer_state": json.dumps(index.trainer_state),
-            }
-        )
-        f.create_dataset("files", data=np.array(files, dtype=str_dt))
-        f.create_dataset("tensor_name", data=np.array(names, dtype=str_dt))
-        f.create_dataset("tensor_dtype", data=np.array([r.dtype for r in recs], dtype=str_dt))
-        f.create_dataset("tensor_ndim", data=np.array([len(r.global_shape) for r in recs], dtype=np.int32))
-        f.create_dataset(
-            "tensor_shape",
-            data=np.array([padded(r.global_shape) for r in recs], dtype=np.int64).reshape(len(recs), maxd),
-        )
-        f.create_dataset("tensor_shard_start", data=np.cumsum([0, *shard_counts[:-1]]).astype(np.int64)[: len(recs)])
-        f.create_dataset("tensor_shard_count", data=np.array(shard_counts, dtype=np.int64))
-        f.create_dataset(
-            "shard_offset", data=np.array([padded(s.offset) for s in shards], dtype=np.int64).reshape(len(shards), maxd)
-        )
-        f.create_dataset(
-            "shard_shape", data=np.array([padded(s.shape) for s in shards], dtype=np.int64).reshape(len(shards), maxd)
-        )
-        f.create_dataset("shard_chunk_start", data=np.cumsum([0, *chunk_counts[:-1]]).astype(np.int64)[: len(shards)])
-        f.create_dataset("shard_chunk_count", data=np.array(chunk_counts, dtype=np.int64))
-        f.create_dataset(
-            "chunks",
-            data=np.array(
-                [(c.hash.encode(), file_id[c.file], c.offset, c.length) for sh in shards for c in sh.chunks],
-                dtype=CHUNK_DTYPE,
-            ),
-        )
-        ranks = sorted(index.rng)
-        f.create_dataset("rng_rank", data=np.array(ranks, dtype=np.int64))
-        for key in sorted({k for states in index.rng.values() for k in states}):
-            f.create_dataset(f"rng_{key}", data=np.stack([index.rng[r][key] for r in ranks]))
+        f.attrs.update({**tables.attrs, "digest": digest})
+        for name in STRING_TABLES:
+            f.create_dataset(name, data=np.array([x.decode() for x in tables.strings[name]], dtype=str_dt))
+        for name, data in tables.ints.items():
+            f.create_dataset(name, data=data if name != "tensor_ndim" else data.astype(np.int32))
+        f.create_dataset("chunks", data=tables.chunks)
+        for name, data in tables.rng.items():
+            f.create_dataset(name, data=data)
         f.flush()
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    return digest
 
 
-def read_index(path: Path) -> Index:
-    """Parse an index; VerificationFailure (exit 3) if it is damaged or not an index."""
+def write_digest_file(step_dir: Path, digest: str) -> None:
+    """DIGEST: one line, the root digest; what a signature covers without parsing HDF5. Durable before return."""
+    tmp = step_dir / f".{DIGEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(digest + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, step_dir / DIGEST)
+
+
+class _Damaged(Exception):
+    """The index cannot be parsed into tables at all."""
+
+
+def _attr(f, name: str, kind: type):
+    if name not in f.attrs:
+        raise _Damaged(f"attribute {name} is missing")
+    value = f.attrs[name]
+    if kind is str:
+        if isinstance(value, (bytes, np.bytes_)):
+            try:
+                return bytes(value).decode("utf-8")
+            except UnicodeDecodeError:
+                raise _Damaged(f"attribute {name} is not UTF-8 text") from None
+        if isinstance(value, str):
+            return value
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return int(value) if kind is int else float(value)
+    elif kind is float and isinstance(value, (float, np.floating)):
+        return float(value)
+    raise _Damaged(f"attribute {name} is a {type(value).__name__}, not {kind.__name__}")
+
+
+def _dataset(f, name: str):
+    """The table `name`, refusing links, virtual or external storage (they would make h5py read other files)
+    and sizes no index has (a compressed dataset can claim terabytes in a few bytes)."""
     import h5py
 
-    def strings(ds) -> list[str]:
-        return [x.decode() if isinstance(x, bytes) else x for x in ds[()]]
+    link = f.get(name, getlink=True)
+    if link is None:
+        raise _Damaged(f"table {name} is missing")
+    if not isinstance(link, h5py.HardLink) or not isinstance(f[name], h5py.Dataset):
+        raise _Damaged(f"{name} is not a table stored in the index")
+    ds = f[name]
+    if ds.is_virtual or ds.external:
+        raise _Damaged(f"table {name} refers to data outside the index")
+    if ds.shape is None or ds.size * ds.dtype.itemsize > MAX_TABLE_BYTES:
+        raise _Damaged(f"table {name} is {ds.shape} of {ds.dtype}: not a size an index has")
+    return ds
+
+
+def _read_tables(f) -> Tables:
+    import h5py
+
+    attrs = {name: _attr(f, name, kind) for name, kind in ATTRS}
+    strings = {}
+    for name in STRING_TABLES:
+        ds = _dataset(f, name)
+        if ds.ndim != 1 or (h5py.check_string_dtype(ds.dtype) is None and ds.dtype.kind != "S"):
+            raise _Damaged(f"table {name} is not a list of strings")
+        strings[name] = [x.encode() if isinstance(x, str) else bytes(x) for x in ds[()]]
+    ints = {}
+    for name in (*INT_TABLES, "rng_rank"):
+        ds = _dataset(f, name)
+        if ds.dtype.kind not in "iu":
+            raise _Damaged(f"table {name} holds {ds.dtype}, not integers")
+        ints[name] = np.asarray(ds[()], dtype=np.int64)
+    ds = _dataset(f, "chunks")
+    if ds.dtype != CHUNK_DTYPE:
+        raise _Damaged(f"the chunk table holds {ds.dtype}, not {CHUNK_DTYPE}")
+    chunks = np.asarray(ds[()], dtype=CHUNK_DTYPE)
+    rng = {}
+    for name in sorted(k for k in f if k.startswith("rng_") and k != "rng_rank"):
+        ds = _dataset(f, name)
+        if ds.dtype != np.uint8:
+            raise _Damaged(f"RNG table {name} holds {ds.dtype}, not uint8")
+        rng[name] = np.asarray(ds[()])
+    return Tables(attrs, strings, ints, chunks, rng)
+
+
+def _index_of(t: Tables) -> Index:
+    """Objects from tables that passed `structure_problems` (so every row reference below is in range)."""
+    files = [x.decode() for x in t.strings["files"]]
+    names = [x.decode() for x in t.strings["tensor_name"]]
+    dtypes = [x.decode() for x in t.strings["tensor_dtype"]]
+    i = t.ints
+    ndims, tshape = i["tensor_ndim"].tolist(), i["tensor_shape"].tolist()
+    t_start, t_count = i["tensor_shard_start"].tolist(), i["tensor_shard_count"].tolist()
+    s_off, s_shape = i["shard_offset"].tolist(), i["shard_shape"].tolist()
+    c_start, c_count = i["shard_chunk_start"].tolist(), i["shard_chunk_count"].tolist()
+    hashes = [h.decode() for h in t.chunks["hash"]]
+    c_file, c_off, c_len = t.chunks["file"].tolist(), t.chunks["offset"].tolist(), t.chunks["length"].tolist()
+    tensors = {}
+    for k, name in enumerate(names):
+        nd = ndims[k]
+        shards = []
+        for j in range(t_start[k], t_start[k] + t_count[k]):
+            a, b = c_start[j], c_start[j] + c_count[j]
+            shards.append(
+                ShardRecord(
+                    tuple(s_off[j][:nd]),
+                    tuple(s_shape[j][:nd]),
+                    [ChunkRef(hashes[c], files[c_file[c]], c_off[c], c_len[c]) for c in range(a, b)],
+                )
+            )
+        tensors[name] = TensorRecord(name, tuple(tshape[k][:nd]), dtypes[k], shards)
+    ranks = i["rng_rank"].tolist()
+    rng: dict[int, dict[str, np.ndarray]] = {r: {} for r in ranks}
+    for key, data in t.rng.items():
+        for row, r in enumerate(ranks):
+            rng[r][key.removeprefix("rng_")] = data[row]
+    a = t.attrs
+    return Index(
+        a["step"],
+        a["world_size"],
+        parsed_layout(t),
+        a["parent"] or None,
+        a["created"],
+        tensors,
+        parsed_trainer_state(t),
+        rng,
+        chunk_bytes=a["chunk_bytes"],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class IndexProblem:
+    file: str  # INDEX or DIGEST: the file in the step directory that is wrong
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.problem}"
+
+
+@dataclass(slots=True)
+class IndexExamination:
+    index: Index | None  # None when its structure is unusable: nothing it says can be followed
+    problems: list[IndexProblem]
+    digest: str | None = None  # the root digest of what the index holds, when it could be read
+
+
+def examine_index(path: Path) -> IndexExamination:
+    """Every check of an index short of reading data (integrity.py): format and version, the root digest
+    against the `digest` attribute and the DIGEST file, and the structure. Never raises for a bad index."""
+    import h5py
+
+    def fail(problem: str) -> IndexExamination:
+        return IndexExamination(None, [IndexProblem(INDEX, problem)])
 
     try:
         with h5py.File(path, "r", locking=False) as f:
             if f.attrs.get("format") != FORMAT:
-                raise VerificationFailure(f"{path}: not an hpcscale checkpoint index")
-            if int(f.attrs["version"]) != VERSION:
-                raise VerificationFailure(f"{path}: index version {f.attrs['version']} is not supported")
+                return fail("not an hpcscale checkpoint index")
+            version = f.attrs.get("version")
+            if version == 1:
+                return fail(
+                    "index version 1 (hpcscale 0.1.0) has no root digest, so its structure cannot be "
+                    'authenticated; this version refuses it (docs/checkpoint-format.md, "Versions")'
+                )
+            if version != VERSION:
+                return fail(f"index version {str(version)[:40]} is not supported (this hpcscale reads {VERSION})")
             algorithm = f.attrs.get("hash_algorithm")
-            if algorithm != HASH_ALGORITHM and algorithm not in _LEGACY_HASH_NAMES:
-                raise VerificationFailure(f"{path}: chunks hashed with {algorithm!r}, which this version cannot check")
-            files = strings(f["files"])
-            names, dtypes = strings(f["tensor_name"]), strings(f["tensor_dtype"])
-            ndims, tshape = f["tensor_ndim"][()], f["tensor_shape"][()]
-            t_start, t_count = f["tensor_shard_start"][()], f["tensor_shard_count"][()]
-            s_off, s_shape = f["shard_offset"][()], f["shard_shape"][()]
-            c_start, c_count = f["shard_chunk_start"][()], f["shard_chunk_count"][()]
-            table = f["chunks"][()]
-            hashes = [h.decode() for h in table["hash"]]
-            c_file, c_off, c_len = table["file"].tolist(), table["offset"].tolist(), table["length"].tolist()
-            tensors = {}
-            for i, name in enumerate(names):
-                nd = int(ndims[i])
-                shards = []
-                for j in range(int(t_start[i]), int(t_start[i] + t_count[i])):
-                    a, b = int(c_start[j]), int(c_start[j] + c_count[j])
-                    shards.append(
-                        ShardRecord(
-                            tuple(int(x) for x in s_off[j][:nd]),
-                            tuple(int(x) for x in s_shape[j][:nd]),
-                            [ChunkRef(hashes[k], files[c_file[k]], c_off[k], c_len[k]) for k in range(a, b)],
-                        )
-                    )
-                tensors[name] = TensorRecord(name, tuple(int(x) for x in tshape[i][:nd]), dtypes[i], shards)
-            ranks = f["rng_rank"][()].tolist()
-            rng: dict[int, dict[str, np.ndarray]] = {r: {} for r in ranks}
-            for key in f:
-                if key.startswith("rng_") and key != "rng_rank":
-                    data = f[key][()]
-                    for row, r in enumerate(ranks):
-                        rng[r][key.removeprefix("rng_")] = data[row]
-            return Index(
-                int(f.attrs["step"]),
-                int(f.attrs["world_size"]),
-                json.loads(f.attrs["layout"]),
-                f.attrs["parent"] or None,
-                float(f.attrs["created"]),
-                tensors,
-                json.loads(f.attrs["trainer_state"]),
-                rng,
+            if algorithm != HASH_ALGORITHM:
+                return fail(f"chunks hashed with {str(algorithm)[:40]!r}, which this version cannot check")
+            stored = f.attrs.get("digest")
+            tables = _read_tables(f)
+    except _Damaged as e:
+        return fail(f"damaged index ({e})")
+    except Exception as e:  # h5py raises many types for a damaged file; each means the same here
+        return fail(f"damaged index ({type(e).__name__}: {str(e)[:200]})")
+    problems = []
+    digest = root_digest(tables)
+    if not valid_digest_text(stored):
+        problems.append(IndexProblem(INDEX, "the root digest attribute is missing or malformed"))
+    elif stored != digest:
+        problems.append(
+            IndexProblem(
+                INDEX, f"root digest mismatch: recorded {stored}, contents hash to {digest} (edited or damaged)"
             )
-    except VerificationFailure:
-        raise
-    except (OSError, KeyError, ValueError, TypeError, IndexError) as e:
-        raise VerificationFailure(f"{path}: damaged index ({type(e).__name__}: {e})") from None
+        )
+    try:
+        with open(path.parent / DIGEST, "rb") as fh:
+            recorded = fh.read(256).decode("ascii", "replace").strip()
+        if recorded != digest:
+            problems.append(IndexProblem(DIGEST, f"says {recorded[:80]!r}, the index's contents hash to {digest}"))
+    except OSError as e:
+        problems.append(IndexProblem(DIGEST, f"cannot be read ({e.strerror or e})"))
+    structure = structure_problems(tables, dir_step=step_of(path.parent.name))
+    problems += [IndexProblem(INDEX, p) for p in structure]
+    index = None if structure else _index_of(tables)
+    if index is not None:
+        index.digest = digest
+    return IndexExamination(index, problems, digest)
+
+
+def read_index(path: Path) -> Index:
+    """Parse an index and check it whole (root digest, DIGEST file, structure); VerificationFailure (exit 3)
+    naming the first problems if it is damaged, edited or not an index."""
+    exam = examine_index(path)
+    if exam.problems or exam.index is None:
+        shown = "; ".join(str(p) for p in exam.problems[:3])
+        more = f" (and {len(exam.problems) - 3} more)" if len(exam.problems) > 3 else ""
+        raise VerificationFailure(f"{path.parent}: {shown}{more}")
+    return exam.index
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -188,10 +188,15 @@ class CheckpointManager:
             path = self.root / step_dir_name(step) / INDEX
             problem, index = None, None
             try:
-                index = read_index(path)
+                index = read_index(path)  # root digest, DIGEST and structure: nothing below follows a bad index
                 load_shards(index, self.root, targets)
             except VerificationFailure as e:
                 problem = str(e)
+            except Exception as e:
+                # Whatever else a checkpoint makes a rank raise (an OSError from a failing disk, a bug that a
+                # crafted index reaches), the rank must still answer the all_gather below: one rank raising
+                # alone would leave the others waiting on it forever. The type is kept in the message.
+                problem = f"{path.parent}: unexpected {type(e).__name__}: {e}"
             problems = [None] * dist.get_world_size()
             dist.all_gather_object(problems, problem, group=self.group)
             bad = [p for p in problems if p]

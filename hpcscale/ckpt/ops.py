@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,8 +15,10 @@ from hpcscale.ckpt.format import (
     HASH_ALGORITHM,
     INDEX,
     LATEST,
+    VERSION,
     Index,
     committed_steps,
+    examine_index,
     read_index,
     step_dir_name,
     step_of,
@@ -46,7 +49,7 @@ class CheckpointInfo:
     new_bytes: int  # bytes stored in its own data files (what this save wrote)
     layout: dict
     world_size: int
-    verified: str  # "ok" (structure checked: files present and long enough) or the problem
+    verified: str  # "ok" (index checked whole: digest and structure; data files present, long enough) or the problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +61,8 @@ class FileProblem:
         return f"{self.file} {self.problem}"
 
 
-def _structure_problem(root: Path, index: Index) -> FileProblem | None:
+def data_file_problem(root: Path, index: Index) -> FileProblem | None:
+    """The first data file that is missing or shorter than the chunks in it reach."""
     sizes: dict[str, int] = {}
     for rec in index.tensors.values():
         for shard in rec.shards:
@@ -66,9 +70,12 @@ def _structure_problem(root: Path, index: Index) -> FileProblem | None:
                 sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)
     for f, need in sorted(sizes.items()):
         try:
-            have = (root / f).stat().st_size
+            st = (root / f).stat()
         except FileNotFoundError:
             return FileProblem(f, "is missing")
+        if not stat.S_ISREG(st.st_mode):
+            return FileProblem(f, "is not a regular file")  # a FIFO would block the read forever
+        have = st.st_size
         if have < need:
             return FileProblem(f, f"is truncated ({have} of {need} bytes)")
     return None
@@ -90,7 +97,7 @@ def _info(root: Path, step: int) -> CheckpointInfo:
         new,
         index.layout,
         index.world_size,
-        str(_structure_problem(root, index) or "ok"),
+        str(data_file_problem(root, index) or "ok"),
     )
 
 
@@ -112,22 +119,36 @@ def latest(path: Path) -> CheckpointInfo | None:
 
 
 def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
-    """Read every chunk and check its hash; the report names every bad chunk with its tensor and data file.
-    An unreadable index raises VerificationFailure (exit 3): nothing else can be checked then."""
+    """Check the index whole, then read every chunk and check its hash; the report names every problem.
+
+    What a passing report proves is in docs/checkpoint-format.md ("What `ckpt verify` proves"): the index's root
+    digest matches its contents and DIGEST; its structure is sound (every tensor tiled by its shards, every
+    shard exactly its chunks, offsets and lengths in range); every chunk referenced is in place and has its
+    recorded hash. A checkpoint directory without an index raises VerificationFailure (exit 3)."""
     if not (step_dir / INDEX).exists():
         raise VerificationFailure(f"{step_dir}: no {INDEX} (not a committed checkpoint)")
     t0 = time.perf_counter()
     root = step_dir.parent
-    index = read_index(step_dir / INDEX)
-    total = index.total_bytes()
+    exam = examine_index(step_dir / INDEX)
+    index = exam.index
     report = VerifyReport(
         target=str(step_dir),
         root=str(root),
-        items=sum(len(s.chunks) for t in index.tensors.values() for s in t.shards),
-        bytes=total,
-        details={"step": index.step, "tensors": len(index.tensors)},
+        items=sum(len(s.chunks) for t in index.tensors.values() for s in t.shards) if index else 0,
+        bytes=index.total_bytes() if index else 0,
+        details={
+            "step": index.step if index else step_of(step_dir.name),
+            "tensors": len(index.tensors) if index else 0,
+            "version": VERSION,
+            "digest": exam.digest,
+        },
     )
-    problem = _structure_problem(root, index)
+    report.problems += [VerifyProblem(path=f"{step_dir.name}/{p.file}", problem=p.problem) for p in exam.problems]
+    if index is None:  # nothing the index says can be followed
+        report.seconds = time.perf_counter() - t0
+        return report
+    total = report.bytes
+    problem = data_file_problem(root, index)
     if problem:
         report.problems.append(VerifyProblem(path=problem.file, problem=problem.problem))
         report.seconds = time.perf_counter() - t0
@@ -142,7 +163,9 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
                 for c in shard.chunks:
                     key = (c.file, c.offset, c.length, c.hash)
                     if key not in verdict:
-                        fd = fds.get(c.file) or fds.setdefault(c.file, os.open(root / c.file, os.O_RDONLY))
+                        fd = fds.get(c.file)
+                        if fd is None:
+                            fd = fds[c.file] = os.open(root / c.file, os.O_RDONLY)
                         data = os.pread(fd, c.length, c.offset)
                         verdict[key] = (
                             "is truncated"
@@ -180,6 +203,8 @@ def inspect(step_dir: Path) -> dict:
         "parent": index.parent,
         "created": index.created,
         "hash_algorithm": HASH_ALGORITHM,
+        "version": VERSION,
+        "digest": index.digest,
         "bytes": index.total_bytes(),
         "files": sorted(index.files()),
         "trainer_state": index.trainer_state,

@@ -4,6 +4,7 @@ copies the overlap into place; the saved layout and the loading layout may diffe
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 import xxhash
 
 from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord
+from hpcscale.ckpt.integrity import DTYPE_SIZES
 from hpcscale.ckpt.shards import LocalShard
 from hpcscale.errors import VerificationFailure
 
@@ -27,11 +29,18 @@ class ChunkReader:
         fd = self._fds.get(ref.file)
         if fd is None:
             try:
-                fd = self._fds[ref.file] = os.open(self.root / ref.file, os.O_RDONLY)
+                # O_NONBLOCK: a FIFO planted under a data file's name must not hang every rank in open()
+                fd = os.open(self.root / ref.file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
             except FileNotFoundError:
                 raise VerificationFailure(
                     f"tensor {tensor}: chunk {ref.hash} is in {ref.file}, which is missing"
                 ) from None
+            except OSError as e:
+                raise VerificationFailure(f"tensor {tensor}: cannot open {ref.file}: {e.strerror}") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise VerificationFailure(f"tensor {tensor}: {ref.file} is not a regular file")
+            self._fds[ref.file] = fd
         return fd
 
     def read(self, tensor: str, ref, out: memoryview) -> None:
@@ -56,7 +65,7 @@ class ChunkReader:
 
 def _torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
+    if not isinstance(dt, torch.dtype) or dt.itemsize != DTYPE_SIZES.get(name):
         raise VerificationFailure(f"unknown dtype '{name}' in the index")
     return dt
 

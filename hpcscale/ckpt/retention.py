@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 from hpcscale.ckpt.faults import fault
-from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name, step_of
+from hpcscale.ckpt.format import DIGEST, INDEX, committed_steps, read_index, step_dir_name, step_of
 from hpcscale.errors import VerificationFailure
 
 
@@ -55,6 +55,7 @@ def apply_retention(root: Path, *, keep_last: int, keep_every: int, dry_run: boo
             gone += [str(f.relative_to(root)) for f in (d / "data").glob("*") if str(f.relative_to(root)) not in needed]
             continue
         (d / INDEX).unlink(missing_ok=True)
+        (d / DIGEST).unlink(missing_ok=True)  # no longer the digest of anything
         for f in sorted((d / "data").glob("*")):
             rel = str(f.relative_to(root))
             if rel not in needed:

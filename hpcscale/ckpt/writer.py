@@ -4,8 +4,9 @@ Commit order (the atomicity argument):
 1. every rank writes its new chunks into `.tmp-step-N/data/rank-R.bin` and fsyncs file and directory;
 2. each rank sends its chunk table to rank 0 over the checkpoint's own gloo group (never the training
    group, so a background save cannot interleave with training collectives);
-3. rank 0 writes `index.h5.tmp`, fsyncs, renames it to `index.h5`, fsyncs the directory, renames
-   `.tmp-step-N` to `step-N`, fsyncs the root, then replaces `LATEST`;
+3. rank 0 writes `index.h5.tmp` and `DIGEST` (its root digest), fsyncs both, renames `index.h5.tmp` to
+   `index.h5`, fsyncs the directory, renames `.tmp-step-N` to `step-N`, fsyncs the root, then replaces
+   `LATEST`;
 4. rank 0 applies retention and tells every rank the outcome (and which files retention removed).
 A crash before (3) leaves only a `.tmp-*` directory (cleaned at the next start); a checkpoint directory
 without `index.h5` is never considered complete.
@@ -44,8 +45,10 @@ from hpcscale.ckpt.format import (
     TensorRecord,
     fsync_dir,
     step_dir_name,
+    write_digest_file,
     write_index,
 )
+from hpcscale.ckpt.integrity import DTYPE_SIZES
 from hpcscale.ckpt.shards import LocalShard
 
 ALIGN = 4096  # O_DIRECT's alignment for memory, file offsets and lengths (every device's logical block divides it)
@@ -329,6 +332,8 @@ class ShardWriter:
         try:
             for p in pending:
                 s = p.shard
+                if dtype_name(s.tensor) not in DTYPE_SIZES:
+                    raise ValueError(f"tensor {s.name}: dtype {s.tensor.dtype} has no plain bytes to checkpoint")
                 if p.data is None:
                     refs = p.reuse or []
                     result.referenced_bytes += sum(c.length for c in refs)
@@ -413,8 +418,9 @@ def commit(
         rec.shards.sort(key=lambda s: s.offset)
     name = step_dir_name(step)
     tmp = root / f".tmp-{name}"
-    index = Index(step, len(gathered), layout, parent, time.time(), tensors, trainer_state, rng)
-    write_index(tmp / f"{INDEX}.tmp", index)
+    index = Index(step, len(gathered), layout, parent, time.time(), tensors, trainer_state, rng, CHUNK_BYTES)
+    digest = write_index(tmp / f"{INDEX}.tmp", index)
+    write_digest_file(tmp, digest)  # inside the directory the rename below commits, with the index
     os.replace(tmp / f"{INDEX}.tmp", tmp / INDEX)
     fsync_dir(tmp)
     fault("index_written", 0)

@@ -72,9 +72,14 @@ def ls(path: Path, as_json: bool) -> None:
 @dir_arg
 @json_option
 def verify(path: Path, as_json: bool) -> None:
-    """Read every chunk of the checkpoint DIR (a step directory) and check its hash.
+    """Check the checkpoint DIR (a step directory) whole: its index, then every chunk.
 
-    Exits 3 naming the tensor and the chunk when anything is missing, truncated or corrupt.
+    The index's root digest must match its contents and the DIGEST file beside it; its structure must be sound
+    (each tensor tiled by its shards, each shard exactly its chunks, dtypes known, offsets and lengths in
+    range); every chunk must be in place with its recorded hash. Exits 3 naming each problem (the tensor and
+    chunk, or what is wrong in the index). A pass does not prove who wrote the checkpoint: someone who rewrote
+    data and index and recomputed the digest is caught only by a signature over DIGEST
+    (docs/checkpoint-format.md, "What ckpt verify proves").
 
     \b
     Example:
@@ -105,7 +110,7 @@ def verify(path: Path, as_json: bool) -> None:
         if report.passed:
             click.echo(
                 f"ok: step {report.details['step']}: {report.details['tensors']} tensors, {report.items} chunks, "
-                f"{_size(report.bytes)} verified in {report.seconds:.2f}s"
+                f"{_size(report.bytes)} verified in {report.seconds:.2f}s; root digest {report.details['digest']}"
             )
     if not report.passed:
         raise VerificationFailure(f"{report.target}: {len(report.problems)} problem(s); the checkpoint is damaged")
@@ -171,7 +176,10 @@ def gc(path: Path, keep: int, every: int, dry_run: bool, as_json: bool) -> None:
 @click.option("-o", "out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output file.")
 @json_option
 def export(path: Path, fmt: str, out: Path, as_json: bool) -> None:
-    """Write the model of checkpoint DIR as one consolidated file for inference (hashes verified on read)."""
+    """Write the model of checkpoint DIR as one consolidated file for inference.
+
+    The index is checked whole first (root digest, structure: every tensor fully covered) and every chunk's
+    hash on read; on any problem it exits 3 and writes nothing."""
     from hpcscale.ckpt.export import export as run_export
 
     doc = run_export(path, fmt, out)

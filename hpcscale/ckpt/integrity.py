@@ -1,0 +1,370 @@
+"""Integrity of a checkpoint index: what binds every chunk to its place, and what proves the index whole.
+
+Chunk hashes prove a chunk's bytes, not where they belong: content addressing lets one stored chunk serve two
+tensors, so the data files cannot say whose a chunk is. The index says it, and two independent layers make
+the index itself trustworthy; `ckpt verify` and every load (`format.read_index`) run both.
+
+1. Structure (`structure_problems`): the tables must describe a well-formed store on their own. Every run of
+   rows partitions the table below it; every dtype is a known name with a known element size; every shard
+   lies inside its tensor's global shape and the shards of a tensor tile it exactly (disjoint, volumes summing
+   to the tensor's); every shard's chunks are exactly its bytes, cut at `chunk_bytes` (a chunk's position in
+   the shard is its row's position in the run, so no gap, overlap or reordering fits); offsets are not
+   negative; data files are named as the writer names them and are not newer than the checkpoint; trainer
+   state and layout are bounded JSON objects; RNG tables have one uint8 row per rank. These catch a damaged
+   index even when its digest was recomputed, and they make reading safe: no negative offset reaches a read,
+   no buffer is larger than its chunks, and no element of a loaded or exported tensor is left unwritten.
+
+2. Root digest (`root_digest`): sha256 over a canonical serialisation of everything the index says (the
+   attributes, every table, the RNG states), recorded in the index (`digest`) and in the small text file
+   `DIGEST` beside it, which a signature can cover without parsing HDF5. A chunk is bound to its tensor,
+   shard and position because its row (hash, file, offset, length) enters the digest at exactly that place:
+   swapping two tensors' chunk references, or editing a dtype, a shape or the trainer state, changes it.
+   sha256 rather than xxh128: xxh128 is built for speed, not against an adversary, and anyone can construct a
+   second input with a given xxh128; a digest that a signature will vouch for must be collision resistant.
+   The digest covers the index only (kilobytes to a few megabytes): the chunk hashes it covers already bind
+   the data bytes, so it costs nothing per byte of data.
+
+What neither layer stops: someone who rewrites data and index consistently and recomputes the digest (and
+`DIGEST`). That is what a signature over `DIGEST` stops (cross-site exchange signs it). The exact canonical
+input is in docs/checkpoint-format.md ("Root digest"); keep the two in step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hpcscale.errors import BadInput
+from hpcscale.util.bounded import loads_json
+
+DIGEST_ALGORITHM = "sha256"
+_DOMAIN = b"hpcscale-checkpoint-index-digest-v2\n"
+MAX_JSON_BYTES = 16 << 20  # trainer state and layout: far beyond any real one, small enough to refuse fast
+MAX_OFFSET = 1 << 62  # no data file is this large; keeps offset + length inside int64
+_DIGEST_TEXT = re.compile(r"^sha256:[0-9a-f]{64}$")
+_DATA_FILE = re.compile(r"^step-(\d{8})/data/rank-\d{5}\.bin$")
+_PARENT = re.compile(r"^step-(\d{8})$")
+_RNG_KEY = re.compile(r"^rng_[a-z0-9]+$")
+_HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+
+# Element sizes of the dtypes a checkpoint may hold (torch names). Sub-byte and quantized types have no plain
+# row-major bytes and are refused at save.
+DTYPE_SIZES = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+    "uint16": 2,
+    "int16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "uint32": 4,
+    "int32": 4,
+    "float32": 4,
+    "complex32": 4,
+    "uint64": 8,
+    "int64": 8,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+# Root attributes in digest order, with the type each must have.
+ATTRS: tuple[tuple[str, type], ...] = (
+    ("format", str),
+    ("version", int),
+    ("hash_algorithm", str),
+    ("chunk_bytes", int),
+    ("step", int),
+    ("world_size", int),
+    ("layout", str),
+    ("parent", str),
+    ("created", float),
+    ("trainer_state", str),
+)
+STRING_TABLES = ("files", "tensor_name", "tensor_dtype")
+INT_TABLES = (
+    "tensor_ndim",
+    "tensor_shape",
+    "tensor_shard_start",
+    "tensor_shard_count",
+    "shard_offset",
+    "shard_shape",
+    "shard_chunk_start",
+    "shard_chunk_count",
+)
+CHUNK_DTYPE = np.dtype([("hash", "S32"), ("file", "<i4"), ("offset", "<i8"), ("length", "<i8")])  # packed: 52 B
+
+
+@dataclass(slots=True)
+class Tables:
+    """An index's contents as stored, normalised to one type per field (strings as UTF-8 bytes, integer tables
+    as int64, the chunk table as CHUNK_DTYPE, RNG tables as uint8): what the digest and the checks read."""
+
+    attrs: dict[str, str | int | float]
+    strings: dict[str, list[bytes]]  # STRING_TABLES
+    ints: dict[str, np.ndarray]  # INT_TABLES and rng_rank, int64
+    chunks: np.ndarray  # (C,) CHUNK_DTYPE
+    rng: dict[str, np.ndarray] = field(default_factory=dict)  # "rng_cpu", ... -> (W, n) uint8
+
+
+def _frame(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+def _array_payload(a: np.ndarray) -> bytes:
+    return struct.pack("<Q", a.ndim) + struct.pack(f"<{a.ndim}Q", *a.shape) + np.ascontiguousarray(a).tobytes()
+
+
+def root_digest(t: Tables) -> str:
+    """ "sha256:<hex>" over the canonical serialisation of `t` (docs/checkpoint-format.md, "Root digest")."""
+    h = hashlib.sha256(_DOMAIN)
+
+    def record(name: str, payload: bytes) -> None:
+        h.update(_frame(name.encode()))
+        h.update(_frame(payload))
+
+    for name, kind in ATTRS:
+        value = t.attrs[name]
+        if kind is str:
+            record(name, value.encode())
+        elif kind is int:
+            record(name, struct.pack("<q", value))
+        else:
+            record(name, struct.pack("<d", value))
+    for name in STRING_TABLES:
+        record(name, b"".join(_frame(x) for x in t.strings[name]))
+    for name in INT_TABLES:
+        record(name, _array_payload(t.ints[name].astype("<i8", copy=False)))
+    record("chunks", _array_payload(t.chunks.astype(CHUNK_DTYPE, copy=False)))
+    record("rng_rank", _array_payload(t.ints["rng_rank"].astype("<i8", copy=False)))
+    for name in sorted(t.rng):
+        record(name, _array_payload(t.rng[name]))
+    return f"{DIGEST_ALGORITHM}:{h.hexdigest()}"
+
+
+def valid_digest_text(text: object) -> bool:
+    return isinstance(text, str) and _DIGEST_TEXT.match(text) is not None
+
+
+def _json_object(text: str, source: str) -> tuple[dict | None, str | None]:
+    try:
+        value = loads_json(text, source=source, max_bytes=MAX_JSON_BYTES)
+    except BadInput as e:
+        return None, str(e)
+    if not isinstance(value, dict):
+        return None, f"{source}: a JSON object is required, not {type(value).__name__}"
+    return value, None
+
+
+def parsed_layout(t: Tables) -> dict | None:
+    return _json_object(str(t.attrs["layout"]), "layout")[0]
+
+
+def parsed_trainer_state(t: Tables) -> dict | None:
+    return _json_object(str(t.attrs["trainer_state"]), "trainer_state")[0]
+
+
+def _runs_partition(start: np.ndarray, count: np.ndarray, total: int) -> bool:
+    """True when rows [start[i], start[i] + count[i]) follow one another from 0 and cover exactly `total` rows."""
+    if (count < 0).any() or (count > total).any() or int(count.sum()) != total:  # bounded first: no wrap
+        return False
+    return bool((start == np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64)).all())
+
+
+def _decode(raw: bytes, what: str, problems: list[str]) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        problems.append(f"{what} {raw[:40]!r} is not UTF-8")
+        return None
+
+
+def _attr_problems(t: Tables, dir_step: int | None, out: list[str]) -> None:
+    a = t.attrs
+    if not 1 <= a["chunk_bytes"] <= 1 << 30:
+        out.append(f"chunk_bytes {a['chunk_bytes']} is out of range")
+    if a["step"] < 0:
+        out.append(f"step {a['step']} is negative")
+    if dir_step is not None and a["step"] != dir_step:
+        out.append(f"the index is of step {a['step']}, in the directory of step {dir_step} (moved or replayed)")
+    if a["world_size"] < 1:
+        out.append(f"world_size {a['world_size']} is not positive")
+    if not math.isfinite(a["created"]):
+        out.append("created is not a finite time")
+    layout, problem = _json_object(a["layout"], "layout")
+    if problem:
+        out.append(problem)
+    elif layout is not None:
+        degrees = [layout.get(k) for k in ("pp", "dp", "tp")]
+        if not all(type(d) is int and d >= 1 for d in degrees):
+            out.append(f"layout {a['layout'][:80]} does not give positive pp, dp and tp")
+        elif math.prod(degrees) != a["world_size"]:
+            out.append(f"layout {a['layout'][:80]} does not multiply to world_size {a['world_size']}")
+    _, problem = _json_object(a["trainer_state"], "trainer_state")
+    if problem:
+        out.append(problem)
+    parent = _PARENT.match(a["parent"])
+    if a["parent"] and (parent is None or int(parent.group(1)) >= a["step"]):
+        out.append(f"parent {a['parent'][:80]!r} is not an earlier step directory")
+
+
+def _rng_problems(t: Tables, out: list[str]) -> None:
+    ranks = t.ints["rng_rank"]
+    w = t.attrs["world_size"]
+    if ranks.ndim != 1 or ranks.shape[0] != w or not np.array_equal(np.sort(ranks), np.arange(w)):
+        out.append(f"rng_rank does not list each of the {w} ranks once")
+        return
+    for name, table in t.rng.items():
+        if not _RNG_KEY.match(name):
+            out.append(f"RNG table {name[:80]!r} has an unexpected name")
+        elif table.ndim != 2 or table.shape[0] != ranks.shape[0]:
+            out.append(f"{name} has shape {table.shape}, not one row per rank")
+
+
+def _disjoint(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """True when no two of the (lo, hi) boxes intersect. A sweep along the axis with the most distinct starts:
+    linear for the tilings a writer produces (rows, columns or a grid), quadratic only for a crafted index."""
+    if len(boxes) < 2 or not boxes[0][0]:
+        return len(boxes) < 2
+    axis = max(range(len(boxes[0][0])), key=lambda d: len({b[0][d] for b in boxes}))
+    boxes = sorted(boxes, key=lambda b: b[0][axis])
+    for i, (lo, hi) in enumerate(boxes):
+        for lo2, hi2 in boxes[i + 1 :]:
+            if lo2[axis] >= hi[axis]:
+                break
+            if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2, strict=True)):
+                return False
+    return True
+
+
+def structure_problems(t: Tables, *, dir_step: int | None) -> list[str]:
+    """Everything wrong with the tables' structure (see the module docstring); [] when they are well formed.
+    `dir_step` is the step the checkpoint's directory is named for, when it is in one. Never raises."""
+    out: list[str] = []
+    _attr_problems(t, dir_step, out)
+    s, i = t.strings, t.ints
+    n_t = len(s["tensor_name"])
+    shape_t, shard_off, shard_shape = i["tensor_shape"], i["shard_offset"], i["shard_shape"]
+    if (
+        len(s["tensor_dtype"]) != n_t
+        or any(i[k].shape != (n_t,) for k in ("tensor_ndim", "tensor_shard_start", "tensor_shard_count"))
+        or shape_t.ndim != 2
+        or shape_t.shape[0] != n_t
+        or shape_t.shape[1] < 1
+        or shard_off.ndim != 2
+        or shard_off.shape[1:] != shape_t.shape[1:]
+        or shard_shape.shape != shard_off.shape
+        or any(i[k].shape != (shard_off.shape[0],) for k in ("shard_chunk_start", "shard_chunk_count"))
+        or t.chunks.ndim != 1
+    ):
+        return [*out, "the tensor, shard and chunk tables do not have matching lengths"]
+    n_s, n_c, width = shard_off.shape[0], t.chunks.shape[0], shape_t.shape[1]
+    if not _runs_partition(i["tensor_shard_start"], i["tensor_shard_count"], n_s):
+        return [*out, "the tensors' runs of shards do not partition the shard table"]
+    if not _runs_partition(i["shard_chunk_start"], i["shard_chunk_count"], n_c):
+        return [*out, "the shards' runs of chunks do not partition the chunk table"]
+
+    for raw in s["files"]:
+        name = _decode(raw, "data file", out)
+        m = _DATA_FILE.match(name) if name is not None else None
+        if m is None:
+            out.append(f"data file {raw[:80]!r} is not a data file name (step-N/data/rank-R.bin)")
+        elif int(m.group(1)) > t.attrs["step"]:
+            out.append(f"data file {name} belongs to a later checkpoint than step {t.attrs['step']}")
+    if len(set(s["files"])) != len(s["files"]):
+        out.append("the file table lists a file twice")
+
+    chunks = t.chunks
+    if n_c:
+        hexes = np.frombuffer(chunks["hash"].tobytes(), dtype=np.uint8).reshape(n_c, 32)
+        bad = np.flatnonzero(~np.isin(hexes, _HEX).all(axis=1))
+        if bad.size:
+            out.append(f"chunk row {int(bad[0])}: hash {chunks['hash'][bad[0]][:40]!r} is not 32 lowercase hex digits")
+        bad = np.flatnonzero((chunks["file"] < 0) | (chunks["file"] >= len(s["files"])))
+        if bad.size:
+            out.append(f"chunk row {int(bad[0])}: file number {int(chunks['file'][bad[0]])} is not in the file table")
+        bad = np.flatnonzero((chunks["offset"] < 0) | (chunks["offset"] > MAX_OFFSET))
+        if bad.size:
+            out.append(f"chunk row {int(bad[0])}: offset {int(chunks['offset'][bad[0]])} is out of range")
+
+    prev_name = None
+    shard_bytes = np.zeros(n_s, dtype=np.int64)
+    for ti in range(n_t):
+        name = _decode(s["tensor_name"][ti], "tensor name", out)
+        if name is None:
+            continue
+        if prev_name is not None and name <= prev_name:
+            out.append(f"tensor {name}: the tensor table is not in strictly ascending name order")
+        prev_name = name
+        dtype = s["tensor_dtype"][ti].decode("utf-8", "replace")
+        elt = DTYPE_SIZES.get(dtype)
+        if elt is None:
+            out.append(f"tensor {name}: unknown dtype {dtype[:40]!r}")
+        nd = int(i["tensor_ndim"][ti])
+        if not 0 <= nd <= width:
+            out.append(f"tensor {name}: ndim {nd} is out of range")
+            continue
+        gshape = shape_t[ti]
+        if (gshape[:nd] < 0).any() or (gshape[nd:] != -1).any():
+            out.append(f"tensor {name}: global shape {gshape.tolist()} is invalid for {nd} dimensions")
+            continue
+        volume = math.prod(int(x) for x in gshape[:nd])
+        if volume * (elt or 1) > MAX_OFFSET:
+            out.append(f"tensor {name}: global shape {gshape[:nd].tolist()} is impossibly large")
+            continue
+        covered, boxes = 0, []
+        first = int(i["tensor_shard_start"][ti])
+        for sj in range(first, first + int(i["tensor_shard_count"][ti])):
+            off, shp = shard_off[sj], shard_shape[sj]
+            where = f"tensor {name}: shard {sj - first} (offset {off[:nd].tolist()}, shape {shp[:nd].tolist()})"
+            if (off[nd:] != -1).any() or (shp[nd:] != -1).any():
+                out.append(f"{where} has {width} dimensions padded wrongly for {nd}")
+                continue
+            lo, ext = off[:nd], shp[:nd]
+            if (lo < 0).any() or (ext < 0).any() or (ext > gshape[:nd] - lo).any():  # no sum: it could wrap
+                out.append(f"{where} lies outside the global shape {gshape[:nd].tolist()}")
+                continue
+            n = math.prod(int(x) for x in ext)
+            covered += n
+            if n:
+                lo_t = tuple(int(x) for x in lo)
+                boxes.append((lo_t, tuple(a + int(b) for a, b in zip(lo_t, ext, strict=True))))
+            shard_bytes[sj] = n * (elt or 0)
+            if elt is None:
+                continue
+            cb = t.attrs["chunk_bytes"]
+            want = max(1, -(-shard_bytes[sj] // cb)) if cb > 0 else -1
+            if int(i["shard_chunk_count"][sj]) != want:
+                out.append(
+                    f"{where}: {int(i['shard_chunk_count'][sj])} chunks for {int(shard_bytes[sj])} bytes "
+                    f"(cut at {cb} bytes: {want})"
+                )
+        if covered != volume or not _disjoint(boxes):
+            out.append(f"tensor {name}: its shards do not tile its global shape {gshape[:nd].tolist()}")
+    if n_c and not out and t.attrs["chunk_bytes"] >= 1:
+        # every chunk's length follows from its position in its shard: the shard's bytes cut at chunk_bytes
+        cb = t.attrs["chunk_bytes"]
+        counts = i["shard_chunk_count"]
+        pos = np.arange(n_c, dtype=np.int64) - np.repeat(i["shard_chunk_start"], counts)
+        want = np.minimum(cb, np.repeat(shard_bytes, counts) - pos * cb)
+        bad = np.flatnonzero(chunks["length"] != want)
+        if bad.size:
+            k = int(bad[0])
+            shard = int(np.searchsorted(np.cumsum(counts), k, side="right"))
+            out.append(
+                f"chunk row {k} (shard row {shard}): length {int(chunks['length'][k])}, "
+                f"but the shard's bytes cut at {cb} give {int(want[k])} there"
+            )
+    _rng_problems(t, out)
+    return out
