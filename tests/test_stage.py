@@ -70,9 +70,10 @@ def ssh_args(sshd) -> list[str]:
 def test_build_hashes_every_file_reuses_unchanged_ones_and_rehashes_on_request(tmp_path):
     root = make_tree(tmp_path / "data")
     (root / ".hpcscale-stage").mkdir()  # staging state is not data
-    (root / "d0" / ".f.abc.hpcscale-part").write_bytes(b"partial")
+    (root / "d0" / ".f.0123456789abcdef.hpcscale-part").write_bytes(b"partial")
     doc = build(root)
     assert doc["files"] == 41 and doc["hashed"] == 41 and doc["reused"] == 0
+    assert {n["path"] for n in doc["not_listed"]} == {".hpcscale-stage", "d0/.f.0123456789abcdef.hpcscale-part"}
     m = read_manifest(root / "manifest.json")
     assert m.hash_algorithm == "xxh128"
     paths = [f.path for f in m.files]
@@ -200,7 +201,7 @@ def test_unknown_hash_algorithm_and_broken_json_exit_2(tmp_path):
     assert r.returncode == 2 and "hash_algorithm" in r.stderr and "md5" in r.stderr
     m.write_text('{"format": "hpcscale-manifest", "files": [')
     r = run_cli("manifest", "verify", str(m))
-    assert r.returncode == 2 and "not a JSON manifest" in r.stderr
+    assert r.returncode == 2 and "invalid JSON" in r.stderr
 
 
 # -- stage between local paths -----------------------------------------------------------------------------

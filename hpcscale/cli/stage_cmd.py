@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from hpcscale.cli.options import console, dry_run_option, json_option, print_json, site_option
-from hpcscale.errors import VerificationFailure
+from hpcscale.errors import RuntimeFailure, VerificationFailure
 from hpcscale.portable.hashing import HASH_ALGORITHMS, XXH128
 from hpcscale.xsite import DEFAULT_JOBS, DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
 
@@ -62,7 +62,7 @@ def build(directory: Path, out: Path | None, algorithm: str, rehash: bool, jobs:
         "hashed": stats.hashed,
         "hashed_bytes": stats.hashed_bytes,
         "reused": stats.reused,
-        "not_listed": stats.skipped,
+        "not_listed": [{"path": n.path, "reason": n.reason} for n in stats.not_listed],
         "seconds": round(stats.seconds, 3),
         "mb_per_s": round(stats.hashed_bytes / 1e6 / stats.seconds, 1) if stats.seconds else 0,
     }
@@ -73,8 +73,13 @@ def build(directory: Path, out: Path | None, algorithm: str, rehash: bool, jobs:
         f"{target}: {stats.files} files, {_mb(stats.bytes)}; hashed {stats.hashed} ({_mb(stats.hashed_bytes)}), "
         f"reused {stats.reused}, {stats.seconds:.2f} s ({doc['mb_per_s']} MB/s)"
     )
-    if stats.skipped:
-        click.echo(f"not listed (symlinked directories, sockets, fifos): {', '.join(stats.skipped[:10])}")
+    for n in stats.not_listed:
+        click.echo(f"not listed: {_shown(n.path)}: {n.reason}", err=True)
+
+
+def _shown(text: str) -> str:
+    """A name for the terminal, printable even where it is not UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _load(path: Path):
@@ -128,7 +133,8 @@ def diff_cmd(a: Path, b: Path, as_json: bool) -> None:
 @jobs_option
 @json_option
 def verify_cmd(manifest_path: Path, root: Path | None, jobs: int | None, as_json: bool) -> None:
-    """Hash every file MANIFEST lists under ROOT; exit 3 naming every missing or mismatching file.
+    """Hash every file MANIFEST lists under ROOT; exit 3 naming every missing or mismatching file, exit 1
+    naming every file that is there but cannot be read (permissions: not damage).
 
     \b
     Example:
@@ -146,9 +152,17 @@ def verify_cmd(manifest_path: Path, root: Path | None, jobs: int | None, as_json
     else:
         for p in report.problems:
             click.echo(f"{root}/{p.path}: {p.problem}", err=True)
+        for u in report.details["unreadable"]:
+            click.echo(f"{root}/{u['path']}: {u['problem']}", err=True)
         click.echo(f"{path}: {report.ok} of {report.items} files verified under {root} ({report.seconds:.2f} s)")
     if report.problems:
         raise VerificationFailure(f"{len(report.problems)} of {report.items} files do not match {path}")
+    if report.details["unreadable"]:
+        names = ", ".join(u["path"] for u in report.details["unreadable"][:5])
+        raise RuntimeFailure(
+            f"{len(report.details['unreadable'])} of {report.items} files could not be read ({names}): "
+            "not proven damaged; check their permissions and verify again"
+        )
 
 
 @click.command()
@@ -197,6 +211,13 @@ def verify_cmd(manifest_path: Path, root: Path | None, jobs: int | None, as_json
     show_default=True,
     help="python3 on the ssh host (needs xxhash for xxh128) (env HPCSCALE_REMOTE_PYTHON).",
 )
+@click.option(
+    "--umask",
+    metavar="OCTAL",
+    default=None,
+    help="Permission bits to clear from every file's mode at DST, e.g. 022 or 077 (modes are kept as the "
+    "manifest records them otherwise).",
+)
 @site_option
 @dry_run_option
 @json_option
@@ -210,6 +231,7 @@ def stage(
     sync: bool,
     ssh_cmd: str,
     remote_python: str,
+    umask: str | None,
     site: str | None,
     dry_run: bool,
     as_json: bool,
@@ -242,6 +264,7 @@ def stage(
                 sync=sync,
                 ssh=ssh_cmd,
                 remote_python=remote_python,
+                umask=umask,
                 site=site,
                 dry_run=dry_run,
                 progress=progress,

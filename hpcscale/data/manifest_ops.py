@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hpcscale.data.manifest import (
     MANIFEST_NAME,
+    DirEntry,
     FileEntry,
     Manifest,
     TokenDataset,
@@ -27,7 +28,7 @@ from hpcscale.data.manifest import (
 from hpcscale.errors import BadInput
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import XXH128, hash_fd
-from hpcscale.portable.paths import PART_SUFFIX, STATE_DIR, within
+from hpcscale.portable.paths import MODE_BITS, STATE_DIR, check_relpath, is_part_name, within
 from hpcscale.portable.source import Source
 from hpcscale.portable.threads import parallel_map
 from hpcscale.util.progress import Progress
@@ -40,6 +41,14 @@ def default_jobs() -> int:
     return min(16, 2 * (os.cpu_count() or 1))
 
 
+@dataclass(frozen=True, slots=True)
+class NotListed:
+    """Something under the root that the manifest does not list, and why (every one is reported by name)."""
+
+    path: str  # relative to the root; a directory stands for everything under it
+    reason: str
+
+
 @dataclass(slots=True)
 class BuildStats:
     files: int = 0
@@ -47,55 +56,99 @@ class BuildStats:
     hashed: int = 0
     hashed_bytes: int = 0
     reused: int = 0
-    skipped: list[str] = field(default_factory=list)  # symlinked directories, sockets, fifos: not listed
+    not_listed: list[NotListed] = field(default_factory=list)
     seconds: float = 0.0
 
 
-def scan(root: Path, exclude: set[str]) -> tuple[list[tuple[str, os.stat_result]], list[str]]:
-    """Every regular file under root as (relative path, stat), sorted; symlinks followed only inside root.
+STATE = "hpcscale stage's own state at a destination root"
+PART = "a part file of a transfer in progress (hpcscale stage)"
 
-    A symlink leading out of root is BadInput naming it. Staging state and part files are not data."""
+
+@dataclass(slots=True)
+class Scan:
+    files: list[tuple[str, os.stat_result]]  # regular files (relative path, stat), sorted by path
+    dirs: list[DirEntry]  # every directory under the root, empty ones too, sorted by path
+    not_listed: list[NotListed]
+
+
+def scan(root: Path, exclude: set[str]) -> Scan:
+    """Every regular file under root as (relative path, stat), sorted, symlinks followed only inside root; every
+    directory with its mode; and everything else found, with the reason it is not listed: staging state at
+    the root, part files, names the manifest's path rule refuses (a backslash, not UTF-8), symlinked
+    directories, sockets, fifos, unreadable directories. A symlink leading out of root is BadInput naming it."""
     real_root = os.path.realpath(root)
     files: list[tuple[str, os.stat_result]] = []
-    skipped: list[str] = []
+    dirs: list[DirEntry] = []
+    skipped: list[NotListed] = []
     stack = [("", real_root)]
     while stack:
         rel_dir, abs_dir = stack.pop()
         try:
             it = os.scandir(abs_dir)
         except OSError as e:
-            raise BadInput(f"{abs_dir}: cannot list ({e.strerror})") from None
+            skipped.append(NotListed(rel_dir or ".", f"directory cannot be listed ({e.strerror})"))
+            continue
         with it:
             for de in it:
                 rel = f"{rel_dir}/{de.name}" if rel_dir else de.name
-                if rel in exclude or de.name == STATE_DIR or de.name.endswith(PART_SUFFIX):
+                if rel in exclude:
+                    continue
+                if rel == STATE_DIR:
+                    skipped.append(NotListed(rel, STATE))
+                    continue
+                if is_part_name(de.name):
+                    skipped.append(NotListed(rel, PART))
                     continue
                 if de.is_symlink():
                     target = os.path.realpath(de.path)
                     if not within(target, real_root):
-                        raise BadInput(f"{root}/{rel}: symlink leads out of the root (-> {target})")
+                        raise BadInput(f"{root}/{_shown(rel)}: symlink leads out of the root (-> {_shown(target)})")
                     try:
                         st = os.stat(target)
                     except OSError:
-                        raise BadInput(f"{root}/{rel}: dangling symlink (-> {target})") from None
+                        raise BadInput(f"{root}/{_shown(rel)}: dangling symlink (-> {_shown(target)})") from None
                     if stat.S_ISREG(st.st_mode):
-                        files.append((rel, st))
+                        _add(files, skipped, rel, st)
                     else:
-                        skipped.append(rel)
+                        skipped.append(NotListed(rel, "a symlink to a directory or special file"))
                     continue
                 if de.is_dir(follow_symlinks=False):
+                    problem = check_relpath(rel)
+                    if problem is not None:
+                        skipped.append(NotListed(rel, f"the manifest's path rule refuses it: {problem}"))
+                        continue
+                    dirs.append(DirEntry(rel, de.stat(follow_symlinks=False).st_mode & MODE_BITS))
                     stack.append((rel, de.path))
                 elif de.is_file(follow_symlinks=False):
-                    files.append((rel, de.stat(follow_symlinks=False)))
+                    _add(files, skipped, rel, de.stat(follow_symlinks=False))
                 else:
-                    skipped.append(rel)
+                    skipped.append(NotListed(rel, "not a regular file (a socket, FIFO or device)"))
     files.sort(key=lambda t: t[0])
-    return files, skipped
+    dirs.sort(key=lambda d: d.path)
+    skipped.sort(key=lambda n: n.path)
+    return Scan(files, dirs, skipped)
 
 
-def _hash_one(root: str, rel: str, algorithm: str, progress: Progress) -> str:
-    digest = hash_file(os.path.join(root, rel), algorithm, on_bytes=lambda n: progress.advance(nbytes=n))
-    progress.advance(files=1)
+def _add(files: list, skipped: list[NotListed], rel: str, st: os.stat_result) -> None:
+    problem = check_relpath(rel)  # the reader's own rule: build never writes what read_manifest refuses
+    if problem is None:
+        files.append((rel, st))
+    else:
+        skipped.append(NotListed(rel, f"the manifest's path rule refuses it: {problem}"))
+
+
+def _shown(text: str) -> str:
+    """A path for a message, printable even where its name is not UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _hash_one(root: str, rel: str, algorithm: str, progress: Progress) -> str | OSError:
+    try:
+        digest = hash_file(os.path.join(root, rel), algorithm, on_bytes=lambda n: progress.advance(nbytes=n))
+    except OSError as e:  # unreadable (permissions, an I/O error): reported as not listed, by name
+        return e
+    finally:
+        progress.advance(files=1)
     return digest
 
 
@@ -126,15 +179,16 @@ def build(
     out_real = os.path.realpath(out)
     if within(out_real, str(root)):
         exclude.add(os.path.relpath(out_real, root))
-    listing, skipped = scan(root, exclude)
+    found = scan(root, exclude)
+    listing, skipped = found.files, found.not_listed
     old = {f.path: f for f in previous.files} if previous and previous.hash_algorithm == algorithm else {}
-    stats = BuildStats(files=len(listing), bytes=sum(st.st_size for _, st in listing), skipped=skipped)
+    stats = BuildStats(not_listed=skipped)
     entries: list[FileEntry | None] = []
     todo: list[int] = []
     for i, (rel, st) in enumerate(listing):
         prev = old.get(rel)
         if prev is not None and not rehash and prev.size == st.st_size and prev.mtime_ns == st.st_mtime_ns:
-            entries.append(prev)
+            entries.append(FileEntry(rel, st.st_size, st.st_mtime_ns, prev.hash, st.st_mode & MODE_BITS))
             stats.reused += 1
         else:
             entries.append(None)
@@ -147,10 +201,18 @@ def build(
     )
     for i, digest in zip(todo, digests, strict=True):
         rel, st = listing[i]
-        entries[i] = FileEntry(rel, st.st_size, st.st_mtime_ns, digest)
+        if isinstance(digest, OSError):
+            skipped.append(NotListed(rel, f"cannot be read ({digest.strerror})"))
+            stats.hashed -= 1
+            stats.hashed_bytes -= st.st_size
+        else:
+            entries[i] = FileEntry(rel, st.st_size, st.st_mtime_ns, digest, st.st_mode & MODE_BITS)
+    skipped.sort(key=lambda n: n.path)
     files = [e for e in entries if e is not None]
+    stats.files = len(files)
+    stats.bytes = sum(f.size for f in files)
     dataset = _refresh_dataset(previous, {f.path: f for f in files}, out) if previous else None
-    manifest = Manifest(algorithm, files, dataset, previous.meta if previous else {})
+    manifest = Manifest(algorithm, files, dataset, previous.meta if previous else {}, found.dirs)
     write_manifest(out, manifest)
     stats.seconds = time.perf_counter() - t0
     return manifest, stats
@@ -219,8 +281,11 @@ def verify(
     progress: Progress | None = None,
     target: str = "",
 ) -> VerifyReport:
-    """Hash every file the manifest lists under root. Problems: missing, size, hash (each named).
-    A path leading through a symlink out of root is BadInput."""
+    """Hash every file the manifest lists under root. Problems (damage, exit 3): missing, size, hash, each
+    named. A file that is there but cannot be read (permissions, an I/O error) is not damage: it is listed in
+    `details["unreadable"]` ({path, problem}), and the command exits 1 for it when nothing is damaged.
+    A path leading through a symlink out of root, or a listed path that is not a regular file (a FIFO is
+    refused, never waited on), is BadInput."""
     t0 = time.perf_counter()
     progress = progress or Progress()
     try:
@@ -232,32 +297,36 @@ def verify(
         root=str(root),
         items=len(manifest.files),
         bytes=sum(f.size for f in manifest.files),
-        details={"files": len(manifest.files)},
+        details={"files": len(manifest.files), "unreadable": []},
     )
     progress.start(report.items, report.bytes)
 
-    def check(f: FileEntry) -> str | None:
+    def check(f: FileEntry) -> tuple[str, str] | None:
         try:
             fd = source.open(f.path)
         except StageError as e:
             if e.kind == "input":
                 raise BadInput(f"{root}: {e}") from None
-            return "missing" if e.kind == "missing" else str(e)
+            return ("damage", "missing") if e.kind == "missing" else ("unreadable", str(e))
         try:
             size = os.fstat(fd).st_size
             if size != f.size:
                 progress.advance(files=1, nbytes=f.size)
-                return f"size {size}, manifest says {f.size}"
-            digest, _ = hash_fd(fd, manifest.hash_algorithm)
+                return "damage", f"size {size}, manifest says {f.size}"
+            digest, _ = hash_fd(fd, manifest.hash_algorithm, limit=size)  # size known: no second fstat
+        except OSError as e:
+            return "unreadable", f"{root}/{f.path}: cannot be read ({e.strerror})"
         finally:
             os.close(fd)
         progress.advance(files=1, nbytes=f.size)
-        return None if digest == f.hash else f"hash {digest}, manifest says {f.hash}"
+        return None if digest == f.hash else ("damage", f"hash {digest}, manifest says {f.hash}")
 
-    for f, problem in zip(manifest.files, parallel_map(check, manifest.files, jobs or default_jobs()), strict=True):
-        if problem is None:
+    for f, found in zip(manifest.files, parallel_map(check, manifest.files, jobs or default_jobs()), strict=True):
+        if found is None:
             report.ok += 1
+        elif found[0] == "damage":
+            report.problems.append(VerifyProblem(path=f.path, problem=found[1]))
         else:
-            report.problems.append(VerifyProblem(path=f.path, problem=problem))
+            report.details["unreadable"].append({"path": f.path, "problem": found[1]})
     report.seconds = time.perf_counter() - t0
     return report

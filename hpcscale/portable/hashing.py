@@ -16,6 +16,8 @@ XXH128 = "xxh128"  # xxHash3, 128-bit (xxhash.xxh3_128): the default
 SHA256 = "sha256"
 BLAKE3 = "blake3"
 HASH_ALGORITHMS = (XXH128, SHA256, BLAKE3)
+HEX_DIGITS = {XXH128: 32, SHA256: 64, BLAKE3: 64}  # the length of each algorithm's hex digest
+_HEX = "0123456789abcdef"
 
 BLOCK = 4 << 20
 SMALL = 256 << 10  # below this, one pread of the whole rest: no buffer to fill
@@ -47,6 +49,15 @@ def check_algorithm(algorithm):
     """StageError('input') unless `algorithm` is one of HASH_ALGORITHMS (its module is not looked for)."""
     if algorithm not in HASH_ALGORITHMS:
         raise _unknown(algorithm)
+
+
+def check_digest(algorithm, digest):
+    """None if `digest` is a lowercase hex digest of `algorithm`'s length, else why not. A digest names part
+    files (hpcscale.portable.paths.part_name): anything else in it could reach a path."""
+    if type(digest) is not str or len(digest) != HEX_DIGITS.get(algorithm, -1) or digest.strip(_HEX):
+        shown = repr(digest)[:80]
+        return f"hash {shown} is not {HEX_DIGITS.get(algorithm, '?')} lowercase hex digits ({algorithm})"
+    return None
 
 
 def hasher(algorithm):

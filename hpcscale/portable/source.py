@@ -2,7 +2,9 @@
 
 Invariant: `Source.open` hands out a descriptor only for a regular file whose path passes the manifest's path
 rule (hpcscale.portable.paths.check_relpath) and whose resolved location lies under the root; a path that
-leads through a symlink out of the root is StageError('input'), never opened.
+leads through a symlink out of the root is StageError('input'), never opened. Files are opened with
+O_NONBLOCK and checked with fstat: a FIFO at a listed path is refused, never waited on (a regular file's reads
+ignore the flag).
 """
 
 import errno
@@ -45,16 +47,16 @@ class Source:
             raise StageError(f"'{rel}' leads through a symlink out of {self.root}", "input")
         path = os.path.join(real_dir, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             if e.errno != errno.ELOOP:
-                kind = "missing" if e.errno == errno.ENOENT else "runtime"
+                kind = "missing" if e.errno in (errno.ENOENT, errno.ENOTDIR) else "runtime"
                 raise StageError(f"{os.path.join(self.root, rel)}: {e.strerror}", kind) from None
             real = os.path.realpath(path)
             if not within(real, self.root):
                 raise StageError(f"'{rel}' leads through a symlink out of {self.root} (-> {real})", "input") from None
-            fd = os.open(real, os.O_RDONLY)
+            fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise StageError(f"'{rel}' under {self.root} is not a regular file", "input")
+            raise StageError(f"'{rel}' under {self.root} is not a regular file (a FIFO, device or directory)", "input")
         return fd

@@ -32,6 +32,8 @@ def _open_end(role, root, opts):
             dry_run=opts.get("dry_run", False),
             sync=opts.get("sync", False),
             jobs=opts.get("jobs", 4),
+            umask=opts.get("umask", 0),
+            lock=opts.get("lock"),
         )
     return Source(root)
 
@@ -45,60 +47,90 @@ def serve(role, root, inp, out):
     end = None
     bucket = None
     pool = None
-    while True:
-        try:
-            req = recv(inp)
-        except EOFError:
-            break
-        op = req.get("op")
-        try:
-            if op == "init":
-                opts = req.get("opts") or {}
-                end = _open_end(role, root, opts)
-                bucket = TokenBucket(opts["bwlimit"]) if opts.get("bwlimit") else None
-                send(out, {"ready": True, "root": end.root})
-                continue
-            if end is None:
-                raise StageError(f"'{op}' before 'init'", "runtime")
-            if op == "plan":
-                # Whether the destination already holds this very commit, found beside the plan's lstats (it
-                # reads and hashes the destination's manifest). Meaningful only if the plan hashes nothing:
-                # then nothing the plan does changes it.
-                is_clean = None
-                if "manifest_sha256" in req:  # None: no manifest is written, and nothing to commit can be
-                    is_clean = in_background(end.is_clean, req["manifest_sha256"], req.get("name", "manifest.json"))
-                statuses, info = end.plan(req["entries"], req.get("check", "stat"))
-                clean = is_clean is not None and info["hashed"] == 0 and all(x < 0 for x in statuses) and is_clean()
-                send(out, {"statuses": statuses, "info": info, "clean": clean})
-            elif op == "put":
-                if req.get("offset", 0) == 0 and req["n"] < POOL_MAX:
-                    pool = pool or _WriterPool(end, out)
-                    entry = (req["path"], req["size"], req["mtime_ns"], req["hash"])
-                    pool.submit(entry, read_exact(inp, req["n"]))
-                else:
-                    _serve_put(end, req, inp, out)
-            elif op == "flush":
-                if pool is not None:
-                    pool.drain()
-                end.flush()
-                send(out, {"flushed": True})
-            elif op == "commit":
-                if pool is not None:
-                    pool.drain()
-                end.commit(req.get("manifest"), req.get("name", "manifest.json"))
-                send(out, {"committed": True})
-            elif op == "get":
-                _serve_get(end, req, out, bucket)
-            elif op == "bye":
+    try:
+        while True:
+            try:
+                req = recv(inp)
+            except EOFError:
                 break
-            else:
-                send(out, {"error": f"unknown op {op!r}", "kind": "runtime"})
-        except StageError as e:
-            send(out, {"error": str(e), "kind": e.kind, "path": req.get("path")})
-        except OSError as e:
-            send(out, {"error": f"{req.get('path') or root}: {e}", "kind": "runtime", "path": req.get("path")})
-        # No flush here: replies wait in the buffer until the agent is about to block on input (Input), so
-        # acks of 10k small files cost a few ssh packets, not 10k.
+            op = req.get("op")
+            try:
+                if op == "init":
+                    opts = req.get("opts") or {}
+                    end = _open_end(role, root, opts)
+                    bucket = TokenBucket(opts["bwlimit"]) if opts.get("bwlimit") else None
+                    send(out, {"ready": True, "root": end.root})
+                    continue
+                if end is None:
+                    raise StageError(f"'{op}' before 'init'", "runtime")
+                if op == "plan":
+                    # Whether the destination already holds this very commit, found beside the plan's lstats (it
+                    # reads and hashes the destination's manifest). Meaningful only if the plan hashes nothing:
+                    # then nothing the plan does changes it.
+                    is_clean = None
+                    if "manifest_sha256" in req:  # None: no manifest is written, and nothing to commit can be
+                        is_clean = in_background(end.is_clean, req["manifest_sha256"], req.get("name", "manifest.json"))
+                    name = req.get("name", "manifest.json")
+                    statuses, info = end.plan(
+                        req["entries"], req.get("check", "stat"), req.get("manifest_sha256"), name, req.get("dirs")
+                    )
+                    clean = (
+                        is_clean is not None
+                        and info["hashed"] == 0
+                        and end.dirs_clean
+                        and all(x < 0 for x in statuses)
+                        and is_clean()
+                    )
+                    send(out, {"statuses": statuses, "info": info, "clean": clean, "lock": end.lock_token})
+                elif op == "put":
+                    n = req.get("n")
+                    if type(n) is not int or n < 0:  # how many bytes follow is unknown: the stream cannot go on
+                        send(out, {"error": f"put: n {str(n)[:40]} is not a byte count", "kind": "runtime"})
+                        break
+                    if req.get("offset", 0) == 0 and n < POOL_MAX:
+                        pool = pool or _WriterPool(end, out)
+                        pool.submit(_entry(req), read_exact(inp, n))
+                    else:
+                        _serve_put(end, req, inp, out)
+                elif op == "flush":
+                    if pool is not None:
+                        pool.drain()
+                    end.flush()
+                    send(out, {"flushed": True})
+                elif op == "commit":
+                    if pool is not None:
+                        pool.drain()
+                    end.commit(req.get("manifest"), req.get("name", "manifest.json"))
+                    send(out, {"committed": True})
+                elif op == "get":
+                    _serve_get(end, req, out, bucket)
+                elif op == "bye":
+                    break
+                else:
+                    send(out, {"error": f"unknown op {op!r}", "kind": "runtime"})
+            except StageError as e:
+                send(out, {"error": str(e), "kind": e.kind, "path": req.get("path")})
+            except OSError as e:
+                send(out, {"error": f"{req.get('path') or root}: {e}", "kind": "runtime", "path": req.get("path")})
+            except (Desync, EOFError):  # the stream is out of step: end the agent (a rerun resumes)
+                raise
+            except Exception as e:  # anything unexpected fails this request, loudly, and the stage with it
+                send(
+                    out,
+                    {
+                        "error": f"{req.get('path') or root}: {_unexpected(e)}",
+                        "kind": "runtime",
+                        "path": req.get("path"),
+                    },
+                )
+            # No flush here: replies wait in the buffer until the agent is about to block on input (Input), so
+            # acks of 10k small files cost a few ssh packets, not 10k.
+    except (Desync, EOFError):
+        if pool is not None:
+            pool.close()  # its writers finish first: nothing is placed after the lock is given back
+        if role == "sink" and end is not None:
+            end.close()  # give the destination lock back: this stream, and the stage, are over
+        raise
     if pool is not None:
         pool.close()
     out.flush()
@@ -107,14 +139,23 @@ def serve(role, root, inp, out):
         end.close()
 
 
+def _entry(req):
+    """The file entry of a 'put' request; hpcscale.portable.paths.check_entry (in Writer) checks every field."""
+    return [req.get("path"), req.get("size"), req.get("mtime_ns"), req.get("hash"), req.get("mode")]
+
+
+def _unexpected(e):
+    return f"unexpected {type(e).__name__}: {e}"
+
+
 def _serve_put(sink, req, inp, out):
-    entry = (req["path"], req["size"], req["mtime_ns"], req["hash"])
+    entry = _entry(req)
     left = req["n"]
     writer = None
     error = None
     try:
         writer = sink.begin(entry, req.get("offset", 0))
-    except (StageError, OSError) as e:
+    except Exception as e:
         error = e
     while left:
         data = inp.read(min(BLOCK, left))
@@ -126,17 +167,18 @@ def _serve_put(sink, req, inp, out):
         if writer is not None and error is None:
             try:
                 writer.write(data)
-            except OSError as e:
+            except Exception as e:
                 error = e
                 writer.abort()
     if error is None:
         try:
             writer.finish()
-        except (StageError, OSError) as e:
+        except Exception as e:
             error = e
     if error is not None:
         kind = getattr(error, "kind", "runtime")
-        send(out, {"path": entry[0], "error": str(error), "kind": kind})
+        text = str(error) if isinstance(error, (StageError, OSError)) else _unexpected(error)
+        send(out, {"path": entry[0], "error": text, "kind": kind})
     else:
         send(out, {"path": entry[0], "ok": True})
 
@@ -179,6 +221,8 @@ class _WriterPool:
                     msg = {"path": entry[0], "ok": True}
                 except (StageError, OSError) as e:
                     msg = {"path": entry[0], "error": str(e), "kind": getattr(e, "kind", "runtime")}
+                except Exception as e:  # never a silent thread death: the file fails, and the stage with it
+                    msg = {"path": entry[0], "error": _unexpected(e), "kind": "runtime"}
                 send(self.out, msg)  # one write call: BufferedWriter's own lock keeps replies whole
             finally:
                 self.q.task_done()
@@ -202,6 +246,10 @@ def _serve_get(source, req, out, bucket):
     try:
         size = os.fstat(fd).st_size
         offset = req.get("offset", 0)
+        if type(offset) is not int or not 0 <= offset <= size:
+            raise StageError(
+                "{}: offset {} is not within its {} bytes".format(req["path"], str(offset)[:40], size), "input"
+            )
         send(out, {"path": req["path"], "n": max(0, size - offset), "size": size})
         try:
             stream_file(fd, offset, size, out, bucket)

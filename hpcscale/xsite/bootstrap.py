@@ -37,6 +37,7 @@ AGENT_MODULES = (
     "hpcscale.portable.threads",
     "hpcscale.portable.wire",
     "hpcscale.portable.source",
+    "hpcscale.portable.lock",
     "hpcscale.portable.sink",
     "hpcscale.xsite.agent",
 )

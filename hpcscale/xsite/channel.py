@@ -233,6 +233,7 @@ STAGE_OPTIONS = {
     "--sync": False,
     "--ssh": True,
     "--remote-python": True,
+    "--umask": True,
     "--site": True,
     "--dry-run": False,
     "--json": False,

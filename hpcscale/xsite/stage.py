@@ -44,6 +44,7 @@ class StageOptions:
     bwlimit: float | None = None  # bytes per second, all streams together
     dry_run: bool = False
     sync: bool = False  # syncfs the destination before its manifest and record are written
+    umask: int = 0  # permission bits cleared from every file's mode at the destination (--umask)
     ssh: Sequence[str] = ("ssh",)
     remote_python: str = "python3"
 
@@ -184,9 +185,10 @@ def _stage(manifest, manifest_text, src, dst, opts, progress, early) -> StageRes
         raise BadInput("stage: one side must be local (run hpcscale stage on one of the two hosts)")
     if opts.check not in ("stat", "hash"):
         raise BadInput(f"--check: '{opts.check}' is not stat or hash")
-    if manifest_text is not None and any(f.path == "manifest.json" for f in manifest.files):
-        manifest_text = None  # the tree has its own file of that name; never overwrite it with ours
-    entries = [[f.path, f.size, f.mtime_ns, f.hash] for f in manifest.files]
+    if manifest_text is not None and any(f.path == "manifest.json" for f in (*manifest.files, *manifest.dirs)):
+        manifest_text = None  # the tree has its own file (or directory) of that name; never overwrite it with ours
+    entries = [[f.path, f.size, f.mtime_ns, f.hash, f.mode] for f in manifest.files]
+    dirs = [[d.path, d.mode] for d in manifest.dirs] if manifest.dirs else None
     result = StageResult(str(src), str(dst), manifest.hash_algorithm, dry_run=opts.dry_run, bwlimit=opts.bwlimit)
     result.files = len(entries)
     result.bytes_total = sum(f.size for f in manifest.files)
@@ -194,14 +196,21 @@ def _stage(manifest, manifest_text, src, dst, opts, progress, early) -> StageRes
     t0 = time.perf_counter()
     try:
         if dst.kind == "ssh":
-            _push(entries, manifest_text, Source(src.path), dst, opts, run, manifest.hash_algorithm, early)
+            _push(entries, dirs, manifest_text, Source(src.path), dst, opts, run, manifest.hash_algorithm, early)
         else:
-            sink = Sink(dst.path, manifest.hash_algorithm, dry_run=opts.dry_run, sync=opts.sync, jobs=opts.jobs)
+            sink = Sink(
+                dst.path,
+                manifest.hash_algorithm,
+                dry_run=opts.dry_run,
+                sync=opts.sync,
+                jobs=opts.jobs,
+                umask=opts.umask,
+            )
             try:
                 if src.kind == "ssh":
-                    _pull(entries, manifest_text, src, sink, opts, run, early)
+                    _pull(entries, dirs, manifest_text, src, sink, opts, run, early)
                 else:
-                    _local(entries, manifest_text, Source(src.path), sink, opts, run)
+                    _local(entries, dirs, manifest_text, Source(src.path), sink, opts, run)
             finally:
                 sink.close()
     except StageError as e:
@@ -221,6 +230,10 @@ def _stage(manifest, manifest_text, src, dst, opts, progress, early) -> StageRes
         error.result = result  # type: ignore[attr-defined]
         raise error
     return result
+
+
+def _sha256(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
 
 
 def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> list[tuple[list, int]]:
@@ -265,16 +278,32 @@ def _copy(fd: int, offset: int, size: int, writer, run: _Run) -> None:
         raise StageError(f"{writer.path}: the source shrank while being read", "verify")
 
 
-def _commit(sink: Sink, manifest_text: str | None, run: _Run) -> None:
+def _complete(run: _Run, todo: int) -> bool:
+    """Whether every listed file is proven in place: up to date by the plan, or acknowledged as verified and
+    placed, one by one (`todo` of them), and nothing failed. Anything else, including a worker that ended
+    without a word, blocks the commit: a destination manifest then never vouches for a missing file."""
+    with run.lock:
+        if run.fatal is None and not run.result.failed and run.result.sent < todo:
+            run.result.failed.append(
+                {
+                    "path": None,
+                    "error": f"only {run.result.sent} of {todo} files were confirmed in place",
+                    "kind": "runtime",
+                }
+            )
+        return run.fatal is None and not run.result.failed
+
+
+def _commit(sink: Sink, manifest_text: str | None, run: _Run, todo: int) -> None:
     """Record and manifest at a local destination, only when every file made it."""
     sink.flush()
-    if run.fatal is None and not run.result.failed:
+    if _complete(run, todo):
         sink.commit(manifest_text)
         run.result.committed = True
 
 
-def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOptions, run: _Run) -> None:
-    statuses, info = sink.plan(entries, opts.check)
+def _local(entries, dirs, manifest_text, source: Source, sink: Sink, opts: StageOptions, run: _Run) -> None:
+    statuses, info = sink.plan(entries, opts.check, _sha256(manifest_text), dirs=dirs)
     todo = _apply_plan(entries, statuses, info, run)
     if opts.dry_run:
         return
@@ -294,7 +323,7 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
                 return
             entry, offset, fd = item
             try:
-                w = sink.begin(tuple(entry), offset)
+                w = sink.begin(entry, offset)
                 try:
                     _copy(fd, offset, entry[1], w, run)
                 except BaseException:
@@ -307,6 +336,9 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
             except OSError as e:
                 run.fail(entry[0], str(e), "runtime")
                 continue
+            except Exception as e:  # never a silent thread death: the file fails, and the stage with it
+                run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
+                continue
             finally:
                 os.close(fd)
             run.ok(offset > 0)
@@ -318,26 +350,33 @@ def _local(entries, manifest_text, source: Source, sink: Sink, opts: StageOption
     for t in threads:
         t.join()
     files.close()  # after a fatal error: files opened ahead and never copied
-    _commit(sink, manifest_text, run)
+    _commit(sink, manifest_text, run, len(todo))
 
 
-def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOptions, run: _Run, algorithm, early):
-    agent_opts = {"algorithm": algorithm, "dry_run": opts.dry_run, "sync": opts.sync, "jobs": opts.jobs}
+def _push(entries, dirs, manifest_text, source: Source, dst: Endpoint, opts: StageOptions, run: _Run, algorithm, early):
+    agent_opts = {
+        "algorithm": algorithm,
+        "dry_run": opts.dry_run,
+        "sync": opts.sync,
+        "jobs": opts.jobs,
+        "umask": opts.umask,
+    }
     n = max(1, opts.jobs)
     t0 = time.perf_counter()
     ch0 = _take(early) or Channel(dst, "sink", opts.ssh, opts.remote_python)
     first = [ch0]
     try:
         # init and plan in one round trip
-        plan = {"op": "plan", "entries": entries, "check": opts.check, "manifest_sha256": None}
-        if manifest_text is not None:
-            plan["manifest_sha256"] = hashlib.sha256(manifest_text.encode()).hexdigest()
+        plan = {"op": "plan", "entries": entries, "check": opts.check, "manifest_sha256": _sha256(manifest_text)}
+        if dirs is not None:
+            plan["dirs"] = dirs
         reply = ch0.call({"op": "init", "opts": agent_opts}, plan)
     except BaseException:
         ch0.close()
         raise
     log.debug("push: planned at %.3f s", time.perf_counter() - t0)
     todo = _apply_plan(entries, reply["statuses"], reply.get("info", {}), run)
+    agent_opts["lock"] = reply.get("lock")  # extra streams join the lock the first one took
     channels = first
     try:
         if opts.dry_run or not todo:
@@ -385,7 +424,7 @@ def _push(entries, manifest_text, source: Source, dst: Endpoint, opts: StageOpti
             t.join()
             i += 1
         log.debug("push: data sent and acknowledged at %.3f s", time.perf_counter() - t0)
-        if run.fatal is None and not run.result.failed:
+        if _complete(run, len(todo)):
             channels[0].call({"op": "commit", "manifest": manifest_text})
             run.result.committed = True
         log.debug("push: committed at %.3f s", time.perf_counter() - t0)
@@ -461,10 +500,10 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
             item = files.next()
             if item is None:
                 break
-            (path, size, mtime, digest), offset, fd = item
+            (path, size, mtime, digest, mode), offset, fd = item
             try:
                 inflight[path] = offset
-                hdr = {"op": "put", "path": path, "size": size, "mtime_ns": mtime, "hash": digest}
+                hdr = {"op": "put", "path": path, "size": size, "mtime_ns": mtime, "hash": digest, "mode": mode}
                 send(ch.w, {**hdr, "offset": offset, "n": size - offset})
                 pos = _pump(fd, offset, size, ch.w.write, run)
                 if pos < size:  # the file shrank: pad to keep the stream in step; the agent's hash check rejects it
@@ -498,8 +537,8 @@ def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
             run.ok(inflight.pop(path, 0) > 0)
 
 
-def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run, early) -> None:
-    statuses, info = sink.plan(entries, opts.check)
+def _pull(entries, dirs, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run, early) -> None:
+    statuses, info = sink.plan(entries, opts.check, _sha256(manifest_text), dirs=dirs)
     todo = _apply_plan(entries, statuses, info, run)
     if opts.dry_run:
         return
@@ -539,7 +578,7 @@ def _pull(entries, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions,
         finally:
             for ch in channels:
                 ch.close()
-    _commit(sink, manifest_text, run)
+    _commit(sink, manifest_text, run, len(todo))
 
 
 def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue.SimpleQueue, window):
@@ -582,9 +621,12 @@ def _pull_receiver(ch: Channel, sink: Sink, run: _Run, pending: queue.SimpleQueu
                 w = None
             else:
                 try:
-                    w = sink.begin(tuple(entry), offset)
+                    w = sink.begin(entry, offset)
                 except (StageError, OSError) as e:
                     run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
+                    w = None
+                except Exception as e:
+                    run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
                     w = None
             while left:
                 data = ch.r.read(min(BLOCK, left))
@@ -602,6 +644,8 @@ def _pull_receiver(ch: Channel, sink: Sink, run: _Run, pending: queue.SimpleQueu
                     run.ok(offset > 0)
                 except (StageError, OSError) as e:
                     run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
+                except Exception as e:
+                    run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
             window.release()
         except (OSError, EOFError):
             if not run.stop.is_set():

@@ -40,6 +40,19 @@ def parse_rate(text: str | None) -> float | None:
     return float(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
 
 
+def parse_umask(text: str | None) -> int:
+    """'022' -> 0o022: permission bits cleared from every file's mode at the destination; None: 0."""
+    if text is None:
+        return 0
+    try:
+        value = int(text, 8)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0o777:
+        raise BadInput(f"--umask: '{text}' is not octal permission bits such as 022 or 077")
+    return value
+
+
 def site_staging(site: str | None) -> Staging | None:
     """The `staging` section of a site (a name on the site search path, or a path), None without one."""
     if site is None:
@@ -60,6 +73,7 @@ def run_stage_command(
     sync: bool = False,
     ssh: str = DEFAULT_SSH,
     remote_python: str = DEFAULT_REMOTE_PYTHON,
+    umask: str | None = None,
     site: str | None = None,
     dry_run: bool = False,
     progress: Progress | None = None,
@@ -77,7 +91,7 @@ def run_stage_command(
         early = connect_early(source, dest, ssh_argv, remote_python)
 
     # everything else while ssh connects
-    from hpcscale.data.manifest import MANIFEST_NAME, read_manifest
+    from hpcscale.data.manifest import MANIFEST_NAME, read_manifest_text
     from hpcscale.xsite.stage import StageOptions, stage
 
     try:
@@ -95,12 +109,12 @@ def run_stage_command(
             sync=sync,
             ssh=ssh_argv,
             remote_python=remote_python,
+            umask=parse_umask(umask),
         )
         path = Path(manifest_path)
         if path.is_dir():
             path = path / MANIFEST_NAME
-        manifest = read_manifest(path)
-        text = path.read_text()
+        manifest, text = read_manifest_text(path)
     except BaseException:
         if early is not None:
             early.close()
