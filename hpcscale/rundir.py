@@ -7,8 +7,10 @@ RUN/
   submissions/0001.sbatch  the exact script each submission sent
   logs/                 slurm-<jobid>.out/.err (array jobs: slurm-<array>_<task>.*); local-<time>.out
   metrics.jsonl         rank 0's metrics, one JSON line per step
+  run-id                a random id, written once: names this run's checkpoint directory elsewhere
   checkpoints/          step-NNNNNNNN/ directories (hpcscale.ckpt); a symlink to
-                        <filesystems.checkpoint_root>/<run name> when the site sets a separate checkpoint root
+                        <filesystems.checkpoint_root>/<run name>-<run id> when the site sets a separate
+                        checkpoint root (the id: two runs with the same directory name never share one)
   sweep/NNNN/           an array task's own metrics.jsonl and checkpoints/
 
 This module owns these names; everything else asks it for the paths.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -32,6 +35,7 @@ from hpcscale.config.render import to_plain
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput
+from hpcscale.util.bounded import loads_json
 from hpcscale.util.paths import expand_path
 
 JOB = "job.yaml"
@@ -40,6 +44,8 @@ SUBMISSIONS = "submissions.jsonl"
 LOGS = "logs"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
+RUN_ID = "run-id"
+OWNER = ".hpcscale-run"  # in a checkpoint directory under checkpoint_root: the id of the run it belongs to
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,7 +72,21 @@ def default_run_dir(run_root: Path, job_name: str, now: datetime | None = None) 
     return candidate
 
 
-def link_checkpoints(work_dir: Path, target: Path) -> Path:
+def _create_once(path: Path, text: str) -> str:
+    """Write `text` to `path` unless it exists, atomically (a reader never sees it half written); return what
+    the file holds. Safe when every rank of a job calls it at once."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return path.read_text().strip()
+
+
+def link_checkpoints(work_dir: Path, target: Path, *, run_id: str) -> Path:
     """Make `work_dir/checkpoints` lead to `target` (under the site's separate checkpoint root), creating it.
 
     Called by every rank when the job starts (on compute nodes, where that filesystem is mounted; never on
@@ -75,6 +95,12 @@ def link_checkpoints(work_dir: Path, target: Path) -> Path:
     a side effect."""
     link = work_dir / CHECKPOINTS
     target.mkdir(parents=True, exist_ok=True)
+    owner = _create_once(target / OWNER, run_id)
+    if owner != run_id:
+        raise BadInput(
+            f"{target} holds the checkpoints of another run (run id {owner}, this run is {run_id}); "
+            f"refusing to share it: its retention would delete the other run's checkpoints"
+        )
     try:
         link.symlink_to(target, target_is_directory=True)
     except FileExistsError:
@@ -132,6 +158,10 @@ class RunDir:
         """Remove a run directory this command just created."""
         shutil.rmtree(self.path, ignore_errors=True)
 
+    def run_id(self) -> str:
+        """This run's id, created on first use (run directories from before it get one then)."""
+        return _create_once(self.path / RUN_ID, secrets.token_hex(6))
+
     def load_job(self) -> LoadedJob:
         """The job as recorded here (job.yaml with its recorded site.yaml): what every rank runs."""
         if not (self.path / JOB).is_file():
@@ -171,7 +201,9 @@ class RunDir:
             if not line.strip():
                 continue
             try:
-                out.append(Submission(**json.loads(line)))
+                out.append(Submission(**loads_json(line, source=f"{path}:{lineno}", max_bytes=1 << 20)))
+            except BadInput as e:
+                raise BadInput(f"{path}:{lineno}: damaged submission record ({e})") from None
             except (ValueError, TypeError) as e:
                 raise BadInput(f"{path}:{lineno}: damaged submission record ({e})") from None
         return out

@@ -121,3 +121,22 @@ def test_any_input_parses_or_is_bad_input(data):
         loads_json(data, source="fuzz.json")
     except BadInput as e:
         assert str(e).startswith("fuzz.json")
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("name: " + ":".join(["1"] * 8000) + "\n", "out of range"),  # YAML 1.1 base 60: quadratic to convert
+        ("name: " + "1" * 5000 + "\n", "bad value"),
+        ("name: !!timestamp 2001-13-45\n", "bad value"),
+        ("? !!timestamp 2001-13-45\n: 1\n", "bad value"),
+        ("name: " + "x" * (100 << 10) + "\n", "characters (at most"),
+    ],
+    ids=["base60", "bigint", "timestamp", "timestamp-key", "long-scalar"],
+)
+def test_hostile_scalars_are_bad_input_not_tracebacks(tmp_path, text, words):
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    result, _ = _validate(path)
+    assert result.returncode == 2 and words in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr

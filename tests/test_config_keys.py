@@ -17,6 +17,7 @@ import re
 import typing
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO, run_cli
 from trainjobs import job_spec
@@ -96,7 +97,7 @@ def test_checkpoint_root_puts_checkpoints_there_and_every_command_follows(mpi, t
     run = tmp_path / "run"
     first = run_cli("run", str(spec), "--local", "--run-dir", str(run), timeout=300)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    target = tmp_path / "burst" / "run"
+    target = tmp_path / "burst" / f"run-{(run / 'run-id').read_text().strip()}"
     assert (run / "checkpoints").is_symlink() and (run / "checkpoints").resolve() == target.resolve()
     assert sorted(p.name for p in target.glob("step-*")) == ["step-00000002", "step-00000004"]
     ls = run_cli("ckpt", "ls", str(run), "--json")
@@ -113,6 +114,25 @@ def test_a_checkpoint_root_never_moves_checkpoints_already_in_the_run(tmp_path: 
     from hpcscale.rundir import link_checkpoints
 
     (tmp_path / "run" / "checkpoints" / "step-00000001").mkdir(parents=True)
-    link_checkpoints(tmp_path / "run", tmp_path / "burst" / "run")
+    link_checkpoints(tmp_path / "run", tmp_path / "burst" / "run", run_id="abc")
     assert not (tmp_path / "run" / "checkpoints").is_symlink()
     assert (tmp_path / "run" / "checkpoints" / "step-00000001").is_dir()
+
+
+def test_two_runs_with_the_same_directory_name_never_share_a_checkpoint_directory(tmp_path: Path):
+    """projA/runs/baseline and projB/runs/baseline under one checkpoint root: each gets its own directory,
+    and a directory that belongs to another run is refused (its retention would delete the other's steps)."""
+    from hpcscale.errors import BadInput
+    from hpcscale.rundir import RunDir, link_checkpoints
+
+    root = tmp_path / "burst"
+    targets = []
+    for project in ("projA", "projB"):
+        rd = RunDir.create(tmp_path / project / "runs" / "baseline")
+        run_id = rd.run_id()
+        assert rd.run_id() == run_id  # stable
+        targets.append(link_checkpoints(rd.path, root / f"baseline-{run_id}", run_id=run_id).resolve())
+    assert targets[0] != targets[1]
+    other = RunDir.create(tmp_path / "projC" / "baseline")
+    with pytest.raises(BadInput, match="holds the checkpoints of another run"):
+        link_checkpoints(other.path, targets[0], run_id=other.run_id())

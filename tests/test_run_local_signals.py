@@ -108,6 +108,25 @@ def test_signal_to_the_front_end_stops_every_rank_at_one_step(mpi, tmp_path, sig
     assert f"hpcscale run: {sig.name}: asking every rank to stop" in logged
 
 
+@pytest.mark.parametrize("delay", [0.15, 0.4, 1.0])
+def test_a_signal_during_start_up_is_held_until_the_ranks_can_stop(mpi, tmp_path, delay):
+    """SIGUSR2 reaching mpirun before its handler, or a rank before its own, would kill it; the front end
+    holds the stop until rank 0 says every rank is up, then every rank stops cleanly after one step."""
+    proc, run_dir, out = _start(tmp_path)
+    try:
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        left = _no_processes_left(run_dir, within=5)
+    finally:
+        _kill_run(proc, run_dir)
+    text = out.read_text()
+    assert code == 75, text[-3000:]
+    assert left == {}, f"left running: {left}"
+    assert "killed by signal" not in text and "exited on signal" not in text, text[-3000:]
+    assert "stopped on SIGTERM: every rank stopped at the same step" in text.splitlines()[-1], text[-3000:]
+
+
 def test_a_second_signal_ends_ranks_that_do_not_stop(mpi, tmp_path):
     proc, run_dir, out = _start(tmp_path)
     try:

@@ -80,11 +80,14 @@ def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, reuse: b
 def _outcome(result) -> str | None:
     """The last line, unless the run simply finished: how it ended, and the rank to blame if one failed."""
     if result.stopped_by is not None and result.exit_code == STOPPED_EXIT_CODE:
-        how = (
-            "the ranks were terminated before they stopped" if result.forced else "every rank stopped at the same step"
-        )
-        why = f" (mpirun then reported: {result.failure})" if result.failure else ""
-        return f"stopped on {result.stopped_by}: {how}{why}; resume with --reuse (exit 75)"
+        # "every rank stopped" only when mpirun itself exited 75 (every rank did) and nothing was forced
+        if result.forced:
+            how = "the ranks were terminated before they stopped"
+        elif result.failure:
+            how = f"not every rank stopped cleanly: {result.failure}"
+        else:
+            how = "every rank stopped at the same step"
+        return f"stopped on {result.stopped_by}: {how}; resume with --reuse (exit 75)"
     if result.exit_code == 0:
         return None
     if result.exit_code == STOPPED_EXIT_CODE:

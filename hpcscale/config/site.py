@@ -110,8 +110,9 @@ class Filesystems:
     run_root: str = setting("Where `hpcscale submit` creates run directories by default.", check=check_abs_path)
     checkpoint_root: str | None = setting(
         "Checkpoint root when it differs from the run directory (e.g. a burst buffer or a project filesystem). "
-        "When the job starts, `RUN/checkpoints` becomes a symlink to `<checkpoint_root>/<run name>` (array "
-        "tasks: `.../sweep/NNNN`); every command that takes RUN follows it. Unset: checkpoints live in RUN.",
+        "When the job starts, `RUN/checkpoints` becomes a symlink to `<checkpoint_root>/<run name>-<run id>` "
+        "(array tasks: `.../sweep/NNNN`; the id is in `RUN/run-id`, so runs with the same directory name never "
+        "share checkpoints); every command that takes RUN follows it. Unset: checkpoints live in RUN.",
         default=None,
         check=check_abs_path,
     )

@@ -21,8 +21,10 @@ from hpcscale.config.errors import ConfigError, ConfigIssue
 
 KeyPath = tuple[str | int, ...]
 
-MAX_BYTES = 16 << 20  # a site config or job spec is a few KB; a generated sweep may be large, not this large
+MAX_BYTES = 1 << 20  # a site config or job spec is a few KB; composing 1 MiB takes ~0.2 s
 MAX_VALUES = 200_000  # scalars, lists and mappings after alias expansion
+# One scalar: YAML 1.1's base-60 numbers (1:2:3:...) convert in quadratic time, and no key needs more.
+MAX_SCALAR = 16 << 10
 
 
 @dataclass(slots=True)
@@ -74,10 +76,18 @@ class _Builder:
             return self._mapping(node, path, depth)
         if isinstance(node, yaml.SequenceNode):
             return [self.build(item, (*path, i), depth + 1) for i, item in enumerate(node.value)]
+        return self._scalar(node, path)
+
+    def _scalar(self, node: yaml.Node, path: KeyPath) -> Any:
+        if isinstance(node.value, str) and len(node.value) > MAX_SCALAR:
+            raise self.issue(node, format_path(path), f"a value of {len(node.value)} characters (at most {MAX_SCALAR})")
         try:
-            return self.scalars.construct_object(node, deep=True)
-        except yaml.YAMLError as e:
+            value = self.scalars.construct_object(node, deep=True)
+        except Exception as e:  # PyYAML raises ValueError and others for dates, huge ints: all bad input
             raise self.issue(node, format_path(path), f"bad value: {e}") from None
+        if isinstance(value, int) and value.bit_length() > 64:  # a base-60 number can be astronomically large
+            raise self.issue(node, format_path(path), "integer out of range (more than 64 bits)")
+        return value
 
     def _mapping(self, node: yaml.MappingNode, path: KeyPath, depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -96,7 +106,7 @@ class _Builder:
                 continue
             if not isinstance(key_node, yaml.ScalarNode):
                 raise self.issue(key_node, format_path(path), "keys must be plain strings")
-            key = self.scalars.construct_object(key_node)
+            key = self._scalar(key_node, path)
             if not isinstance(key, str):
                 key = str(key)
             kpath = (*path, key)

@@ -30,7 +30,7 @@ from hpcscale.config.load import LoadedJob, check_job
 from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
-from hpcscale.launch.signals import STOP_SAVE_S, StopForwarder
+from hpcscale.launch.signals import RANKS_READY, STOP_SAVE_S, StopForwarder
 from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
@@ -137,10 +137,14 @@ def run_local(
         try:
             for line in child.lines():
                 out.line(line.rstrip("\n"))
+                if line.startswith(RANKS_READY):
+                    stop.mark_ready()
         except BaseException:  # nothing of the run outlives the command, whatever ends it
+            stop.stop_watching()
             child.kill_all(signal.SIGKILL)
             child.finish()
             raise
+        stop.stop_watching()  # before the reap: the thread must not signal a reused pid
         code = child.finish()
     failure = None if code in (0, STOPPED_EXIT_CODE) else describe_failure([*out.failure_lines, *out.tail])
     if stop.requested is not None and code != 0:

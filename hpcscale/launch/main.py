@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.signals import STOPPED_EXIT_CODE, StopFlag, StopRequested
+from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.rundir import METRICS, RunDir, link_checkpoints, site_checkpoint_root
 from hpcscale.util.paths import expand_path
 
@@ -95,6 +95,8 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
 
     try:
         info = bootstrap(timeout_s=spec.timeout_seconds, order_nodes=_order_nodes(loaded))
+        if info.rank == 0:  # every rank passed the bootstrap, so every rank's stop handler is installed
+            print(RANKS_READY, flush=True)
         code = _run(loaded, info, run_dir, stop, sweep_index)
     except StopRequested:
         code = STOPPED_EXIT_CODE
@@ -134,9 +136,12 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         work_dir = run_dir / "sweep" / f"{sweep_index:04d}"
         work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_root = site_checkpoint_root(loaded.site.config)
-    if checkpoint_root is not None:  # checkpoints on their own filesystem, under the run's name
-        target = checkpoint_root / run_dir.name
-        link_checkpoints(work_dir, target if sweep_index is None else target / "sweep" / work_dir.name)
+    if checkpoint_root is not None:  # checkpoints on their own filesystem, under the run's name and id
+        run_id = RunDir(run_dir).run_id()
+        target = checkpoint_root / f"{run_dir.name}-{run_id}"
+        if sweep_index is not None:
+            target = target / "sweep" / work_dir.name
+        link_checkpoints(work_dir, target, run_id=run_id)
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None)
     ctx = Context(
         rank=info.rank,

@@ -10,6 +10,10 @@ exits with STOPPED_EXIT_CODE so scripts and requeue logic can tell "stopped on r
    as "kill the job": SIGTERM 1 s before SIGKILL (`odls_base_sigkill_timeout`), too soon for a step and a
    checkpoint. mpirun runs in a session of its own (util/proc.Session), so a terminal's Ctrl-C reaches only
    the front end.
+   Until every rank has its handler (rank 0 prints RANKS_READY after the bootstrap, which no rank passes
+   before installing it), a stop is held, not forwarded: SIGUSR2 to a rank still starting up, or to mpirun
+   before its own handler is set, would kill it instead of stopping it. A second signal meanwhile
+   terminates the job as in 3.
 2. The ranks stop as above and exit 75; mpirun exits 75.
 3. If they have not within the grace (the job's `timeout_seconds` + STOP_SAVE_S), or the user signals again,
    mpirun gets SIGTERM (it kills its ranks); KILL_AFTER_S later, or at a third signal, every process of the
@@ -31,6 +35,7 @@ from hpcscale.util.proc import Session
 __all__ = [
     "FORWARDED_STOP",
     "FRONT_END_SIGNALS",
+    "RANKS_READY",
     "STOPPED_EXIT_CODE",
     "STOP_SIGNALS",
     "StopFlag",
@@ -42,6 +47,8 @@ FRONT_END_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 FORWARDED_STOP = signal.SIGUSR2  # mpirun forwards it to every rank; USR1 stays Slurm's time-limit warning
 STOP_SAVE_S = 120.0  # on top of timeout_seconds: the stop step's checkpoint
 KILL_AFTER_S = 10.0  # from SIGTERM to mpirun to SIGKILL of the whole session
+# Printed by rank 0 once every rank has passed the bootstrap (and so installed its stop handler).
+RANKS_READY = "hpcscale launch: every rank is up; stop signals armed"
 
 
 class StopRequested(Exception):
@@ -66,6 +73,7 @@ class StopFlag:
 
 
 _EXITED = object()
+_READY = object()
 
 
 class StopForwarder:
@@ -93,16 +101,28 @@ class StopForwarder:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._old: dict[int, object] = {}
         self._thread: threading.Thread | None = None
+        self._ready = threading.Event()  # every rank can take a forwarded stop (RANKS_READY was seen)
+
+    def mark_ready(self) -> None:
+        """The ranks printed RANKS_READY: a held stop is forwarded now."""
+        self._ready.set()
+        self._events.put(_READY)
 
     def __enter__(self) -> StopForwarder:
         for sig in FRONT_END_SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *_exc) -> None:
+    def stop_watching(self) -> None:
+        """End the forwarder thread. Call before reaping mpirun: once reaped, its pid may be reused, and the
+        thread must never signal a stranger. Signals that come later are still recorded (`requested`)."""
         if self._thread is not None:
             self._events.put(_EXITED)
             self._thread.join()
+            self._thread = None
+
+    def __exit__(self, *_exc) -> None:
+        self.stop_watching()
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
@@ -134,14 +154,29 @@ class StopForwarder:
                 event = None  # the deadline passed
             if event is _EXITED:
                 return
-            if stage == 0 and event is not None:
+            if event is _READY:
+                if stage == 0 and self.requested is not None:  # a stop held during start-up goes out now
+                    child.send(FORWARDED_STOP)
+                    stage, deadline = 1, time.monotonic() + self.grace_s
+                continue
+            if stage == 0 and event is not None and self.requested is None:
                 self.requested = signal.Signals(event).name
-                child.send(FORWARDED_STOP)
-                self.notify(
-                    f"hpcscale run: {self.requested}: asking every rank to stop after its current step "
-                    f"(checkpoint, exit 75); signal again to stop now"
-                )
-                stage, deadline = 1, time.monotonic() + self.grace_s
+                if self._ready.is_set():
+                    child.send(FORWARDED_STOP)
+                    stage, deadline = 1, time.monotonic() + self.grace_s
+                    self.notify(
+                        f"hpcscale run: {self.requested}: asking every rank to stop after its current step "
+                        f"(checkpoint, exit 75); signal again to stop now"
+                    )
+                else:
+                    deadline = time.monotonic() + self.grace_s
+                    self.notify(
+                        f"hpcscale run: {self.requested}: the ranks are still starting; they will be asked to "
+                        "stop as soon as they are up (signal again to stop now)"
+                    )
+            elif stage == 0:  # a second signal, or the grace ran out, before the ranks were up
+                stage = 1
+                self._events.put(event)
             elif stage == 1:
                 why = f"ranks did not stop within {self.grace_s:.0f}s" if event is None else "signalled again"
                 self.forced = True

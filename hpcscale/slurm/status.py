@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpcscale.config.yamlsrc import load_yaml
+from hpcscale.errors import BadInput
 from hpcscale.rundir import JOB, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
+from hpcscale.util.bounded import loads_json
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End")
 
@@ -100,10 +101,10 @@ def _last_metrics(path: Path) -> dict | None:
         return None
     for line in reversed(path.read_text().splitlines()):
         try:
-            row = json.loads(line)
-        except ValueError:
+            row = loads_json(line, source=str(path), max_bytes=1 << 20)
+        except BadInput:  # a torn last line of a run that is still writing, or damage: look further back
             continue
-        if "loss" in row:
+        if isinstance(row, dict) and "loss" in row:
             return row
     return None
 
