@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from hpcscale.errors import BadInput
 from hpcscale.portable import hashing, paths
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import HASH_ALGORITHMS
-from hpcscale.util.bounded import loads_json
+from hpcscale.util.bounded import loads_json, read_bounded
 
 FORMAT = "hpcscale-manifest"
 VERSION = 1
@@ -160,24 +159,7 @@ def read_manifest_text(path: Path) -> tuple[Manifest, str]:
     """The manifest at `path` and its exact text (what `hpcscale stage` writes at the destination), read once:
     a FIFO or device is refused without waiting on it, then parsed under bounds and validated."""
     path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such manifest") from None
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read the manifest ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInput(f"{path}: not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise BadInput(f"{path}: {st.st_size} bytes, over the limit of {MAX_MANIFEST_BYTES} for a manifest")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read the manifest ({e.strerror})") from None
-    finally:
-        os.close(fd)
+    data = read_bounded(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest")
     doc = loads_json(data, source=str(path), max_bytes=MAX_MANIFEST_BYTES)
     return parse_manifest(doc, str(path)), data.decode("utf-8")
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -62,25 +64,31 @@ def loads_json(text: str | bytes, *, source: str, max_bytes: int = DEFAULT_MAX_B
         raise BadInput(f"{source}: invalid JSON: nested too deeply") from None
 
 
-def load_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
-    """Read and parse a JSON file under the bounds above. A file that cannot be read is BadInput too; a FIFO
-    or device is refused without opening it (open() would block forever on a FIFO with no writer)."""
-    import os
-    import stat
-
+def read_bounded(path: str | Path, *, max_bytes: int, what: str = "file") -> bytes:
+    """The bytes of a regular file of at most `max_bytes`, read once. Opened with O_NONBLOCK and checked with
+    fstat on that descriptor (no window between the check and the open): a FIFO or device is refused without
+    waiting on it. Any failure is BadInput naming the file."""
     p = Path(path)
     try:
-        st = os.stat(p)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise BadInput(f"{p}: no such {what}") from None
+    except OSError as e:
+        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BadInput(f"{p}: not a regular file")
         if st.st_size > max_bytes:
-            raise BadInput(f"{p}: {st.st_size} bytes, over the limit of {max_bytes} for this input")
-        with open(p, "rb") as f:
-            data = f.read(max_bytes + 1)
-    except FileNotFoundError:
-        raise BadInput(f"{p}: no such file") from None
-    except PermissionError:
-        raise BadInput(f"{p}: permission denied") from None
+            raise BadInput(f"{p}: {st.st_size} bytes, over the limit of {max_bytes} for a {what}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(max_bytes + 1)
     except OSError as e:
-        raise BadInput(f"{p}: cannot read: {e.strerror}") from None
-    return loads_json(data, source=str(p), max_bytes=max_bytes)
+        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def load_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, what: str = "file") -> Any:
+    """Read and parse a JSON file under the bounds above (read_bounded, then loads_json)."""
+    return loads_json(read_bounded(path, max_bytes=max_bytes, what=what), source=str(path), max_bytes=max_bytes)
