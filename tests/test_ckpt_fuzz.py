@@ -1,5 +1,6 @@
 """Property-based: mutate a real saved index (field edits, row swaps, truncated or extended tables, retyped or
-deleted tables, garbage attributes) and check what `ckpt verify` and a load make of it.
+deleted tables, garbage attributes, integer attributes outside int64: uint64, huge, negative) and check what
+`ckpt verify` and a load make of it.
 
 - `ckpt verify` exits 0 or 3, never with a traceback;
 - a load never raises, and never needs its last-resort catch (every problem is a named check's);
@@ -81,8 +82,17 @@ TEXT = st.one_of(
         ]
     ),
 )
+# Integers an h5py attribute can hold that the format's int64 cannot: uint64 (h5py stores a Python int above
+# 2**63 - 1 as one), the most negative int64, and ones too large for any HDF5 integer (h5py refuses to store them).
+OUT_OF_RANGE = st.sampled_from(
+    [np.uint64(2**64 - 1), np.uint64(2**63), 2**64 - 1, 2**63, np.int64(-(2**63)), -1, 2**70, -(2**70)]
+)
+INT_ATTRS = ["version", "chunk_bytes", "step", "world_size", "created"]
+
+
 ATTR_VALUES = st.one_of(
     INTS,
+    OUT_OF_RANGE,
     st.floats(allow_nan=True, allow_infinity=True),
     TEXT,
     st.binary(max_size=40).map(np.bytes_),
@@ -104,7 +114,10 @@ ATTR_VALUES = st.one_of(
 
 
 def _mutate(f: h5py.File, data: st.DataObject) -> None:
-    kind = data.draw(st.sampled_from(["cell", "swap", "truncate", "extend", "attr", "retype", "delete"]))
+    kind = data.draw(st.sampled_from(["cell", "swap", "truncate", "extend", "attr", "int-attr", "retype", "delete"]))
+    if kind == "int-attr":
+        f.attrs[data.draw(st.sampled_from(INT_ATTRS))] = data.draw(OUT_OF_RANGE)
+        return
     if kind == "attr":
         name = data.draw(st.sampled_from(ATTRS))
         if data.draw(st.booleans()) and name in f.attrs:
@@ -120,7 +133,7 @@ def _mutate(f: h5py.File, data: st.DataObject) -> None:
         del f[name]
         return
     if kind == "retype":
-        target = data.draw(st.sampled_from(["int32", "float64", "uint8", "string"]))
+        target = data.draw(st.sampled_from(["int32", "uint64", "float64", "uint8", "string"]))
         if arr.dtype.names:
             arr = arr["offset"]
         if target == "string":

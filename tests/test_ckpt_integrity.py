@@ -19,7 +19,20 @@ import pytest
 from conftest import REPO, run_cli
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
-from ckpt_tamper import edit_index, fuzz_tensors, replace_table, reseal, save_in_process, tensor_rows
+from ckpt_tamper import (
+    edit_index,
+    fuzz_tensors,
+    grid,
+    one_rank_manager,
+    replace_table,
+    reseal,
+    save_in_process,
+    staggered_columns,
+    tensor_rows,
+    tiling_tables,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 HELPER = REPO / "tests" / "helpers" / "ckpt_job.py"
 STEP2 = "step-00000002"
@@ -117,8 +130,8 @@ def edit_trainer_state(f) -> None:
 PLAIN = {
     "shape": (edit_shape, "root digest mismatch"),
     "same-size-dtype": (edit_dtype, "root digest mismatch"),
-    "shard-shape": (edit_shard_shape, "do not tile"),
-    "negative-offset": (edit_negative_offset, "offset -4096 is out of range"),
+    "shard-shape": (edit_shard_shape, "root digest mismatch"),  # the digest first: no structure work on it
+    "negative-offset": (edit_negative_offset, "root digest mismatch"),
     "swapped-chunks": (edit_swap_chunks, "root digest mismatch"),
     "trainer-state": (edit_trainer_state, "root digest mismatch"),
 }
@@ -229,3 +242,278 @@ def test_a_fifo_in_place_of_a_data_file_fails_verify_and_load_falls_back(saved):
     result = run_cli("ckpt", "verify", str(saved / STEP2), timeout=60)
     assert result.returncode == 3 and "Traceback" not in result.stderr
     _assert_load_falls_back(saved)
+
+
+# ---- integers outside int64 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "attr, value",
+    [("step", np.uint64(2**64 - 1)), ("chunk_bytes", np.uint64(2**63)), ("world_size", 2**64 - 1)],
+    ids=["step-uint64-max", "chunk_bytes-2^63", "world_size-int-2^64-1"],
+)
+def test_integer_attribute_outside_int64_is_refused_by_verify_ls_and_every_rank(saved, attr, value):
+    """The digest packs integers as int64: a uint64 attribute once made it raise struct.error outside every
+    catch, so verify and ls ended in a traceback and every rank raised while its manager was built."""
+    edit_index(saved / STEP2, lambda f: f.attrs.__setitem__(attr, value))  # no reseal needed
+    result = run_cli("ckpt", "verify", str(saved / STEP2))
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "outside the signed 64-bit range" in result.stderr and "Traceback" not in result.stderr
+    listing = run_cli("ckpt", "ls", str(saved), "--json")
+    assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
+    rows = {row["step"]: row["verified"] for row in json.loads(listing.stdout)["checkpoints"]}
+    assert rows[1] == "ok" and "outside the signed 64-bit range" in rows[2], rows
+    _assert_load_falls_back(saved)  # every rank builds its manager (adopting the newest index) and falls back
+
+
+def test_manager_built_over_a_damaged_newest_index_logs_and_skips_it(tmp_path):
+    root = tmp_path / "ckpt"
+    save_in_process(root, 1, fuzz_tensors())
+    edit_index(root / "step-00000001", lambda f: f.attrs.__setitem__("step", np.uint64(2**64 - 1)))
+    log: list[str] = []
+    with one_rank_manager(root, log) as manager:
+        assert manager.last_step is None and not manager.writer.known
+        assert any("not deduplicating against the newest checkpoint" in line for line in log), log
+        assert manager.load_latest(fuzz_tensors()) is None
+
+
+# ---- the digest first, and an O(S log S) tiling check ------------------------------------------------------
+
+
+def test_digest_is_checked_before_any_structure_work(tmp_path, monkeypatch):
+    import hpcscale.ckpt.format as fmt
+
+    root = tmp_path / "ckpt"
+    save_in_process(root, 1, fuzz_tensors())
+    step = root / "step-00000001"
+    edit_index(step, edit_shard_shape_of("model/rows"))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("structure checked before the digest")
+
+    monkeypatch.setattr(fmt, "structure_problems", boom)
+    exam = fmt.examine_index(step / "index.h5")
+    assert exam.index is None and [p.file for p in exam.problems] == ["index.h5", "DIGEST"], exam.problems
+    assert exam.problems[0].problem.startswith("root digest mismatch")
+
+
+def edit_shard_shape_of(name: str):
+    def fn(f) -> None:
+        _, shards, _ = tensor_rows(f, name)
+        _set_row(f, "shard_shape", shards[0], [16, 32])
+
+    return fn
+
+
+@pytest.mark.parametrize("shards", [4000, 40000])
+def test_tiling_check_is_fast_for_tens_of_thousands_of_shards(shards):
+    """The pairwise overlap sweep took 4 s at 4,000 shards of a real (staggered) tiling and minutes at 40,000,
+    on every rank at every start. A grid (what writers produce) passes; a staggered tiling is no grid."""
+    import time
+
+    from hpcscale.ckpt.integrity import structure_problems
+
+    for (gshape, boxes), ok in ((grid(shards // 100, 100), True), (staggered_columns(shards // 2), False)):
+        tables = tiling_tables(gshape, boxes)
+        t0 = time.perf_counter()
+        problems = structure_problems(tables, dir_step=1)
+        took = time.perf_counter() - t0
+        assert (problems == []) is ok, problems[:3]
+        assert ok or problems == [f"tensor model/w: its shards do not tile its global shape {list(gshape)}"]
+        assert took < 2.0, f"{len(boxes)} shards took {took:.2f} s"
+
+
+def _chunks(n: int, k: int) -> list[tuple[int, int]]:
+    """torch.chunk's cut of n into k pieces (DTensor's Shard placement): (start, length), empty ones included."""
+    size = -(-n // k) if n else 0
+    return [(min(i * size, n), max(0, min(size, n - i * size))) for i in range(k)]
+
+
+@pytest.mark.parametrize(
+    "gshape, boxes",
+    [
+        ((10, 6), [((a, 0), (n, 6)) for a, n in _chunks(10, 4)]),  # Shard(0), uneven: 3, 3, 3, 1
+        ((3, 6), [((a, 0), (n, 6)) for a, n in _chunks(3, 4)]),  # Shard(0) with an empty piece
+        ((6, 9), [((0, a), (6, n)) for a, n in _chunks(9, 2)]),  # Shard(1)
+        ((7, 9), [((a, b), (n, m)) for a, n in _chunks(7, 3) for b, m in _chunks(9, 2)]),  # a 2-D mesh
+        ((0, 4), [((0, 0), (0, 4))]),  # an empty tensor
+        ((), [((), ())]),  # a scalar
+    ],
+    ids=["rows-uneven", "rows-empty-piece", "columns", "grid", "empty", "scalar"],
+)
+def test_tilings_a_writer_produces_pass(gshape, boxes):
+    from hpcscale.ckpt.integrity import structure_problems
+
+    assert structure_problems(tiling_tables(gshape, boxes), dir_step=1) == []
+
+
+BOX = st.tuples(st.integers(0, 4), st.integers(0, 4), st.integers(0, 3), st.integers(0, 3))
+
+
+@settings(max_examples=400, deadline=None)
+@given(boxes=st.lists(BOX, min_size=1, max_size=8), cuts=st.tuples(st.integers(1, 3), st.integers(1, 3)))
+def test_tiling_check_passes_exactly_the_exact_covers(boxes, cuts):
+    """Whatever passes covers every element exactly once (checked element by element); every grid passes."""
+    from hpcscale.ckpt.integrity import structure_problems
+
+    gshape = (4, 4)
+    shards = [((r, c), (min(h, 4 - r), min(w, 4 - c))) for r, c, h, w in boxes if r < 4 and c < 4]
+    if not shards:
+        return
+    cover = np.zeros(gshape, dtype=int)
+    for (r, c), (h, w) in shards:
+        cover[r : r + h, c : c + w] += 1
+    passed = structure_problems(tiling_tables(gshape, shards), dir_step=1) == []
+    assert not passed or (cover == 1).all(), (shards, cover)
+    rows, cols = np.linspace(0, 4, cuts[0] + 1).astype(int), np.linspace(0, 4, cuts[1] + 1).astype(int)
+    cells = [
+        ((rows[i], cols[j]), (rows[i + 1] - rows[i], cols[j + 1] - cols[j]))
+        for i in range(cuts[0])
+        for j in range(cuts[1])
+    ]
+    assert structure_problems(tiling_tables(gshape, cells), dir_step=1) == []
+
+
+# ---- trainer state and RNG states, checked at load --------------------------------------------------------
+
+
+def _two_steps(tmp_path) -> Path:
+    root = tmp_path / "ckpt"
+    save_in_process(root, 1, fuzz_tensors())
+    save_in_process(root, 2, fuzz_tensors())
+    return root
+
+
+def _verify_passes(step: Path) -> None:
+    result = run_cli("ckpt", "verify", str(step))
+    assert result.returncode == 0, result.stdout + result.stderr  # well formed: verify cannot know the trainer
+
+
+def test_trainer_state_the_trainer_cannot_use_is_refused_on_every_rank_by_its_check(tmp_path):
+    """'{"step": 1}' is a well-formed state, but the reference trainer reads state["loader"]: without a check,
+    every rank raised KeyError at every restart. With the trainer's check, the checkpoint is skipped."""
+    from hpcscale.train.trainer import trainer_state_problem
+
+    root = _two_steps(tmp_path)
+    edit_index(root / STEP2, _trainer_state('{"step": 2}'))
+    assert reseal(root / STEP2)
+    _verify_passes(root / STEP2)
+    log: list[str] = []
+    with one_rank_manager(root, log) as manager:
+        restored = manager.load_latest(fuzz_tensors(), check_state=trainer_state_problem)
+        assert restored is not None and restored.step == 1, log
+        assert restored.trainer_state["loader"] == {"epoch": 0, "batch": 1, "seed": 1}
+        refusal = f"refusing checkpoint {STEP2}: {root / STEP2}: trainer state: loader is NoneType"
+        assert any(line.startswith(f"hpcscale: {refusal}") for line in log), log
+        # without a check, the manager cannot know what the caller reads: it loads step 2 (documented)
+        assert manager.load_latest(fuzz_tensors()).step == 2
+        # a check that raises refuses the checkpoint the same way, never raising out of load_latest
+        restored = manager.load_latest(fuzz_tensors(), check_state=lambda state: state["loader"] and None)
+        assert restored is not None and restored.step == 1
+        assert any("trainer state: unexpected KeyError" in line for line in log), log
+
+
+@pytest.mark.parametrize(
+    "state, problem",
+    [
+        ({"step": 3, "loader": {"epoch": 0, "batch": 3, "seed": 1}}, None),
+        ({"step": 3, "loader": {"epoch": 2, "batch": 0}}, None),
+        ({"step": 1}, "loader is NoneType"),
+        ({"loader": [0, 1]}, "loader is list"),
+        ({"loader": {"epoch": "0", "batch": 1}}, "loader.epoch is '0'"),
+        ({"loader": {"epoch": 0, "batch": -1}}, "loader.batch is '-1'"),
+        ({"loader": {"epoch": 0, "batch": True}}, "loader.batch is 'True'"),
+        ({"loader": {"epoch": 0.5, "batch": 1}}, "loader.epoch is '0.5'"),
+        ({"loader": {"epoch": 0, "batch": 1, "seed": "1"}}, "loader.seed is '1'"),
+    ],
+)
+def test_the_trainers_state_check_names_what_it_cannot_use(state, problem):
+    from hpcscale.train.trainer import trainer_state_problem
+
+    got = trainer_state_problem(state)
+    assert got == problem if problem is None else got is not None and got.startswith(problem), got
+
+
+def _rng_cpu(data: np.ndarray):
+    def fn(f) -> None:
+        replace_table(f, "rng_cpu", data)
+
+    return fn
+
+
+@pytest.mark.parametrize("kind", ["short-row", "torch-refuses-contents"])
+def test_rng_state_this_torch_cannot_restore_is_refused_at_load(tmp_path, kind):
+    """rng_cpu reshaped to (1, 3) verified and loaded; then torch.set_rng_state raised on every rank."""
+    import torch
+
+    root = _two_steps(tmp_path)
+    want = torch.get_rng_state().numel()
+    data = np.arange(3, dtype=np.uint8).reshape(1, 3) if kind == "short-row" else np.full((1, want), 255, np.uint8)
+    edit_index(root / STEP2, _rng_cpu(data))
+    assert reseal(root / STEP2)
+    _verify_passes(root / STEP2)
+    before = torch.get_rng_state()
+    log: list[str] = []
+    with one_rank_manager(root, log) as manager:
+        restored = manager.load_latest(fuzz_tensors())
+    assert restored is not None and restored.step == 1, log
+    assert restored.rng["cpu"].shape == (want,)
+    torch.set_rng_state(torch.from_numpy(restored.rng["cpu"].copy()))  # what the trainer does with it
+    expected = "the CPU RNG state has shape (3,)" if kind == "short-row" else "the CPU RNG state is refused by torch"
+    assert any(f"refusing checkpoint {STEP2}" in line and expected in line for line in log), log
+    torch.set_rng_state(before)
+
+
+# ---- data files are opened by verify as a load opens them ---------------------------------------------------
+
+
+def _data_file(root: Path) -> Path:
+    return root / "step-00000001" / "data" / "rank-00000.bin"
+
+
+def test_a_symlinked_data_file_fails_verify_as_load_refuses_it(tmp_path):
+    """verify followed a symbolic link to a copy outside the run (exit 0); a load (O_NOFOLLOW) refused it."""
+    root = tmp_path / "run" / "ckpt"
+    save_in_process(root, 1, fuzz_tensors())
+    victim = _data_file(root)
+    outside = tmp_path / "elsewhere.bin"
+    shutil.copy(victim, outside)
+    victim.unlink()
+    victim.symlink_to(outside)
+    result = run_cli("ckpt", "verify", str(root / "step-00000001"))
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "is a symbolic link" in result.stderr and "Traceback" not in result.stderr
+    log: list[str] = []
+    with one_rank_manager(root, log) as manager:
+        assert manager.load_latest(fuzz_tensors()) is None
+    assert any("refusing checkpoint step-00000001" in line for line in log), log
+
+
+def test_verify_reports_a_data_file_it_cannot_open_instead_of_raising(tmp_path, monkeypatch):
+    """Between data_file_problem and the reads, a file can change (or be unreadable): each open and read
+    error is a problem in the report, never a traceback, and a FIFO never blocks the open."""
+    import hpcscale.ckpt.ops as ops
+
+    root = tmp_path / "ckpt"
+    save_in_process(root, 1, fuzz_tensors())
+    victim = _data_file(root)
+    victim.unlink()
+    os.mkfifo(victim)
+    monkeypatch.setattr(ops, "data_file_problem", lambda root, index: None)  # the gap: swapped after the check
+    report = ops.verify(root / "step-00000001")
+    assert not report.passed and report.ok == 0
+    assert any("cannot be opened" in p.problem for p in report.problems), report.problems
+    victim.unlink()
+    victim.symlink_to(tmp_path / "elsewhere.bin")
+    report = ops.verify(root / "step-00000001")
+    assert any("cannot be opened" in p.problem for p in report.problems), report.problems
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_an_unreadable_data_file_fails_verify_without_a_traceback(tmp_path):
+    root = tmp_path / "ckpt"
+    save_in_process(root, 1, fuzz_tensors())
+    _data_file(root).chmod(0)
+    result = run_cli("ckpt", "verify", str(root / "step-00000001"))
+    assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr
+    assert "cannot be opened (Permission denied)" in result.stderr

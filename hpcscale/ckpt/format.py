@@ -17,9 +17,11 @@ index, and only before it is renamed into place.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +52,7 @@ MAX_TABLE_BYTES = 1 << 30  # no index table is this large; a crafted one that cl
 LATEST = "LATEST"
 CHUNK_BYTES = 16 << 20
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def step_dir_name(step: int) -> str:
@@ -221,6 +224,8 @@ def _attr(f, name: str, kind: type):
         if isinstance(value, str):
             return value
     elif isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        if not _INT64_MIN <= int(value) <= _INT64_MAX:  # e.g. a uint64: the digest packs integers as int64
+            raise _Damaged(f"attribute {name} is {int(value)}, outside the signed 64-bit range")
         return int(value) if kind is int else float(value)
     elif kind is float and isinstance(value, (float, np.floating)):
         return float(value)
@@ -364,8 +369,13 @@ def examine_index(path: Path) -> IndexExamination:
         return fail(f"damaged index ({e})")
     except Exception as e:  # h5py raises many types for a damaged file; each means the same here
         return fail(f"damaged index ({type(e).__name__}: {str(e)[:200]})")
+    try:
+        digest = root_digest(tables)
+    except Exception as e:  # _attr bounds what the digest packs; anything else is still a damaged index
+        return fail(f"damaged index ({type(e).__name__}: {str(e)[:200]})")
+    # The digest first: an index edited without recomputing it is refused before any structure work (which
+    # grows with the number of shards), and nothing it says is followed.
     problems = []
-    digest = root_digest(tables)
     if not valid_digest_text(stored):
         problems.append(IndexProblem(INDEX, "the root digest attribute is missing or malformed"))
     elif stored != digest:
@@ -381,9 +391,14 @@ def examine_index(path: Path) -> IndexExamination:
             problems.append(IndexProblem(DIGEST, f"says {recorded[:80]!r}, the index's contents hash to {digest}"))
     except OSError as e:
         problems.append(IndexProblem(DIGEST, f"cannot be read ({e.strerror or e})"))
-    structure = structure_problems(tables, dir_step=step_of(path.parent.name))
+    if problems:
+        return IndexExamination(None, problems, digest)
+    try:
+        structure = structure_problems(tables, dir_step=step_of(path.parent.name))
+        index = None if structure else _index_of(tables)
+    except Exception as e:  # the checks never raise by design; if one did, the index is still just refused
+        structure, index = [f"unexpected {type(e).__name__} while checking the structure: {str(e)[:200]}"], None
     problems += [IndexProblem(INDEX, p) for p in structure]
-    index = None if structure else _index_of(tables)
     if index is not None:
         index.digest = digest
     return IndexExamination(index, problems, digest)
@@ -414,3 +429,16 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_data_file(path: Path) -> int:
+    """A data file opened as load and verify open it: never through a symbolic link
+    (O_NOFOLLOW), never blocking on a FIFO (O_NONBLOCK), and only a regular file. OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -6,13 +6,15 @@ the index itself trustworthy; `ckpt verify` and every load (`format.read_index`)
 
 1. Structure (`structure_problems`): the tables must describe a well-formed store on their own. Every run of
    rows partitions the table below it; every dtype is a known name with a known element size; every shard
-   lies inside its tensor's global shape and the shards of a tensor tile it exactly (disjoint, volumes summing
-   to the tensor's); every shard's chunks are exactly its bytes, cut at `chunk_bytes` (a chunk's position in
-   the shard is its row's position in the run, so no gap, overlap or reordering fits); offsets are not
-   negative; data files are named as the writer names them and are not newer than the checkpoint; trainer
-   state and layout are bounded JSON objects; RNG tables have one uint8 row per rank. These catch a damaged
-   index even when its digest was recomputed, and they make reading safe: no negative offset reaches a read,
-   no buffer is larger than its chunks, and no element of a loaded or exported tensor is left unwritten.
+   lies inside its tensor's global shape and the shards of a tensor tile it exactly as a grid (each shard one
+   cell of the grid its boundaries cut, each cell one shard; checked with sorts, O(S log S)); every shard's
+   chunks are exactly its bytes, cut at `chunk_bytes` (a chunk's position in the shard is its row's position
+   in the run, so no gap, overlap or reordering fits); offsets are not negative; data files are named as the
+   writer names them and are not newer than the checkpoint; trainer state and layout are bounded JSON
+   objects; RNG tables have one uint8 row per rank. These catch a damaged index even when its digest was
+   recomputed, and they make reading safe: no negative offset reaches a read, no buffer is larger than its
+   chunks, and no element of a loaded or exported tensor is left unwritten. They run only on an index whose
+   root digest matches (below): an edited index without a recomputed digest is refused before any of this.
 
 2. Root digest (`root_digest`): sha256 over a canonical serialisation of everything the index says (the
    attributes, every table, the RNG states), recorded in the index (`digest`) and in the small text file
@@ -232,20 +234,153 @@ def _rng_problems(t: Tables, out: list[str]) -> None:
             out.append(f"{name} has shape {table.shape}, not one row per rank")
 
 
-def _disjoint(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
-    """True when no two of the (lo, hi) boxes intersect. A sweep along the axis with the most distinct starts:
-    linear for the tilings a writer produces (rows, columns or a grid), quadratic only for a crafted index."""
-    if len(boxes) < 2 or not boxes[0][0]:
-        return len(boxes) < 2
-    axis = max(range(len(boxes[0][0])), key=lambda d: len({b[0][d] for b in boxes}))
-    boxes = sorted(boxes, key=lambda b: b[0][axis])
-    for i, (lo, hi) in enumerate(boxes):
-        for lo2, hi2 in boxes[i + 1 :]:
-            if lo2[axis] >= hi[axis]:
-                break
-            if all(a < d and c < b for a, b, c, d in zip(lo, hi, lo2, hi2, strict=True)):
-                return False
-    return True
+def _grid_tiled(owner: np.ndarray, lo: np.ndarray, hi: np.ndarray, gshape: np.ndarray, n_t: int) -> np.ndarray:
+    """Per tensor: True when its non-empty shards (rows `owner`, boxes [lo, hi), every box inside its tensor's
+    `gshape`, padded dimensions given as [0, 1) of 1) form a grid that covers the tensor exactly: along each
+    dimension, the distinct shard boundaries cut [0, extent) into intervals, every shard is one interval per
+    dimension (one cell), and every cell is one shard. That is an exact tiling (no element twice, none left
+    out), checked with sorts: O(S log S) in the number of shards. It is what a writer produces: each rank's
+    piece of a DTensor is a product of contiguous ranges of its mesh's Shard placements (rows, columns or a
+    grid), in any layout it was saved from."""
+    s = owner.shape[0]
+    counts = np.bincount(owner, minlength=n_t).astype(np.int64)
+    ok = np.ones(n_t, dtype=bool)
+    cells = np.ones(n_t, dtype=np.int64)  # the grid's number of cells, capped at count + 1 (no overflow)
+    key = np.zeros(s, dtype=np.int64)  # each shard's cell, numbered in mixed radix
+    for d in range(lo.shape[1]):
+        # each tensor's distinct boundaries along d, sorted, numbered from 0 within the tensor
+        pts_owner = np.concatenate((owner, owner))
+        pts = np.concatenate((lo[:, d], hi[:, d]))
+        order = np.lexsort((pts, pts_owner))
+        so, sp = pts_owner[order], pts[order]
+        new = np.ones(2 * s, dtype=bool)
+        new[1:] = (so[1:] != so[:-1]) | (sp[1:] != sp[:-1])
+        distinct = np.cumsum(new) - 1  # global number of each distinct (tensor, boundary)
+        group_start = np.ones(2 * s, dtype=bool)
+        group_start[1:] = so[1:] != so[:-1]
+        first_of_owner = np.zeros(n_t, dtype=np.int64)
+        first_of_owner[so[group_start]] = distinct[group_start]
+        rank = np.empty(2 * s, dtype=np.int64)
+        rank[order] = distinct - first_of_owner[so]
+        r_lo, r_hi = rank[:s], rank[s:]
+        intervals = np.zeros(n_t, dtype=np.int64)
+        np.maximum.at(intervals, owner, r_hi)  # the last boundary's number = intervals along d
+        # the boundaries run from 0 to the extent, and every shard spans exactly one interval
+        low = np.full(n_t, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(low, owner, lo[:, d])
+        high = np.zeros(n_t, dtype=np.int64)
+        np.maximum.at(high, owner, hi[:, d])
+        present = counts > 0
+        ok &= ~present | ((low == 0) & (high == gshape[:, d]))
+        bad = owner[r_hi != r_lo + 1]
+        ok[bad] = False
+        # mixed radix: key = sum over d of r_lo[d] * prod(intervals[e] for e < d); exact where it matters
+        key += r_lo * np.minimum(cells, counts + 1)[owner]
+        cells = np.minimum(cells * np.maximum(intervals, 1), counts + 1)
+    ok &= (counts == 0) | (cells == counts)
+    # every cell held by exactly one shard: (tensor, cell) pairs are distinct
+    keep = ok[owner]
+    pair = np.lexsort((key[keep], owner[keep]))
+    ko, kk = owner[keep][pair], key[keep][pair]
+    dup = (ko[1:] == ko[:-1]) & (kk[1:] == kk[:-1])
+    ok[ko[1:][dup]] = False
+    return ok
+
+
+def _tensor_and_shard_problems(t: Tables, out: list[str]) -> np.ndarray:
+    """Names, dtypes and shapes of the tensors; bounds, padding and chunk counts of their shards; the tiling.
+    Per tensor in Python (over lists, not numpy scalars), per shard vectorised: a pass over S shards costs
+    O(S log S), so an index of tens of thousands of shards is checked in well under a second. Returns each
+    shard's size in bytes (0 where its tensor or itself failed a check)."""
+    s, i = t.strings, t.ints
+    n_t = len(s["tensor_name"])
+    shard_off, shard_shape = i["shard_offset"], i["shard_shape"]
+    n_s, width = shard_off.shape[0], shard_off.shape[1]
+    ndims, gshapes = i["tensor_ndim"].tolist(), i["tensor_shape"].tolist()
+    names: list[str | None] = [None] * n_t
+    tvalid = np.zeros(n_t, dtype=bool)
+    t_nd = np.zeros(n_t, dtype=np.int64)
+    t_elt = np.zeros(n_t, dtype=np.int64)  # 0: unknown dtype (reported; its shards' chunks are not counted)
+    t_volume = np.zeros(n_t, dtype=np.int64)
+    g_pad = np.ones((n_t, width), dtype=np.int64)  # global shapes, the padding as extent 1
+    prev_name = None
+    for ti in range(n_t):
+        name = _decode(s["tensor_name"][ti], "tensor name", out)
+        if name is None:
+            continue
+        names[ti] = name
+        if prev_name is not None and name <= prev_name:
+            out.append(f"tensor {name}: the tensor table is not in strictly ascending name order")
+        prev_name = name
+        dtype = s["tensor_dtype"][ti].decode("utf-8", "replace")
+        elt = DTYPE_SIZES.get(dtype)
+        if elt is None:
+            out.append(f"tensor {name}: unknown dtype {dtype[:40]!r}")
+        nd = ndims[ti]
+        if not 0 <= nd <= width:
+            out.append(f"tensor {name}: ndim {nd} is out of range")
+            continue
+        gshape = gshapes[ti]
+        if any(x < 0 for x in gshape[:nd]) or any(x != -1 for x in gshape[nd:]):
+            out.append(f"tensor {name}: global shape {gshape} is invalid for {nd} dimensions")
+            continue
+        volume = math.prod(gshape[:nd])
+        if volume * (elt or 1) > MAX_OFFSET:
+            out.append(f"tensor {name}: global shape {gshape[:nd]} is impossibly large")
+            continue
+        tvalid[ti], t_nd[ti], t_elt[ti], t_volume[ti] = True, nd, elt or 0, volume
+        g_pad[ti, :nd] = gshape[:nd]
+
+    shard_bytes = np.zeros(n_s, dtype=np.int64)
+    owner = np.repeat(np.arange(n_t, dtype=np.int64), i["tensor_shard_count"])  # runs partition: in order
+    checked = tvalid[owner]  # shards of a tensor that failed above are not looked at
+    pad = np.arange(width, dtype=np.int64)[None, :] >= t_nd[owner][:, None]
+    bad_pad = checked & (((shard_off != -1) & pad) | ((shard_shape != -1) & pad)).any(axis=1)
+    lo = np.where(pad, 0, shard_off)
+    ext = np.where(pad, 1, shard_shape)
+    g = g_pad[owner]
+    with np.errstate(over="ignore"):  # g - lo wraps only where lo < 0, which is refused on its own
+        outside = checked & ~bad_pad & ((lo < 0) | (ext < 0) | (ext > g - lo)).any(axis=1)
+    good = checked & ~bad_pad & ~outside
+    # inside its tensor, a shard's extents multiply to at most the tensor's volume (<= MAX_OFFSET): no overflow,
+    # except on the way to a product that a zero extent makes 0, where wrapping does not change the result
+    with np.errstate(over="ignore"):
+        n = np.where(good, np.prod(np.where(good[:, None], ext, 0), axis=1), 0)
+    shard_bytes[good] = n[good] * t_elt[owner][good]
+    cb = t.attrs["chunk_bytes"]
+    counted = good & (t_elt[owner] > 0)
+    want = np.maximum(1, -(-shard_bytes // cb)) if cb > 0 else np.full(n_s, -1, dtype=np.int64)
+    bad_count = counted & (i["shard_chunk_count"] != want)
+
+    first = i["tensor_shard_start"]
+    for sj in np.flatnonzero(bad_pad | outside | bad_count).tolist():
+        ti = int(owner[sj])
+        nd = int(t_nd[ti])
+        where = (
+            f"tensor {names[ti]}: shard {sj - int(first[ti])} "
+            f"(offset {shard_off[sj][:nd].tolist()}, shape {shard_shape[sj][:nd].tolist()})"
+        )
+        if bad_pad[sj]:
+            out.append(f"{where} has {width} dimensions padded wrongly for {nd}")
+        elif outside[sj]:
+            out.append(f"{where} lies outside the global shape {g_pad[ti][:nd].tolist()}")
+        else:
+            out.append(
+                f"{where}: {int(i['shard_chunk_count'][sj])} chunks for {int(shard_bytes[sj])} bytes "
+                f"(cut at {cb} bytes: {int(want[sj])})"
+            )
+
+    # the tiling: every shard of the tensor sound, and its non-empty ones an exact grid over its global shape
+    tiled = tvalid.copy()
+    tiled[owner[checked & ~good]] = False
+    nonempty = good & (n > 0)
+    tiled &= _grid_tiled(owner[nonempty], lo[nonempty], (lo + ext)[nonempty], g_pad, n_t)
+    has_nonempty = np.bincount(owner[nonempty], minlength=n_t) > 0
+    tiled &= has_nonempty | (t_volume == 0)
+    for ti in np.flatnonzero(tvalid & ~tiled).tolist():
+        nd = int(t_nd[ti])
+        out.append(f"tensor {names[ti]}: its shards do not tile its global shape {g_pad[ti][:nd].tolist()}")
+    return shard_bytes
 
 
 def structure_problems(t: Tables, *, dir_step: int | None) -> list[str]:
@@ -269,7 +404,7 @@ def structure_problems(t: Tables, *, dir_step: int | None) -> list[str]:
         or t.chunks.ndim != 1
     ):
         return [*out, "the tensor, shard and chunk tables do not have matching lengths"]
-    n_s, n_c, width = shard_off.shape[0], t.chunks.shape[0], shape_t.shape[1]
+    n_s, n_c = shard_off.shape[0], t.chunks.shape[0]
     if not _runs_partition(i["tensor_shard_start"], i["tensor_shard_count"], n_s):
         return [*out, "the tensors' runs of shards do not partition the shard table"]
     if not _runs_partition(i["shard_chunk_start"], i["shard_chunk_count"], n_c):
@@ -298,60 +433,7 @@ def structure_problems(t: Tables, *, dir_step: int | None) -> list[str]:
         if bad.size:
             out.append(f"chunk row {int(bad[0])}: offset {int(chunks['offset'][bad[0]])} is out of range")
 
-    prev_name = None
-    shard_bytes = np.zeros(n_s, dtype=np.int64)
-    for ti in range(n_t):
-        name = _decode(s["tensor_name"][ti], "tensor name", out)
-        if name is None:
-            continue
-        if prev_name is not None and name <= prev_name:
-            out.append(f"tensor {name}: the tensor table is not in strictly ascending name order")
-        prev_name = name
-        dtype = s["tensor_dtype"][ti].decode("utf-8", "replace")
-        elt = DTYPE_SIZES.get(dtype)
-        if elt is None:
-            out.append(f"tensor {name}: unknown dtype {dtype[:40]!r}")
-        nd = int(i["tensor_ndim"][ti])
-        if not 0 <= nd <= width:
-            out.append(f"tensor {name}: ndim {nd} is out of range")
-            continue
-        gshape = shape_t[ti]
-        if (gshape[:nd] < 0).any() or (gshape[nd:] != -1).any():
-            out.append(f"tensor {name}: global shape {gshape.tolist()} is invalid for {nd} dimensions")
-            continue
-        volume = math.prod(int(x) for x in gshape[:nd])
-        if volume * (elt or 1) > MAX_OFFSET:
-            out.append(f"tensor {name}: global shape {gshape[:nd].tolist()} is impossibly large")
-            continue
-        covered, boxes = 0, []
-        first = int(i["tensor_shard_start"][ti])
-        for sj in range(first, first + int(i["tensor_shard_count"][ti])):
-            off, shp = shard_off[sj], shard_shape[sj]
-            where = f"tensor {name}: shard {sj - first} (offset {off[:nd].tolist()}, shape {shp[:nd].tolist()})"
-            if (off[nd:] != -1).any() or (shp[nd:] != -1).any():
-                out.append(f"{where} has {width} dimensions padded wrongly for {nd}")
-                continue
-            lo, ext = off[:nd], shp[:nd]
-            if (lo < 0).any() or (ext < 0).any() or (ext > gshape[:nd] - lo).any():  # no sum: it could wrap
-                out.append(f"{where} lies outside the global shape {gshape[:nd].tolist()}")
-                continue
-            n = math.prod(int(x) for x in ext)
-            covered += n
-            if n:
-                lo_t = tuple(int(x) for x in lo)
-                boxes.append((lo_t, tuple(a + int(b) for a, b in zip(lo_t, ext, strict=True))))
-            shard_bytes[sj] = n * (elt or 0)
-            if elt is None:
-                continue
-            cb = t.attrs["chunk_bytes"]
-            want = max(1, -(-shard_bytes[sj] // cb)) if cb > 0 else -1
-            if int(i["shard_chunk_count"][sj]) != want:
-                out.append(
-                    f"{where}: {int(i['shard_chunk_count'][sj])} chunks for {int(shard_bytes[sj])} bytes "
-                    f"(cut at {cb} bytes: {want})"
-                )
-        if covered != volume or not _disjoint(boxes):
-            out.append(f"tensor {name}: its shards do not tile its global shape {gshape[:nd].tolist()}")
+    shard_bytes = _tensor_and_shard_problems(t, out)
     if n_c and not out and t.attrs["chunk_bytes"] >= 1:
         # every chunk's length follows from its position in its shard: the shard's bytes cut at chunk_bytes
         cb = t.attrs["chunk_bytes"]

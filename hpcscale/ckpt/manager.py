@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,11 @@ class CheckpointManager:
             root.mkdir(parents=True, exist_ok=True)
             leftovers = list(root.glob(".tmp-*"))
             if leftovers:
-                apply_retention(root, keep_last=10**9, keep_every=0)  # removes .tmp-* only: keep everything
-                self.log(f"hpcscale: removed {len(leftovers)} unfinished save(s) in {root}")
+                try:
+                    apply_retention(root, keep_last=10**9, keep_every=0)  # removes .tmp-* only: keep everything
+                    self.log(f"hpcscale: removed {len(leftovers)} unfinished save(s) in {root}")
+                except Exception as e:  # rank 0 raising alone would leave the others at the barrier
+                    self.log(f"hpcscale: could not remove unfinished saves in {root}: {type(e).__name__}: {e}")
         dist.barrier(group=self.group)
         self.writer = ShardWriter(root, rank=rank, group=self.group, direct_io=direct_io)
         self.last_step: int | None = None
@@ -81,14 +85,18 @@ class CheckpointManager:
     def _adopt_newest(self) -> None:
         """Dedup new saves against the newest committed checkpoint already on disk (a fresh process, a resumed
         run). A damaged index is skipped: its chunks are simply written again."""
-        steps = committed_steps(self.root)
-        if not steps:
-            return
         try:
-            self.writer.adopt(read_index(self.root / step_dir_name(steps[0]) / INDEX))
-            self.last_step = steps[0]
-        except VerificationFailure:
-            pass
+            steps = committed_steps(self.root)
+            if not steps:
+                return
+            index = read_index(self.root / step_dir_name(steps[0]) / INDEX)
+        except Exception as e:  # any failure of an index skips it; a rank never raises while being built
+            problem = str(e) if isinstance(e, VerificationFailure) else f"unexpected {type(e).__name__}: {e}"
+            if self.rank == 0:
+                self.log(f"hpcscale: not deduplicating against the newest checkpoint: {problem}")
+            return
+        self.writer.adopt(index)
+        self.last_step = steps[0]
 
     # ---- saving ---------------------------------------------------------------------------------------------
     def save(
@@ -179,17 +187,41 @@ class CheckpointManager:
             raise error
 
     # ---- loading --------------------------------------------------------------------------------------------
-    def load_latest(self, tensors: dict[str, torch.Tensor]) -> Restored | None:
-        """Load the newest checkpoint every rank can read and verify; fall back past damaged ones, saying so."""
-        listing = [committed_steps(self.root) if self.rank == 0 else None]
+    def load_latest(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        check_state: Callable[[dict], str | None] | None = None,
+    ) -> Restored | None:
+        """Load the newest checkpoint every rank can read and verify; fall back past damaged ones, saying so.
+
+        `check_state(trainer_state)` returns what is wrong with a checkpoint's trainer state for the caller
+        (None when it is usable): a problem, or an exception it raises, refuses that checkpoint on every rank
+        together, like a hash mismatch. The RNG states restored (same layout) are checked against what this
+        process's torch accepts, likewise."""
+        listing: list = [None]
+        if self.rank == 0:
+            try:
+                listing = [committed_steps(self.root)]
+            except Exception as e:  # rank 0 raising alone would leave the others in the broadcast
+                self.log(f"hpcscale: cannot list checkpoints in {self.root}: {type(e).__name__}: {e}")
+                listing = [[]]
         dist.broadcast_object_list(listing, src=0, group=self.group)
         targets = local_shards(tensors)
+        same_layout = False
         for step in listing[0]:
             path = self.root / step_dir_name(step) / INDEX
             problem, index = None, None
             try:
                 index = read_index(path)  # root digest, DIGEST and structure: nothing below follows a bad index
-                load_shards(index, self.root, targets)
+                same_layout = index.layout == self.dims.as_dict()
+                problem = _state_problem(index.trainer_state, check_state) or (
+                    _rng_problem(index.rng.get(self.rank)) if same_layout else None
+                )
+                if problem is not None:
+                    problem = f"{path.parent}: {problem}"
+                else:
+                    load_shards(index, self.root, targets)
             except VerificationFailure as e:
                 problem = str(e)
             except Exception as e:
@@ -209,6 +241,41 @@ class CheckpointManager:
                 continue
             self.writer.adopt(index)
             self.last_step = step
-            same_layout = index.layout == self.dims.as_dict()
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
         return None
+
+
+def _state_problem(state: dict, check: Callable[[dict], str | None] | None) -> str | None:
+    """What the caller's check says of a trainer state; an exception it raises counts as a problem."""
+    if check is None:
+        return None
+    try:
+        problem = check(state)
+    except Exception as e:
+        return f"trainer state: unexpected {type(e).__name__} while checking it: {e}"
+    return None if problem is None else f"trainer state: {problem}"
+
+
+def _rng_problem(states: dict[str, np.ndarray] | None) -> str | None:
+    """What is wrong with this rank's saved RNG states for this process's torch: the CPU state must be one
+    torch.set_rng_state accepts (tried, then undone); a CUDA state, when saved and a GPU is present, must have
+    the length torch.cuda.get_rng_state() has."""
+    if not states or "cpu" not in states:
+        return "no CPU RNG state for this rank"
+    cpu = np.asarray(states["cpu"])
+    want = torch.get_rng_state().numel()
+    if cpu.dtype != np.uint8 or cpu.shape != (want,):
+        return f"the CPU RNG state has shape {cpu.shape} of {cpu.dtype}; this torch expects ({want},) of uint8"
+    current = torch.get_rng_state()
+    try:
+        torch.set_rng_state(torch.from_numpy(cpu.copy()))
+    except Exception as e:  # RuntimeError: a state of the right length whose contents torch refuses
+        return f"the CPU RNG state is refused by torch: {str(e)[:200]}"
+    finally:
+        torch.set_rng_state(current)
+    if "cuda" in states and torch.cuda.is_available():
+        cuda = np.asarray(states["cuda"])
+        want = torch.cuda.get_rng_state().numel()
+        if cuda.dtype != np.uint8 or cuda.shape != (want,):
+            return f"the CUDA RNG state has shape {cuda.shape}; this torch expects ({want},)"
+    return None

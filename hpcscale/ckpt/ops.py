@@ -19,6 +19,7 @@ from hpcscale.ckpt.format import (
     Index,
     committed_steps,
     examine_index,
+    open_data_file,
     read_index,
     step_dir_name,
     step_of,
@@ -62,7 +63,8 @@ class FileProblem:
 
 
 def data_file_problem(root: Path, index: Index) -> FileProblem | None:
-    """The first data file that is missing or shorter than the chunks in it reach."""
+    """The first data file that is missing, not a regular file (a symbolic link, a FIFO, a directory), or
+    shorter than the chunks in it reach. lstat, as a load opens them (O_NOFOLLOW): what passes here, loads."""
     sizes: dict[str, int] = {}
     for rec in index.tensors.values():
         for shard in rec.shards:
@@ -70,9 +72,13 @@ def data_file_problem(root: Path, index: Index) -> FileProblem | None:
                 sizes[c.file] = max(sizes.get(c.file, 0), c.offset + c.length)
     for f, need in sorted(sizes.items()):
         try:
-            st = (root / f).stat()
+            st = (root / f).lstat()
         except FileNotFoundError:
             return FileProblem(f, "is missing")
+        except OSError as e:
+            return FileProblem(f, f"cannot be examined ({e.strerror or e})")
+        if stat.S_ISLNK(st.st_mode):
+            return FileProblem(f, "is a symbolic link, not a regular file (a load refuses to follow it)")
         if not stat.S_ISREG(st.st_mode):
             return FileProblem(f, "is not a regular file")  # a FIFO would block the read forever
         have = st.st_size
@@ -87,6 +93,8 @@ def _info(root: Path, step: int) -> CheckpointInfo:
         index = read_index(d / INDEX)
     except VerificationFailure as e:
         return CheckpointInfo(step, str(d), 0, 0, 0, {}, 0, str(e))
+    except Exception as e:  # read_index reports a bad index as VerificationFailure; this is a last resort
+        return CheckpointInfo(step, str(d), 0, 0, 0, {}, 0, f"{d}: unexpected {type(e).__name__}: {e}")
     own = f"{step_dir_name(step)}/"
     new = sum(c.length for t in index.tensors.values() for s in t.shards for c in s.chunks if c.file.startswith(own))
     return CheckpointInfo(
@@ -116,6 +124,17 @@ def latest(path: Path) -> CheckpointInfo | None:
             return _info(root, step)
     steps = committed_steps(root)
     return _info(root, steps[0]) if steps else None
+
+
+def _chunk_verdict(fd: int, c) -> str | None:
+    """None when the chunk's bytes are in place with its hash; else what is wrong (a read error included)."""
+    try:
+        data = os.pread(fd, c.length, c.offset)
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if len(data) != c.length:
+        return "is truncated"
+    return None if xxhash.xxh3_128_hexdigest(data) == c.hash else "does not match its hash"
 
 
 def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None) -> VerifyReport:
@@ -155,7 +174,7 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
         return report
     done = 0
     verdict: dict[tuple, str | None] = {}  # a chunk referenced twice is read once
-    fds: dict[str, int] = {}
+    fds: dict[str, int | None] = {}  # None: the file could not be opened (reported once)
     try:
         for name in sorted(index.tensors):
             rec = index.tensors[name]
@@ -163,17 +182,19 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
                 for c in shard.chunks:
                     key = (c.file, c.offset, c.length, c.hash)
                     if key not in verdict:
-                        fd = fds.get(c.file)
+                        if c.file not in fds:
+                            try:
+                                fds[c.file] = open_data_file(root / c.file)
+                            except OSError as e:
+                                fds[c.file] = None
+                                report.problems.append(
+                                    VerifyProblem(path=c.file, problem=f"cannot be opened ({e.strerror or e})")
+                                )
+                        fd = fds[c.file]
                         if fd is None:
-                            fd = fds[c.file] = os.open(root / c.file, os.O_RDONLY)
-                        data = os.pread(fd, c.length, c.offset)
-                        verdict[key] = (
-                            "is truncated"
-                            if len(data) != c.length
-                            else None
-                            if xxhash.xxh3_128_hexdigest(data) == c.hash
-                            else "does not match its hash"
-                        )
+                            verdict[key] = "is in a file that cannot be opened"
+                        else:
+                            verdict[key] = _chunk_verdict(fd, c)
                     if verdict[key] is None:
                         report.ok += 1
                     else:
@@ -188,7 +209,8 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
                         progress(done, total)
     finally:
         for fd in fds.values():
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -4,14 +4,13 @@ copies the overlap into place; the saved layout and the loading layout may diffe
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
-from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord
+from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord, open_data_file
 from hpcscale.ckpt.integrity import DTYPE_SIZES
 from hpcscale.ckpt.shards import LocalShard
 from hpcscale.errors import VerificationFailure
@@ -29,17 +28,13 @@ class ChunkReader:
         fd = self._fds.get(ref.file)
         if fd is None:
             try:
-                # O_NONBLOCK: a FIFO planted under a data file's name must not hang every rank in open()
-                fd = os.open(self.root / ref.file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+                fd = open_data_file(self.root / ref.file)  # never a symlink, never blocking on a FIFO
             except FileNotFoundError:
                 raise VerificationFailure(
                     f"tensor {tensor}: chunk {ref.hash} is in {ref.file}, which is missing"
                 ) from None
             except OSError as e:
                 raise VerificationFailure(f"tensor {tensor}: cannot open {ref.file}: {e.strerror}") from None
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise VerificationFailure(f"tensor {tensor}: {ref.file} is not a regular file")
             self._fds[ref.file] = fd
         return fd
 

@@ -117,6 +117,22 @@ def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[st
     return out
 
 
+def trainer_state_problem(state: dict) -> str | None:
+    """What is wrong with a checkpoint's trainer state for this trainer (None: usable). It reads
+    state["loader"] and hands it to TokenLoader.load_state_dict: "epoch" and "batch" non-negative integers and
+    "seed", when present, an integer (a different seed is the user's choice, reported by the loader)."""
+    loader = state.get("loader")
+    if not isinstance(loader, dict):
+        return f"loader is {type(loader).__name__}, not an object with epoch, batch and seed"
+    for key in ("epoch", "batch"):
+        value = loader.get(key)
+        if type(value) is not int or value < 0:
+            return f"loader.{key} is {str(value)[:40]!r}, not a non-negative integer"
+    if "seed" in loader and type(loader["seed"]) is not int:
+        return f"loader.seed is {str(loader['seed'])[:40]!r}, not an integer"
+    return None
+
+
 def train(ctx: Context) -> None:
     cfg = load_config(ctx)
     dims = ctx.dims
@@ -157,7 +173,7 @@ def train(ctx: Context) -> None:
     )
     ctx.hooks["checkpoint"] = ckpt
     start = 0
-    restored = ckpt.load_latest(state_tensors(model, opt))
+    restored = ckpt.load_latest(state_tensors(model, opt), check_state=trainer_state_problem)
     if restored is not None:
         start = restored.step
         loader.load_state_dict(restored.trainer_state["loader"])

@@ -6,11 +6,14 @@ reseal(step_dir)              recompute the root digest and DIGEST after an edit
                               the format would: then only the structure checks (or a signature) stand
 save_in_process(root, ...)    save one checkpoint in this process through the library's writer, with tensors
                               cut into several shards and small chunks (no MPI needed)
+one_rank_manager(root, log)   a CheckpointManager of a 1-rank run in this process (its own gloo group)
+tiling_tables(gshape, boxes)  the tables of a one-tensor index whose shards are `boxes` (structure checks alone)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
@@ -98,3 +101,57 @@ def save_in_process(root: Path, step: int, tensors: dict, *, chunk_bytes: int = 
         )
     finally:
         writer.CHUNK_BYTES = saved
+
+
+def tiling_tables(gshape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]):
+    """The tables of a one-tensor float32 index (step 1, one rank) whose shards are `boxes` (offset, shape),
+    each one chunk: for timing and probing the structure checks without writing anything."""
+    import math
+
+    import numpy as np
+
+    from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord, TensorRecord, _tables_of
+
+    file = "step-00000001/data/rank-00000.bin"
+    rec = TensorRecord("model/w", tuple(gshape), "float32")
+    pos = 0
+    for off, shape in boxes:
+        n = 4 * math.prod(shape)
+        rec.shards.append(ShardRecord(tuple(off), tuple(shape), [ChunkRef("0" * 32, file, pos, n)]))
+        pos += n
+    rng = {0: {"cpu": np.zeros(16, dtype=np.uint8)}}
+    index = Index(1, 1, {"pp": 1, "dp": 1, "tp": 1}, None, 0.0, {"model/w": rec}, {}, rng, chunk_bytes=1 << 30)
+    return _tables_of(index)
+
+
+def staggered_columns(columns: int) -> tuple[tuple[int, int], list]:
+    """A real tiling that is no grid: column j of a (columns + 2, columns) tensor cut into two shards at row
+    1 + j, every cut at a different row (the pairwise overlap sweep was quadratic in it)."""
+    rows = columns + 2
+    boxes = []
+    for j in range(columns):
+        boxes += [((0, j), (1 + j, 1)), ((1 + j, j), (rows - 1 - j, 1))]
+    return (rows, columns), boxes
+
+
+def grid(rows: int, columns: int, cell: tuple[int, int] = (3, 5)) -> tuple[tuple[int, int], list]:
+    """A rows x columns grid of cells (the shards of a 2-D mesh's Shard(0), Shard(1) placements)."""
+    boxes = [((r * cell[0], c * cell[1]), cell) for r in range(rows) for c in range(columns)]
+    return (rows * cell[0], columns * cell[1]), boxes
+
+
+@contextmanager
+def one_rank_manager(root: Path, log: list[str]):
+    """A CheckpointManager of a 1-rank (pp, dp, tp) = (1, 1, 1) run over `root`, in this process: a gloo group
+    of its own, torn down on exit. Its log lines go to `log`."""
+    import torch.distributed as dist
+
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.layout import ParallelDims
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield CheckpointManager(root, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, log=log.append)
+    finally:
+        dist.destroy_process_group()
