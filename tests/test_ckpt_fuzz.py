@@ -28,22 +28,9 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from ckpt_tamper import fuzz_tensors, replace_table, reseal, save_in_process
 
-TABLES = [
-    "files",
-    "tensor_name",
-    "tensor_dtype",
-    "tensor_ndim",
-    "tensor_shape",
-    "tensor_shard_start",
-    "tensor_shard_count",
-    "shard_offset",
-    "shard_shape",
-    "shard_chunk_start",
-    "shard_chunk_count",
-    "chunks",
-    "rng_rank",
-    "rng_cpu",
-]
+from hpcscale.ckpt.integrity import INT_TABLES, STRING_TABLES
+
+TABLES = [*STRING_TABLES, *INT_TABLES, "chunks", "rng_rank", "rng_cpu"]  # every table a mutation may hit
 ATTRS = [
     "format",
     "version",

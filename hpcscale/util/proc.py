@@ -66,16 +66,6 @@ def run(
     return done
 
 
-def stream(args: Sequence[str], *, env: Mapping[str, str] | None = None, on_line=None) -> int:
-    """Run `args` (no shell) passing each line of its merged stdout/stderr to `on_line`; returns the exit code.
-    For long-running children whose output the user watches (mpirun); see `Session` for what it guarantees."""
-    child = Session(args, env=env)
-    for line in child.lines():
-        if on_line is not None:
-            on_line(line)
-    return child.finish()
-
-
 class Session:
     """A long-running program in a session of its own, its merged stdout/stderr read line by line.
 
