@@ -6,7 +6,10 @@ RUN/
   submissions.jsonl     one JSON line per submission: index, job id, cluster, time, script, excluded, reason
   submissions/0001.sbatch  the exact script each submission sent
   logs/                 slurm-<jobid>.out/.err (array jobs: slurm-<array>_<task>.*); local-<time>.out
-  metrics.jsonl         rank 0's metrics, one JSON line per step
+  metrics.jsonl         rank 0's metrics, one JSON line per step, each naming its attempt
+  attempts.jsonl        one JSON line per event of an attempt (a start of the job's ranks): begin (rank 0),
+                        stop (rank 0, stopped on a signal), end (the batch script's decision: requeue or not)
+  .resume/lock          held by `hpcscale resume` while it decides and submits (one resume at a time)
   run-id                a random id, written once: names this run's checkpoint directory elsewhere
   checkpoints/          step-NNNNNNNN/ directories (hpcscale.ckpt); a symlink to
                         <filesystems.checkpoint_root>/<run name>-<run id> when the site sets a separate
@@ -45,6 +48,8 @@ LOGS = "logs"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 RUN_ID = "run-id"
+ATTEMPTS = "attempts.jsonl"
+RESUME_STATE = ".resume"
 OWNER = ".hpcscale-run"  # in a checkpoint directory under checkpoint_root: the id of the run it belongs to
 
 
@@ -184,13 +189,30 @@ class RunDir:
 
     def record(self, sub: Submission) -> None:
         """Append one submission; fsynced so a crash right after sbatch never loses the job id."""
-        line = json.dumps(asdict(sub), sort_keys=True) + "\n"
-        fd = os.open(self.path / SUBMISSIONS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_json_line(self.path / SUBMISSIONS, asdict(sub))
+
+    def add_attempt_event(self, event: dict) -> None:
+        """Append one attempt event (begin, stop, end) to attempts.jsonl, fsynced."""
+        append_json_line(self.path / ATTEMPTS, event)
+
+    def attempt_events(self) -> list[dict]:
+        """Every attempt event, oldest first; a line cut short by a crash is skipped."""
+        path = self.path / ATTEMPTS
+        if not path.is_file():
+            return []
+        out = []
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            try:
+                row = loads_json(line, source=f"{path}:{lineno}", max_bytes=1 << 20)
+            except BadInput:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("event"), str):
+                out.append(row)
+        return out
+
+    def next_attempt(self) -> int:
+        """The number the attempt starting now gets: 1 + the attempts begun before it."""
+        return 1 + sum(1 for e in self.attempt_events() if e["event"] == "begin")
 
     def submissions(self) -> list[Submission]:
         path = self.path / SUBMISSIONS
@@ -211,6 +233,17 @@ class RunDir:
     def site_config(self) -> SiteConfig:
         """The site this run was submitted to, as recorded (so status works without the site file)."""
         return parse_site(load_yaml(self.path / SITE))
+
+
+def append_json_line(path: Path, doc: dict) -> None:
+    """One JSON line appended with one write(2) (O_APPEND: lines from two writers never interleave), fsynced."""
+    line = json.dumps(doc, sort_keys=True) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _atomic_write(path: Path, text: str) -> None:

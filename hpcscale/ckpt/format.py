@@ -415,6 +415,9 @@ def read_index(path: Path) -> Index:
     return exam.index
 
 
+REFUSED = "refused"  # under the checkpoint root: refused checkpoints set aside at a fallback (ckpt/manager.py)
+
+
 def committed_steps(root: Path) -> list[int]:
     """Steps with a committed directory (index present), newest first."""
     if not root.is_dir():

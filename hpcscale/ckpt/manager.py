@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name
+from hpcscale.ckpt.format import INDEX, REFUSED, committed_steps, read_index, step_dir_name
 from hpcscale.ckpt.reader import load_shards
 from hpcscale.ckpt.retention import apply_retention
 from hpcscale.ckpt.shards import local_shards, writer_of, writers
@@ -209,6 +209,7 @@ class CheckpointManager:
         dist.broadcast_object_list(listing, src=0, group=self.group)
         targets = local_shards(tensors)
         same_layout = False
+        refused: list[int] = []
         for step in listing[0]:
             path = self.root / step_dir_name(step) / INDEX
             problem, index = None, None
@@ -238,11 +239,35 @@ class CheckpointManager:
                         f"hpcscale: refusing checkpoint {step_dir_name(step)}: {bad[0]}; "
                         "falling back to the previous one"
                     )
+                refused.append(step)
                 continue
+            self._set_aside(refused)
             self.writer.adopt(index)
             self.last_step = step
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
+        self._set_aside(refused)
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move refused checkpoints newer than the one loaded to ROOT/refused/ (rank 0; every rank waits).
+
+        Training goes on from an older step, so they belong to an abandoned timeline, and left in place the next
+        save of the same step would find it already committed (the fallback would dead-end there on every
+        restart). They are moved, never deleted: the operator may want to look at what went wrong."""
+        if not steps:
+            return
+        if self.rank == 0:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            aside = self.root / REFUSED
+            try:
+                aside.mkdir(exist_ok=True)
+                for step in steps:
+                    name = step_dir_name(step)
+                    (self.root / name).rename(aside / f"{name}-{stamp}")
+                    self.log(f"hpcscale: moved refused checkpoint {name} to {aside}/{name}-{stamp}")
+            except OSError as e:  # rank 0 raising alone would leave the others at the barrier
+                self.log(f"hpcscale: could not move refused checkpoints aside: {e}")
+        dist.barrier(group=self.group)
 
 
 def _state_problem(state: dict, check: Callable[[dict], str | None] | None) -> str | None:

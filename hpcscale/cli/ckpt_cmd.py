@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from hpcscale.cli.options import console, dry_run_option, json_option, print_json
-from hpcscale.errors import VerificationFailure
+from hpcscale.errors import BadInput, VerificationFailure
 
 dir_arg = click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 
@@ -68,6 +68,20 @@ def ls(path: Path, as_json: bool) -> None:
         console().print(format_checkpoints(infos))
 
 
+def _step_dir(path: Path) -> Path:
+    """A step directory as given; a run directory or checkpoints root: its newest committed checkpoint."""
+    from hpcscale.ckpt.format import INDEX, committed_steps, step_dir_name
+    from hpcscale.ckpt.ops import checkpoints_root
+
+    if (path / INDEX).exists() or path.name.startswith("step-"):
+        return path
+    root = checkpoints_root(path)
+    steps = committed_steps(root)
+    if not steps:
+        raise BadInput(f"{path}: no committed checkpoint under {root}")
+    return root / step_dir_name(steps[0])
+
+
 @ckpt.command()
 @dir_arg
 @json_option
@@ -82,10 +96,13 @@ def verify(path: Path, as_json: bool) -> None:
     (docs/checkpoint-format.md, "What ckpt verify proves").
 
     \b
-    Example:
+    Examples:
       hpcscale ckpt verify RUN/checkpoints/step-00001000
+      hpcscale ckpt verify RUN        # its newest committed checkpoint
     """
     from hpcscale.ckpt.ops import verify as run_verify
+
+    path = _step_dir(path)
 
     if as_json or not sys.stderr.isatty():
         report = run_verify(path)

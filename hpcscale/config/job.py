@@ -77,13 +77,53 @@ class Data:
 
 @dataclass(kw_only=True, slots=True)
 class Signals:
-    """Preemption and requeue."""
+    """The time-limit and preemption signal, and requeue from inside the job (docs/runbook.md)."""
 
     signal: Literal["USR1", "USR2", "TERM"] = setting(
-        "Signal Slurm sends before the time limit (`--signal=B:<sig>@<grace>`).", default="USR1"
+        "Signal Slurm sends to every rank `grace_seconds` before the time limit (`--signal=<sig>@<grace>`, "
+        "no `B:`: the ranks get it, the batch shell keeps waiting for them). USR2 by default: NCCL and UCX may "
+        "take USR1.",
+        default="USR2",
     )
-    grace_seconds: int = setting("Seconds before the end at which the signal comes.", default=120, min=1, max=65535)
-    requeue: bool = setting("Let Slurm requeue the job after preemption or node failure.", default=True)
+    grace_seconds: int = setting(
+        "Seconds before the time limit at which the signal comes: must cover one step and a checkpoint save.",
+        default=120,
+        min=1,
+        max=65535,
+    )
+    requeue: bool = setting(
+        "Requeue the job (`scontrol requeue`) when it stops for its time limit or a preemption, or fails, "
+        "within the budgets of `restart:`; also sbatch `--requeue` (Slurm requeues after a node failure).",
+        default=True,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Restart:
+    """Budgets of automatic requeues from inside the job, and what `hpcscale resume` excludes."""
+
+    max_preemptions: int = setting(
+        "Requeues after a preemption (a stop signal well before the time limit).", default=20, min=0
+    )
+    max_time_limits: int = setting("Requeues after reaching the time limit.", default=5, min=0)
+    max_failures: int = setting("Requeues after a failure (a rank crashed, a node died).", default=2, min=0)
+    failure_backoff_seconds: int = setting(
+        "Seconds a failed job waits (holding its allocation) before it requeues itself, doubled at each further "
+        "failure; Slurm adds its own requeue delay (the credential lifetime, 120 s by default).",
+        default=30,
+        min=0,
+    )
+    max_no_progress: int = setting(
+        "Consecutive attempts that end without a new checkpoint (preemptions aside) after which the job is not "
+        "requeued again.",
+        default=2,
+        min=1,
+    )
+    exclude: Literal["never", "failed", "all-failed"] = setting(
+        "Nodes `hpcscale resume` keeps the job off: none, those of the last failure, or every node that failed "
+        "in this run.",
+        default="failed",
+    )
 
 
 def check_sweep(params: dict[str, list[Any]]) -> str | None:
@@ -155,11 +195,19 @@ class JobSpec:
     sweep: Sweep | None = setting("Job-array sweep.", default=None)
     checkpoint: CheckpointPolicy = setting("Checkpoint policy.", factory=CheckpointPolicy)
     data: Data = setting("Training data.", factory=Data)
-    signals: Signals = setting("Preemption signal and requeue.", factory=Signals)
+    signals: Signals = setting("Time-limit and preemption signal, and requeue.", factory=Signals)
+    restart: Restart = setting("Requeue budgets and node exclusion.", factory=Restart)
     timeout_seconds: int = setting(
         "Collective timeout: a rank blocked this long in communication fails the job instead of hanging it.",
         default=300,
         min=10,
+    )
+    hang_timeout_seconds: int = setting(
+        "A rank that finishes no step for this long (or 10× its longest step so far, whichever is longer; "
+        "checkpoint saves and evaluation excepted) ends the job, naming the stuck rank and writing every live "
+        "rank's Python stacks to the log.",
+        default=120,
+        min=5,
     )
     environment: dict[str, str] = setting(
         "Extra variables exported for this job (after the site's).", factory=dict, check=check_env_names

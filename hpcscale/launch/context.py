@@ -23,15 +23,22 @@ from hpcscale.layout import ParallelDims
 
 
 class MetricsLogger:
-    """JSON lines in RUN/metrics.jsonl, written by global rank 0 only; `print` echoes progress to stdout."""
+    """JSON lines in RUN/metrics.jsonl, written by global rank 0 only; `print` echoes progress to stdout.
+    Every line names its attempt (RUN/attempts.jsonl): a step repeated after a requeue or resume is told apart."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, *, attempt: int | None = None):
         self.path = path
+        self.attempt = attempt
         self._f = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115 - lives with the run
 
     def log(self, **values: Any) -> None:
         if self._f is not None:
-            self._f.write(json.dumps({"time": round(time.time(), 3), **values}) + "\n")
+            head = (
+                {"time": round(time.time(), 3)}
+                if self.attempt is None
+                else {"time": round(time.time(), 3), "attempt": self.attempt}
+            )
+            self._f.write(json.dumps({**head, **values}) + "\n")
 
     def print(self, message: str) -> None:
         if self._f is not None:

@@ -31,6 +31,7 @@ from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
 from hpcscale.launch.signals import RANKS_READY, STOP_SAVE_S, StopForwarder
+from hpcscale.launch.watchdog import FailureLine, HungRanks, hung_ranks
 from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
@@ -38,8 +39,6 @@ from hpcscale.util.paths import expand_path
 # mpirun's own words when a rank dies: "process rank 2 with PID 123 on node vm exited on signal 9 (Killed)"
 _DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)(?: \(([^)]*)\))?")
 _EXITED = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
-# The end of hpcscale's own failure line (launch/main.py): " [at 2026-01-02T03:04:05.678901Z, after losing a peer]"
-_FAILED_AT = re.compile(r" \[at (\S+?)(, after losing a peer)?\]\s*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,14 +222,19 @@ class _Output:
 def describe_failure(lines) -> str | None:
     """One line naming the rank that failed first, and how.
 
-    A rank killed by a signal (mpirun: "process rank 2 ... exited on signal 9") is the cause: the others fail
-    after it with connection errors ("after losing a peer"), and a rank that raises calls MPI_Abort, after which
-    mpirun reports no signal deaths. The exception is SIGABRT, which a rank may also die of in the aftermath
-    (a torch thread's std::terminate while the process exits): it yields to a rank that raised for a reason of
-    its own. Among ranks that raised, the first with a reason of its own (each failure line carries its time
-    and the peer mark, launch/main.py), else the first. Under run --local all ranks are on one node, where
-    placement keeps MPI order, so MPI rank = hpcscale rank.
+    A hang (watchdogs' lines, and no rank failing of its own accord before them: launch/watchdog.hung_ranks)
+    names the stuck ranks, those that wrote no such line; the others were waiting on them. A rank killed by a
+    signal (mpirun: "process rank 2 ... exited on signal 9") is the cause: the others fail after it with
+    connection errors ("after losing a peer"), and a rank that raises calls MPI_Abort, after which mpirun
+    reports no signal deaths. The exception is SIGABRT, which a rank may also die of in the aftermath (a torch
+    thread's std::terminate while the process exits): it yields to a rank that raised for a reason of its own.
+    Among ranks that raised, the first with a reason of its own (each failure line carries its time and the
+    peer mark, launch/main.py), else the first. Under run --local all ranks are on one node, where placement
+    keeps MPI order, so MPI rank = hpcscale rank.
     """
+    lines = list(lines)
+    if (hung := hung_ranks(lines)) is not None:
+        return _describe_hang(hung)
     failures = [f for line in lines if (f := _RankFailure.parse(line)) is not None]
     own = [f for f in failures if not f.peer_lost]
     m = _DIED.search("".join(lines))
@@ -248,15 +252,24 @@ def describe_failure(lines) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class _RankFailure:
-    line: str
-    time: str | None  # ISO 8601 UTC: sorts as text
-    peer_lost: bool
+def _describe_hang(hung: HungRanks) -> str:
+    waited = sorted(set(range(hung.world_size)) - set(hung.stuck))
+    seconds = f"{hung.seconds:.0f}" if hung.seconds >= 10 else f"{hung.seconds:.1f}"
+    if not hung.stuck:
+        return (
+            f"every rank stopped making progress (no step in {seconds} s; each one's watchdog fired, so all were "
+            "waiting in Python: see every rank's stacks in the log)"
+        )
+    plural = len(hung.stuck) > 1
+    return (
+        f"{_ranks(hung.stuck)} stopped making progress (no step in {seconds} s; "
+        f"{_ranks(waited) if waited else 'no rank'} waited on {'them' if plural else 'it'})"
+    )
 
-    @classmethod
-    def parse(cls, line: str) -> _RankFailure | None:
-        if not line.startswith("hpcscale launch: rank") or " failed: " not in line:
-            return None
-        m = _FAILED_AT.search(line)
-        return cls(line.strip(), m.group(1) if m else None, bool(m and m.group(2)))
+
+def _ranks(ranks: list[int]) -> str:
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
+
+
+# A rank's own failure line (its format and parse live with the watchdog, which Slurm logs are read with too).
+_RankFailure = FailureLine

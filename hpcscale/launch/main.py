@@ -2,14 +2,18 @@
 
 Failures end the whole job fast: an exception in any rank is printed with its rank and node, then the rank
 calls MPI_Abort, which makes srun/mpirun kill every rank at once; a rank that dies without a word is noticed
-by srun (--kill-on-bad-exit) or mpirun; and every collective has a timeout (job spec `timeout_seconds`).
+by srun (--kill-on-bad-exit) or mpirun; every collective has a timeout (job spec `timeout_seconds`); and a rank
+that stops making progress without dying is named by its peers' watchdogs (launch/watchdog.py,
+`hang_timeout_seconds`), which write their stacks and abort the job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
+import socket
 import sys
 import traceback
 from collections.abc import Callable
@@ -19,6 +23,7 @@ from pathlib import Path
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
+from hpcscale.portable.lock import process_start_time
 from hpcscale.rundir import METRICS, RunDir, link_checkpoints, site_checkpoint_root
 from hpcscale.util.paths import expand_path
 
@@ -81,6 +86,80 @@ def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> st
     return f"{who} failed: {type(e).__name__}: {first} [at {at}{peer}]"
 
 
+def _attempt_event(work_dir: Path, event: str, attempt: int | None, **fields) -> None:
+    """One line of RUN/attempts.jsonl; a run directory that cannot take it must not end the training."""
+    try:
+        RunDir(work_dir).add_attempt_event(
+            {"event": event, "attempt": attempt, "time": datetime.now(timezone.utc).isoformat(), **fields}
+        )
+    except OSError as e:
+        print(f"hpcscale launch: cannot record the attempt's {event} in {work_dir}: {e}", file=sys.stderr, flush=True)
+
+
+def _begin_attempt(work_dir: Path, info) -> int:
+    """Number this start of the job's ranks (1, 2, ...) and record where and under which Slurm job it runs:
+    every metrics line then names its attempt, so steps repeated after a requeue or resume are told apart."""
+    try:
+        attempt = RunDir(work_dir).next_attempt()
+    except OSError:
+        attempt = 0
+    _attempt_event(
+        work_dir,
+        "begin",
+        attempt,
+        job_id=os.environ.get("SLURM_JOB_ID"),
+        restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+        nodes=info.nodes,
+        world_size=info.world_size,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        pid_start=process_start_time(os.getpid()),  # with the pid: a reused pid is not taken for this rank
+    )
+    return attempt
+
+
+STOP_BARRIER_S = 30.0
+
+
+def _leave_together(timeout_s: float) -> bool:
+    """An MPI barrier that gives up after `timeout_s` (polled: MPI's own Barrier cannot time out)."""
+    import time
+
+    from mpi4py import MPI
+
+    req = MPI.COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    while not req.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def _exit_together(code: int) -> None:
+    """Every rank is past the stop barrier: finalize MPI and exit now, skipping the interpreter's teardown
+    (torch's takes a second or more, unevenly), so the ranks end within moments of each other and srun's
+    --kill-on-bad-exit finds nothing left to kill."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        MPI.Finalize()
+    os._exit(code)
+
+
+def _signal_name(signum: int | None) -> str | None:
+    import signal
+
+    return None if signum is None else signal.Signals(signum).name
+
+
+def _stop_step(e: StopRequested) -> int | None:
+    """The step after which the ranks stopped (the trainer raises StopRequested(step)); None if not given."""
+    return e.args[0] if e.args and isinstance(e.args[0], int) else None
+
+
 def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     """Run this rank; returns the process exit code (0, or STOPPED_EXIT_CODE after a stop request)."""
     from mpi4py import MPI
@@ -98,7 +177,9 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         if info.rank == 0:  # every rank passed the bootstrap, so every rank's stop handler is installed
             print(RANKS_READY, flush=True)
         code = _run(loaded, info, run_dir, stop, sweep_index)
-    except StopRequested:
+    except StopRequested as e:
+        if getattr(e, "together", False):
+            _exit_together(STOPPED_EXIT_CODE)
         code = STOPPED_EXIT_CODE
     except Exception as e:
         # One line that names the rank and node, then the traceback; then take the whole job down now.
@@ -111,12 +192,22 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     return code
 
 
+def _abort_job() -> None:
+    """The watchdog's way to end a hung job: MPI_Abort, so srun/mpirun kill every rank, the stuck one too."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
 def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: int | None) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from hpcscale.launch.context import Context, MetricsLogger
+    from hpcscale.launch.watchdog import Watchdog
     from hpcscale.layout import ParallelDims
 
     os.environ["HPCSCALE_RANK"] = str(info.rank)
@@ -142,7 +233,8 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         if sweep_index is not None:
             target = target / "sweep" / work_dir.name
         link_checkpoints(work_dir, target, run_id=run_id)
-    metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None)
+    attempt = _begin_attempt(work_dir, info) if info.rank == 0 else None
+    metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt)
     ctx = Context(
         rank=info.rank,
         world_size=info.world_size,
@@ -163,15 +255,30 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         sweep_point=point,
         scratch=expand_path(loaded.site.config.filesystems.scratch),
     )
+    watchdog = Watchdog(
+        rank=info.rank,
+        mpi_rank=info.mpi_rank,
+        node=info.node,
+        world_size=info.world_size,
+        min_seconds=spec.hang_timeout_seconds,
+        on_hang=_abort_job,
+    ).start()
+    ctx.hooks["watchdog"] = watchdog  # the entry point beats it after each step (hpcscale.train.trainer)
     try:
         resolve_entry(spec.train.entry)(ctx)
-    except StopRequested:
-        # Every rank agreed on this step (Context.should_stop), but no barrier: a rank stopped alone must not
-        # wait on its peers. Tearing the process group down here joins gloo's threads; exiting with them
-        # alive aborted ranks after a clean stop ("terminate called without an active exception").
+    except StopRequested as e:
+        if info.rank == 0:  # the batch script's requeue decision reads it (hpcscale.launch.requeue)
+            _attempt_event(work_dir, "stop", attempt, signal=_signal_name(stop.signal), step=_stop_step(e))
+        # Every rank agreed on this step (Context.should_stop). They leave together, after rank 0 recorded the
+        # stop: srun --kill-on-bad-exit takes the first exit 75 for a failure and kills the ranks still
+        # running, rank 0 perhaps before its record. A bounded wait: a rank stopped alone must not hang here.
+        # Tearing the process group down here joins gloo's threads; exiting with them alive aborted ranks
+        # after a clean stop ("terminate called without an active exception").
         dist.destroy_process_group()
+        e.together = _leave_together(STOP_BARRIER_S)  # type: ignore[attr-defined]
         raise
     finally:
+        watchdog.stop()  # the closing barrier has the collective timeout
         metrics.close()
     dist.barrier()
     dist.destroy_process_group()

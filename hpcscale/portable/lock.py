@@ -50,6 +50,16 @@ def _start_time(pid):
         return None
 
 
+def process_start_time(pid):
+    """The start time of process `pid` (clock ticks since boot), or None: with the pid it names one process."""
+    return _start_time(pid)
+
+
+def process_alive(pid, start):
+    """Whether process `pid`, started at `start` (process_start_time), is still running."""
+    return _alive(pid, start)
+
+
 def _alive(pid, start):
     if os.path.isdir("/proc/self"):
         now = _start_time(pid)

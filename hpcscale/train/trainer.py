@@ -26,6 +26,7 @@ from hpcscale.data.loader import TokenLoader
 from hpcscale.data.prepare import default_corpus_dataset
 from hpcscale.launch.context import Context
 from hpcscale.launch.signals import StopRequested
+from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.clip import clip_grad_norm
 from hpcscale.parallel.grad_sync import GradSync
 from hpcscale.parallel.pipeline import build_schedule, cut_stage
@@ -173,9 +174,11 @@ def train(ctx: Context) -> None:
     )
     ctx.hooks["checkpoint"] = ckpt
     start = 0
+    t_restore = time.perf_counter()
     restored = ckpt.load_latest(state_tensors(model, opt), check_state=trainer_state_problem)
     if restored is not None:
         start = restored.step
+        ctx.metrics.log(step=start - 1, restored_from=start, restore_s=round(time.perf_counter() - t_restore, 4))
         loader.load_state_dict(restored.trainer_state["loader"])
         if restored.rng is not None:
             torch.set_rng_state(torch.from_numpy(restored.rng["cpu"]))
@@ -184,13 +187,16 @@ def train(ctx: Context) -> None:
             + ("" if restored.rng is not None else " (new layout: resharded)")
         )
 
+    wd = ctx.hooks.get("watchdog") or NoWatchdog()  # launch's progress watchdog; none without launch
+
     def save(done_steps: int, *, asynchronous: bool) -> None:
-        stats = ckpt.save(
-            done_steps,
-            state_tensors(model, opt),
-            {"step": done_steps, "loader": loader.state_dict()},
-            asynchronous=asynchronous,
-        )
+        with wd.paused("checkpoint"):
+            stats = ckpt.save(
+                done_steps,
+                state_tensors(model, opt),
+                {"step": done_steps, "loader": loader.state_dict()},
+                asynchronous=asynchronous,
+            )
         ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
 
     autocast = ctx.device.type == "cuda" and cfg.bf16
@@ -284,17 +290,22 @@ def train(ctx: Context) -> None:
                 f"step {step:6d}  loss {loss_value:.4f}  lr {lr:.2e}  {step_s * 1000:6.1f} ms/step  "
                 f"{tokens_per_step / step_s:8.0f} tok/s"
             )
+        wd.beat(step)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
-            evaluate(step)
+            with wd.paused("evaluation"):
+                evaluate(step)
         if policy.every_steps and (step + 1) % policy.every_steps == 0 and step != cfg.steps - 1:
             save(step + 1, asynchronous=policy.asynchronous)
         if stop > 0:
-            save(step + 1, asynchronous=False)
-            ckpt.wait()
+            with wd.paused("checkpoint"):
+                save(step + 1, asynchronous=False)
+                ckpt.wait()
             ctx.metrics.print(f"stop requested: stopping after step {step} (checkpoint saved)")
             raise StopRequested(step)
     if cfg.eval_every and start < cfg.steps:
-        evaluate(cfg.steps - 1)
-    if policy.every_steps:
-        save(cfg.steps, asynchronous=False)
-    ckpt.wait()
+        with wd.paused("evaluation"):
+            evaluate(cfg.steps - 1)
+    with wd.paused("checkpoint"):
+        if policy.every_steps:
+            save(cfg.steps, asynchronous=False)
+        ckpt.wait()

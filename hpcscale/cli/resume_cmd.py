@@ -1,0 +1,108 @@
+"""`hpcscale resume`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from hpcscale.cli.options import dry_run_option, json_option, print_json
+from hpcscale.errors import STOPPED_EXIT_CODE
+
+
+@click.command()
+@click.argument("run", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--exclude",
+    "exclude_mode",
+    type=click.Choice(["never", "failed", "all-failed"]),
+    default=None,
+    help="Nodes to keep the job off (default: the job's restart.exclude): none, the last failure's, or "
+    "every node that failed in this run.",
+)
+@click.option("--nodes", type=click.IntRange(min=1), default=None, help="Resume on N nodes (resharded on load).")
+@dry_run_option
+@json_option
+@click.option("--in-job", is_flag=True, hidden=True, help="Called by the batch script after its ranks end.")
+@click.option("--exit-code", type=int, default=None, hidden=True, help="With --in-job: the ranks' exit code.")
+def resume(
+    run: Path,
+    exclude_mode: str | None,
+    nodes: int | None,
+    dry_run: bool,
+    as_json: bool,
+    in_job: bool,
+    exit_code: int | None,
+) -> None:
+    """Resume RUN after a failure, a time limit or a preemption: explain how its last job ended, pick the
+    newest checkpoint that verifies, and resubmit it away from the nodes that failed.
+
+    \b
+    Examples:
+      hpcscale resume /scratch/me/runs/gpt-20261121-101500 --dry-run   # show the decision only
+      hpcscale resume RUN                      # resubmit (local runs: rerun through mpirun)
+      hpcscale resume RUN --nodes 3 --json     # on fewer nodes: resharded, same global batch
+
+    Refused (exit 2, nothing submitted) while the run's job is pending or running, when the run finished,
+    and while another `resume` of the same run is deciding.
+    """
+    from hpcscale.rundir import RunDir
+
+    if in_job:
+        from hpcscale.launch.requeue import after_step
+
+        if exit_code is None:
+            raise click.UsageError("--in-job needs --exit-code")
+        after_step(run, exit_code, say=lambda line: click.echo(line, err=True))
+        return
+
+    from hpcscale.launch.resume import plan_resume, record, resume_lock, submit_resume
+
+    rd = RunDir.open(run.resolve())
+    with resume_lock(rd):
+        plan, loaded = plan_resume(rd, exclude_mode=exclude_mode, nodes=nodes)
+        plan.dry_run = dry_run
+        if not as_json:
+            _show(plan)
+        if dry_run:
+            if as_json:
+                print_json(plan.to_json())
+            else:
+                click.echo("dry run: nothing submitted")
+            return
+        if plan.kind == "slurm":
+            submit_resume(rd, plan, loaded)
+            if as_json:
+                print_json(plan.to_json())
+            else:
+                click.echo(f"submitted job {plan.submitted}")
+            return
+        record(rd, plan)
+        from hpcscale.launch.local import run_local
+
+        if as_json:
+            print_json(plan.to_json())
+        result = run_local(
+            loaded,
+            ranks=loaded.spec.world_size,
+            run_dir=rd.path,
+            reuse=True,
+            echo=(lambda line: click.echo(line, err=True)) if as_json else click.echo,
+            warn=lambda line: click.echo(line, err=True),
+        )
+    if result.exit_code not in (0, STOPPED_EXIT_CODE) and result.failure:
+        click.echo(f"error: the job failed (exit {result.exit_code}): {result.failure}", err=True)
+    sys.exit(1 if result.exit_code not in (0, STOPPED_EXIT_CODE) else result.exit_code)
+
+
+def _show(plan) -> None:
+    d = plan.diagnosis
+    click.echo(f"last job: {d.explanation}")
+    for r in plan.refused:
+        click.echo(f"refused checkpoint step {r['step']}: {r['problem']}")
+    click.echo(
+        f"resume from: checkpoint step {plan.checkpoint}" if plan.checkpoint is not None else "resume from: the start"
+    )
+    if plan.kind == "slurm":
+        click.echo(f"nodes: {plan.nodes}" + (f", excluding {','.join(plan.exclude)}" if plan.exclude else ""))

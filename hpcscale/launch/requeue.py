@@ -1,0 +1,173 @@
+"""The batch script's decision after its ranks end: requeue the job, or let it end (`hpcscale resume --in-job`).
+
+The default template runs the ranks in the background and waits for them (so a SIGTERM to the batch shell is
+trapped, not fatal), then calls `hpcscale resume "$RUN" --in-job --exit-code $rc`, which lands here:
+
+1. How the attempt ended (`classify`): exit 0 is `completed`; a stop on a signal (rank 0 recorded a `stop`
+   event for this attempt, or the ranks exited 75) is `time_limit` when the job's end time is at most
+   grace_seconds + TIME_LIMIT_SLACK_S away, else `preempted` (the signal came early: a preemption, an
+   operator's `scancel --signal`); anything else is `failed`.
+2. Whether to requeue (`decide`), with separate budgets counted over this Slurm job's earlier attempts in
+   RUN/attempts.jsonl: `restart.max_preemptions`, `max_time_limits`, `max_failures` (each failure waits
+   `failure_backoff_seconds`, doubled each time), and a stop after `max_no_progress` consecutive attempts
+   (preemptions aside) that committed no new checkpoint: a job that crashes at every start ends at its cap
+   instead of looping.
+3. The decision is appended to RUN/attempts.jsonl (an `end` event) before anything else happens; a failure
+   waits its backoff here (the allocation is held meanwhile: a requeued job's start time cannot be set from
+   inside the job, Slurm sets it when the job re-enters the queue), then `scontrol requeue`, which ends this
+   batch script. Slurm itself holds a requeued job back for the site's credential lifetime (`AuthInfo`
+   `cred_expire`, 120 s by default) before it may start.
+
+The restarted job reruns the script from the top; its ranks resume from the newest checkpoint that every rank
+can read and verify (hpcscale.ckpt.manager.load_latest). SLURM_RESTART_COUNT is in each `begin` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+from hpcscale.ckpt.format import committed_steps
+from hpcscale.config.job import JobSpec
+from hpcscale.errors import STOPPED_EXIT_CODE
+from hpcscale.rundir import RunDir
+from hpcscale.slurm.client import SlurmClient
+from hpcscale.util import proc
+from hpcscale.util.slurmtime import parse_duration
+
+TIME_LIMIT_SLACK_S = 60  # a stop signal this much beyond grace_seconds before the end still counts as the time limit
+BUDGETS = {"preempted": "max_preemptions", "time_limit": "max_time_limits", "failed": "max_failures"}
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    cause: str  # completed, time_limit, preempted, failed
+    requeue: bool
+    why: str
+    backoff_s: int = 0
+    attempt: int | None = None
+    checkpoint: int | None = None  # newest committed step when the attempt ended
+    progress: bool = True  # a newer checkpoint than at the end of the previous attempt
+
+
+def classify(exit_code: int, stopped: bool, seconds_left: float | None, grace_s: int, cancelled: bool = False) -> str:
+    if exit_code == 0:
+        return "completed"
+    if cancelled:
+        return "cancelled"
+    if stopped or exit_code == STOPPED_EXIT_CODE:
+        if seconds_left is not None and seconds_left <= grace_s + TIME_LIMIT_SLACK_S:
+            return "time_limit"
+        return "preempted"
+    return "failed"
+
+
+def decide(spec: JobSpec, events: list[dict], *, job_id: str | None, cause: str, checkpoint: int | None) -> Decision:
+    """Whether this attempt's job goes back in the queue. `events`: RUN/attempts.jsonl so far (this attempt's
+    begin and stop included, its end not yet)."""
+    begins = [e for e in events if e.get("event") == "begin"]
+    attempt = begins[-1].get("attempt") if begins else None
+    ends = [e for e in events if e.get("event") == "end"]
+    previous = next((e.get("checkpoint") for e in reversed(ends)), None)
+    progress = checkpoint is not None and (previous is None or checkpoint > previous)
+    if cause == "completed":
+        return Decision(cause, False, "the job finished", attempt=attempt, checkpoint=checkpoint, progress=progress)
+    if cause == "cancelled":
+        why = "Slurm ended the job before its time limit (scancel, a node failure): not requeued here"
+        return Decision(cause, False, why, attempt=attempt, checkpoint=checkpoint, progress=progress)
+    if not spec.signals.requeue:
+        return Decision(cause, False, "signals.requeue is false", attempt=attempt, checkpoint=checkpoint)
+    mine = [e for e in ends if job_id is not None and e.get("job_id") == job_id]
+    budget_key = BUDGETS[cause]
+    r = spec.restart
+    budget = {"preempted": r.max_preemptions, "time_limit": r.max_time_limits, "failed": r.max_failures}[cause]
+    used = sum(1 for e in mine if e.get("cause") == cause and e.get("requeue"))
+    common = {"attempt": attempt, "checkpoint": checkpoint, "progress": progress}
+    if used >= budget:
+        why = f"{cause.replace('_', ' ')} budget spent: {used} of restart.{budget_key} = {budget} requeues used"
+        return Decision(cause, False, why, **common)
+    if cause != "preempted" and not progress:
+        streak = 1
+        for e in reversed(mine):
+            if e.get("cause") == "preempted":
+                continue
+            if e.get("progress"):
+                break
+            streak += 1
+        if streak >= spec.restart.max_no_progress:
+            why = (
+                f"no new checkpoint in {streak} consecutive attempts (restart.max_no_progress = "
+                f"{spec.restart.max_no_progress}): requeueing again would repeat the same failure"
+            )
+            return Decision(cause, False, why, **common)
+    backoff = 0
+    if cause == "failed":
+        backoff = spec.restart.failure_backoff_seconds * 2**used
+    why = f"requeue {used + 1} of restart.{budget_key} = {budget}" + (f", starting in {backoff} s" if backoff else "")
+    return Decision(cause, True, why, backoff_s=backoff, **common)
+
+
+def _job_now(client: SlurmClient, job_id: str) -> tuple[float | None, bool]:
+    """(seconds until the job's time limit or None, whether Slurm already ended it: scancel, a node failure),
+    from scontrol. A job Slurm ended is COMPLETING (or CANCELLED) while its batch script still runs, with its
+    EndTime moved to that moment, before StartTime + TimeLimit; at the time limit itself EndTime stays there."""
+    out = client.run("scontrol", "show", "job", "-o", job_id, check=False, timeout=30)
+    kv = dict(part.split("=", 1) for part in out.stdout.split() if "=" in part)
+    left, ended = None, False
+    with contextlib.suppress(ValueError, KeyError):
+        end = datetime.fromisoformat(kv["EndTime"])
+        left = (end - datetime.now()).total_seconds()  # scontrol prints local time
+        if kv.get("JobState", "").startswith(("COMPLETING", "CANCELLED")):
+            limit = parse_duration(kv["TimeLimit"])
+            ended = end < datetime.fromisoformat(kv["StartTime"]) + timedelta(seconds=limit - 1)
+    return left, ended
+
+
+def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = None, say=print) -> Decision:
+    """Record how this attempt ended and requeue the job if the policy says so (see the module docstring)."""
+    env = dict(os.environ if env is None else env)
+    rd = RunDir.open(run_dir)
+    spec = rd.load_job().spec
+    client = SlurmClient.for_site(rd.site_config())
+    job_id = env.get("SLURM_JOB_ID")
+    events = rd.attempt_events()
+    begins = [e for e in events if e.get("event") == "begin"]
+    attempt = begins[-1].get("attempt") if begins else None
+    stopped = any(e.get("event") == "stop" and e.get("attempt") == attempt for e in events) if begins else False
+    seconds_left, cancelled = _job_now(client, job_id) if job_id and exit_code != 0 else (None, False)
+    cause = classify(exit_code, stopped, seconds_left, spec.signals.grace_seconds, cancelled)
+    try:
+        steps = committed_steps(rd.checkpoints)
+    except OSError:
+        steps = []
+    decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=steps[0] if steps else None)
+    rd.add_attempt_event(
+        {
+            "event": "end",
+            "time": datetime.now(timezone.utc).isoformat(),
+            "job_id": job_id,
+            "restart_count": int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+            "exit_code": exit_code,
+            "seconds_left": None if seconds_left is None else round(seconds_left),
+            **asdict(decision),
+        }
+    )
+    say(f"hpcscale: attempt {decision.attempt} ended: {cause} (exit {exit_code}); {decision.why}")
+    if decision.requeue and job_id:
+        if decision.backoff_s:
+            # From inside the job, this is the one backoff that holds: a requeued job's start time is set by
+            # Slurm when it re-enters the queue (cred_expire later), after this script is gone.
+            say(f"hpcscale: waiting {decision.backoff_s} s before the requeue (restart.failure_backoff_seconds)")
+            time.sleep(decision.backoff_s)
+        # `scontrol requeue` ends this batch script (SIGTERM, then SIGKILL after KillWait): the decision is
+        # already recorded above.
+        try:
+            client.run("scontrol", "requeue", job_id, timeout=60)
+        except proc.CommandFailed as e:
+            print(f"hpcscale: requeue failed: {e}", file=sys.stderr, flush=True)
+    return decision

@@ -1,0 +1,396 @@
+"""`hpcscale resume RUN`: read what happened to a run, explain it, pick a verified checkpoint, resubmit.
+
+1. One resume at a time: RUN/.resume/lock (hpcscale.portable.lock: O_EXCL, stale only when its holder is
+   provably gone). Two `resume` commands at once: one decides and submits, the other is refused (exit 2) or,
+   coming second, finds the new job pending and is refused for that.
+2. How the last job ended: sacct --duplicates (every attempt of a requeued job) with its step rows, where the
+   real cause often is (the batch step COMPLETED, step 0 FAILED 1:0); scontrol when accounting cannot answer.
+   A job still pending, requeued or running refuses the resume (no duplicate runs); so does a finished run.
+3. Who failed: the ranks' own failure lines and srun's `task N: Killed` lines in the job's logs (the first
+   rank to fail for a reason of its own; a hang names the rank that stopped making progress), slurmstepd's
+   `CANCELLED ... DUE TO TIME LIMIT / PREEMPTION / NODE FAILURE`, and the job's nodes that are not up now.
+4. The checkpoint: the newest whose index and every chunk verify (hpcscale.ckpt.ops.verify); the ones refused
+   are listed with why. (The ranks load the same one: they fall back past what does not verify.)
+5. Exclusion (`restart.exclude`, or --exclude): never; the nodes of this failure; or every node that failed
+   in this run (earlier resumes' exclusions too).
+6. Resubmit with `--exclude`, optionally at another node count (--nodes: resharded on load, the global batch
+   kept), record the decision (RUN/resume.jsonl, and the submission's reason and excluded nodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hpcscale.config.load import LoadedJob
+from hpcscale.errors import BadInput, HpcscaleError
+from hpcscale.portable import lock as run_lock
+from hpcscale.portable.errors import StageError
+from hpcscale.rundir import LOGS, RESUME_STATE, RunDir, Submission, append_json_line
+from hpcscale.slurm.client import SlurmClient
+from hpcscale.util import proc
+from hpcscale.util.hostlist import expand
+
+ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
+          "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
+UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
+RESUME_LOG = "resume.jsonl"
+_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Exited with exit code \d+|Terminated)")
+_STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
+_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+_RANK_LINE = re.compile(r"hpcscale launch: rank (\d+) \(MPI rank (\d+)\) on node (\S+) failed: (.*)")
+
+
+@dataclass(slots=True)
+class Diagnosis:
+    job_id: str | None
+    state: str  # the job's state (its last attempt), e.g. FAILED, TIMEOUT, NODE_FAIL, COMPLETED, LOCAL
+    exit_code: str
+    explanation: str  # one line for a person
+    source: str  # sacct, scontrol, attempts (local)
+    nodes: list[str] = field(default_factory=list)  # the nodes the job ran on
+    failed_nodes: list[str] = field(default_factory=list)  # nodes to blame (the failure's, the ones not up now)
+    rank_failure: str | None = None  # the first rank to fail, and how
+    attempts: list[dict] = field(default_factory=list)  # sacct rows of every attempt and step
+    finished: bool = False
+    active: bool = False
+
+
+@dataclass(slots=True)
+class Plan:
+    run_dir: str
+    kind: str  # "slurm" or "local"
+    diagnosis: Diagnosis
+    checkpoint: int | None  # the step the ranks will load; None: from the start
+    refused: list[dict]  # [{step, problem}] newer checkpoints that do not verify
+    exclude: list[str]
+    nodes: int
+    submitted: str | None = None  # the new job id
+    dry_run: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---- reading what happened ---------------------------------------------------------------------------------
+def _sacct_rows(client: SlurmClient, job_id: str) -> list[dict]:
+    fields = ("JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason")
+    args = ["sacct", "-D", "-n", "-P", "-j", job_id, "-o", ",".join(fields)]
+    if client.cluster:
+        args += ["-M", client.cluster]
+    out = client.run(*args, timeout=30)
+    if "disabled" in out.stderr:
+        raise proc.CommandFailed(out.args, out.stderr)
+    rows = []
+    for line in out.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == len(fields):
+            rows.append(dict(zip(fields, parts, strict=True)))
+    return rows
+
+
+def _scontrol_row(client: SlurmClient, job_id: str) -> list[dict]:
+    out = client.run("scontrol", "show", "job", "-o", job_id, check=False, timeout=30)
+    rows = []
+    for line in out.stdout.splitlines():
+        kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        rows.append(
+            {
+                "JobID": kv.get("JobId", job_id),
+                "State": kv.get("JobState", "UNKNOWN"),
+                "ExitCode": kv.get("ExitCode", ""),
+                "NodeList": kv.get("NodeList", ""),
+                "Start": kv.get("StartTime", ""),
+                "End": kv.get("EndTime", ""),
+                "Reason": kv.get("Reason", ""),
+            }
+        )
+    return rows
+
+
+def _nodes(text: str) -> list[str]:
+    if not text or text.startswith("None"):
+        return []
+    try:
+        return expand(text)
+    except HpcscaleError:
+        return []
+
+
+def _unhealthy(client: SlurmClient, nodes: list[str]) -> list[str]:
+    """Those of `nodes` that are not up now (down, drained, failing, not responding)."""
+    if not nodes:
+        return []
+    out = client.run("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T", check=False, timeout=30)
+    bad = []
+    for line in out.stdout.splitlines():
+        name, _, state = line.partition(" ")
+        if any(u in state.upper() for u in UNHEALTHY) and name not in bad:
+            bad.append(name)
+    return bad
+
+
+def _read_logs(rd: RunDir, names: list[str]) -> list[str]:
+    lines: list[str] = []
+    for name in names:
+        path = rd.path / LOGS / name
+        with contextlib.suppress(OSError), open(path, "rb") as f:  # the tail: a long run's log can be large
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - (8 << 20)))
+            lines += f.read().decode("utf-8", "replace").splitlines()
+    return lines
+
+
+def _last_attempt(lines: list[str]) -> list[str]:
+    """The lines of the last attempt in a log appended to across requeues (from the template's marker on)."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("=== hpcscale: job "):
+            return lines[i:]
+    return lines
+
+
+def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
+    """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines.
+
+    A task srun saw killed without a word (OOM killer, kill -9, its node gone) is the cause, and its node is
+    blamed; otherwise the ranks' own failure lines decide (hpcscale.launch.local.describe_failure: the first
+    with a reason of its own; a hang names the rank that stopped making progress) and the node of the first
+    rank that failed for a reason of its own is blamed."""
+    from hpcscale.launch.local import describe_failure
+
+    tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
+    signalled = [m for m in tasks if m.group(3) in ("Killed", "Terminated")]
+    if signalled:
+        m = signalled[0]
+        return f"MPI task {m.group(2)} on node {m.group(1)} was {m.group(3).lower()} (srun)", [m.group(1)]
+    summary = describe_failure([line + "\n" for line in lines])
+    own = [m for line in lines if (m := _RANK_LINE.search(line)) and "after losing a peer" not in m.group(4)]
+    if own:
+        return summary, [own[0].group(3)]
+    failed = [m for m in tasks if m.group(3) != "Exited with exit code 75"]
+    if failed and summary is None:
+        m = failed[0]
+        return f"MPI task {m.group(2)} on node {m.group(1)}: {m.group(3).lower()} (srun)", []
+    return summary, []
+
+
+def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosis:
+    job_id = sub.job_id or ""
+    source = "sacct"
+    try:
+        rows = _sacct_rows(client, job_id)
+    except proc.CommandFailed:
+        rows = []
+    if not rows:
+        rows, source = _scontrol_row(client, job_id), "scontrol"
+    allocs = [r for r in rows if "." not in r["JobID"]]
+    last = allocs[-1] if allocs else (rows[-1] if rows else {"State": "UNKNOWN", "ExitCode": "", "NodeList": ""})
+    state = last["State"].split()[0] if last["State"] else "UNKNOWN"
+    d = Diagnosis(job_id, state, last.get("ExitCode", ""), "", source, attempts=rows)
+    d.nodes = _nodes(last.get("NodeList", ""))
+    if state in ACTIVE:
+        d.active = True
+        d.explanation = f"job {job_id} is {state}: nothing to resume while it is in the queue or running"
+        return d
+    lines = [
+        *_last_attempt(_read_logs(rd, [f"slurm-{job_id}.err"])),
+        *_last_attempt(_read_logs(rd, [f"slurm-{job_id}.out"])),
+    ]
+    steps = [r for r in rows if r["JobID"].startswith(f"{job_id}.") and not r["JobID"].endswith((".batch", ".extern"))]
+    step = steps[-1] if steps else None
+    stepd = [m for line in lines if (m := _STEPD.search(line))]
+    events = rd.attempt_events()
+    ends = [e for e in events if e.get("event") == "end" and e.get("job_id") == job_id]
+    end = ends[-1] if ends else None
+    down = _unhealthy(client, d.nodes)
+    down += [m.group(1) for line in lines if (m := _NODE_FAILURE.search(line)) and m.group(1) not in down]
+    if end is not None and end.get("cause") in ("preempted", "time_limit"):
+        blamed = []  # the ranks stopped on a signal: srun's lines about their exits blame nobody
+    else:
+        d.rank_failure, blamed = rank_failure(lines)
+    d.failed_nodes = list(dict.fromkeys([*blamed, *down]))
+    if (
+        state == "COMPLETED"
+        and (step is None or step["ExitCode"].startswith("0:"))
+        and (end is None or end.get("cause") == "completed")
+    ):
+        d.finished = True
+        d.explanation = f"job {job_id} COMPLETED: the run finished"
+        return d
+    why = []
+    if end is not None:
+        cause = str(end.get("cause", "?")).replace("_", " ")
+        why.append(f"the ranks ended: {cause} (exit {end.get('exit_code')}); {end.get('why')}")
+    elif state == "NODE_FAIL" or down:
+        why.append(f"node failure: {', '.join(down) or 'a node'} (failed, or not up now)")
+    if step is not None and step["State"].split()[0] != state:
+        why.append(f"step {step['JobID']} {step['State']} {step['ExitCode']}")
+    if stepd:
+        why.append(f"slurmstepd: cancelled due to {stepd[-1].group(2).lower()} on {stepd[-1].group(1)}")
+    if d.rank_failure:
+        why.append(d.rank_failure)
+    d.explanation = f"job {job_id} {state} (exit {d.exit_code})" + (": " + "; ".join(why) if why else "")
+    return d
+
+
+def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
+    from hpcscale.launch.local import describe_failure
+
+    events = rd.attempt_events()
+    begins = [e for e in events if e.get("event") == "begin"]
+    d = Diagnosis(None, "LOCAL", "", "", "attempts")
+    if begins:
+        b = begins[-1]
+        if b.get("host") == os.uname().nodename and _pid_alive(b.get("pid"), b.get("pid_start")):
+            d.active = True
+            d.explanation = f"the local run is still going (rank 0 is pid {b.get('pid')})"
+            return d
+    lines = _read_logs(rd, [Path(sub.script).name]) if sub.script else []
+    done = [line for line in lines if line.startswith("step ") and "loss" in line]
+    stops = [e for e in events if e.get("event") == "stop" and begins and e.get("attempt") == begins[-1].get("attempt")]
+    d.rank_failure = describe_failure([line + "\n" for line in lines])
+    if stops:
+        d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
+    elif d.rank_failure:
+        d.explanation = f"failed: {d.rank_failure}"
+    elif done and not any("error" in line.lower() for line in lines[-20:]):
+        d.explanation = "the last local run ended without a failure line"
+    else:
+        d.explanation = "the last local run ended without a failure line or a stop"
+    return d
+
+
+def _pid_alive(pid, start) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if isinstance(start, int):
+        return run_lock.process_alive(pid, start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------------------
+def pick_checkpoint(rd: RunDir) -> tuple[int | None, list[dict]]:
+    """(the newest step that verifies whole, [{step, problem}] of the newer ones that do not)."""
+    from hpcscale.ckpt.format import committed_steps, step_dir_name
+    from hpcscale.ckpt.ops import verify
+
+    if not rd.checkpoints.is_dir():
+        return None, []
+    refused = []
+    for step in committed_steps(rd.checkpoints):
+        try:
+            report = verify(rd.checkpoints / step_dir_name(step))
+            problem = None if report.passed else "; ".join(f"{p.path}: {p.problem}" for p in report.problems[:3])
+        except HpcscaleError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = f"cannot be read: {e}"
+        if problem is None:
+            return step, refused
+        refused.append({"step": step, "problem": problem})
+    return None, refused
+
+
+def _finished_local(rd: RunDir, loaded: LoadedJob, step: int | None) -> bool:
+    steps = loaded.spec.train.params.get("steps") if loaded.spec.train else None
+    return step is not None and isinstance(steps, int) and step >= steps
+
+
+# ---- the decision --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def resume_lock(rd: RunDir):
+    state = rd.path / RESUME_STATE
+    state.mkdir(exist_ok=True)
+    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            token = run_lock.acquire(fd, str(state))
+        except StageError as e:
+            raise BadInput(f"another `hpcscale resume` is deciding for {rd.path}: {e}") from None
+        try:
+            yield
+        finally:
+            run_lock.release(fd, token)
+    finally:
+        os.close(fd)
+
+
+def plan_resume(
+    rd: RunDir, *, exclude_mode: str | None = None, nodes: int | None = None, client: SlurmClient | None = None
+) -> tuple[Plan, LoadedJob]:
+    """Everything `resume` decides, nothing submitted. BadInput (exit 2) when there is nothing to resume."""
+    subs = rd.submissions()
+    if not subs:
+        raise BadInput(f"{rd.path}: no submission recorded: nothing to resume (use hpcscale submit or run)")
+    last = subs[-1]
+    loaded = rd.load_job()
+    spec = loaded.spec
+    local = last.template == "local"
+    if local:
+        diag = diagnose_local(rd, last)
+    else:
+        if not last.job_id:
+            raise BadInput(f"{rd.path}: the last submission was a dry run: submit it first")
+        client = client or SlurmClient.for_site(rd.site_config())
+        diag = diagnose_slurm(rd, last, client)
+    if diag.active:
+        raise BadInput(f"{rd.path}: {diag.explanation}")
+    step, refused = pick_checkpoint(rd)
+    if diag.finished or (local and _finished_local(rd, loaded, step)):
+        raise BadInput(
+            f"{rd.path}: the run finished ({diag.explanation or f'checkpoint at step {step}'}): nothing to resume"
+        )
+    mode = exclude_mode or spec.restart.exclude
+    exclude: list[str] = []
+    if not local and mode != "never":
+        exclude = list(diag.failed_nodes)
+        if mode == "all-failed":
+            for s in subs:
+                exclude += s.excluded
+            exclude = list(dict.fromkeys(exclude))
+    n = nodes or spec.nodes
+    if local and nodes:
+        raise BadInput("--nodes: a local run has one node; change the ranks with `hpcscale run --local -n`")
+    plan = Plan(str(rd.path), "local" if local else "slurm", diag, step, refused, sorted(exclude), n)
+    if n != spec.nodes:
+        loaded = _resized(loaded, n)
+    return plan, loaded
+
+
+def _resized(loaded: LoadedJob, nodes: int) -> LoadedJob:
+    from hpcscale.config.decode import Decoder
+    from hpcscale.config.load import check_job
+    from hpcscale.config.yamlsrc import load_yaml
+
+    spec = replace(loaded.spec, nodes=nodes)
+    dec = Decoder(load_yaml(loaded.path))
+    check_job(spec, loaded.site.config, dec)
+    if dec.issues:
+        raise BadInput("\n".join(f"{i} (resuming on {nodes} nodes)" for i in dec.issues))
+    return LoadedJob(spec, loaded.path, loaded.site)
+
+
+def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob) -> str | None:
+    from hpcscale.slurm.submit import submit_job
+
+    reason = f"resume from step {plan.checkpoint}" if plan.checkpoint is not None else "resume from the start"
+    reason += f" after: {plan.diagnosis.explanation}"[:400]
+    r = submit_job(loaded, run_dir=rd.path, reuse=True, excluded=tuple(plan.exclude), reason=reason)
+    plan.submitted = r.job_id
+    record(rd, plan)
+    return r.job_id
+
+
+def record(rd: RunDir, plan: Plan) -> None:
+    append_json_line(rd.path / RESUME_LOG, {"time": datetime.now(timezone.utc).isoformat(), **plan.to_json()})

@@ -1,0 +1,289 @@
+"""A rank that stops making progress without dying ends the job within the hang timeout, named as the stuck rank,
+with every live rank's Python stacks in the log (launch/watchdog.py); for real under mpirun: a SIGSTOPped rank.
+Also the watchdog's timeout rule, and the reading of its lines (hung_ranks, describe_failure), on their own."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+from trainjobs import job_spec, losses
+
+from hpcscale.launch.local import describe_failure
+from hpcscale.launch.main import failure_line
+from hpcscale.launch.watchdog import FailureLine, Hang, HungRanks, Watchdog, hang_line, hung_ranks, stall_text
+
+HANG_S = 8  # the job's hang_timeout_seconds
+COLLECTIVE_S = 60  # its timeout_seconds: the job must end well before a collective would time out
+
+
+def _processes_of(run_dir: Path) -> dict[int, str]:
+    """Every live process whose command line names the run directory (mpirun, ranks, the front end)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie runs nothing; its parent has not reaped it yet
+        except (OSError, IndexError):
+            continue
+        if str(run_dir) in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def _rank_pids(run_dir: Path) -> dict[int, int]:
+    """Rank -> pid. OMPI_COMM_WORLD_RANK is in each rank's initial environment, and under run --local (one
+    node, placement keeps MPI order) it is the hpcscale rank too."""
+    ranks = {}
+    for pid, cmdline in _processes_of(run_dir).items():
+        if "hpcscale launch --run-dir" not in cmdline or "mpirun" in cmdline.split(" ", 1)[0]:
+            continue
+        with contextlib.suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((v.split(b"=", 1)[1] for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+            if rank is not None:
+                ranks[int(rank)] = pid
+    return ranks
+
+
+def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= n:
+            return
+        assert proc.poll() is None, out.read_text()[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {n} steps after {timeout}s:\n{out.read_text()[-3000:]}")
+
+
+def test_a_stopped_rank_is_named_and_the_live_ranks_dump_their_stacks(mpi, tmp_path):
+    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=100000, log_every=50)
+    spec = yaml.safe_load(job.read_text())
+    spec |= {"hang_timeout_seconds": HANG_S, "timeout_seconds": COLLECTIVE_S}
+    job.write_text(yaml.safe_dump(spec))
+    run_dir, out = tmp_path / "run", tmp_path / "out.txt"
+    with open(out, "w") as f:  # a file, not a pipe: nobody reads a pipe while the test waits
+        proc = subprocess.Popen(
+            ["hpcscale", "run", str(job), "--local", "--run-dir", str(run_dir)],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    try:
+        _wait_for_steps(run_dir, 5, proc, out)
+        ranks = _rank_pids(run_dir)
+        assert sorted(ranks) == [0, 1, 2, 3], ranks
+        stopped_at = time.monotonic()
+        os.kill(ranks[2], signal.SIGSTOP)
+        code = proc.wait(timeout=COLLECTIVE_S)
+        elapsed = time.monotonic() - stopped_at
+        deadline = time.monotonic() + 5
+        while (left := _processes_of(run_dir)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _processes_of(run_dir):  # by command line: a pid of the run, not one reused since
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+    text = out.read_text()
+    print(f"SIGSTOP to exit: {elapsed:.1f} s (hang timeout {HANG_S} s)")
+    assert code == 1, text[-3000:]
+    # the hang timeout (or 10× the longest step, small here), the grace for the stacks, mpirun's teardown
+    assert elapsed < HANG_S + 20, f"took {elapsed:.1f}s"
+    assert left == {}, f"left running: {left}"
+    headline = text.splitlines()[-1]
+    named = r"\(exit 1\): rank 2 stopped making progress \(no step in [\d.]+ s; ranks 0, 1, 3 waited on it\)$"
+    assert re.search(named, headline), text[-3000:]
+    (log,) = (run_dir / "logs").glob("local-*.out")
+    logged = log.read_text()
+    stuck, world, seconds = hung_ranks(logged.splitlines(keepends=True))  # as `hpcscale resume` reads a log
+    assert (stuck, world) == ([2], 4) and seconds >= HANG_S
+    hangs = [f for line in logged.splitlines() if (f := FailureLine.parse(line)) and f.hang]
+    assert sorted(f.rank for f in hangs) == [0, 1, 3], logged[-3000:]
+    assert all(f.peer_lost and f.hang.world_size == 4 and f.hang.seconds >= HANG_S for f in hangs)
+    for rank in (0, 1, 3):
+        assert f"hpcscale launch: rank {rank} (MPI rank {rank}): Python stacks at the hang:" in logged
+    # faulthandler's dump: the training thread waits in a collective (the trainer's own frames), the watchdog runs
+    assert logged.count("Current thread 0x") >= 3 and "Thread 0x" in logged
+    assert 'File "' in logged and "hpcscale/train/trainer.py" in logged and "in train" in logged
+
+
+# The timeout rule, on a real thread with tiny times: on_hang records instead of ending the process.
+
+
+def _watchdog(min_seconds: float, factor: float = 10.0, *, start: bool = True) -> tuple[Watchdog, list[float]]:
+    hangs: list[float] = []
+    wd = Watchdog(
+        rank=1,
+        mpi_rank=3,
+        node="n1",
+        world_size=4,
+        min_seconds=min_seconds,
+        factor=factor,
+        on_hang=lambda: hangs.append(time.monotonic()),
+        grace_seconds=0,
+    )
+    return (wd.start() if start else wd), hangs
+
+
+def _wait(hangs: list[float], within: float) -> None:
+    deadline = time.monotonic() + within
+    while not hangs and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_the_watchdog_is_armed_by_the_first_beat_and_fires_after_the_floor(capfd):
+    wd, hangs = _watchdog(min_seconds=0.1)
+    try:
+        time.sleep(0.3)  # start-up: longer than the timeout, yet not a hang
+        assert hangs == [] and wd.fired is None
+        wd.beat(41)
+        beat_at = time.monotonic()
+        _wait(hangs, within=2)
+    finally:
+        wd.stop()
+    assert hangs and hangs[0] - beat_at >= 0.1
+    f = FailureLine.parse(wd.fired)
+    assert (f.rank, f.peer_lost, f.hang.last_step, f.hang.world_size) == (1, True, 41, 4) and f.hang.seconds >= 0.1
+    assert wd.fired.startswith("hpcscale launch: rank 1 (MPI rank 3) on node n1 failed: Hang: no step finished in ")
+    err = capfd.readouterr().err
+    assert err.startswith(wd.fired + "\nhpcscale launch: rank 1 (MPI rank 3): Python stacks at the hang:\n"), err
+    assert "Current thread 0x" in err and 'File "' in err and "in _fire" in err  # every thread, its own too
+
+
+def test_the_timeout_is_factor_times_the_longest_step_and_pauses_do_not_count():
+    wd, hangs = _watchdog(min_seconds=0.05, factor=3, start=False)
+    try:
+        wd.beat(0)
+        time.sleep(0.1)  # the thread is not running yet: the floor alone would fire here
+        wd.beat(1)
+        wd.start()
+        first = wd.longest
+        assert 0.1 <= first < 0.3 and wd.timeout == pytest.approx(3 * first)
+        with wd.paused("checkpoint"):
+            time.sleep(0.4)  # longer than the timeout: a save is not a hang...
+            assert hangs == []
+        wd.beat(2)
+        assert wd.longest == first  # ...and it does not lengthen the step it came in
+        wd.beat(3)
+        assert wd.longest == first  # a short step leaves the longest as it was
+        assert wd.timeout == pytest.approx(3 * first)
+    finally:
+        wd.stop()
+    assert hangs == [] and wd.fired is None
+
+
+def test_a_stopped_watchdog_never_fires():
+    wd, hangs = _watchdog(min_seconds=0.05)
+    wd.beat(0)
+    wd.stop()
+    time.sleep(0.15)
+    assert hangs == [] and wd.fired is None
+
+
+_STOPPED_CHILD = """
+import sys, time
+from hpcscale.launch import watchdog
+watchdog.STALL_S = 0.3
+hangs = []
+wd = watchdog.Watchdog(rank=2, mpi_rank=2, node="n", world_size=4, min_seconds=0.8, on_hang=lambda: hangs.append(1),
+                       grace_seconds=0).start()
+wd.beat(7)
+print("ready", flush=True)
+time.sleep(1.3)  # SIGSTOPped for 1 s of it
+wd.beat(8)
+wd.stop()
+print("fired" if hangs else "not fired", flush=True)
+"""
+
+
+def test_time_the_process_was_stopped_does_not_count():
+    """A rank stopped for longer than its timeout and continued (a suspended job, resumed) is not hung; it says
+    it was not running, and that line is what names a SIGSTOPped rank that mpirun continues to kill it."""
+    peers = [_hang(0), _hang(1), _hang(3)]  # written before the stopped rank's line, as when they fire
+    child = subprocess.Popen(
+        [sys.executable, "-c", _STOPPED_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == "ready\n"
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)
+        child.send_signal(signal.SIGCONT)
+        out, err = child.communicate(timeout=10)
+    finally:
+        child.kill()
+    assert out == "not fired\n", err
+    (line,) = err.splitlines()
+    assert line.startswith("hpcscale launch: rank 2 (MPI rank 2) on node n was not running for "), line
+    assert hung_ranks([*peers, _hang(2), line + "\n"]) == ([2], 4, 8.4)  # not running: not one that waited
+
+
+# Reading the lines: the ranks that wrote no hang line are the stuck ones.
+
+
+def _hang(rank: int, *, world: int = 4, seconds: float = 8.4) -> str:
+    return hang_line(rank=rank, mpi_rank=rank, node="a", seconds=seconds, last_step=41, world_size=world) + "\n"
+
+
+def test_the_ranks_that_wrote_no_hang_line_are_the_stuck_ones():
+    lines = [_hang(0, seconds=8.4), "Thread 0x00007f (most recent call first):\n", _hang(3, seconds=8.2), _hang(1)]
+    assert hung_ranks(lines) == HungRanks([2], 4, 8.2)
+    assert hung_ranks(lines) == ([2], 4, 8.2)  # a plain (stuck, world size, seconds) tuple too
+    assert describe_failure(lines) == "rank 2 stopped making progress (no step in 8.2 s; ranks 0, 1, 3 waited on it)"
+    slow = [_hang(0, world=8, seconds=130.4), _hang(3, world=8, seconds=128.6)]
+    assert describe_failure(slow) == (
+        "ranks 1, 2, 4, 5, 6, 7 stopped making progress (no step in 129 s; ranks 0, 3 waited on them)"
+    )
+
+
+def test_a_stopped_rank_continued_only_to_be_killed_is_still_the_stuck_one():
+    """mpirun and srun send SIGCONT before they kill: the stopped rank then fails "after losing a peer" like a
+    survivor, and says it was not running; neither makes it one of those that waited."""
+    lines = [_hang(0), _hang(1), _hang(3)]
+    lost = failure_line(RuntimeError("Connection reset by peer"), rank="2", mpi_rank=2, node="a") + "\n"
+    stalled = "hpcscale launch: rank 2 (MPI rank 2) on node a" + stall_text(13.2) + "\n"
+    assert hung_ranks([*lines, lost]) == ([2], 4, 8.4)
+    assert hung_ranks([*lines, stalled, lost]) == ([2], 4, 8.4)
+    assert describe_failure([*lines, stalled, lost]).startswith("rank 2 stopped making progress")
+    # a rank that was not running long before the hang (a suspended job, resumed) is no suspect for it
+    earlier = "hpcscale launch: rank 1 (MPI rank 1) on node a" + stall_text(60) + "\n"
+    time.sleep(0.001)
+    assert hung_ranks([earlier, _hang(0), _hang(1), _hang(3)]) == ([2], 4, 8.4)
+
+
+def test_every_rank_waiting_in_python_is_a_deadlock_among_them():
+    lines = [_hang(r) for r in range(4)]
+    assert hung_ranks(lines) == ([], 4, 8.4)
+    assert describe_failure(lines).startswith("every rank stopped making progress (no step in 8.4 s;")
+
+
+def test_a_rank_failing_of_its_own_accord_first_is_the_story_not_the_hang():
+    own = failure_line(ValueError("bad shard"), rank="2", mpi_rank=2, node="b") + "\n"
+    time.sleep(0.001)  # the time stamps order the lines
+    lines = [own, _hang(0), _hang(1)]
+    assert hung_ranks(lines) is None
+    assert describe_failure(lines).startswith("hpcscale launch: rank 2 (MPI rank 2) on node b failed: ValueError")
+    assert hung_ranks(["just output\n", own]) is None
+
+
+def test_a_hang_line_reads_like_every_other_failure_line():
+    hang = FailureLine.parse(_hang(2))
+    other = FailureLine.parse(failure_line(RuntimeError("Connection reset by peer"), rank="2", mpi_rank=2, node="a"))
+    assert (hang.rank, hang.peer_lost, other.rank, other.peer_lost) == (2, True, 2, True)
+    assert len(hang.time) == len(other.time) and hang.time[:4] == other.time[:4] and hang.time.endswith("Z")
+    assert other.hang is None and hang.hang == Hang(seconds=8.4, last_step=41, world_size=4)

@@ -1,0 +1,360 @@
+"""Requeue and `hpcscale resume`, proven by fault injection on the real local Slurm cluster (and mpirun for
+local runs): each compares the losses with an uninterrupted reference run of the same job.
+
+Faults: the preemption signal (scancel --signal) and a time limit too short for the run (requeue from inside
+the job, SLURM_RESTART_COUNT in the run's history, the time-limit budget); kill -9 of one rank (resume names
+it and keeps the job off its node); a node taken down (resume excludes it, on fewer nodes: resharded); a
+damaged newest checkpoint (resume takes the previous one and trains past the damaged step); a job that
+crashes at every start (stops at its cap); resume while the job is running, and two resumes at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli, wait_for_job
+from trainjobs import job_spec, losses
+
+from hpcscale.config.job import JobSpec, Restart, Signals
+from hpcscale.launch.requeue import classify, decide
+
+STEPS = 600
+
+
+# ---- the policy, without a cluster ------------------------------------------------------------------------
+def _spec(**restart) -> JobSpec:
+    return JobSpec(name="t", site="local", signals=Signals(), restart=Restart(**restart))
+
+
+def test_classify_tells_time_limit_from_preemption_and_failure():
+    assert classify(0, False, None, 120) == "completed"
+    assert classify(75, True, 150, 120) == "time_limit"  # the signal came at about grace_seconds before the end
+    assert classify(143, True, 3000, 120) == "preempted"  # a stop long before the end: preemption, scancel
+    assert classify(75, False, None, 120) == "preempted"
+    assert classify(1, False, 100, 120) == "failed"
+    assert classify(137, False, None, 120) == "failed"
+
+
+def _end(cause: str, job: str = "7", requeue: bool = True, progress: bool = True, checkpoint: int = 10) -> dict:
+    return {"event": "end", "job_id": job, "cause": cause, "requeue": requeue, "progress": progress,
+            "checkpoint": checkpoint}  # fmt: skip
+
+
+def test_separate_budgets_and_backoff():
+    spec = _spec(max_preemptions=3, max_time_limits=1, max_failures=2, failure_backoff_seconds=5)
+    begin = [{"event": "begin", "attempt": 1}]
+    d = decide(spec, begin, job_id="7", cause="preempted", checkpoint=10)
+    assert d.requeue and d.backoff_s == 0
+    events = [*begin, _end("preempted"), _end("preempted", checkpoint=20)]
+    assert decide(spec, events, job_id="7", cause="preempted", checkpoint=30).requeue
+    events.append(_end("preempted", checkpoint=30))
+    spent = decide(spec, events, job_id="7", cause="preempted", checkpoint=40)
+    assert not spent.requeue and "budget spent" in spent.why
+    # the other budgets are untouched by preemptions
+    assert decide(spec, events, job_id="7", cause="time_limit", checkpoint=40).requeue
+    first = decide(spec, events, job_id="7", cause="failed", checkpoint=40)
+    assert first.requeue and first.backoff_s == 5
+    events.append(_end("failed", checkpoint=40))
+    assert decide(spec, events, job_id="7", cause="failed", checkpoint=50).backoff_s == 10  # doubled
+    # a resubmission (another job id) starts with fresh budgets
+    assert decide(spec, events, job_id="8", cause="preempted", checkpoint=50).requeue
+
+
+def test_no_progress_stops_the_loop_but_preemptions_do_not_count():
+    spec = _spec(max_failures=10, max_no_progress=2)
+    events = [{"event": "begin", "attempt": 1}, _end("failed", progress=False, checkpoint=None)]
+    d = decide(spec, events, job_id="7", cause="failed", checkpoint=None)
+    assert not d.requeue and "no new checkpoint in 2 consecutive attempts" in d.why
+    events = [_end("failed", checkpoint=10), _end("preempted", progress=False, checkpoint=10)]
+    assert decide(spec, events, job_id="7", cause="failed", checkpoint=10).requeue  # the first without progress
+    assert decide(_spec(), [], job_id="7", cause="preempted", checkpoint=None).requeue  # before any checkpoint
+
+
+def test_requeue_off_means_no_requeue():
+    spec = JobSpec(name="t", site="local", signals=Signals(requeue=False))
+    assert not decide(spec, [], job_id="7", cause="preempted", checkpoint=5).requeue
+
+
+# ---- helpers for the real runs -------------------------------------------------------------------------------
+def _slurm_job(path: Path, *, nodes: int = 2, ranks: int = 4, steps: int = STEPS, **extra) -> Path:
+    job_spec(path, tp=1, pp=1, ranks=ranks, site="localcluster", nodes=nodes, steps=steps,
+             checkpoint={"every_steps": 25})  # fmt: skip
+    spec = yaml.safe_load(path.read_text())
+    for key, value in extra.items():
+        spec[key] = value
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(mpi, tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run (4 ranks, dp=4, like the Slurm jobs below): the losses every resumed run must match."""
+    tmp = tmp_path_factory.mktemp("ref")
+    job = job_spec(tmp / "job.yaml", tp=1, pp=1, ranks=4, steps=STEPS, checkpoint={"every_steps": 25})
+    r = run_cli("run", str(job), "--local", "--run-dir", str(tmp / "run"), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = losses(tmp / "run")
+    assert len(ref) == STEPS
+    return ref
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_matches(run: Path, reference: dict[int, float], *, rel: float = 0.0) -> None:
+    """Every training line of every attempt equals the reference's loss at its step; every step is there."""
+    rows = [r for r in _rows(run) if "loss" in r]
+    assert {r["step"] for r in rows} == set(reference), "steps missing or extra"
+    for r in rows:
+        want = reference[r["step"]]
+        assert abs(r["loss"] - want) <= rel * abs(want), (r, want)
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()]
+
+
+def _submit(job: Path, run: Path, env: dict) -> str:
+    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["job_id"]
+
+
+def _wait_steps(run: Path, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run / "metrics.jsonl").exists() and sum(1 for r in _rows(run) if "loss" in r) >= n:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"fewer than {n} steps after {timeout}s")
+
+
+def _log(run: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run / "logs").glob("*")))
+
+
+def _wait_gone(job_id: str, env: dict, timeout: float = 400) -> str:
+    """The job's final state once it has left the queue for good (a requeued job comes back)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        q = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True,
+                           env={**os.environ, **env})  # fmt: skip
+        if not q.stdout.strip():
+            return wait_for_job(job_id, env, timeout=60)
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} still queued after {timeout}s")
+
+
+def _rank_pids(run: Path, node: str | None = None) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"hpcscale launch --run-dir {run}"], capture_output=True, text=True)
+    pids = []
+    for p in out.stdout.split():
+        try:
+            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            if Path(f"/proc/{p}/comm").read_text().strip() in ("srun", "mpirun", "orterun"):
+                continue  # the launchers name the same arguments; the ranks are python (`hpcscale` by its script)
+        except OSError:
+            continue
+        if node is None or f"SLURMD_NODENAME={node}".encode() in env:
+            pids.append(int(p))
+    return pids
+
+
+# ---- requeue from inside the job -------------------------------------------------------------------------
+def test_preemption_signal_checkpoints_requeues_and_finishes_exactly(local_cluster, reference, tmp_path):
+    run = tmp_path / "run"
+    job_id = _submit(_slurm_job(tmp_path / "job.yaml"), run, local_cluster)
+    _wait_steps(run, 60)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env={**os.environ, **local_cluster})
+    assert _wait_gone(job_id, local_cluster) == "COMPLETED", _log(run)[-3000:]
+    events = _events(run)
+    ends = [e for e in events if e["event"] == "end"]
+    assert [e["cause"] for e in ends] == ["preempted", "completed"], ends
+    assert ends[0]["requeue"] and ends[0]["checkpoint"] > 60
+    stop = next(e for e in events if e["event"] == "stop")
+    assert stop["signal"] == "SIGUSR2" and stop["step"] + 1 == ends[0]["checkpoint"]  # the stop step's own save
+    begins = [e for e in events if e["event"] == "begin"]
+    assert [b["restart_count"] for b in begins] == [0, 1]  # SLURM_RESTART_COUNT, in the run's history
+    assert {r["attempt"] for r in _rows(run)} == {1, 2}  # repeated steps are told apart
+    _assert_matches(run, reference)
+    log = _log(run)
+    assert "=== hpcscale: job " in log and "(restart 1)" in log  # one marker per attempt in the appended logs
+    assert not re.search(r"srun: error: \S+: tasks? [\d,-]+: Terminated", log)  # they left together: none killed
+
+
+def test_time_limit_requeues_until_its_budget_is_spent(local_cluster, tmp_path):
+    """A 1-minute limit with 40 s of grace: each attempt is stopped by the time-limit signal, checkpoints,
+    and requeues itself while restart.max_time_limits allows; the third stop ends the job."""
+    run = tmp_path / "run"
+    job = _slurm_job(
+        tmp_path / "job.yaml",
+        steps=100000,
+        time_limit="1",
+        signals={"grace_seconds": 40},
+        restart={"max_time_limits": 2},
+    )
+    job_id = _submit(job, run, local_cluster)
+    _wait_gone(job_id, local_cluster, timeout=420)
+    ends = [e for e in _events(run) if e["event"] == "end"]
+    assert [e["cause"] for e in ends] == ["time_limit"] * 3, ends
+    assert [e["requeue"] for e in ends] == [True, True, False]
+    assert "time limit budget spent" in ends[-1]["why"]
+    assert [e["restart_count"] for e in ends] == [0, 1, 2]
+    steps = [e["checkpoint"] for e in ends]
+    assert steps == sorted(steps) and steps[0] > 0  # each attempt checkpointed on the signal and went further
+    out = run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["checkpoint"] == steps[-1] and "time limit" in plan["diagnosis"]["explanation"]
+
+
+# ---- hpcscale resume -------------------------------------------------------------------------------------
+def test_killed_rank_is_named_and_resume_continues_off_its_node(local_cluster, reference, tmp_path):
+    run = tmp_path / "run"
+    job_id = _submit(_slurm_job(tmp_path / "job.yaml", restart={"max_failures": 0}), run, local_cluster)
+    _wait_steps(run, 80)
+    victims = _rank_pids(run, "n2")
+    assert victims, "no rank on n2"
+    os.kill(victims[0], signal.SIGKILL)
+    assert _wait_gone(job_id, local_cluster) == "FAILED"
+    dry = run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster)
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert plan["exclude"] == ["n2"], plan
+    assert "n2" in plan["diagnosis"]["explanation"] and "killed" in plan["diagnosis"]["explanation"]
+    assert plan["checkpoint"] is not None and plan["submitted"] is None
+    assert len(json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)["submissions"]) == 1
+    out = run_cli("resume", str(run), "--json", env=local_cluster)
+    assert out.returncode == 0, out.stderr
+    new = json.loads(out.stdout)["submitted"]
+    assert _wait_gone(new, local_cluster) == "COMPLETED", _log(run)[-3000:]
+    subs = [json.loads(line) for line in (run / "submissions.jsonl").read_text().splitlines()]
+    assert subs[-1]["excluded"] == ["n2"] and subs[-1]["reason"].startswith(f"resume from step {plan['checkpoint']}")
+    assert "#SBATCH --exclude=n2" in (run / subs[-1]["script"]).read_text()
+    _assert_matches(run, reference)
+
+
+def test_node_down_is_excluded_and_the_run_finishes_on_fewer_nodes(local_cluster, reference, tmp_path):
+    env = {**os.environ, **local_cluster}
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", nodes=4, ranks=4, signals={"requeue": False})
+    job_id = _submit(job, run, local_cluster)
+    try:
+        _wait_steps(run, 80)
+        subprocess.run(["scontrol", "update", "nodename=n3", "state=down", "reason=hpcscale-test"], check=True, env=env)
+        for pid in _rank_pids(run, "n3"):
+            os.kill(pid, signal.SIGKILL)
+        assert _wait_gone(job_id, local_cluster) in ("NODE_FAIL", "FAILED", "CANCELLED")
+        refused = run_cli("resume", str(run), "--dry-run", env=local_cluster)
+        plan = json.loads(run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster).stdout)
+        assert "n3" in plan["exclude"], (plan, refused.stdout)
+        out = run_cli("resume", str(run), "--nodes", "2", "--json", env=local_cluster)
+        assert out.returncode == 0, out.stderr
+        new = json.loads(out.stdout)["submitted"]
+        assert _wait_gone(new, local_cluster) == "COMPLETED", _log(run)[-3000:]
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n3", "state=resume"], env=env)
+    assert "resharded" in _log(run)
+    _assert_matches(run, reference, rel=1e-5)  # dp 4 -> 2, the same global batch: the same losses
+
+
+def test_crash_at_every_start_stops_at_the_cap(local_cluster, tmp_path):
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", nodes=1, ranks=1, restart={"max_failures": 3, "failure_backoff_seconds": 0})
+    spec = yaml.safe_load(job.read_text())
+    spec["train"]["entry"] = "json:no_such_function"  # fails in every rank at every start
+    job.write_text(yaml.safe_dump(spec))
+    job_id = _submit(job, run, local_cluster)
+    _wait_gone(job_id, local_cluster)
+    ends = [e for e in _events(run) if e["event"] == "end"]
+    # no checkpoint ever: the second attempt without progress ends it (restart.max_no_progress = 2)
+    assert [e["requeue"] for e in ends] == [True, False], ends
+    assert "no new checkpoint in 2 consecutive attempts" in ends[-1]["why"]
+
+
+def test_resume_refused_while_running_and_two_resumes_submit_once(local_cluster, tmp_path):
+    env = {**os.environ, **local_cluster}
+    run = tmp_path / "run"
+    job_id = _submit(_slurm_job(tmp_path / "job.yaml", nodes=1, ranks=1, steps=100000), run, local_cluster)
+    _wait_steps(run, 5)
+    busy = run_cli("resume", str(run), env=local_cluster)
+    assert busy.returncode == 2 and "RUNNING" in busy.stderr, busy.stderr
+    subprocess.run(["scancel", job_id], check=True, env=env)
+    _wait_gone(job_id, local_cluster)
+    results: list[subprocess.CompletedProcess] = []
+
+    def go() -> None:
+        results.append(run_cli("resume", str(run), "--json", env=local_cluster))
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.returncode for r in results)
+    subs = (run / "submissions.jsonl").read_text().splitlines()
+    try:
+        assert codes == [0, 2], [(r.returncode, r.stderr) for r in results]
+        assert len(subs) == 2  # the first submission and exactly one resume
+        loser = next(r for r in results if r.returncode == 2)
+        assert "another `hpcscale resume`" in loser.stderr or "PENDING" in loser.stderr or "RUNNING" in loser.stderr
+    finally:
+        for line in subs[1:]:
+            subprocess.run(["scancel", json.loads(line)["job_id"]], env=env)
+
+
+# ---- local runs ------------------------------------------------------------------------------------------
+def test_damaged_newest_checkpoint_resume_falls_back_and_trains_past_it(mpi, tmp_path):
+    sys_path = str(REPO / "tests" / "helpers")
+    import sys
+
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=2, steps=120, checkpoint={"every_steps": 20})
+    ref = run_cli("run", str(job), "--local", "--run-dir", str(tmp_path / "ref"), timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    run = tmp_path / "run"
+    proc = subprocess.Popen(["hpcscale", "run", str(job), "--local", "--run-dir", str(run)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        _wait_steps(run, 70)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out[-2000:]
+    ckpts = sorted((run / "checkpoints").glob("step-*"))
+    newest, previous = ckpts[-1], ckpts[-2]
+    data = sorted((newest / "data").glob("*"))[0]
+    with open(data, "r+b") as f:  # one flipped byte in the newest checkpoint's own data
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+    dry = run_cli("resume", str(run), "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    newest_step, previous_step = int(newest.name.split("-")[1]), int(previous.name.split("-")[1])
+    assert [r["step"] for r in plan["refused"]] == [newest_step] and plan["checkpoint"] == previous_step
+    again = run_cli("resume", str(run), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"refused checkpoint step {newest_step}" in again.stdout
+    assert (run / "checkpoints" / "refused").is_dir()  # set aside, not deleted, and not in the way
+    assert run_cli("ckpt", "verify", str(run)).returncode == 0
+    want = losses(tmp_path / "ref")
+    got = [r for r in _rows(run) if "loss" in r]
+    assert {r["step"] for r in got} == set(want)
+    for r in got:
+        assert r["loss"] == want[r["step"]], r
+    finished = run_cli("resume", str(run))
+    assert finished.returncode == 2 and "finished" in finished.stderr
