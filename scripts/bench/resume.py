@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Downtime of a failure on the local Slurm cluster: from kill -9 of one rank to the first training step of
+the job `hpcscale resume` submitted, split into detection, the resume command, scheduling, start-up and
+checkpoint load, next to a fresh start of the same job; and that checkpoint load against a raw sequential
+read of the same bytes, both from a cold page cache.
+
+    python scripts/bench/resume.py [--reps 5] [--json]      (needs scripts/localcluster up; root to drop caches)
+
+Per repetition:
+  1. submit a 2-node job (one rank per node, a GPT of ~80 MB of model and optimizer state), let it save a
+     checkpoint, kill -9 the rank on n2;
+  2. detection: until the job has left the queue (srun's --kill-on-bad-exit, the batch script's decision);
+  3. drop the page cache; `hpcscale resume RUN --json` (its own time), then scheduling (sacct Start of the new
+     job minus the resume's end; 1 s resolution), start-up (from that Start to the ranks' `begin` record, after
+     imports and the bootstrap, plus what precedes the load), checkpoint load (the trainer's `restore_s`), and
+     the rest up to the first step's metrics line;
+  4. the raw read: drop the page cache, read every data file the loaded checkpoint references, in order.
+A fresh start of the same job (submit to its first step) is measured in each repetition too. Medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "SLURM_CONF": os.environ.get("SLURM_CONF", "/var/tmp/hpcscale-localcluster/local1/slurm.conf")}
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def sh(*args: str, check: bool = True) -> str:
+    p = subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=REPO)
+    if check and p.returncode != 0:
+        raise SystemExit(f"{args[:3]} failed: {p.stderr[-2000:]}")
+    return p.stdout
+
+
+def job_file(path: Path) -> Path:
+    spec = {
+        "name": "bench-resume",
+        "site": "localcluster",
+        "nodes": 2,
+        "tasks_per_node": 1,
+        "timeout_seconds": 60,
+        "checkpoint": {"every_steps": 5, "async": False},
+        "restart": {"max_failures": 0},
+        "train": {
+            "entry": "builtin",
+            "params": {"steps": 100000, "log_every": 100, "eval_every": 0, "global_batch": 4, "micro_batch": 2,
+                       "seq_len": 32, "n_layer": 8, "n_embd": 256, "n_head": 4, "seed": 7},
+        },
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def rows(run: Path) -> list[dict]:
+    p = run / "metrics.jsonl"
+    out = []
+    if p.exists():
+        for line in p.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def gone(job: str) -> bool:
+    return not sh("squeue", "-h", "-j", job, "-o", "%T", check=False).strip()
+
+
+def sacct_start(job: str) -> float:
+    for line in sh("sacct", "-j", job, "-X", "-n", "-P", "-o", "Start").splitlines():
+        return datetime.fromisoformat(line.strip()).timestamp()
+    raise SystemExit(f"no start time for job {job}")
+
+
+def rank_pid(run: Path, node: str) -> int:
+    out = sh("pgrep", "-f", f"hpcscale launch --run-dir {run}", check=False)
+    for p in out.split():
+        try:
+            if Path(f"/proc/{p}/comm").read_text().strip() in ("srun", "mpirun"):
+                continue
+            if f"SLURMD_NODENAME={node}".encode() in Path(f"/proc/{p}/environ").read_bytes().split(b"\0"):
+                return int(p)
+        except OSError:
+            continue
+    raise SystemExit(f"no rank on {node}")
+
+
+def begin_time(run: Path, attempt: int) -> float:
+    for line in (run / "attempts.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e["event"] == "begin" and e["attempt"] == attempt:
+            return datetime.fromisoformat(e["time"]).timestamp()
+    raise SystemExit("no begin record")
+
+
+def raw_read(run: Path, step: int) -> tuple[float, int]:
+    sys.path.insert(0, str(REPO))
+    from hpcscale.ckpt.format import INDEX, read_index, step_dir_name
+
+    root = run / "checkpoints"
+    index = read_index(root / step_dir_name(step) / INDEX)
+    files = sorted({c.file for t in index.tensors.values() for s in t.shards for c in s.chunks})
+    drop_caches()
+    t = time.perf_counter()
+    n = 0
+    for f in files:
+        fd = os.open(root / f, os.O_RDONLY)
+        while chunk := os.read(fd, 16 << 20):
+            n += len(chunk)
+        os.close(fd)
+    return time.perf_counter() - t, n
+
+
+def one(base: Path, rep: int) -> dict:
+    job = job_file(base / "job.yaml")
+    # a fresh start, for comparison
+    fresh = base / f"fresh-{rep}"
+    drop_caches()
+    t0 = time.time()
+    fid = json.loads(sh("hpcscale", "submit", str(job), "--run-dir", str(fresh), "--json"))["job_id"]
+    wait(lambda: any("loss" in r for r in rows(fresh)), 300, "the fresh job's first step")
+    first = next(r["time"] for r in rows(fresh) if "loss" in r)
+    fresh_total, fresh_sched = first - t0, sacct_start(fid) - t0
+    sh("scancel", fid, check=False)
+    # the failure and the resume
+    run = base / f"run-{rep}"
+    jid = json.loads(sh("hpcscale", "submit", str(job), "--run-dir", str(run), "--json"))["job_id"]
+    wait(lambda: any(r.get("checkpoint") for r in rows(run)), 300, "a checkpoint")
+    wait(lambda: gone(fid), 120, "the fresh job to leave")
+    t_kill = time.time()
+    os.kill(rank_pid(run, "n2"), signal.SIGKILL)
+    wait(lambda: gone(jid), 300, "the failed job to leave the queue")
+    t_gone = time.time()
+    drop_caches()
+    t_res = time.time()
+    plan = json.loads(sh("hpcscale", "resume", str(run), "--json"))
+    t_res_end = time.time()
+    new = plan["submitted"]
+    wait(lambda: any("loss" in r and r.get("attempt") == 2 for r in rows(run)), 300, "the resumed job's first step")
+    first2 = next(r["time"] for r in rows(run) if "loss" in r and r.get("attempt") == 2)
+    restore = next(r["restore_s"] for r in rows(run) if "restore_s" in r and r.get("attempt") == 2)
+    start = sacct_start(new)
+    begin = begin_time(run, 2)
+    sh("scancel", new, check=False)
+    wait(lambda: gone(new), 120, "the resumed job to leave")
+    raw_s, nbytes = raw_read(run, plan["checkpoint"])
+    return {
+        "detection_s": t_gone - t_kill,
+        "resume_command_s": t_res_end - t_res,
+        "scheduling_s": max(0.0, start - t_res_end),
+        "startup_s": (begin - start) + (first2 - begin - restore),
+        "checkpoint_load_s": restore,
+        "total_s": first2 - t_kill,
+        "fresh_start_s": fresh_total,
+        "fresh_scheduling_s": max(0.0, fresh_sched),
+        "raw_read_s": raw_s,
+        "checkpoint_bytes": nbytes,
+        "load_vs_raw": raw_s / restore if restore > 0 else 0.0,
+        "excluded": plan["exclude"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="hpcscale-bench-resume-", dir="/var/tmp"))
+    results = [one(base, rep) for rep in range(a.reps)]
+    keys = [k for k in results[0] if k != "excluded"]
+    med = {k: statistics.median(r[k] for r in results) for k in keys}
+    doc = {"reps": results, "median": med, "cold_cache": drop_caches()}
+    if a.json:
+        print(json.dumps(doc, indent=2))
+        return
+    print(f"{a.reps} repetitions; medians (s): kill -9 of one rank -> first step of the resumed job")
+    for k in ("detection_s", "resume_command_s", "scheduling_s", "startup_s", "checkpoint_load_s", "total_s"):
+        print(f"  {k:20s} {med[k]:7.2f}")
+    print(f"  fresh start (submit -> first step) {med['fresh_start_s']:.2f} s")
+    print(f"checkpoint load vs raw cold read of its {med['checkpoint_bytes'] / 1e6:.0f} MB, per repetition: "
+          + " ".join(f"{r['load_vs_raw']:.2f}" for r in results))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
