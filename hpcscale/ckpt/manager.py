@@ -77,6 +77,7 @@ class CheckpointManager:
         dist.barrier(group=self.group)
         self.writer = ShardWriter(root, rank=rank, group=self.group, direct_io=direct_io)
         self.last_step: int | None = None
+        self._refused: set[int] = set()  # steps load_latest refused: set aside if a save reaches one
         self._adopt_newest()
         self.last_stats: SaveStats | None = None
         self._thread: threading.Thread | None = None
@@ -105,6 +106,9 @@ class CheckpointManager:
         self.wait()
         if step == self.last_step:
             return self.last_stats or SaveStats(step, 0.0, 0, 0)
+        if step in self._refused:  # the same on every rank: load_latest agreed on what it refused
+            self._refused.discard(step)
+            self._set_aside([step])
         t0 = time.perf_counter()
         shards = local_shards(tensors)
         table = writers(shards, self.dims, pp_rank=self.coords.pp)
@@ -241,19 +245,19 @@ class CheckpointManager:
                     )
                 refused.append(step)
                 continue
-            self._set_aside(refused)
+            self._refused = set(refused)
             self.writer.adopt(index)
             self.last_step = step
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
-        self._set_aside(refused)
+        self._refused = set(refused)
         return None
 
     def _set_aside(self, steps: list[int]) -> None:
-        """Move refused checkpoints newer than the one loaded to ROOT/refused/ (rank 0; every rank waits).
+        """Move refused checkpoints to ROOT/refused/ (rank 0; every rank waits), when a save reaches their step.
 
-        Training goes on from an older step, so they belong to an abandoned timeline, and left in place the next
-        save of the same step would find it already committed (the fallback would dead-end there on every
-        restart). They are moved, never deleted: the operator may want to look at what went wrong."""
+        Training went on from an older step, so they belong to an abandoned timeline, and left in place this
+        save would find its step already committed (the fallback would dead-end there on every restart). They
+        are moved, never deleted: the operator may want to look at what went wrong. Loading never moves them."""
         if not steps:
             return
         if self.rank == 0:
