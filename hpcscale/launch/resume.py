@@ -246,7 +246,7 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     d = Diagnosis(None, "LOCAL", "", "", "attempts")
     if begins:
         b = begins[-1]
-        if b.get("host") == os.uname().nodename and _pid_alive(b.get("pid"), b.get("pid_start")):
+        if b.get("host") == os.uname().nodename and _still_running(b.get("pid"), b.get("pid_start")):
             d.active = True
             d.explanation = f"the local run is still going (rank 0 is pid {b.get('pid')})"
             return d
@@ -263,6 +263,19 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     else:
         d.explanation = "the last local run ended without a failure line or a stop"
     return d
+
+
+def _still_running(pid, start, settle_s: float = 10.0) -> bool:
+    """Whether rank 0 of the last local attempt still runs, after giving a rank that is just exiting a moment:
+    mpirun (and so `run --local`) may return once every rank has finalized, before the last has exited."""
+    import time
+
+    deadline = time.monotonic() + settle_s
+    while _pid_alive(pid, start):
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _pid_alive(pid, start) -> bool:
