@@ -42,7 +42,6 @@ RESUME_LOG = "resume.jsonl"
 _SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Exited with exit code \d+|Terminated)")
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
-_RANK_LINE = re.compile(r"hpcscale launch: rank (\d+) \(MPI rank (\d+)\) on node (\S+) failed: (.*)")
 
 
 @dataclass(slots=True)
@@ -162,6 +161,7 @@ def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
     with a reason of its own; a hang names the rank that stopped making progress) and the node of the first
     rank that failed for a reason of its own is blamed."""
     from hpcscale.launch.local import describe_failure
+    from hpcscale.launch.watchdog import FailureLine
 
     tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
     signalled = [m for m in tasks if m.group(3) in ("Killed", "Terminated")]
@@ -169,9 +169,9 @@ def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
         m = signalled[0]
         return f"MPI task {m.group(2)} on node {m.group(1)} was {m.group(3).lower()} (srun)", [m.group(1)]
     summary = describe_failure([line + "\n" for line in lines])
-    own = [m for line in lines if (m := _RANK_LINE.search(line)) and "after losing a peer" not in m.group(4)]
+    own = [f for line in lines if (f := FailureLine.parse(line)) and not f.peer_lost and f.node]
     if own:
-        return summary, [own[0].group(3)]
+        return summary, [own[0].node]
     failed = [m for m in tasks if m.group(3) != "Exited with exit code 75"]
     if failed and summary is None:
         m = failed[0]
@@ -251,15 +251,12 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
             d.explanation = f"the local run is still going (rank 0 is pid {b.get('pid')})"
             return d
     lines = _read_logs(rd, [Path(sub.script).name]) if sub.script else []
-    done = [line for line in lines if line.startswith("step ") and "loss" in line]
     stops = [e for e in events if e.get("event") == "stop" and begins and e.get("attempt") == begins[-1].get("attempt")]
     d.rank_failure = describe_failure([line + "\n" for line in lines])
     if stops:
         d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
     elif d.rank_failure:
         d.explanation = f"failed: {d.rank_failure}"
-    elif done and not any("error" in line.lower() for line in lines[-20:]):
-        d.explanation = "the last local run ended without a failure line"
     else:
         d.explanation = "the last local run ended without a failure line or a stop"
     return d
@@ -279,17 +276,8 @@ def _still_running(pid, start, settle_s: float = 10.0) -> bool:
 
 
 def _pid_alive(pid, start) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    if isinstance(start, int):
-        return run_lock.process_alive(pid, start)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """The process of a begin record (pid and start time, as the stage lock names its holder) still runs."""
+    return isinstance(pid, int) and pid > 0 and isinstance(start, int) and run_lock.process_alive(pid, start)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------

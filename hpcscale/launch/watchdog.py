@@ -113,6 +113,7 @@ class FailureLine:
     peer_lost: bool
     rank: int | None = None  # hpcscale (torch) rank; None when the rank failed before it had one ("?")
     hang: Hang | None = None  # what a watchdog's line says; None for any other failure
+    node: str | None = None  # the node the rank ran on
 
     @classmethod
     def parse(cls, line: str) -> FailureLine | None:
@@ -124,7 +125,8 @@ class FailureLine:
         rank = int(m.group(1)) if m and m.group(1).isdigit() else None
         h = _HANG.match(m.group(4)) if m else None
         hang = Hang(float(h.group(1)), int(h.group(2)), int(h.group(3))) if h else None
-        return cls(text, at.group(1) if at else None, bool(at and at.group(2)), rank, hang)
+        node = m.group(3) if m else None
+        return cls(text, at.group(1) if at else None, bool(at and at.group(2)), rank, hang, node)
 
 
 class HungRanks(NamedTuple):
