@@ -20,6 +20,7 @@ from hpcscale.config.site import SiteConfig
 from hpcscale.slurm.client import SLURM_COMMANDS, SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
+from hpcscale.util.slurmtime import parse_duration
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -96,6 +97,7 @@ def _slurm_checks(client: SlurmClient) -> list[CheckResult]:
         out.append(CheckResult("slurm controller", "fail", f"{e.tool_message or e}{conf_hint}", fix))
         out.append(CheckResult("slurm accounting", "skip", "needs the controller"))
         return out
+    out.append(_stop_check(client))
     try:
         out.append(CheckResult("slurm accounting", "ok", client.accounting()))
     except proc.CommandFailed as e:
@@ -109,6 +111,65 @@ def _slurm_checks(client: SlurmClient) -> list[CheckResult]:
             )
         )
     return out
+
+
+PREEMPT_STOP_MIN_S = 60  # below this, a preempted job's ranks seldom finish a step and a checkpoint save
+
+
+def _stop_check(client: SlurmClient) -> CheckResult:
+    """What the site gives a job to stop, checkpoint and requeue (docs/runbook.md, tuning)."""
+    try:
+        conf = client.config()
+    except proc.CommandFailed as e:
+        return CheckResult("slurm stop and requeue", "warn", e.tool_message or str(e), "check scontrol show config")
+    parts = client.show("partition")
+    return stop_check(conf, parts)
+
+
+def stop_check(conf: dict[str, str], partitions: list[dict[str, str]]) -> CheckResult:
+    """The check on `scontrol show config` and `scontrol show partition -o`'s records (a pure function)."""
+    name = "slurm stop and requeue"
+    kill_wait = _seconds(conf.get("KillWait", "30 sec"))
+    expire = next((p.split("=", 1)[1] for p in conf.get("AuthInfo", "").split(",") if p.startswith("cred_expire=")), "")
+    delay = f"a requeued job waits {expire or 120} s (AuthInfo cred_expire) before it can start again"
+    mode, kind = conf.get("PreemptMode", "OFF").upper(), conf.get("PreemptType", "preempt/none")
+    if kind == "preempt/none" or mode == "OFF":
+        return CheckResult(name, "ok", f"no preemption; scancel leaves the ranks KillWait={kill_wait} s; {delay}")
+    if "SUSPEND" in mode or "GANG" in mode:
+        return CheckResult(
+            name,
+            "warn",
+            f"PreemptMode={mode}: a preempted job is suspended (SIGSTOP), not signalled, so it writes no "
+            "checkpoint, and a collective in flight at the suspension may pass timeout_seconds once it resumes "
+            "(collective timeouts count wall-clock time; the hang watchdog does not count the suspension)",
+            "ask for PreemptMode=REQUEUE with a GraceTime, or raise timeout_seconds above the suspensions",
+        )
+    graces = {p.get("PartitionName", "?"): _seconds(p.get("GraceTime", "0")) for p in partitions}
+    short = {n: g + kill_wait for n, g in graces.items() if g + kill_wait < PREEMPT_STOP_MIN_S}
+    if short:
+        listed = ", ".join(f"{n} {t} s" for n, t in sorted(short.items()))
+        return CheckResult(
+            name,
+            "warn",
+            f"PreemptMode={mode}: a preempted job has GraceTime + KillWait from SIGTERM to SIGKILL to stop and "
+            f"checkpoint: {listed}; {delay}",
+            f"ask the site for a partition or QOS GraceTime of at least {PREEMPT_STOP_MIN_S} s (or a save's time)",
+        )
+    return CheckResult(
+        name,
+        "ok",
+        f"PreemptMode={mode}; every partition gives a preempted job at least "
+        f"{min(g + kill_wait for g in graces.values()) if graces else kill_wait} s to stop; {delay}",
+    )
+
+
+def _seconds(text: str) -> int:
+    """'30 sec', '00:01:00', '120' (seconds) as seconds; 0 when unreadable."""
+    text = text.strip().removesuffix("sec").strip()
+    try:
+        return int(text) if text.isdigit() else parse_duration(text)
+    except ValueError:
+        return 0
 
 
 def _mpi_launcher(site: SiteConfig | None) -> CheckResult:

@@ -38,6 +38,13 @@ CASES = [
     ),
     ("unknown-partition", "job", JOB + "partition: debgu  # <-\n", "partition", "did you mean 'debug'"),
     ("more-nodes-than-partition", "job", JOB + "nodes: 5  # <-\n", "nodes", "has 4"),
+    (
+        "grace-not-below-time-limit",
+        "job",
+        JOB + "time_limit: '00:02:00'\nsignals:\n  grace_seconds: 120  # <-\n",
+        "signals.grace_seconds",
+        "not shorter than the time limit",
+    ),
     ("gpus-over-partition", "job", JOB + "gpus_per_node: 1  # <-\n", "gpus_per_node", "has 0"),
     ("cores-over-node", "job", JOB + "tasks_per_node: 4\ncpus_per_task: 2  # <-\n", "cpus_per_task", "8 cores"),
     ("bad-time-limit", "job", JOB + "time_limit: '25:61:00'  # <-\n", "time_limit", "field over 59"),
@@ -185,3 +192,51 @@ def test_config_show_unknown_site_suggests():
     result = run_cli("config", "show", "localclustr")
     assert result.returncode == 2
     assert "did you mean 'localcluster'" in result.stderr
+
+
+def test_likely_mistakes_are_warned_with_file_line_and_key_and_exit_0(tmp_path: Path):
+    """A stop signal NCCL may take and a hang timeout the collective timeout beats: valid, so exit 0, but said."""
+    path = tmp_path / "job.yaml"
+    text = JOB + "train:\n  entry: builtin\nsignals:\n  signal: USR1  # <-\nhang_timeout_seconds: 400\n"
+    path.write_text(text)
+    result = run_cli("config", "validate", str(path))
+    assert result.returncode == 0, result.stderr
+    warns = [line for line in result.stderr.splitlines() if line.startswith("warn")]
+    assert any(f"{path}:{_expected_line(text)}: signals.signal: NCCL" in w for w in warns), result.stderr
+    assert any(f"{path}:7: hang_timeout_seconds: 400 s is not below timeout_seconds" in w for w in warns), warns
+    doc = run_cli("config", "validate", "--json", str(path))
+    import json
+
+    keys = [w["key"] for w in json.loads(doc.stdout)["files"][0]["warnings"]]
+    assert doc.returncode == 0 and keys == ["signals.signal", "hang_timeout_seconds"]
+    render = run_cli("render", str(path))
+    assert render.returncode == 0 and "warning: " in render.stderr and "signals.signal" in render.stderr
+
+
+def test_grace_time_is_held_against_what_an_earlier_run_measured(tmp_path: Path):
+    """`config validate --run-dir`: the slowest stop recorded in attempts.jsonl (signal to committed checkpoint),
+    or before any stop the longest step plus the longest save in metrics.jsonl, must fit grace_seconds twice."""
+    import json
+
+    path = tmp_path / "job.yaml"
+    text = JOB + "signals:\n  grace_seconds: 80  # <-\n"
+    path.write_text(text)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "job.yaml").write_text(text)
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in [{"step": 0, "step_time_s": 5.0}, {"checkpoint_blocking_s": 40.0}])
+        + "not json\n"
+    )
+    warned = run_cli("config", "validate", str(path), "--run-dir", str(run))
+    assert warned.returncode == 0, warned.stderr
+    line = f"{path}:{_expected_line(text)}: signals.grace_seconds: signals.grace_seconds is 80 s"
+    assert line in warned.stderr and "at least 91 s" in warned.stderr, warned.stderr
+    (run / "attempts.jsonl").write_text(json.dumps({"event": "stop", "attempt": 1, "stop_s": 20.5}) + "\n")
+    quiet = run_cli("config", "validate", str(path), "--run-dir", str(run))  # a stop measured: 41 s <= 80 s
+    assert quiet.returncode == 0 and "warn" not in quiet.stderr, quiet.stderr
+    (run / "attempts.jsonl").write_text(json.dumps({"event": "stop", "attempt": 1, "stop_s": 70}) + "\n")
+    again = run_cli("config", "validate", str(path), "--run-dir", str(run))
+    assert "slowest stop of this run took 70.0 s" in again.stderr and "at least 141 s" in again.stderr
+    not_a_run = run_cli("config", "validate", str(path), "--run-dir", str(tmp_path / "nothing"))
+    assert not_a_run.returncode == 2 and "not an hpcscale run directory" in not_a_run.stderr

@@ -25,6 +25,7 @@ def test_all_green_on_the_local_cluster(local_cluster):
         for name in [
             "slurm commands",
             "slurm controller",
+            "slurm stop and requeue",
             "slurm accounting",
             "mpi launcher",
             "mpi4py",
@@ -80,3 +81,23 @@ def test_stopped_controller_is_reported_with_a_fix(local_cluster):
         assert human.returncode == 1 and "FAIL" in human.stdout
     finally:
         subprocess.run([str(REPO / "scripts" / "localcluster"), "up"], check=True, capture_output=True, timeout=300)
+
+
+def test_stop_check_warns_where_a_site_leaves_no_time_to_checkpoint(local_cluster):
+    """The check's rules on the local cluster's real `scontrol show config` and partitions, with the preemption
+    settings a site may have: suspension (no signal at all) and a GraceTime too short for a save."""
+    from hpcscale.doctor import stop_check
+    from hpcscale.slurm.client import SlurmClient
+
+    client = SlurmClient(conf=local_cluster["SLURM_CONF"])
+    conf, parts = client.config(), client.show("partition")
+    assert parts and all("GraceTime" in p for p in parts)
+    plain = stop_check(conf, parts)
+    assert plain.status == "ok" and "KillWait=5 s" in plain.detail and "waits 10 s" in plain.detail
+    preempting = {**conf, "PreemptType": "preempt/partition_prio"}
+    suspend = stop_check({**preempting, "PreemptMode": "SUSPEND,GANG"}, parts)
+    assert suspend.status == "warn" and "not signalled" in suspend.detail and suspend.fix
+    short = stop_check({**preempting, "PreemptMode": "REQUEUE"}, parts)  # GraceTime=0 + KillWait 5 s
+    assert short.status == "warn" and "debug 5 s" in short.detail and "GraceTime" in short.fix
+    long = stop_check({**preempting, "PreemptMode": "REQUEUE"}, [{**p, "GraceTime": "300"} for p in parts])
+    assert long.status == "ok" and "at least 305 s" in long.detail

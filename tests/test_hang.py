@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_cli
 from trainjobs import job_spec, losses
 
 from hpcscale.launch.local import describe_failure
@@ -68,8 +68,8 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, ti
     raise AssertionError(f"fewer than {n} steps after {timeout}s:\n{out.read_text()[-3000:]}")
 
 
-def test_a_stopped_rank_is_named_and_the_live_ranks_dump_their_stacks(mpi, tmp_path):
-    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=100000, log_every=50)
+def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_continues(mpi, tmp_path):
+    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=200, log_every=50, checkpoint={"every_steps": 5})
     spec = yaml.safe_load(job.read_text())
     spec |= {"hang_timeout_seconds": HANG_S, "timeout_seconds": COLLECTIVE_S}
     job.write_text(yaml.safe_dump(spec))
@@ -82,7 +82,7 @@ def test_a_stopped_rank_is_named_and_the_live_ranks_dump_their_stacks(mpi, tmp_p
             cwd=REPO,
         )
     try:
-        _wait_for_steps(run_dir, 5, proc, out)
+        _wait_for_steps(run_dir, 6, proc, out)  # past the first checkpoint
         ranks = _rank_pids(run_dir)
         assert sorted(ranks) == [0, 1, 2, 3], ranks
         stopped_at = time.monotonic()
@@ -121,6 +121,14 @@ def test_a_stopped_rank_is_named_and_the_live_ranks_dump_their_stacks(mpi, tmp_p
     # faulthandler's dump: the training thread waits in a collective (the trainer's own frames), the watchdog runs
     assert logged.count("Current thread 0x") >= 3 and "Thread 0x" in logged
     assert 'File "' in logged and "hpcscale/train/trainer.py" in logged and "in train" in logged
+    # `resume` explains the hang, takes the newest checkpoint and finishes the run as if nothing happened
+    resumed = run_cli("resume", str(run_dir), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "last job: failed: rank 2 stopped making progress" in resumed.stdout, resumed.stdout[:2000]
+    ref = run_cli("run", str(job), "--local", "--run-dir", str(tmp_path / "ref"), timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    want, got = losses(tmp_path / "ref"), losses(run_dir)
+    assert sorted(got) == list(range(200)) and got == want
 
 
 # The timeout rule, on a real thread with tiny times: on_hang records instead of ending the process.

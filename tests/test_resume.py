@@ -362,3 +362,32 @@ def test_damaged_newest_checkpoint_resume_falls_back_and_trains_past_it(mpi, tmp
         assert r["loss"] == want[r["step"]], r
     finished = run_cli("resume", str(run))
     assert finished.returncode == 2 and "finished" in finished.stderr
+
+
+def test_rank_failure_names_the_cause_not_the_ranks_srun_ended_after_it():
+    """What `resume` blames, on lines as the ranks and srun write them: a rank's own failure beats srun's
+    "Terminated" for the survivors it ends; a hang blames the stuck rank's node (from the line it writes once
+    continued); a task killed without a word (kill -9, the OOM killer) blames its node."""
+    from hpcscale.launch.main import failure_line
+    from hpcscale.launch.resume import rank_failure
+    from hpcscale.launch.watchdog import hang_line, stall_text
+
+    crash = [
+        failure_line(ValueError("bad batch"), rank="0", mpi_rank=0, node="n1"),
+        "srun: error: n2: tasks 2-3: Terminated",
+        "srun: error: n1: task 0: Exited with exit code 1",
+        failure_line(RuntimeError("Connection closed by peer"), rank="1", mpi_rank=1, node="n1"),
+    ]
+    summary, blamed = rank_failure(crash)
+    assert blamed == ["n1"] and "rank 0" in summary and "bad batch" in summary, summary
+    killed = [
+        failure_line(RuntimeError("Connection reset by peer"), rank="0", mpi_rank=0, node="n1"),
+        "srun: error: n2: task 1: Terminated",
+        "srun: error: n3: task 2: Killed",
+    ]
+    summary, blamed = rank_failure(killed)
+    assert blamed == ["n3"] and summary == "MPI task 2 on node n3 was killed (srun)"
+    hang = [hang_line(rank=r, mpi_rank=r, node=f"n{r + 1}", seconds=130, last_step=41, world_size=4) for r in (0, 1, 3)]
+    hang += ["hpcscale launch: rank 2 (MPI rank 2) on node n3" + stall_text(140.0), "srun: error: n1: task 0: Killed"]
+    summary, blamed = rank_failure(hang)
+    assert blamed == ["n3"] and "rank 2 stopped making progress" in summary, summary

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -23,20 +24,29 @@ def config() -> None:
     help="Treat every file as this kind (default: read it off the file's keys).",
 )
 @click.option("--site", default=None, metavar="SITE", help="Validate job specs against this site instead of theirs.")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    metavar="RUN",
+    help="An earlier run of the job: warn when signals.grace_seconds is short of the stops and saves it measured.",
+)
 @json_option
-def validate(files: tuple[str, ...], kind: str | None, site: str | None, as_json: bool) -> None:
+def validate(files: tuple[str, ...], kind: str | None, site: str | None, run_dir: Path | None, as_json: bool) -> None:
     """Validate site configs and job specs; every problem is printed as FILE:LINE: KEY: MESSAGE.
 
     \b
     Examples:
       hpcscale config validate site_configs/*.yaml
       hpcscale config validate job.yaml --site localcluster
+      hpcscale config validate job.yaml --run-dir /scratch/me/runs/exp1   # grace time vs measured saves
 
-    Exits 2 if any file is invalid.
+    Warnings (valid but likely wrong: a stop signal NCCL may take, a hang timeout above the collective
+    timeout) are printed and do not change the exit code. Exits 2 if any file is invalid.
     """
     from hpcscale.config.validate import validate_files
 
-    results = validate_files(files, kind=kind, site=site)
+    results = validate_files(files, kind=kind, site=site, run_dir=run_dir)
     if as_json:
         print_json({"ok": all(r.ok for r in results), "files": [r.to_json() for r in results]})
     else:
@@ -46,6 +56,8 @@ def validate(files: tuple[str, ...], kind: str | None, site: str | None, as_json
                 out.print(f"[green]ok[/green]   {r.file} ({r.kind} '{r.name}')")
             for issue in r.issues:
                 err.print(f"[red]error[/red] {issue}", markup=True, soft_wrap=True)
+            for issue in r.warnings:
+                err.print(f"[yellow]warn[/yellow]  {issue}", markup=True, soft_wrap=True)
     sys.exit(0 if all(r.ok for r in results) else 2)
 
 

@@ -28,3 +28,13 @@ def console(stderr: bool = False):
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False)
+
+
+def load_job_warning(job: str, site: str | None):
+    """load_job, with its warnings (valid but likely wrong) printed to stderr first."""
+    from hpcscale.config.load import load_job
+
+    loaded = load_job(job, site=site)
+    for issue in loaded.warnings:
+        click.echo(f"warning: {issue}", err=True)
+    return loaded

@@ -101,6 +101,8 @@ def _show(plan) -> None:
     click.echo(f"last job: {d.explanation}")
     for r in plan.refused:
         click.echo(f"refused checkpoint step {r['step']}: {r['problem']}")
+    for w in plan.warnings:
+        click.echo(f"warning: {w}", err=True)
     click.echo(
         f"resume from: checkpoint step {plan.checkpoint}" if plan.checkpoint is not None else "resume from: the start"
     )

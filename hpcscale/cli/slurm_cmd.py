@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from hpcscale.cli.options import console, dry_run_option, json_option, print_json, site_option
+from hpcscale.cli.options import console, dry_run_option, json_option, load_job_warning, print_json, site_option
 
 job_argument = click.argument("job", type=click.Path(dir_okay=False))
 run_dir_option = click.option(
@@ -34,10 +34,9 @@ def render(job: str, site: str | None, template: str | None, run_dir: Path | Non
       hpcscale render job.yaml
       hpcscale render job.yaml --site localcluster --template container > job.sbatch
     """
-    from hpcscale.config.load import load_job
     from hpcscale.slurm.submit import render_job
 
-    text = render_job(load_job(job, site=site), run_dir=run_dir, template=template)
+    text = render_job(load_job_warning(job, site), run_dir=run_dir, template=template)
     if sys.stdout.isatty():
         from rich.syntax import Syntax
 
@@ -67,10 +66,9 @@ def submit(
 
     Slurm's refusal is printed verbatim (exit 1).
     """
-    from hpcscale.config.load import load_job
     from hpcscale.slurm.submit import submit_job
 
-    r = submit_job(load_job(job, site=site), run_dir=run_dir, template=template, dry_run=dry_run, reuse=reuse)
+    r = submit_job(load_job_warning(job, site), run_dir=run_dir, template=template, dry_run=dry_run, reuse=reuse)
     if as_json:
         print_json(
             {

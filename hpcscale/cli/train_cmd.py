@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from hpcscale.cli.options import json_option, print_json, site_option
+from hpcscale.cli.options import json_option, load_job_warning, print_json, site_option
 from hpcscale.errors import STOPPED_EXIT_CODE
 
 
@@ -60,11 +60,10 @@ def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, reuse: b
 
     Exit codes: 0 done, 75 stopped on request, 1 a rank failed (named in the message).
     """
-    from hpcscale.config.load import load_job
     from hpcscale.launch.local import run_local
 
     result = run_local(
-        load_job(job, site=site),
+        load_job_warning(job, site),
         ranks=ranks,
         run_dir=run_dir,
         reuse=reuse,

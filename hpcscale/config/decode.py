@@ -22,6 +22,10 @@ class Decoder:
     def __init__(self, src: YamlSource):
         self.src = src
         self.issues: list[ConfigIssue] = []
+        self.warnings: list[ConfigIssue] = []  # valid but likely wrong: printed, never fatal
+
+    def warn(self, path: KeyPath, message: str) -> None:
+        self.warnings.append(ConfigIssue(self.src.file, self.src.line_of(path), format_path(path), message))
 
     def error(self, path: KeyPath, message: str) -> None:
         self.issues.append(ConfigIssue(self.src.file, self.src.line_of(path), format_path(path), message))

@@ -32,6 +32,7 @@ class LoadedJob:
     spec: JobSpec
     path: Path
     site: LoadedSite
+    warnings: tuple[ConfigIssue, ...] = ()  # valid but likely wrong (config validate and submit print them)
 
 
 def site_search_path() -> list[Path]:
@@ -112,7 +113,7 @@ def load_job(path: str | Path, *, site: str | None = None) -> LoadedJob:
         loaded_site = load_site(found)
     check_job(spec, loaded_site.config, dec)
     dec.raise_if_any()
-    return LoadedJob(spec, p, loaded_site)
+    return LoadedJob(spec, p, loaded_site, tuple(dec.warnings))
 
 
 def detect_kind(src: YamlSource) -> str:
@@ -180,6 +181,7 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
     if spec.train is not None and spec.train.entry == "builtin" and all(p.key != "parallel" for p in problems):
         dims = ParallelDims.for_world(world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp)
         _check_train_params(spec, dec, dims=dims)
+    _check_stopping(spec, site, dec)
     if site.scheduler == "local":
         if spec.nodes != 1:
             dec.error(("nodes",), f"site '{site.name}' is this machine only: nodes must be 1")
@@ -210,6 +212,29 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         )
     if part.max_time is not None and parse_duration(spec.time_limit) > parse_duration(part.max_time):
         dec.error(("time_limit",), f"{spec.time_limit} is over {where}'s limit of {part.max_time}")
+
+
+def _check_stopping(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
+    """The stop signal and the timeouts: the mistakes a spec can make about them (docs/runbook.md, tuning)."""
+    trainer = spec.command is None
+    if site.scheduler == "slurm" and spec.signals.grace_seconds >= parse_duration(spec.time_limit):
+        dec.error(
+            ("signals", "grace_seconds"),
+            f"{spec.signals.grace_seconds} s is not shorter than the time limit ({spec.time_limit}): the stop "
+            "signal would come as the job starts",
+        )
+    if trainer and spec.signals.signal == "USR1":
+        dec.warn(
+            ("signals", "signal"),
+            "NCCL and UCX may install their own SIGUSR1 handler, which takes the stop signal from the ranks; "
+            "USR2 (the default) is free",
+        )
+    if trainer and spec.hang_timeout_seconds >= spec.timeout_seconds:
+        dec.warn(
+            ("hang_timeout_seconds",),
+            f"{spec.hang_timeout_seconds} s is not below timeout_seconds ({spec.timeout_seconds} s): a hung "
+            "collective times out first, without naming the stuck rank or writing the stacks",
+        )
 
 
 def _check_train_params(spec: JobSpec, dec: Decoder, *, dims: ParallelDims) -> None:

@@ -20,6 +20,7 @@ class FileResult:
     kind: Kind | None
     name: str | None = None
     issues: list[ConfigIssue] = field(default_factory=list)
+    warnings: list[ConfigIssue] = field(default_factory=list)  # valid but likely wrong: never fatal
 
     @property
     def ok(self) -> bool:
@@ -31,14 +32,20 @@ class FileResult:
             "kind": self.kind,
             "name": self.name,
             "ok": self.ok,
-            "issues": [{"file": i.file, "line": i.line, "key": i.key, "message": i.message} for i in self.issues],
+            "issues": [_issue_json(i) for i in self.issues],
+            "warnings": [_issue_json(i) for i in self.warnings],
         }
 
 
+def _issue_json(i: ConfigIssue) -> dict:
+    return {"file": i.file, "line": i.line, "key": i.key, "message": i.message}
+
+
 def validate_files(
-    paths: Iterable[str | Path], *, kind: Kind | None = None, site: str | None = None
+    paths: Iterable[str | Path], *, kind: Kind | None = None, site: str | None = None, run_dir: Path | None = None
 ) -> list[FileResult]:
-    """One FileResult per path. `kind` forces site/job; otherwise it is read off the file's keys."""
+    """One FileResult per path. `kind` forces site/job; otherwise it is read off the file's keys. With `run_dir`
+    (an earlier run of the job), each job spec's grace time is held against the stops and saves it measured."""
     results = []
     for path in paths:
         result = FileResult(str(path), kind)
@@ -48,8 +55,20 @@ def validate_files(
             if result.kind == "site":
                 result.name = parse_site(src).name
             else:
-                result.name = load_job(path, site=site).spec.name
+                loaded = load_job(path, site=site)
+                result.name, result.warnings = loaded.spec.name, list(loaded.warnings)
+                if run_dir is not None:
+                    result.warnings += _measured(src, loaded.spec.signals.grace_seconds, run_dir)
         except ConfigError as e:
             result.issues = e.issues
         results.append(result)
     return results
+
+
+def _measured(src, grace_s: int, run_dir: Path) -> list[ConfigIssue]:
+    from hpcscale.launch.requeue import grace_advice
+    from hpcscale.rundir import RunDir
+
+    advice = grace_advice(RunDir.open(run_dir), grace_s)
+    key = ("signals", "grace_seconds")
+    return [ConfigIssue(src.file, src.line_of(key), "signals.grace_seconds", advice)] if advice else []

@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -268,7 +269,9 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         resolve_entry(spec.train.entry)(ctx)
     except StopRequested as e:
         if info.rank == 0:  # the batch script's requeue decision reads it (hpcscale.launch.requeue)
-            _attempt_event(work_dir, "stop", attempt, signal=_signal_name(stop.signal), step=_stop_step(e))
+            # stop_s: from the signal to the committed checkpoint, what the stop took of the grace time
+            took = None if stop.at is None else round(time.monotonic() - stop.at, 2)
+            _attempt_event(work_dir, "stop", attempt, signal=_signal_name(stop.signal), step=_stop_step(e), stop_s=took)
         # Every rank agreed on this step (Context.should_stop). They leave together, after rank 0 recorded the
         # stop: srun --kill-on-bad-exit takes the first exit 75 for a failure and kills the ranks still
         # running, rank 0 perhaps before its record. A bounded wait: a rank stopped alone must not hang here.

@@ -25,6 +25,7 @@ can read and verify (hpcscale.ckpt.manager.load_latest). SLURM_RESTART_COUNT is 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
@@ -116,8 +117,7 @@ def _job_now(client: SlurmClient, job_id: str) -> tuple[float | None, bool]:
     """(seconds until the job's time limit or None, whether Slurm already ended it: scancel, a node failure),
     from scontrol. A job Slurm ended is COMPLETING (or CANCELLED) while its batch script still runs, with its
     EndTime moved to that moment, before StartTime + TimeLimit; at the time limit itself EndTime stays there."""
-    out = client.run("scontrol", "show", "job", "-o", job_id, check=False, timeout=30)
-    kv = dict(part.split("=", 1) for part in out.stdout.split() if "=" in part)
+    kv = next(iter(client.show("job", job_id)), {})
     left, ended = None, False
     with contextlib.suppress(ValueError, KeyError):
         end = datetime.fromisoformat(kv["EndTime"])
@@ -126,6 +126,53 @@ def _job_now(client: SlurmClient, job_id: str) -> tuple[float | None, bool]:
             limit = parse_duration(kv["TimeLimit"])
             ended = end < datetime.fromisoformat(kv["StartTime"]) + timedelta(seconds=limit - 1)
     return left, ended
+
+
+GRACE_MARGIN = 2.0  # a stop must fit grace_seconds this many times over: saves slow down on a busy file system
+
+
+def grace_advice(rd: RunDir, grace_s: int) -> str | None:
+    """A warning when grace_seconds leaves less than GRACE_MARGIN× what this run measured a stop to take.
+
+    The measure: the slowest `stop_s` of RUN/attempts.jsonl (a stop signal to its committed checkpoint, taken by
+    rank 0); before any stop, the longest step plus the longest checkpoint save in RUN/metrics.jsonl.
+    """
+    took: float | None = None
+    stops = [e.get("stop_s") for e in rd.attempt_events() if e.get("event") == "stop"]
+    stops = [t for t in stops if isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0]
+    if stops:
+        took = max(stops)
+        how = f"the slowest stop of this run took {took:.1f} s from the signal to its committed checkpoint"
+    else:
+        step_s = save_s = 0.0
+        for row in _tail_rows(rd.metrics):
+            step_s = max(step_s, _number(row.get("step_time_s")))
+            save_s = max(save_s, _number(row.get("checkpoint_blocking_s")))
+        if save_s:
+            took = step_s + save_s
+            how = f"this run measured steps of up to {step_s:.1f} s and checkpoint saves of up to {save_s:.1f} s"
+    if took is None or took * GRACE_MARGIN <= grace_s:
+        return None
+    want = int(took * GRACE_MARGIN) + 1
+    return f"signals.grace_seconds is {grace_s} s but {how}: give it at least {want} s"
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _tail_rows(path: Path, limit: int = 8 << 20) -> list[dict]:
+    """The JSON objects among the last `limit` bytes of a JSON-lines file (a long run's metrics are large)."""
+    rows = []
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - limit))
+        for line in f.read().splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict):
+                    rows.append(row)
+    return rows
 
 
 def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = None, say=print) -> Decision:
@@ -158,6 +205,8 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
         }
     )
     say(f"hpcscale: attempt {decision.attempt} ended: {cause} (exit {exit_code}); {decision.why}")
+    if cause in ("time_limit", "preempted") and (advice := grace_advice(rd, spec.signals.grace_seconds)):
+        say(f"hpcscale: warning: {advice}")
     if decision.requeue and job_id:
         if decision.backoff_s:
             # From inside the job, this is the one backoff that holds: a requeued job's start time is set by

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
+from hpcscale.launch.requeue import grace_advice
 from hpcscale.portable import lock as run_lock
 from hpcscale.portable.errors import StageError
 from hpcscale.rundir import LOGS, RESUME_STATE, RunDir, Submission, append_json_line
@@ -70,6 +71,7 @@ class Plan:
     nodes: int
     submitted: str | None = None  # the new job id
     dry_run: bool = False
+    warnings: list[str] = field(default_factory=list)  # what to tune before it happens again
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -93,10 +95,8 @@ def _sacct_rows(client: SlurmClient, job_id: str) -> list[dict]:
 
 
 def _scontrol_row(client: SlurmClient, job_id: str) -> list[dict]:
-    out = client.run("scontrol", "show", "job", "-o", job_id, check=False, timeout=30)
     rows = []
-    for line in out.stdout.splitlines():
-        kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
+    for kv in client.show("job", job_id):
         rows.append(
             {
                 "JobID": kv.get("JobId", job_id),
@@ -156,22 +156,27 @@ def _last_attempt(lines: list[str]) -> list[str]:
 def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
     """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines.
 
-    A task srun saw killed without a word (OOM killer, kill -9, its node gone) is the cause, and its node is
-    blamed; otherwise the ranks' own failure lines decide (hpcscale.launch.local.describe_failure: the first
-    with a reason of its own; a hang names the rank that stopped making progress) and the node of the first
-    rank that failed for a reason of its own is blamed."""
+    The ranks' own failure lines come first (hpcscale.launch.local.describe_failure): the first rank that failed
+    for a reason of its own is named and its node blamed (srun then terminates the others: that blames nobody).
+    Then a hang: the rank that stopped making progress, and its node from the line it writes once continued.
+    Otherwise a task srun saw killed without a word (the OOM killer, kill -9, its node gone) is the cause, and
+    its node is blamed."""
     from hpcscale.launch.local import describe_failure
-    from hpcscale.launch.watchdog import FailureLine
+    from hpcscale.launch.watchdog import FailureLine, hung_ranks, stalled_nodes
 
     tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
-    signalled = [m for m in tasks if m.group(3) in ("Killed", "Terminated")]
-    if signalled:
+    summary = describe_failure([line + "\n" for line in lines])
+    own = [f for line in lines if (f := FailureLine.parse(line)) and not f.peer_lost and not f.hang and f.node]
+    if own:  # srun terminates the others after a rank's own failure: their "Terminated" blames nobody
+        return summary, [own[0].node]
+    hung = hung_ranks(lines)
+    if hung is not None and hung.stuck:  # the stuck rank's node, from its own line once it was continued
+        where = stalled_nodes(lines)
+        return summary, list(dict.fromkeys(where[r] for r in hung.stuck if r in where))
+    signalled = [m for m in tasks if m.group(3) == "Killed"] or [m for m in tasks if m.group(3) == "Terminated"]
+    if signalled:  # killed without a word: the OOM killer, kill -9, its node gone
         m = signalled[0]
         return f"MPI task {m.group(2)} on node {m.group(1)} was {m.group(3).lower()} (srun)", [m.group(1)]
-    summary = describe_failure([line + "\n" for line in lines])
-    own = [f for line in lines if (f := FailureLine.parse(line)) and not f.peer_lost and f.node]
-    if own:
-        return summary, [own[0].node]
     failed = [m for m in tasks if m.group(3) != "Exited with exit code 75"]
     if failed and summary is None:
         m = failed[0]
@@ -364,6 +369,8 @@ def plan_resume(
     if local and nodes:
         raise BadInput("--nodes: a local run has one node; change the ranks with `hpcscale run --local -n`")
     plan = Plan(str(rd.path), "local" if local else "slurm", diag, step, refused, sorted(exclude), n)
+    if not local and (advice := grace_advice(rd, spec.signals.grace_seconds)):
+        plan.warnings.append(advice)
     if n != spec.nodes:
         loaded = _resized(loaded, n)
     return plan, loaded

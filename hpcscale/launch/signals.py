@@ -58,6 +58,7 @@ class StopRequested(Exception):
 class StopFlag:
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.at: float | None = None  # time.monotonic() of the first stop signal: how much grace a stop used
 
     @property
     def requested(self) -> bool:
@@ -70,6 +71,8 @@ class StopFlag:
 
     def _handle(self, signum, _frame) -> None:
         self.signal = signum
+        if self.at is None:
+            self.at = time.monotonic()
 
 
 _EXITED = object()

@@ -75,7 +75,8 @@ _FAILURE = re.compile(r"^hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on nod
 _FAILED_AT = re.compile(r" \[at (\S+?)(, after losing a peer)?\]\s*$")
 _HANG = re.compile(r"^Hang: no step finished in ([\d.]+) s \(last finished step (-?\d+); world (\d+)\)")
 _STALL = re.compile(
-    r"^hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node \S+ was not running for ([\d.]+) s .*\[at (\S+)\]\s*$"
+    r"^hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for [\d.]+ s "
+    r".*\[at (?P<at>\S+)\]\s*$"
 )
 
 
@@ -161,10 +162,15 @@ def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
     stalled = {
         int(m.group(1))
         for line in lines
-        if (m := _STALL.match(line.strip())) and (first_hang is None or m.group(3) >= first_hang)
+        if (m := _STALL.match(line.strip())) and (first_hang is None or m.group("at") >= first_hang)
     }
     stuck = (set(range(world)) - waiting) | stalled
     return HungRanks(sorted(stuck), world, min(f.hang.seconds for f in hangs))
+
+
+def stalled_nodes(lines: Iterable[str]) -> dict[int, str]:
+    """rank -> node of every rank that says it was not running (SIGSTOPped, then continued to be killed)."""
+    return {int(m.group(1)): m.group("node") for line in lines if (m := _STALL.match(line.strip()))}
 
 
 def _exit_now() -> None:

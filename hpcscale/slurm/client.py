@@ -32,6 +32,19 @@ class SlurmClient:
     def run(self, *args: str, timeout: float = 30, check: bool = True) -> proc.Completed:
         return proc.run(args, env=self.env, timeout=timeout, check=check)
 
+    def show(self, kind: str, name: str = "", *, timeout: float = 30) -> list[dict[str, str]]:
+        """`scontrol show KIND [NAME] -o`, one dict of KEY=VALUE per record; [] when scontrol knows none.
+
+        Values are split at whitespace, so a value with a space in it (a Reason, a path) is cut at the space."""
+        out = self.run("scontrol", "show", kind, "-o", *([name] if name else []), check=False, timeout=timeout)
+        return [dict(p.split("=", 1) for p in line.split() if "=" in p) for line in out.stdout.splitlines() if line]
+
+    def config(self, *, timeout: float = 30) -> dict[str, str]:
+        """`scontrol show config` as KEY -> VALUE; CommandFailed when no controller answers."""
+        out = self.run("scontrol", "show", "config", timeout=timeout)
+        pairs = (line.split(" = ", 1) for line in out.stdout.splitlines() if " = " in line)
+        return {k.strip(): v.strip() for k, v in pairs}
+
     def ping(self) -> str:
         """scontrol ping's answer; CommandFailed when no controller answers."""
         out = self.run("scontrol", "ping", check=False, timeout=20)

@@ -127,10 +127,8 @@ def _sacct(client: SlurmClient, ids: list[str]) -> dict[str, list[JobState]]:
 
 
 def _scontrol(client: SlurmClient, job_id: str) -> list[JobState]:
-    out = client.run("scontrol", "show", "job", "-o", job_id, check=False)
     jobs = []
-    for line in out.stdout.splitlines():
-        kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
+    for kv in client.show("job", job_id):
         jobs.append(
             JobState(
                 kv.get("JobId", job_id),
