@@ -3,6 +3,7 @@ copies the overlap into place; the saved layout and the loading layout may diffe
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord, open_data_file
 from hpcscale.ckpt.integrity import DTYPE_SIZES
 from hpcscale.ckpt.shards import LocalShard
 from hpcscale.errors import VerificationFailure
+
+RUN_BYTES = 16 << 20  # adjacent chunks read with one preadv, up to about this many bytes...
+RUN_CHUNKS = 512  # ...and this many buffers (below IOV_MAX, 1024 on Linux)
 
 
 class ChunkReader:
@@ -39,18 +43,34 @@ class ChunkReader:
         return fd
 
     def read(self, tensor: str, ref, out: memoryview) -> None:
-        fd = self._fd(tensor, ref)
-        got = os.preadv(fd, [out], ref.offset)
+        self.read_run([(tensor, ref, out)])
+
+    def advise(self, tensor: str, ref, length: int) -> None:
+        """Ask the kernel to start reading `length` bytes at `ref` (POSIX_FADV_WILLNEED) and return at once."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self._fd(tensor, ref), ref.offset, length, os.POSIX_FADV_WILLNEED)
+
+    def read_run(self, run: list[tuple[str, ChunkRef, memoryview]]) -> None:
+        """Read chunks that lie back to back in one file with one preadv, then verify each.
+
+        Small tensors make small chunks; one read per chunk left a cold load at about half the speed of a plain
+        sequential read of the same bytes (the device saw requests of a chunk's size), so runs of adjacent
+        chunks are read together, up to RUN_BYTES at a time."""
+        tensor, first, _ = run[0]
+        fd = self._fd(tensor, first)
+        got = os.preadv(fd, [out for _, _, out in run], first.offset)
         self.bytes_read += got
-        if got != ref.length:
-            raise VerificationFailure(
-                f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: "
-                f"file truncated ({got} of {ref.length} bytes)"
-            )
-        if xxhash.xxh3_128_hexdigest(out) != ref.hash:
-            raise VerificationFailure(
-                f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: hash mismatch (corrupt data)"
-            )
+        for tensor, ref, out in run:
+            have = max(0, min(ref.length, got - (ref.offset - first.offset)))
+            if have != ref.length:
+                raise VerificationFailure(
+                    f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: "
+                    f"file truncated ({have} of {ref.length} bytes)"
+                )
+            if xxhash.xxh3_128_hexdigest(out) != ref.hash:
+                raise VerificationFailure(
+                    f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: hash mismatch (corrupt data)"
+                )
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -173,16 +193,33 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
     reads.sort(key=lambda r: (r[1].file, r[1].offset))
     reader = ChunkReader(root)
     try:
-        for i in range(len(reads)):
-            (name, ref, out, k), reads[i] = reads[i], None  # a read done holds no shard buffer any longer
-            reader.read(name, ref, out)
-            if k >= 0:
-                piece = partial[k]
-                piece[2] -= 1
-                if piece[2] == 0:
-                    with torch.no_grad():
-                        piece[0].copy_(piece[1].to(piece[0].dtype))
-                    partial[k] = None  # the shard's buffer goes with it
+        runs: list[tuple[int, int, int]] = []  # [i, j, bytes): chunks back to back in one file
+        i = 0
+        while i < len(reads):
+            j, size = i + 1, reads[i][1].length
+            while j < len(reads) and j - i < RUN_CHUNKS and size < RUN_BYTES:
+                prev, ref = reads[j - 1][1], reads[j][1]
+                if ref.file != prev.file or ref.offset != prev.offset + prev.length:
+                    break
+                size += ref.length
+                j += 1
+            runs.append((i, j, size))
+            i = j
+        for n, (i, j, _) in enumerate(runs):
+            if n + 1 < len(runs):  # the device reads the next run while this one is hashed and copied
+                a, _, size = runs[n + 1]
+                reader.advise(reads[a][0], reads[a][1], size)
+            run = reads[i:j]
+            reads[i:j] = [None] * (j - i)  # a read done holds no shard buffer any longer
+            reader.read_run([(name, ref, out) for name, ref, out, _ in run])
+            for _, _, _, k in run:
+                if k >= 0:
+                    piece = partial[k]
+                    piece[2] -= 1
+                    if piece[2] == 0:
+                        with torch.no_grad():
+                            piece[0].copy_(piece[1].to(piece[0].dtype))
+                        partial[k] = None  # the shard's buffer goes with it
         return reader.bytes_read
     finally:
         reader.close()

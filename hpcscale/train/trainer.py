@@ -174,6 +174,8 @@ def train(ctx: Context) -> None:
     )
     ctx.hooks["checkpoint"] = ckpt
     start = 0
+    # restore_s is the load alone: the ranks meet first, so one still starting up (cold imports) is not in it
+    dist.barrier()
     t_restore = time.perf_counter()
     restored = ckpt.load_latest(state_tensors(model, opt), check_state=trainer_state_problem)
     if restored is not None:
