@@ -46,7 +46,9 @@ def validate(files: tuple[str, ...], kind: str | None, site: str | None, run_dir
     """
     from hpcscale.config.validate import validate_files
 
-    results = validate_files(files, kind=kind, site=site, run_dir=run_dir)
+    results = validate_files(files, kind=kind, site=site)
+    if run_dir is not None:
+        _grace_against(results, run_dir)
     if as_json:
         print_json({"ok": all(r.ok for r in results), "files": [r.to_json() for r in results]})
     else:
@@ -59,6 +61,19 @@ def validate(files: tuple[str, ...], kind: str | None, site: str | None, run_dir
             for issue in r.warnings:
                 err.print(f"[yellow]warn[/yellow]  {issue}", markup=True, soft_wrap=True)
     sys.exit(0 if all(r.ok for r in results) else 2)
+
+
+def _grace_against(results, run_dir: Path) -> None:
+    """Hold each valid job spec's grace time against the stops and saves an earlier run measured."""
+    from hpcscale.config.errors import ConfigIssue
+    from hpcscale.launch.requeue import grace_advice
+    from hpcscale.rundir import RunDir
+
+    rd = RunDir.open(run_dir)
+    key = ("signals", "grace_seconds")
+    for r in results:
+        if r.spec is not None and (advice := grace_advice(rd, r.spec.signals.grace_seconds)):
+            r.warnings.append(ConfigIssue(r.source.file, r.source.line_of(key), "signals.grace_seconds", advice))
 
 
 @config.command()

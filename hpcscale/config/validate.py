@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Literal
 
 from hpcscale.config.errors import ConfigError, ConfigIssue
+from hpcscale.config.job import JobSpec
 from hpcscale.config.load import detect_kind, load_job, parse_site
-from hpcscale.config.yamlsrc import load_yaml
+from hpcscale.config.yamlsrc import YamlSource, load_yaml
 
 Kind = Literal["site", "job"]
 
@@ -21,6 +22,8 @@ class FileResult:
     name: str | None = None
     issues: list[ConfigIssue] = field(default_factory=list)
     warnings: list[ConfigIssue] = field(default_factory=list)  # valid but likely wrong: never fatal
+    spec: JobSpec | None = None  # a valid job spec, and the YAML it came from (line numbers for later checks)
+    source: YamlSource | None = None
 
     @property
     def ok(self) -> bool:
@@ -42,10 +45,9 @@ def _issue_json(i: ConfigIssue) -> dict:
 
 
 def validate_files(
-    paths: Iterable[str | Path], *, kind: Kind | None = None, site: str | None = None, run_dir: Path | None = None
+    paths: Iterable[str | Path], *, kind: Kind | None = None, site: str | None = None
 ) -> list[FileResult]:
-    """One FileResult per path. `kind` forces site/job; otherwise it is read off the file's keys. With `run_dir`
-    (an earlier run of the job), each job spec's grace time is held against the stops and saves it measured."""
+    """One FileResult per path. `kind` forces site/job; otherwise it is read off the file's keys."""
     results = []
     for path in paths:
         result = FileResult(str(path), kind)
@@ -57,18 +59,8 @@ def validate_files(
             else:
                 loaded = load_job(path, site=site)
                 result.name, result.warnings = loaded.spec.name, list(loaded.warnings)
-                if run_dir is not None:
-                    result.warnings += _measured(src, loaded.spec.signals.grace_seconds, run_dir)
+                result.spec, result.source = loaded.spec, src
         except ConfigError as e:
             result.issues = e.issues
         results.append(result)
     return results
-
-
-def _measured(src, grace_s: int, run_dir: Path) -> list[ConfigIssue]:
-    from hpcscale.launch.requeue import grace_advice
-    from hpcscale.rundir import RunDir
-
-    advice = grace_advice(RunDir.open(run_dir), grace_s)
-    key = ("signals", "grace_seconds")
-    return [ConfigIssue(src.file, src.line_of(key), "signals.grace_seconds", advice)] if advice else []
