@@ -193,6 +193,16 @@ def test_inspect_and_export(saved, tmp_path):
     # export takes model/ tensors: this store has none, so it exports an empty model
     out = run_cli("ckpt", "export", str(saved / "step-00000002"), "-o", str(tmp_path / "m.st"), "--json")
     assert out.returncode == 0 and json.loads(out.stdout)["tensors"] == 0
+    # the checkpoints root (or a run directory) means its newest committed checkpoint
+    newest = json.loads(run_cli("ckpt", "inspect", str(saved), "--json").stdout)
+    assert newest["step"] == 2
+    again = run_cli("ckpt", "export", str(saved), "-o", str(tmp_path / "m2.st"), "--json")
+    assert again.returncode == 0 and (tmp_path / "m2.st").exists()
+    # a path with no checkpoint is the user's mistake (exit 2), not damage (exit 3); nothing is written
+    for cmd in (["inspect"], ["verify"], ["export", "-o", str(tmp_path / "m3.st")]):
+        wrong = run_cli("ckpt", cmd[0], str(tmp_path), *cmd[1:])
+        assert wrong.returncode == 2 and "no committed checkpoint" in wrong.stderr, (cmd, wrong.stderr)
+    assert not (tmp_path / "m3.st").exists()
 
 
 def test_export_of_a_trained_model_loads_with_safetensors(uninterrupted, tmp_path):

@@ -240,3 +240,31 @@ def test_grace_time_is_held_against_what_an_earlier_run_measured(tmp_path: Path)
     assert "slowest stop of this run took 70.0 s" in again.stderr and "at least 141 s" in again.stderr
     not_a_run = run_cli("config", "validate", str(path), "--run-dir", str(tmp_path / "nothing"))
     assert not_a_run.returncode == 2 and "not an hpcscale run directory" in not_a_run.stderr
+
+
+def test_train_entry_is_found_without_importing_it(tmp_path: Path, monkeypatch):
+    """`train.entry` is looked up on the job's PYTHONPATH, package by package, its source scanned: a misspelt
+    function is an error (exit 2, file, line, key, a did-you-mean); a module not on this machine, a warning;
+    nothing is imported (the package's __init__ would create a marker file)."""
+    pkg = tmp_path / "src" / "mymodel"
+    pkg.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (pkg / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (pkg / "train.py").write_text("import torch\n\n\ndef main(ctx):\n    pass\n\n\nif True:\n    other = main\n")
+    env = f"environment:\n  PYTHONPATH: {tmp_path / 'src'}\n"
+
+    def validate(entry: str):
+        path = tmp_path / "job.yaml"
+        path.write_text(JOB + env + f"train:\n  entry: '{entry}'  # <-\n")
+        return path, run_cli("config", "validate", str(path))
+
+    path, good = validate("mymodel.train:main")
+    assert good.returncode == 0 and "warn" not in good.stderr, good.stderr
+    assert validate("mymodel.train:other")[1].returncode == 0
+    path, typo = validate("mymodel.train:mian")
+    assert typo.returncode == 2, typo.stderr
+    where = f"{path}:{_expected_line(path.read_text())}: train.entry: module 'mymodel.train'"
+    assert where in typo.stderr and "defines no top-level 'mian' (did you mean 'main'?)" in typo.stderr
+    path, missing = validate("elsewhere.train:main")
+    assert missing.returncode == 0 and "warn" in missing.stderr and "'elsewhere.train' is not found" in missing.stderr
+    assert not marker.exists()

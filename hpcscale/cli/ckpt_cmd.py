@@ -137,10 +137,13 @@ def verify(path: Path, as_json: bool) -> None:
 @dir_arg
 @json_option
 def inspect(path: Path, as_json: bool) -> None:
-    """Show a checkpoint's metadata and tensors (names, global shapes, dtypes, shards)."""
+    """Show a checkpoint's metadata and tensors (names, global shapes, dtypes, shards).
+
+    PATH is a step directory, or a run directory (or its checkpoints/) for its newest committed checkpoint;
+    a path with no committed checkpoint exits 2."""
     from hpcscale.ckpt.ops import inspect as run_inspect
 
-    doc = run_inspect(path)
+    doc = run_inspect(_step_dir(path))
     if as_json:
         print_json(doc)
         return
@@ -193,13 +196,14 @@ def gc(path: Path, keep: int, every: int, dry_run: bool, as_json: bool) -> None:
 @click.option("-o", "out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output file.")
 @json_option
 def export(path: Path, fmt: str, out: Path, as_json: bool) -> None:
-    """Write the model of checkpoint DIR as one consolidated file for inference.
+    """Write the model of a checkpoint as one consolidated file for inference.
 
-    The index is checked whole first (root digest, structure: every tensor fully covered) and every chunk's
-    hash on read; on any problem it exits 3 and writes nothing."""
+    PATH is a step directory, or a run directory (or its checkpoints/) for its newest committed checkpoint;
+    a path with no committed checkpoint exits 2. The index is checked whole first (root digest, structure:
+    every tensor fully covered) and every chunk's hash on read; on any problem it exits 3 and writes nothing."""
     from hpcscale.ckpt.export import export as run_export
 
-    doc = run_export(path, fmt, out)
+    doc = run_export(_step_dir(path), fmt, out)
     if as_json:
         print_json(doc)
     else:

@@ -182,6 +182,13 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         dims = ParallelDims.for_world(world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp)
         _check_train_params(spec, dec, dims=dims)
     _check_stopping(spec, site, dec)
+    if spec.train is not None and spec.train.entry != "builtin":
+        from hpcscale.config.entry import entry_problem
+
+        env = {**site.environment.variables, **spec.environment}
+        found = entry_problem(spec.train.entry, [p for p in env.get("PYTHONPATH", "").split(":") if p])
+        if found is not None:
+            (dec.error if found[0] == "error" else dec.warn)(("train", "entry"), found[1])
     if site.scheduler == "local":
         if spec.nodes != 1:
             dec.error(("nodes",), f"site '{site.name}' is this machine only: nodes must be 1")
