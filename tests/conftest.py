@@ -19,6 +19,23 @@ CLUSTER_ROOT = Path(os.environ.get("HPCSCALE_CLUSTER_ROOT", "/var/tmp/hpcscale-l
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def processes_of(run_dir: Path) -> dict[int, str]:
+    """Every live process whose command line names the run directory (mpirun, ranks, the front end)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # a zombie runs nothing; its parent has not reaped it yet
+        except (OSError, IndexError):
+            continue
+        if str(run_dir) in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
 def need(ok: bool, what: str) -> None:
     """Skip for lack of `what` on a developer machine; fail in CI, where nothing may be skipped."""
     if ok:

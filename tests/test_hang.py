@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_cli
+from conftest import REPO, processes_of, run_cli
 from trainjobs import job_spec, losses
 
 from hpcscale.launch.local import describe_failure
@@ -26,28 +26,11 @@ HANG_S = 8  # the job's hang_timeout_seconds
 COLLECTIVE_S = 60  # its timeout_seconds: the job must end well before a collective would time out
 
 
-def _processes_of(run_dir: Path) -> dict[int, str]:
-    """Every live process whose command line names the run directory (mpirun, ranks, the front end)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # a zombie runs nothing; its parent has not reaped it yet
-        except (OSError, IndexError):
-            continue
-        if str(run_dir) in cmdline:
-            found[int(entry.name)] = cmdline
-    return found
-
-
 def _rank_pids(run_dir: Path) -> dict[int, int]:
     """Rank -> pid. OMPI_COMM_WORLD_RANK is in each rank's initial environment, and under run --local (one
     node, placement keeps MPI order) it is the hpcscale rank too."""
     ranks = {}
-    for pid, cmdline in _processes_of(run_dir).items():
+    for pid, cmdline in processes_of(run_dir).items():
         if "hpcscale launch --run-dir" not in cmdline or "mpirun" in cmdline.split(" ", 1)[0]:
             continue
         with contextlib.suppress(OSError):
@@ -90,13 +73,13 @@ def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_con
         code = proc.wait(timeout=COLLECTIVE_S)
         elapsed = time.monotonic() - stopped_at
         deadline = time.monotonic() + 5
-        while (left := _processes_of(run_dir)) and time.monotonic() < deadline:
+        while (left := processes_of(run_dir)) and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for pid in _processes_of(run_dir):  # by command line: a pid of the run, not one reused since
+        for pid in processes_of(run_dir):  # by command line: a pid of the run, not one reused since
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
                 os.kill(pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, need
+from conftest import REPO, need, processes_of
 from trainjobs import job_spec, losses
 
 from hpcscale.launch.local import describe_failure
@@ -40,24 +40,9 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, ti
     raise AssertionError(f"fewer than {n} steps after {timeout}s:\n{out.read_text()[-3000:]}")
 
 
-def _processes_of(run_dir: Path) -> dict[int, str]:
-    """Every live process whose command line names the run directory (mpirun, ranks, the front end)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(run_dir) in cmdline:
-            found[int(entry.name)] = cmdline
-    return found
-
-
 def _no_processes_left(run_dir: Path, within: float) -> dict[int, str]:
     deadline = time.monotonic() + within
-    while (left := _processes_of(run_dir)) and time.monotonic() < deadline:
+    while (left := processes_of(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 
@@ -65,7 +50,7 @@ def _no_processes_left(run_dir: Path, within: float) -> dict[int, str]:
 def _rank_pids(run_dir: Path) -> dict[int, int]:
     """MPI rank -> pid of each rank process (OMPI_COMM_WORLD_RANK in its environment)."""
     ranks = {}
-    for pid, cmdline in _processes_of(run_dir).items():
+    for pid, cmdline in processes_of(run_dir).items():
         if "hpcscale launch --run-dir" not in cmdline or cmdline.startswith(("mpirun", "/usr/bin/mpirun")):
             continue
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -80,7 +65,7 @@ def _kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
-    for pid in _processes_of(run_dir):
+    for pid in processes_of(run_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
@@ -117,7 +102,7 @@ def test_a_signal_during_start_up_is_held_until_the_ranks_can_stop(mpi, tmp_path
     proc, run_dir, out = _start(tmp_path)
     try:
         deadline = time.monotonic() + 30
-        while not any("mpirun" in c.split(" ", 1)[0] for c in _processes_of(run_dir).values()):
+        while not any("mpirun" in c.split(" ", 1)[0] for c in processes_of(run_dir).values()):
             assert time.monotonic() < deadline and proc.poll() is None, out.read_text()[-3000:]
             time.sleep(0.01)
         time.sleep(delay)
