@@ -11,8 +11,10 @@ def main(ctx: hpcscale.launch.context.Context) -> None:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,51 @@ class Context:
     sweep_point: dict[str, Any] = field(default_factory=dict)
     scratch: Path | None = None  # the site's scratch directory
     hooks: dict[str, Any] = field(default_factory=dict)  # filled by the checkpoint and data layers
+    _syncs: list[Any] = field(default_factory=list, repr=False)
+    _checkpoint: Any = field(default=None, repr=False)
+
+    def parallelize(self, model: Any, *, tp_plan: dict[str, Any] | None = None, bucket_mb: float = 25.0) -> Any:
+        """Move `model` to this rank's device, apply `tp_plan` over the tp dimension (when parallel.tp > 1) and
+        average its gradients over the data-parallel replicas at the end of every backward. In place: returns
+        the same model, with the same parameter names (hpcscale.parallel.data_parallel says why not DDP)."""
+        from hpcscale.errors import BadInput
+        from hpcscale.parallel.data_parallel import parallelize
+
+        if self.dims.pp > 1:
+            raise BadInput(
+                f"ctx.parallelize: parallel.pp is {self.dims.pp}; pipeline stages are cut by the model's own code "
+                "(hpcscale.parallel.pipeline.cut_stage and build_schedule, docs/context-api.md)"
+            )
+        model.to(self.device)
+        self._syncs.append(
+            parallelize(
+                model,
+                dp_group=self.mesh["dp"].get_group() if self.dims.dp > 1 else None,
+                tp_mesh=self.mesh["tp"],
+                tp_plan=tp_plan,
+                bucket_mb=bucket_mb,
+            )
+        )
+        return model
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes in here only accumulate gradients; the next backward outside averages the sum
+        (gradient accumulation, as DDP's no_sync)."""
+        with contextlib.ExitStack() as stack:
+            for sync in self._syncs:
+                stack.enter_context(sync.no_sync())
+            yield
+
+    @property
+    def checkpoint(self) -> Any:
+        """The job's checkpoints for this code: restore(model, optimizer, **state) and step(step)
+        (hpcscale.launch.checkpointing.Checkpointer, docs/context-api.md)."""
+        if self._checkpoint is None:
+            from hpcscale.launch.checkpointing import Checkpointer
+
+            self._checkpoint = Checkpointer(self)
+        return self._checkpoint
 
     def should_stop(self) -> bool:
         """Whether any rank received a stop signal. A collective over all ranks: call it everywhere."""

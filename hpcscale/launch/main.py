@@ -267,6 +267,8 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
     ctx.hooks["watchdog"] = watchdog  # the entry point beats it after each step (hpcscale.train.trainer)
     try:
         resolve_entry(spec.train.entry)(ctx)
+        if ctx._checkpoint is not None:  # ctx.checkpoint: the last step's save, and the wait for one in flight
+            ctx._checkpoint.close()
     except StopRequested as e:
         if info.rank == 0:  # the batch script's requeue decision reads it (hpcscale.launch.requeue)
             # stop_s: from the signal to the committed checkpoint, what the stop took of the grace time

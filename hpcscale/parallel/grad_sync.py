@@ -9,11 +9,19 @@ backward. DTensor gradients are reduced through their local shards, so tp groups
 
 Gradient accumulation: a parameter's hook fires once per micro-batch backward; the bucket is reduced on the
 `accumulation_steps`-th firing, i.e. after the last micro-batch, as DDP's no_sync() would arrange.
+
+Two ways to drive it. The reference trainer calls `begin(n)` before a step's backward passes and `finish()`
+before the optimizer step. User code (Context.parallelize) gets `automatic=True`: the first hook of a backward
+queues `finish()` on the autograd engine (the callback DDP itself uses), so it runs when that backward ends,
+and the loop stays `loss.backward(); opt.step()`. Accumulation there is DDP's: backward passes inside
+`no_sync()` only accumulate, the next one outside it reduces the sum.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,12 +46,17 @@ class GradSync:
     """Average gradients over `group` (the dp group). Call `begin(n)` before a step's backward passes and
     `finish()` before the optimizer step; `comm_wait_s` is the time finish() spent blocked on the network."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, *, bucket_mb: float = 25.0):
+    def __init__(
+        self, model: nn.Module, group: dist.ProcessGroup | None, *, bucket_mb: float = 25.0, automatic: bool = False
+    ):
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.accumulation_steps = 1
         self.comm_wait_s = 0.0
         self.buckets: list[_Bucket] = []
+        self.automatic = automatic
+        self.syncing = True  # automatic mode: False inside no_sync()
+        self._queued = False
         if self.size == 1:
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -61,6 +74,8 @@ class GradSync:
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
+        if automatic:
+            self.begin(1)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         dtype = _local(params[0]).dtype
@@ -69,6 +84,12 @@ class GradSync:
 
     def _hook(self, bucket: _Bucket):
         def hook(p: nn.Parameter) -> None:
+            if self.automatic:
+                if not self.syncing:
+                    return
+                if not self._queued:  # runs once this backward has finished, on the thread that called it
+                    self._queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             count = bucket.fired.get(id(p), 0) + 1
             bucket.fired[id(p)] = count
             if count == self.accumulation_steps:
@@ -85,6 +106,20 @@ class GradSync:
             bucket.buffer[offset : offset + g.numel()].copy_(g.reshape(-1))
             offset += g.numel()
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        self.finish()
+        self.begin(1)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Automatic mode: backward passes in here accumulate gradients locally; the next one outside reduces."""
+        before, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = before
 
     def begin(self, accumulation_steps: int) -> None:
         """Arm the hooks for one optimizer step made of `accumulation_steps` backward passes."""

@@ -1,0 +1,296 @@
+"""`ctx.checkpoint`: the job's checkpoint policy applied to a user's model, optimizer and any other state.
+
+    start = ctx.checkpoint.restore(model, opt, scheduler=sched, data=sampler)   # newest verified checkpoint
+    for step in range(start, steps):
+        ...
+        ctx.checkpoint.step(step)      # saves on the job's period, stops with a checkpoint on a stop signal
+
+What it saves, by name (the reference trainer's names, so the tools read both alike):
+- `model/<fqn>`: the model's state_dict (parameters and persistent buffers), plain tensors or DTensor shards;
+- `optim/<fqn>/<key>`: the optimizer's tensor state, from torch.distributed.checkpoint.state_dict.get_state_dict
+  (which names state by parameter, not by position, and creates an optimizer's lazy state so there is
+  something to load into);
+- in the checkpoint's JSON state: the optimizer's param_groups (lr, betas, ...) and non-tensor state, and each
+  named object's `state_dict()` (a scheduler, a sampler, a plain dict): JSON, nothing pickled, rank 0's copy;
+- each rank's torch RNG states (the checkpoint format keeps them per rank), restored when the layout is the same.
+
+Loading fills the tensors through the checkpoint reader (any saved layout onto this one) and hands the result
+to torch's set_state_dict, which puts the optimizer's hyperparameters and state back the way
+`Optimizer.load_state_dict` does. A fresh start leaves the optimizer as it was: get_state_dict creates lazy
+state with a zero-learning-rate step, and that state is dropped again so the first real step is the one AdamW
+would take without hpcscale (its step count starts at 1, not 2).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpcscale.errors import BadInput
+from hpcscale.launch.signals import StopRequested
+from hpcscale.launch.watchdog import NoWatchdog
+
+FORMAT = 1  # the JSON state's layout ("hpcscale.context" in it)
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    """value as JSON types (tuples become lists); a clear error naming `where` for anything else."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise BadInput(f"checkpoint state {where} is {value}: JSON has no NaN or infinity")
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str | int):
+                raise BadInput(f"checkpoint state {where} has a key of type {type(k).__name__}: JSON keys are strings")
+            out[str(k)] = _jsonable(v, f"{where}.{k}")
+        return out
+    if isinstance(value, list | tuple):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise BadInput(
+        f"checkpoint state {where} is a {type(value).__name__}: the JSON state holds numbers, strings, lists and "
+        "dicts (tensors belong in the model or optimizer; see docs/context-api.md)"
+    )
+
+
+def _keys_int(state: Any) -> Any:
+    """JSON turned an int-keyed dict's keys into strings; give ints back where every key is one (schedulers'
+    and samplers' state_dicts often key by index)."""
+    if isinstance(state, dict):
+        fixed = {k: _keys_int(v) for k, v in state.items()}
+        if fixed and all(isinstance(k, str) and k.lstrip("-").isdigit() for k in fixed):
+            return {int(k): v for k, v in fixed.items()}
+        return fixed
+    if isinstance(state, list):
+        return [_keys_int(v) for v in state]
+    return state
+
+
+class Checkpointer:
+    """The object behind `ctx.checkpoint` (docs/context-api.md). Every method is a collective: call it at the
+    same point in every rank."""
+
+    def __init__(self, ctx: Any):
+        self._ctx = ctx
+        self.policy = ctx.job.checkpoint
+        self._manager = None
+        self._model: torch.nn.Module | None = None
+        self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
+        self._objects: dict[str, Any] = {}
+        self._registered = False
+        self._done: int | None = None  # steps finished at the last step() call
+        self.restored_step: int | None = None
+
+    # ---- the two calls --------------------------------------------------------------------------------------
+    def restore(self, model: torch.nn.Module | None = None, optimizer: Any = None, **state: Any) -> int:
+        """Register what a checkpoint holds and load the newest verified checkpoint into it, if there is one.
+        Returns the step to start from (0 on a fresh start). `optimizer` is one optimizer or a list; every
+        other keyword names an object with state_dict()/load_state_dict() or a plain dict (updated in place)."""
+        self._register(model, optimizer, state)
+        manager = self.manager
+        tensors, model_sd, optim_sd = self._tensors()
+        dist.barrier()  # restore_s is the load alone, not a peer's slower start-up
+        t0 = time.perf_counter()
+        restored = manager.load_latest(tensors, check_state=self._state_problem)
+        if restored is None:
+            for opt in self._optimizers:  # drop the lazy state get_state_dict created: see the module docstring
+                opt.state.clear()
+            self.restored_step = None
+            return 0
+        saved = restored.trainer_state
+        if self._model is not None:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            if optim_sd is not None:
+                optim_sd["param_groups"] = _keys_int(saved["optimizer"]["param_groups"])
+                for fqn, extra in saved["optimizer"].get("state", {}).items():
+                    optim_sd["state"].setdefault(fqn, {}).update(extra)
+            set_state_dict(
+                self._model,
+                list(self._optimizers),
+                model_state_dict=model_sd,
+                optim_state_dict=optim_sd if optim_sd is not None else {},
+            )
+        objects = saved.get("objects", {})
+        for name, obj in self._objects.items():
+            if name not in objects:
+                self._ctx.metrics.print(
+                    f"hpcscale: checkpoint step {restored.step} holds no state for {name!r} "
+                    f"(it holds {sorted(objects) or 'none'}): {name} starts as constructed"
+                )
+                continue
+            value = _keys_int(objects[name])
+            try:
+                if isinstance(obj, dict):
+                    obj.clear()
+                    obj.update(value)
+                else:
+                    obj.load_state_dict(value)
+            except Exception as e:
+                raise BadInput(
+                    f"checkpoint step {restored.step}: {name}.load_state_dict refused the saved state: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+        if restored.rng is not None:
+            torch.set_rng_state(torch.from_numpy(restored.rng["cpu"]))
+            if "cuda" in restored.rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(torch.from_numpy(restored.rng["cuda"]))
+        self._ctx.metrics.log(
+            step=restored.step - 1, restored_from=restored.step, restore_s=round(time.perf_counter() - t0, 4)
+        )
+        self._ctx.metrics.print(
+            f"hpcscale: resumed from checkpoint step {restored.step}"
+            + ("" if restored.rng is not None else " (new layout: resharded)")
+        )
+        self.restored_step = restored.step
+        self._done = restored.step
+        return restored.step
+
+    def step(self, step: int) -> None:
+        """Step `step` (0-based) is finished: beat the hang watchdog, save on the job's period
+        (checkpoint.every_steps, asynchronous as checkpoint.async says) and, when any rank got a stop signal,
+        save now and stop every rank together (StopRequested: exit 75, requeued by the batch script)."""
+        if not self._registered:
+            raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
+        self._watchdog.beat(step)
+        self._done = step + 1
+        if self._ctx.should_stop():
+            self.save(step + 1, asynchronous=False)
+            self.manager.wait()
+            self._ctx.metrics.print(f"stop requested: stopping after step {step} (checkpoint saved)")
+            raise StopRequested(step)
+        every = self.policy.every_steps
+        if every and (step + 1) % every == 0:
+            self.save(step + 1, asynchronous=self.policy.asynchronous)
+
+    # ---- the rest -------------------------------------------------------------------------------------------
+    def save(self, done_steps: int, *, asynchronous: bool | None = None) -> None:
+        """Save now, as the state after `done_steps` steps (asynchronous: the job's checkpoint.async)."""
+        if not self._registered:
+            raise BadInput("ctx.checkpoint.save() before ctx.checkpoint.restore(...): restore registers the state")
+        if asynchronous is None:
+            asynchronous = self.policy.asynchronous
+        tensors, _, optim_sd = self._tensors()
+        state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
+        if optim_sd is not None:
+            state["optimizer"] = {
+                "param_groups": _jsonable(optim_sd["param_groups"], "optimizer.param_groups"),
+                "state": {
+                    fqn: _jsonable({k: v for k, v in s.items() if not torch.is_tensor(v)}, f"optimizer.state.{fqn}")
+                    for fqn, s in optim_sd["state"].items()
+                    if any(not torch.is_tensor(v) for v in s.values())
+                },
+            }
+        with self._watchdog.paused("checkpoint"):
+            stats = self.manager.save(done_steps, tensors, state, asynchronous=asynchronous)
+        self._ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
+
+    def close(self) -> None:
+        """After the entry point returned (launch calls it): save the last finished step if the job has a
+        checkpoint period and that step is not saved yet, and wait for a save in flight."""
+        if self._manager is None:
+            return
+        with self._watchdog.paused("checkpoint"):
+            self._manager.wait()
+            if self.policy.every_steps and self._done is not None and self._manager.last_step != self._done:
+                self.save(self._done, asynchronous=False)
+
+    @property
+    def manager(self):
+        """The CheckpointManager underneath (created on first use: a collective)."""
+        if self._manager is None:
+            from hpcscale.ckpt.manager import CheckpointManager
+            from hpcscale.rundir import CHECKPOINTS
+
+            ctx = self._ctx
+            self._manager = CheckpointManager(
+                ctx.run_dir / CHECKPOINTS,
+                dims=ctx.dims,
+                rank=ctx.rank,
+                keep_last=self.policy.keep_last,
+                keep_every=self.policy.keep_every,
+                direct_io=self.policy.direct_io,
+                log=ctx.metrics.print,
+            )
+            ctx.hooks["checkpoint"] = self._manager
+        return self._manager
+
+    @property
+    def _watchdog(self):
+        return self._ctx.hooks.get("watchdog") or NoWatchdog()
+
+    def _register(self, model, optimizer, state: dict[str, Any]) -> None:
+        if self._registered:
+            raise BadInput("ctx.checkpoint.restore() is called once, before the training loop")
+        if optimizer is None:
+            optimizers = ()
+        else:
+            optimizers = tuple(optimizer) if isinstance(optimizer, list | tuple) else (optimizer,)
+        if optimizers and model is None:
+            raise BadInput("ctx.checkpoint.restore(): an optimizer needs its model (restore(model, optimizer))")
+        for name, obj in state.items():
+            if not isinstance(obj, dict) and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise BadInput(
+                    f"ctx.checkpoint.restore({name}=...): a {type(obj).__name__} has no state_dict()/"
+                    "load_state_dict(); pass an object that has them, or a dict"
+                )
+        self._model, self._optimizers, self._objects = model, optimizers, dict(state)
+        self._registered = True
+
+    def _tensors(self) -> tuple[dict[str, torch.Tensor], dict | None, dict | None]:
+        """The checkpoint's tensors by name, and torch's model and optimizer state dicts they come from."""
+        if self._model is None:
+            return {}, None, None
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self._model, list(self._optimizers))
+        tensors = {f"model/{k}": v for k, v in model_sd.items() if torch.is_tensor(v)}
+        if not self._optimizers:
+            return tensors, model_sd, None
+        for fqn, s in optim_sd["state"].items():
+            for key, value in s.items():
+                if torch.is_tensor(value):
+                    tensors[f"optim/{fqn}/{key}"] = value
+        return tensors, model_sd, optim_sd
+
+    def _object_states(self) -> dict[str, Any]:
+        out = {}
+        for name, obj in self._objects.items():
+            value = dict(obj) if isinstance(obj, dict) else obj.state_dict()
+            out[name] = _jsonable(value, name)
+        json.dumps(out)  # the format writes it: fail here, naming nothing half-written
+        return out
+
+    def _state_problem(self, state: dict) -> str | None:
+        """What makes a checkpoint's JSON state unusable here (every rank refuses it together)."""
+        if type(state.get("step")) is not int or state["step"] < 0:
+            return f"step is {str(state.get('step'))[:40]!r}, not a non-negative integer"
+        if state.get("hpcscale.context") != FORMAT:
+            return (
+                "not written by ctx.checkpoint (no 'hpcscale.context' marker: a built-in trainer's checkpoint or "
+                "another program's)"
+            )
+        if not isinstance(state.get("objects", {}), dict):
+            return "objects is not a JSON object"
+        if self._optimizers:
+            saved = state.get("optimizer")
+            groups = saved.get("param_groups") if isinstance(saved, dict) else None
+            if not isinstance(groups, list):
+                return "no optimizer param_groups: the checkpoint was saved without an optimizer"
+            current = [g for opt in self._optimizers for g in opt.param_groups]
+            if len(groups) != len(current) or any(
+                not isinstance(s, dict) or len(s.get("params", ())) != len(c["params"])
+                for s, c in zip(groups, current, strict=False)
+            ):
+                return (
+                    f"the optimizer has {len(current)} parameter group(s) of "
+                    f"{[len(c['params']) for c in current]} parameters; the checkpoint's differ"
+                )
+        return None

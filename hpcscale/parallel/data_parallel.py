@@ -1,0 +1,56 @@
+"""Parallelize a user's model in place: tensor parallelism from the user's plan, then data parallelism.
+
+Data parallelism is GradSync (grad_sync.py) in its automatic mode rather than torch's
+DistributedDataParallel, for one reason: DDP refuses DTensor parameters, so it cannot follow a tensor-parallel
+plan, and one code path for every layout is what the reference trainer already uses and tests. GradSync has
+DDP's performance properties (~25 MB buckets in reverse registration order, each all-reduced asynchronously
+as soon as backward has produced it) and DDP's accumulation rule (no_sync), and it leaves the model itself
+in place: parameter names keep no "module." prefix, so checkpoints and exports name tensors as the user does.
+scripts/bench/user_entry.py measures a step against DDP on the same model.
+
+Like DDP, it starts every data-parallel replica from the same weights: parameters and buffers are broadcast
+from the first rank of the dp group, so an unseeded model cannot silently diverge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpcscale.errors import BadInput
+from hpcscale.parallel.grad_sync import GradSync
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    dp_group: dist.ProcessGroup | None,
+    tp_mesh: Any = None,
+    tp_plan: dict[str, Any] | None = None,
+    bucket_mb: float = 25.0,
+) -> GradSync:
+    """Apply `tp_plan` over `tp_mesh` (torch.distributed.tensor.parallel.parallelize_module), make the dp
+    replicas identical, and average gradients over `dp_group` at the end of every backward. In place."""
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    if tp > 1:
+        if not tp_plan:
+            raise BadInput(
+                f"parallel.tp is {tp} but ctx.parallelize got no tp_plan: tensor parallelism needs the "
+                "model's plan, e.g. {'layers.0.fc': ColwiseParallel(), 'layers.0.proj': RowwiseParallel()} "
+                "(docs/context-api.md)"
+            )
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, tp_mesh, tp_plan)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(_local(t), group=dp_group, group_src=0)
+    return GradSync(model, dp_group, bucket_mb=bucket_mb, automatic=True)

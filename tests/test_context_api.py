@@ -1,0 +1,278 @@
+"""The Context API as a user meets it: docs/context-api.md's example, taken from the page as written, run
+under `hpcscale run --local` and under Slurm, killed with SIGKILL, stopped by a signal, resumed on the same
+layout (losses bit for bit an uninterrupted run's) and on another (resharded, equal to float rounding);
+ctx.parallelize against torch's DDP, with accumulation and a tensor-parallel plan; the JSON state's rules."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, processes_of, run_cli, wait_for_job
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+DOC = REPO / "docs" / "context-api.md"
+STEPS = 200  # the example's own train.params.steps
+
+
+def doc_example(dest: Path, **changes) -> Path:
+    """mymodel.py and job.yaml exactly as the page shows them; the one placeholder, PYTHONPATH, pointed at
+    `dest`. `changes` (yaml keys) are applied to the job spec. Returns the job file."""
+    blocks = re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S)
+    code = [body for lang, body in blocks if lang == "python" and body.startswith("# mymodel.py")]
+    job = [body for lang, body in blocks if lang == "yaml" and body.startswith("# job.yaml")]
+    assert len(code) == 1 and len(job) == 1, "the page must hold one mymodel.py and one job.yaml block"
+    assert "/path/to/mycode" in job[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "mymodel.py").write_text(code[0])
+    spec = yaml.safe_load(job[0].replace("/path/to/mycode", str(dest)))
+    for key, value in changes.items():
+        spec[key] = value
+    (dest / "job.yaml").write_text(yaml.safe_dump(spec))
+    return dest / "job.yaml"
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses_by_step(run: Path) -> dict[int, list[float]]:
+    """step -> the loss of every attempt that ran it (a step run again after a resume appears twice)."""
+    out: dict[int, list[float]] = {}
+    for r in rows(run):
+        if "loss" in r:
+            out.setdefault(r["step"], []).append(r["loss"])
+    return out
+
+
+def assert_matches(run: Path, reference: dict[int, list[float]], *, rel: float = 0.0) -> None:
+    got = losses_by_step(run)
+    assert set(got) == set(reference), "steps missing or extra"
+    for step, values in got.items():
+        want = reference[step][0]
+        assert all(abs(v - want) <= rel * abs(want) for v in values), (step, values, want)
+
+
+def run_local(job: Path, run: Path, *extra: str, cwd: Path | None = None):
+    return run_cli("run", str(job), "--local", "--run-dir", str(run), *extra, timeout=300, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def reference(mpi, tmp_path_factory) -> dict[int, list[float]]:
+    """The example uninterrupted, 2 ranks: the losses every interrupted run must match."""
+    tmp = tmp_path_factory.mktemp("ctx-ref")
+    job = doc_example(tmp)
+    r = run_local(job, tmp / "run")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    ref = losses_by_step(tmp / "run")
+    assert len(ref) == STEPS
+    first, last = ref[0][0], sum(ref[s][0] for s in range(STEPS - 20, STEPS)) / 20
+    assert last < 0.6 * first, "the example must learn something"
+    saved = [r["checkpoint"] for r in rows(tmp / "run") if "checkpoint" in r]
+    assert saved == [50, 100, 150, 200], saved  # the policy's period; the end is saved once
+    return ref
+
+
+def _kill_all_at(run: Path, proc: subprocess.Popen, *, checkpoint: int) -> None:
+    """SIGKILL the front end, mpirun and every rank together once `checkpoint` is committed."""
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / f"step-{checkpoint:08d}").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
+        time.sleep(0.02)
+    pids = set(processes_of(run)) | {proc.pid}
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while processes_of(run) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not processes_of(run), "a process of the run survived SIGKILL"
+
+
+def _start(job: Path, run: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcscale", "run", str(job), "--local", "--run-dir", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_doc_example_resumes_exactly_after_kill_9_and_on_another_layout(reference, tmp_path):
+    job = doc_example(tmp_path / "code")
+    run = tmp_path / "run"
+    proc = _start(job, run)
+    _kill_all_at(run, proc, checkpoint=50)
+    done = losses_by_step(run)
+    assert 50 <= max(done) < STEPS - 1, "the kill must land mid-run"
+    moved = tmp_path / "run-other-layout"
+    shutil.copytree(run, moved, symlinks=True)
+
+    r = run_local(job, run, "--reuse")
+    assert r.returncode == 0, r.stderr[-3000:]
+    restored = [x["restored_from"] for x in rows(run) if "restored_from" in x]
+    assert restored and restored[-1] >= 50
+    assert_matches(run, reference)  # AdamW's moments, the schedule and the data position all came back
+
+    # The same killed run carried on by 1 rank: the checkpoint is resharded, the losses agree to rounding.
+    r = run_local(job, moved, "--reuse", "-n", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "new layout: resharded" in r.stdout + r.stderr
+    assert_matches(moved, reference, rel=2e-4)
+
+
+def test_doc_example_stop_signal_checkpoints_then_resumes_exactly(reference, tmp_path):
+    job = doc_example(tmp_path / "code", checkpoint={"every_steps": 0})  # only the stop's save
+    run = tmp_path / "run"
+    proc = _start(job, run)
+    deadline = time.monotonic() + 120
+    while not ((run / "metrics.jsonl").exists() and len(losses_by_step(run)) >= 30):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 75, out[-3000:]
+    stop = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()][-1]
+    # the front end forwards the stop as the job's signal (USR2 by default)
+    assert stop["event"] == "stop" and stop["signal"] and stop["stop_s"] is not None, stop
+    saved = [r["checkpoint"] for r in rows(run) if "checkpoint" in r]
+    assert saved == [stop["step"] + 1], saved  # the stop's own save, at the step every rank agreed on
+    r = run_local(job, run, "--reuse")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_matches(run, reference)
+
+
+def test_doc_example_under_slurm_killed_rank_then_resume(local_cluster, tmp_path):
+    """Two ranks on two emulated nodes; one rank SIGKILLed mid-run; `hpcscale resume` finishes the run. The
+    steps run twice (between the checkpoint and the kill) have the same loss in both attempts."""
+    steps = 2000  # long enough to kill mid-run under Slurm
+    code = tmp_path / "code"
+    doc_example(code)
+    spec = yaml.safe_load((code / "job.yaml").read_text())
+    spec.update(site="localcluster", nodes=2, tasks_per_node=1, restart={"max_failures": 0})
+    spec["train"]["params"]["steps"] = steps
+    job = code / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "run"
+    env = local_cluster
+    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "step-00000100").is_dir():
+        assert time.monotonic() < deadline, "no checkpoint 100"
+        time.sleep(0.2)
+    ranks = subprocess.run(["pgrep", "-f", f"hpcscale launch --run-dir {run}"], capture_output=True, text=True)
+    victims = [
+        int(p) for p in ranks.stdout.split() if Path(f"/proc/{p}/comm").read_text().strip() not in ("srun", "mpirun")
+    ]
+    assert victims
+    os.kill(victims[-1], signal.SIGKILL)
+    assert wait_for_job(job_id, env, timeout=240) == "FAILED"
+    out = run_cli("resume", str(run), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    new = json.loads(out.stdout)["submitted"]
+    assert wait_for_job(new, env, timeout=300) == "COMPLETED"
+    got = losses_by_step(run)
+    assert set(got) == set(range(steps))
+    again = {s: v for s, v in got.items() if len(v) > 1}
+    assert again, "the resume must have rerun the steps after its checkpoint"
+    assert all(len(set(v)) == 1 for v in again.values()), again
+
+
+# ---- ctx.parallelize -----------------------------------------------------------------------------------------
+def test_parallelize_matches_ddp_accumulates_and_follows_a_tp_plan(mpi, tmp_path):
+    """tests/helpers/parallel_entry.py, on 4 ranks at tp=2 x dp=2 and on 2 ranks at dp=2: see its docstring."""
+    for ranks, tp in ((2, 1), (4, 2)):
+        spec = {
+            "name": f"par-tp{tp}",
+            "site": "local",
+            "tasks_per_node": ranks,
+            "parallel": {"tp": tp},
+            "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers")},
+            "train": {"entry": "parallel_entry:main"},
+        }
+        job = tmp_path / f"job{tp}.yaml"
+        job.write_text(yaml.safe_dump(spec))
+        r = run_local(job, tmp_path / f"run{tp}")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        found = [json.loads((tmp_path / f"run{tp}" / f"rank{i}.json").read_text()) for i in range(ranks)]
+        for f in found:
+            assert f["replicas_equal_after_parallelize"], f
+            assert f["max_diff_vs_reference"] < 1e-5, f
+            assert f["max_diff_accumulated_vs_whole"] < 1e-5, f
+            if tp == 1:
+                assert f["max_diff_vs_ddp"] < 1e-5, f
+            else:
+                assert f["dtensor_params"] > 0, f
+
+
+def test_parallelize_refuses_tp_without_a_plan(mpi, tmp_path):
+    spec = {
+        "name": "noplan",
+        "site": "local",
+        "tasks_per_node": 2,
+        "parallel": {"tp": 2},
+        "environment": {"PYTHONPATH": str(tmp_path)},
+        "train": {"entry": "noplan:main"},
+    }
+    (tmp_path / "noplan.py").write_text("import torch\n\ndef main(ctx):\n    ctx.parallelize(torch.nn.Linear(4, 4))\n")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    r = run_local(tmp_path / "job.yaml", tmp_path / "run")
+    assert r.returncode != 0
+    assert "parallel.tp is 2 but ctx.parallelize got no tp_plan" in r.stdout + r.stderr
+
+
+# ---- the JSON state's rules ----------------------------------------------------------------------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**62), 2**62) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)  # fmt: skip
+
+
+@settings(deadline=None)
+@given(json_values)
+def test_json_state_round_trips(value):
+    from hpcscale.launch.checkpointing import _jsonable
+
+    assert json.loads(json.dumps(_jsonable(value, "x"))) == value
+
+
+@settings(deadline=None)
+@given(st.dictionaries(st.integers(-1000, 1000), st.integers(), max_size=6))
+def test_int_keyed_state_comes_back_int_keyed(value):
+    from hpcscale.launch.checkpointing import _jsonable, _keys_int
+
+    back = _keys_int(json.loads(json.dumps(_jsonable({"sched": value}, "x"))))
+    assert back == {"sched": value} or (not value and back == {"sched": {}})
+
+
+def test_json_state_refuses_what_json_cannot_hold():
+    import torch
+
+    from hpcscale.errors import BadInput
+    from hpcscale.launch.checkpointing import _jsonable
+
+    for value, said in (
+        ({"a": {"b": torch.zeros(2)}}, "data.a.b is a Tensor"),
+        ({"lr": float("nan")}, "data.lr is nan"),
+        ({(1, 2): 3}, "key of type tuple"),
+        ({"f": object()}, "data.f is a object"),
+    ):
+        with pytest.raises(BadInput, match=re.escape(said)):
+            _jsonable(value, "data")
+    assert _jsonable({"betas": (0.9, 0.95)}, "g") == {"betas": [0.9, 0.95]}
