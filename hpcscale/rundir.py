@@ -1,7 +1,8 @@
 """The run directory: the unit a user thinks in. `status` and `resume` need nothing but its path.
 
 RUN/
-  job.yaml              the resolved job spec (every default filled in)
+  job.yaml              the resolved job spec (every default filled in), headed by the command-line
+                        overrides (-p KEY=VALUE) it was made with, one `# -p "..."` comment line each
   site.yaml             the resolved site config it ran on
   submissions.jsonl     one JSON line per submission: index, job id, cluster, time, script, excluded, reason
   submissions/0001.sbatch  the exact script each submission sent
@@ -26,6 +27,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,6 +53,10 @@ RUN_ID = "run-id"
 ATTEMPTS = "attempts.jsonl"
 RESUME_STATE = ".resume"
 OWNER = ".hpcscale-run"  # in a checkpoint directory under checkpoint_root: the id of the run it belongs to
+OVERRIDE_LINE = "# -p "  # job.yaml's header: one override each, as a JSON string (ASCII: no line break ends it)
+OVERRIDES_HEADER = (
+    "# Made from the job file with these command-line overrides, in order (their values are in the keys below):\n"
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,10 +179,32 @@ class RunDir:
             raise BadInput(f"{self.path} is not an hpcscale run directory (no {JOB})")
         return load_job(self.path / JOB, site=str(self.path / SITE))
 
-    def write_resolved(self, spec: JobSpec, site: SiteConfig) -> None:
-        """The job spec and site as they were run, every default filled in."""
-        _atomic_write(self.path / JOB, yaml.safe_dump(to_plain(spec), sort_keys=False))
+    def write_resolved(self, spec: JobSpec, site: SiteConfig, *, overrides: Sequence[str] = ()) -> None:
+        """The job spec and site as they were run, every default filled in. `overrides` (the -p KEY=VALUE
+        texts the spec was made with) head job.yaml as comments: the values are already in the spec, the
+        header says which of them came from the command line rather than the job file."""
+        header = "".join(f"{OVERRIDE_LINE}{json.dumps(o)}\n" for o in overrides)
+        header = OVERRIDES_HEADER + header if header else ""
+        _atomic_write(self.path / JOB, header + yaml.safe_dump(to_plain(spec), sort_keys=False))
         _atomic_write(self.path / SITE, yaml.safe_dump(to_plain(site), sort_keys=False))
+
+    def recorded_overrides(self) -> list[str]:
+        """The -p texts job.yaml's header records (write_resolved); [] for none, or no job.yaml yet."""
+        path = self.path / JOB
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text(errors="replace").splitlines():
+            if not line.startswith("#"):
+                break
+            if line.startswith(OVERRIDE_LINE):
+                try:
+                    text = json.loads(line[len(OVERRIDE_LINE) :])
+                except ValueError:
+                    continue
+                if isinstance(text, str):
+                    out.append(text)
+        return out
 
     def next_index(self) -> int:
         return len(self.submissions()) + 1

@@ -35,6 +35,9 @@ Site names are looked up, first match wins, in `$HPCSCALE_SITE_PATH` (colon-sepa
 `./site_configs`, `~/.config/hpcscale/sites`, and the site configs shipped with hpcscale; `site:` may also be a
 path to a site file (relative to the job spec). Unknown keys are errors (with a did-you-mean); every error
 reads `FILE:LINE: KEY: MESSAGE` and exits with code 2. Paths may use `~` and `$VARIABLES`, expanded when used.
+Any job spec key can also be set on the command line of `run`, `submit`, `render` and `config validate` with
+`-p KEY=VALUE` (`-p train.params.lr=3e-4`), checked like the file; its errors read `command line -p KEY: MESSAGE`
+([user-guide.md](user-guide.md#overriding-keys-from-the-command-line--p-keyvalue)).
 Check files with `hpcscale config validate FILE...`; see a site with every default filled in with
 `hpcscale config show SITE`.
 """

@@ -162,13 +162,13 @@ def test_doc_example_under_slurm_killed_rank_then_resume(local_cluster, tmp_path
     doc_example(code)
     spec = yaml.safe_load((code / "job.yaml").read_text())
     spec.update(site="localcluster", nodes=2, tasks_per_node=1, restart={"max_failures": 0})
-    spec["train"]["params"]["steps"] = steps
     job = code / "job.yaml"
     job.write_text(yaml.safe_dump(spec))
     run = tmp_path / "run"
     env = local_cluster
-    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=env)
+    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", "-p", f"train.params.steps={steps}", env=env)
     assert r.returncode == 0, r.stderr
+    assert yaml.safe_load((run / "job.yaml").read_text())["train"]["params"]["steps"] == steps
     job_id = json.loads(r.stdout)["job_id"]
     deadline = time.monotonic() + 240
     while not (run / "checkpoints" / "step-00000100").is_dir():

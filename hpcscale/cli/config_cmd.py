@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from hpcscale.cli.options import console, json_option, print_json
+from hpcscale.cli.options import console, json_option, param_option, print_json
 
 
 @click.group()
@@ -31,22 +31,32 @@ def config() -> None:
     metavar="RUN",
     help="An earlier run of the job: warn when signals.grace_seconds is short of the stops and saves it measured.",
 )
+@param_option
 @json_option
-def validate(files: tuple[str, ...], kind: str | None, site: str | None, run_dir: Path | None, as_json: bool) -> None:
-    """Validate site configs and job specs; every problem is printed as FILE:LINE: KEY: MESSAGE.
+def validate(
+    files: tuple[str, ...],
+    kind: str | None,
+    site: str | None,
+    run_dir: Path | None,
+    params: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Validate site configs and job specs; every problem is printed as FILE:LINE: KEY: MESSAGE
+    (or `command line -p KEY: MESSAGE` for a key set with -p).
 
     \b
     Examples:
       hpcscale config validate site_configs/*.yaml
       hpcscale config validate job.yaml --site localcluster
       hpcscale config validate job.yaml --run-dir /scratch/me/runs/exp1   # grace time vs measured saves
+      hpcscale config validate job.yaml -p nodes=4    # as run/submit/render would see it (job specs only)
 
     Warnings (valid but likely wrong: a stop signal NCCL may take, a hang timeout above the collective
     timeout) are printed and do not change the exit code. Exits 2 if any file is invalid.
     """
     from hpcscale.config.validate import validate_files
 
-    results = validate_files(files, kind=kind, site=site)
+    results = validate_files(files, kind=kind, site=site, overrides=params)
     if run_dir is not None:
         _grace_against(results, run_dir)
     if as_json:
@@ -73,7 +83,7 @@ def _grace_against(results, run_dir: Path) -> None:
     key = ("signals", "grace_seconds")
     for r in results:
         if r.spec is not None and (advice := grace_advice(rd, r.spec.signals.grace_seconds)):
-            r.warnings.append(ConfigIssue(r.source.file, r.source.line_of(key), "signals.grace_seconds", advice))
+            r.warnings.append(ConfigIssue(*r.source.locate(key), "signals.grace_seconds", advice))
 
 
 @config.command()

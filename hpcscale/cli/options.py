@@ -17,6 +17,15 @@ site_option = click.option(
     help="Site name (site_configs/<SITE>.yaml on the search path) or path to a site file.",
 )
 dry_run_option = click.option("--dry-run", is_flag=True, help="Do everything except the final action.")
+param_option = click.option(
+    "-p",
+    "--param",
+    "params",
+    metavar="KEY=VALUE",
+    multiple=True,
+    help="Set a job spec key as if the file said so (repeatable): -p train.params.lr=3e-4 -p nodes=4. "
+    "VALUE is YAML on one line; 3e-4 is a number.",
+)
 
 
 def print_json(doc: Any) -> None:
@@ -30,11 +39,11 @@ def console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False)
 
 
-def load_job_warning(job: str, site: str | None):
-    """load_job, with its warnings (valid but likely wrong) printed to stderr first."""
+def load_job_warning(job: str, site: str | None, params: tuple[str, ...] = ()):
+    """load_job (with the -p overrides), its warnings (valid but likely wrong) printed to stderr first."""
     from hpcscale.config.load import load_job
 
-    loaded = load_job(job, site=site)
+    loaded = load_job(job, site=site, overrides=params)
     for issue in loaded.warnings:
         click.echo(f"warning: {issue}", err=True)
     return loaded

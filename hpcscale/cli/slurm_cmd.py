@@ -7,7 +7,15 @@ from pathlib import Path
 
 import click
 
-from hpcscale.cli.options import console, dry_run_option, json_option, load_job_warning, print_json, site_option
+from hpcscale.cli.options import (
+    console,
+    dry_run_option,
+    json_option,
+    load_job_warning,
+    param_option,
+    print_json,
+    site_option,
+)
 
 job_argument = click.argument("job", type=click.Path(dir_okay=False))
 run_dir_option = click.option(
@@ -26,17 +34,19 @@ template_option = click.option(
 @site_option
 @template_option
 @run_dir_option
-def render(job: str, site: str | None, template: str | None, run_dir: Path | None) -> None:
+@param_option
+def render(job: str, site: str | None, template: str | None, run_dir: Path | None, params: tuple[str, ...]) -> None:
     """Print the sbatch script for JOB; nothing is submitted or written.
 
     \b
     Examples:
       hpcscale render job.yaml
       hpcscale render job.yaml --site localcluster --template container > job.sbatch
+      hpcscale render job.yaml -p nodes=4 -p time_limit=02:00:00
     """
     from hpcscale.slurm.submit import render_job
 
-    text = render_job(load_job_warning(job, site), run_dir=run_dir, template=template)
+    text = render_job(load_job_warning(job, site, params), run_dir=run_dir, template=template)
     if sys.stdout.isatty():
         from rich.syntax import Syntax
 
@@ -51,10 +61,18 @@ def render(job: str, site: str | None, template: str | None, run_dir: Path | Non
 @template_option
 @run_dir_option
 @click.option("--reuse", is_flag=True, help="Add this submission to an existing run directory.")
+@param_option
 @dry_run_option
 @json_option
 def submit(
-    job: str, site: str | None, template: str | None, run_dir: Path | None, reuse: bool, dry_run: bool, as_json: bool
+    job: str,
+    site: str | None,
+    template: str | None,
+    run_dir: Path | None,
+    reuse: bool,
+    params: tuple[str, ...],
+    dry_run: bool,
+    as_json: bool,
 ) -> None:
     """Render JOB, create its run directory, and submit it with sbatch; prints the job id.
 
@@ -63,12 +81,14 @@ def submit(
       hpcscale submit job.yaml
       hpcscale submit job.yaml --run-dir /scratch/me/runs/exp1 --json
       hpcscale submit job.yaml --dry-run     # everything but sbatch
+      hpcscale submit job.yaml -p train.params.lr=3e-4 -p nodes=4   # recorded in RUN/job.yaml
 
     Slurm's refusal is printed verbatim (exit 1).
     """
     from hpcscale.slurm.submit import submit_job
 
-    r = submit_job(load_job_warning(job, site), run_dir=run_dir, template=template, dry_run=dry_run, reuse=reuse)
+    loaded = load_job_warning(job, site, params)
+    r = submit_job(loaded, run_dir=run_dir, template=template, dry_run=dry_run, reuse=reuse)
     if as_json:
         print_json(
             {

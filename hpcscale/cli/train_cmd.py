@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from hpcscale.cli.options import json_option, load_job_warning, print_json, site_option
+from hpcscale.cli.options import json_option, load_job_warning, param_option, print_json, site_option
 from hpcscale.errors import STOPPED_EXIT_CODE
 
 
@@ -47,12 +47,22 @@ def launch(run_dir: Path, sweep_index: int | None) -> None:
     "--reuse", is_flag=True, help="Run again in an existing run directory: resumes from its newest checkpoint."
 )
 @site_option
-def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, reuse: bool, site: str | None) -> None:
+@param_option
+def run(
+    job: str,
+    local: bool,
+    ranks: int | None,
+    run_dir: Path | None,
+    reuse: bool,
+    site: str | None,
+    params: tuple[str, ...],
+) -> None:
     """Run JOB on this machine through mpirun, writing the same run directory a Slurm job writes.
 
     \b
     Example (the reference GPT, tp=2 x pp=2 x dp=2):
       hpcscale run docs/examples/gpt-local.yaml --local -n 8
+      hpcscale run docs/examples/gpt-local.yaml --local -n 8 -p train.params.lr=3e-4 -p train.params.steps=50
       hpcscale run job.yaml --local --run-dir RUN --reuse     # resume RUN from its newest checkpoint
 
     SIGTERM, SIGHUP or Ctrl-C stops every rank after the same step, with a checkpoint; a second one stops
@@ -63,7 +73,7 @@ def run(job: str, local: bool, ranks: int | None, run_dir: Path | None, reuse: b
     from hpcscale.launch.local import run_local
 
     result = run_local(
-        load_job_warning(job, site),
+        load_job_warning(job, site, params),
         ranks=ranks,
         run_dir=run_dir,
         reuse=reuse,

@@ -25,10 +25,10 @@ class Decoder:
         self.warnings: list[ConfigIssue] = []  # valid but likely wrong: printed, never fatal
 
     def warn(self, path: KeyPath, message: str) -> None:
-        self.warnings.append(ConfigIssue(self.src.file, self.src.line_of(path), format_path(path), message))
+        self.warnings.append(ConfigIssue(*self.src.locate(path), format_path(path), message))
 
     def error(self, path: KeyPath, message: str) -> None:
-        self.issues.append(ConfigIssue(self.src.file, self.src.line_of(path), format_path(path), message))
+        self.issues.append(ConfigIssue(*self.src.locate(path), format_path(path), message))
 
     def raise_if_any(self) -> None:
         if self.issues:
@@ -39,7 +39,7 @@ class Decoder:
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            self.error(path, f"expected a mapping of keys, got {_kind(value)}")
+            self.error(path, f"expected a mapping of keys, got {kind_of(value)}")
             return None
         fields = {yaml_key(f): f for f in dataclasses.fields(cls)}
         for key in value:
@@ -114,14 +114,14 @@ class Decoder:
             return obj, obj is not None
         if origin is list:
             if not isinstance(v, list):
-                self.error(path, f"expected a list, got {_kind(v)}")
+                self.error(path, f"expected a list, got {kind_of(v)}")
                 return None, False
             (item_tp,) = typing.get_args(tp)
             items = [self.value(item_tp, item, (*path, i)) for i, item in enumerate(v)]
             return [x for x, _ in items], all(ok for _, ok in items)
         if origin is dict:
             if not isinstance(v, dict):
-                self.error(path, f"expected a mapping, got {_kind(v)}")
+                self.error(path, f"expected a mapping, got {kind_of(v)}")
                 return None, False
             _, val_tp = typing.get_args(tp)
             out, ok = {}, True
@@ -150,11 +150,12 @@ class Decoder:
                 return str(v), True
         else:
             raise TypeError(f"unsupported annotation {tp}")
-        self.error(path, f"expected {_describe(tp)}, got {_kind(v)} {_short(v)}")
+        self.error(path, f"expected {_describe(tp)}, got {kind_of(v)} {short_repr(v)}")
         return None, False
 
 
-def _kind(v: Any) -> str:
+def kind_of(v: Any) -> str:
+    """'an integer', 'a mapping'...: what a YAML value is, in an error message."""
     return {
         dict: "a mapping",
         list: "a list",
@@ -170,6 +171,7 @@ def _describe(tp: Any) -> str:
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
 
 
-def _short(v: Any) -> str:
+def short_repr(v: Any) -> str:
+    """repr(v), cut to 40 characters."""
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."

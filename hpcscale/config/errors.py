@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 from hpcscale.errors import BadInput
 
+# The `file` of a problem in a command-line override (-p KEY=VALUE), which has no file or line.
+COMMAND_LINE = "command line -p"
+
 
 @dataclass(frozen=True, slots=True)
 class ConfigIssue:
@@ -19,6 +22,8 @@ class ConfigIssue:
     message: str
 
     def __str__(self) -> str:
+        if self.file == COMMAND_LINE and self.key:  # command line -p train.params.lr: expected a number...
+            return f"{self.file} {self.key}: {self.message}"
         where = f"{self.file}:{self.line}" if self.line else self.file
         return f"{where}: {self.key}: {self.message}" if self.key else f"{where}: {self.message}"
 

@@ -4,12 +4,14 @@ that reads a job. Cross-field rules live here; each failure names file, line and
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcscale.config.decode import Decoder
 from hpcscale.config.errors import ConfigError, ConfigIssue, did_you_mean
 from hpcscale.config.job import JobSpec
+from hpcscale.config.overrides import Override, apply_overrides, parse_overrides
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.train import TrainConfig, train_checks
 from hpcscale.config.yamlsrc import YamlSource, load_yaml
@@ -33,6 +35,10 @@ class LoadedJob:
     path: Path
     site: LoadedSite
     warnings: tuple[ConfigIssue, ...] = ()  # valid but likely wrong (config validate and submit print them)
+    # The command-line overrides (-p) applied to the file, and the YAML decoded (file plus overrides, with
+    # where each key came from: for later checks that name a key's place).
+    overrides: tuple[Override, ...] = ()
+    source: YamlSource | None = None
 
 
 def site_search_path() -> list[Path]:
@@ -97,10 +103,13 @@ def resolve_site(name_or_path: str, *, relative_to: Path | None = None) -> Loade
     return load_site(found)
 
 
-def load_job(path: str | Path, *, site: str | None = None) -> LoadedJob:
-    """A validated job spec and its site. `site` overrides the spec's `site:` (the --site option)."""
+def load_job(path: str | Path, *, site: str | None = None, overrides: Sequence[str] = ()) -> LoadedJob:
+    """A validated job spec and its site. `site` overrides the spec's `site:` (the --site option);
+    `overrides` are `-p KEY=VALUE` texts, set in the parsed file before it is decoded
+    (hpcscale.config.overrides)."""
     p = Path(path)
-    src = load_yaml(p)
+    parsed = parse_overrides(overrides)
+    src = apply_overrides(load_yaml(p), parsed)
     dec = Decoder(src)
     spec = dec.decode(JobSpec, src.data)
     dec.raise_if_any()
@@ -109,11 +118,11 @@ def load_job(path: str | Path, *, site: str | None = None) -> LoadedJob:
     else:
         found = find_site(spec.site, relative_to=p.parent)
         if found is None:
-            raise ConfigError([ConfigIssue(src.file, src.line_of(("site",)), "site", _no_such_site(spec.site))])
+            raise ConfigError([ConfigIssue(*src.locate(("site",)), "site", _no_such_site(spec.site))])
         loaded_site = load_site(found)
     check_job(spec, loaded_site.config, dec)
     dec.raise_if_any()
-    return LoadedJob(spec, p, loaded_site, tuple(dec.warnings))
+    return LoadedJob(spec, p, loaded_site, tuple(dec.warnings), parsed, src)
 
 
 def detect_kind(src: YamlSource) -> str:

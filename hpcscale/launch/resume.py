@@ -382,7 +382,7 @@ def _resized(loaded: LoadedJob, nodes: int) -> LoadedJob:
     from hpcscale.config.yamlsrc import load_yaml
 
     spec = replace(loaded.spec, nodes=nodes)
-    dec = Decoder(load_yaml(loaded.path))
+    dec = Decoder(loaded.source or load_yaml(loaded.path))  # -p overrides keep their "command line" place
     check_job(spec, loaded.site.config, dec)
     if dec.issues:
         raise BadInput("\n".join(f"{i} (resuming on {nodes} nodes)" for i in dec.issues))

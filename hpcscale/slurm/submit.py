@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
-from hpcscale.rundir import RunDir, Submission, default_run_dir
+from hpcscale.rundir import JOB, RunDir, Submission, default_run_dir
 from hpcscale.slurm.allocation import site_tree
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.slurm.render import choose_template, render_script
@@ -61,8 +61,11 @@ def submit_job(
     existed = job.run_dir.exists()
     rd = RunDir.create(job.run_dir, reuse=reuse)
     index = rd.next_index()
+    overrides = [o.text for o in loaded.overrides]
+    if not overrides and loaded.path.resolve() == (rd.path / JOB).resolve():
+        overrides = rd.recorded_overrides()  # a resume resubmits the recorded spec: keep saying where it came from
     try:
-        rd.write_resolved(job.spec, job.site)
+        rd.write_resolved(job.spec, job.site, overrides=overrides)
         script = rd.write_script(index, text)
         job_id = cluster = None
         if not dry_run:
