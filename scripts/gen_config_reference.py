@@ -19,6 +19,7 @@ from hpcscale.config.fields import yaml_key
 from hpcscale.config.job import JobSpec
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.train import TrainConfig
+from hpcscale.config.xsite import XsiteConfig
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "config-reference.md"
 
@@ -59,7 +60,12 @@ Rules across keys (checked against the job's site): `tp × pp` divides the world
 `nodes × tasks_per_node` (dp is the quotient); `tp` divides `tasks_per_node`, so tensor-parallel groups stay
 inside a node; the partition exists and has at least `nodes` nodes, `gpus_per_node` GPUs and
 `tasks_per_node × cpus_per_task` cores per node; `time_limit` is within the partition's `max_time`; `train` and
-`command` exclude each other; on a `local` site `nodes` is 1.
+`command` exclude each other; on a `local` site `nodes` is 1; `xsite` needs the built-in trainer, a cross-site
+config that loads, and a site of it.
+""",
+    XsiteConfig: """
+One file, the same on every site ([cross-site.md](cross-site.md)). Rules across keys: site names are unique;
+`aggregator` is one of them; `quorum.min_sites` is at most the number of sites.
 """,
 }
 
@@ -132,6 +138,7 @@ def render() -> str:
         ("Site config", SiteConfig, ""),
         ("Job spec", JobSpec, ""),
         ("Built-in trainer parameters", TrainConfig, "train.params"),
+        ("Cross-site config (`hpcscale sync --config`)", XsiteConfig, ""),
     ):
         out.append(f"\n## {title}\n")
         section(cls, prefix, out, set())

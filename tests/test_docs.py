@@ -18,10 +18,11 @@ def test_every_schema_key_is_in_the_reference():
 
     from hpcscale.config import job, site
     from hpcscale.config import train as train_config
+    from hpcscale.config import xsite as xsite_config
     from hpcscale.config.fields import yaml_key
 
     text = (REPO / "docs" / "config-reference.md").read_text()
-    for module in (site, job, train_config):
+    for module in (site, job, train_config, xsite_config):
         for obj in vars(module).values():
             if dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__:
                 for f in dataclasses.fields(obj):

@@ -19,7 +19,7 @@ def config() -> None:
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--kind",
-    type=click.Choice(["site", "job"]),
+    type=click.Choice(["site", "job", "xsite"]),
     default=None,
     help="Treat every file as this kind (default: read it off the file's keys).",
 )

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "data": ("hpcscale.cli.train_cmd", "data", "Prepare token datasets from text."),
     "ckpt": ("hpcscale.cli.ckpt_cmd", "ckpt", "List, verify, inspect, gc and export checkpoints."),
     "manifest": ("hpcscale.cli.stage_cmd", "manifest", "Build, diff and verify dataset manifests."),
+    "sync": ("hpcscale.cli.sync_cmd", "sync", "One cross-site round tick (cron); status; keys."),
     "stage": (
         "hpcscale.cli.stage_cmd",
         "stage",

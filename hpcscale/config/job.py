@@ -67,6 +67,17 @@ class CheckpointPolicy:
 
 
 @dataclass(kw_only=True, slots=True)
+class XsiteJob:
+    """This job is one site's trainer in a cross-site training (docs/cross-site.md)."""
+
+    config: str = setting(
+        "The cross-site config file (the one every site's `hpcscale sync` reads); its `round_steps` and "
+        "`wait_seconds` set this trainer's rounds.",
+    )
+    site: str = setting("This job's site in that config.", check=check_name)
+
+
+@dataclass(kw_only=True, slots=True)
 class Data:
     """The training data."""
 
@@ -195,6 +206,7 @@ class JobSpec:
     sweep: Sweep | None = setting("Job-array sweep.", default=None)
     checkpoint: CheckpointPolicy = setting("Checkpoint policy.", factory=CheckpointPolicy)
     data: Data = setting("Training data.", factory=Data)
+    xsite: XsiteJob | None = setting("Cross-site training: the config and this job's site.", default=None)
     signals: Signals = setting("Time-limit and preemption signal, and requeue.", factory=Signals)
     restart: Restart = setting("Requeue budgets and node exclusion.", factory=Restart)
     timeout_seconds: int = setting(

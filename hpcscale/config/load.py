@@ -126,9 +126,11 @@ def load_job(path: str | Path, *, site: str | None = None, overrides: Sequence[s
 
 
 def detect_kind(src: YamlSource) -> str:
-    """'site' or 'job' for a file given to `config validate` without --kind."""
+    """'site', 'job' or 'xsite' (a cross-site config) for a file given to `config validate` without --kind."""
     data = src.data if isinstance(src.data, dict) else {}
-    return "site" if {"scheduler", "partitions", "filesystems"} & data.keys() else "job"
+    if {"scheduler", "partitions", "filesystems"} & data.keys():
+        return "site"
+    return "xsite" if {"aggregator", "round_steps"} & data.keys() else "job"
 
 
 def _check_site(site: SiteConfig, dec: Decoder) -> None:
@@ -191,6 +193,8 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         dims = ParallelDims.for_world(world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp)
         _check_train_params(spec, dec, dims=dims)
     _check_stopping(spec, site, dec)
+    if spec.xsite is not None:
+        _check_xsite(spec, dec)
     if spec.train is not None and spec.train.entry != "builtin":
         from hpcscale.config.entry import entry_problem
 
@@ -228,6 +232,29 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         )
     if part.max_time is not None and parse_duration(spec.time_limit) > parse_duration(part.max_time):
         dec.error(("time_limit",), f"{spec.time_limit} is over {where}'s limit of {part.max_time}")
+
+
+def _check_xsite(spec: JobSpec, dec: Decoder) -> None:
+    """The cross-site config the job names must load and list the job's site."""
+    from hpcscale.config.xsite import load_xsite
+    from hpcscale.util.paths import expand_path
+
+    assert spec.xsite is not None
+    if spec.train is None or spec.train.entry != "builtin":
+        dec.error(("xsite",), "cross-site rounds are run by the built-in trainer (train.entry: builtin)")
+        return
+    try:
+        cfg = load_xsite(expand_path(spec.xsite.config))
+    except ConfigError as e:
+        dec.error(("xsite", "config"), f"{spec.xsite.config} is not a valid cross-site config: {e}")
+        return
+    except OSError as e:
+        dec.error(("xsite", "config"), f"cannot read {spec.xsite.config}: {e.strerror or e}")
+        return
+    if cfg.site(spec.xsite.site) is None:
+        names = [s.name for s in cfg.sites]
+        hint = did_you_mean(spec.xsite.site, names)
+        dec.error(("xsite", "site"), f"'{spec.xsite.site}' is not a site of {cfg.name}{hint}")
 
 
 def _check_stopping(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:

@@ -13,7 +13,7 @@ from hpcscale.config.load import detect_kind, load_job, parse_site
 from hpcscale.config.overrides import parse_overrides
 from hpcscale.config.yamlsrc import YamlSource, load_yaml
 
-Kind = Literal["site", "job"]
+Kind = Literal["site", "job", "xsite"]
 
 
 @dataclass(slots=True)
@@ -59,6 +59,10 @@ def validate_files(
             result.kind = kind or detect_kind(src)
             if result.kind == "site":
                 result.name = parse_site(src).name
+            elif result.kind == "xsite":
+                from hpcscale.config.xsite import parse_xsite
+
+                result.name = parse_xsite(src).name
             else:
                 loaded = load_job(path, site=site, overrides=overrides)
                 result.name, result.warnings = loaded.spec.name, list(loaded.warnings)

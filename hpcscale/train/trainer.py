@@ -190,16 +190,35 @@ def train(ctx: Context) -> None:
         )
 
     wd = ctx.hooks.get("watchdog") or NoWatchdog()  # launch's progress watchdog; none without launch
+    rounds = None
+    if ctx.job.xsite is not None:  # one site of a cross-site training (hpcscale.train.rounds)
+        from hpcscale.train.rounds import Rounds
+        from hpcscale.xsite.rounds import TAG
+
+        rounds = Rounds(ctx, model, tokens_per_step=cfg.global_batch * cfg.seq_len)
+        if restored is not None:
+            rounds.restore(restored.trainer_state)
 
     def save(done_steps: int, *, asynchronous: bool) -> None:
+        state = {"step": done_steps, "loader": loader.state_dict()}
+        if rounds is not None and rounds.is_boundary(done_steps):
+            state[TAG] = rounds.tag(done_steps) if done_steps > 0 else {"base_round": -1, "site": rounds.site}
         with wd.paused("checkpoint"):
-            stats = ckpt.save(
-                done_steps,
-                state_tensors(model, opt),
-                {"step": done_steps, "loader": loader.state_dict()},
-                asynchronous=asynchronous,
-            )
+            stats = ckpt.save(done_steps, state_tensors(model, opt), state, asynchronous=asynchronous)
         ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
+
+    def round_boundary(done_steps: int) -> None:
+        """Save the round checkpoint the sync tick exports, then wait for the next global round."""
+        with wd.paused("cross-site round"):
+            save(done_steps, asynchronous=False)
+            ckpt.wait()
+            rounds.wait_and_adopt(done_steps)
+
+    if rounds is not None and start == 0:
+        round_boundary(0)  # the start checkpoint (the aggregator's becomes round 0), then adopt θ(0)
+    elif rounds is not None and rounds.is_boundary(start):
+        with wd.paused("cross-site round"):  # resumed from a round checkpoint: the wait it was killed in
+            rounds.wait_and_adopt(start)
 
     autocast = ctx.device.type == "cuda" and cfg.bf16
     tokens_per_step = cfg.global_batch * cfg.seq_len
@@ -296,7 +315,9 @@ def train(ctx: Context) -> None:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
             with wd.paused("evaluation"):
                 evaluate(step)
-        if policy.every_steps and (step + 1) % policy.every_steps == 0 and step != cfg.steps - 1:
+        if rounds is not None and rounds.is_boundary(step + 1) and step != cfg.steps - 1:
+            round_boundary(step + 1)
+        elif policy.every_steps and (step + 1) % policy.every_steps == 0 and step != cfg.steps - 1:
             save(step + 1, asynchronous=policy.asynchronous)
         if stop > 0:
             with wd.paused("checkpoint"):
@@ -308,6 +329,6 @@ def train(ctx: Context) -> None:
         with wd.paused("evaluation"):
             evaluate(cfg.steps - 1)
     with wd.paused("checkpoint"):
-        if policy.every_steps:
-            save(cfg.steps, asynchronous=False)
+        if policy.every_steps or rounds is not None:
+            save(cfg.steps, asynchronous=False)  # a cross-site run's last round checkpoint too
         ckpt.wait()

@@ -1,0 +1,145 @@
+"""Cross-site config: the sites of one cross-site training, who aggregates, and the round's rules.
+
+One file, the same on every site (docs/cross-site.md). Each site's `hpcscale sync --config X --site S` tick
+reads it; so does the trainer of a job whose spec names it (`xsite: {config: X, site: S}`), for the round
+length and how long to wait for the next global weights. Reference: docs/config-reference.md.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from hpcscale.config.decode import Decoder
+from hpcscale.config.errors import ConfigError
+from hpcscale.config.fields import setting
+from hpcscale.config.site import check_name
+from hpcscale.config.yamlsrc import YamlSource, load_yaml
+
+_ENDPOINT = re.compile(r"^(ssh://[^\s]+|/[^\s]*)$")
+
+
+def check_endpoint(value: str) -> str | None:
+    if not _ENDPOINT.match(value):
+        return f"'{value}' is neither an absolute path nor ssh://[user@]host[:port]/path"
+    return None
+
+
+def check_abs(value: str) -> str | None:
+    if not (value.startswith("/") or value.startswith("~")):
+        return f"'{value}' is not an absolute path (or ~/...)"
+    return None
+
+
+@dataclass(kw_only=True, slots=True)
+class XsiteSite:
+    """One site: where its run and its sync state live, and how the other sites reach it."""
+
+    name: str = setting("The site's name in contributions, signatures and `sync --site`.", check=check_name)
+    run: str = setting(
+        "The run directory of this site's training job (on this site): its round checkpoints are read, the "
+        "global weights handed to it.",
+        check=check_abs,
+    )
+    state: str = setting(
+        "This site's sync state directory (on this site): outbox, inbox, the tick lock and log; on the "
+        "aggregator also every site's incoming contributions and the published rounds.",
+        check=check_abs,
+    )
+    reach: str = setting(
+        "How the other sites reach this site's `state` directory: `ssh://[user@]host[:port]/path` (or a path "
+        "on a filesystem both share). The aggregator pushes rounds to `<reach>/inbox`; sites push their "
+        "contributions to the aggregator's `<reach>/incoming/<site>`.",
+        check=check_endpoint,
+    )
+    key: str = setting("This site's ed25519 private key (on this site; `hpcscale sync keygen`).", check=check_abs)
+
+
+@dataclass(kw_only=True, slots=True)
+class Outer:
+    """The outer step the aggregator applies to the averaged contribution (DiLoCo: Nesterov SGD)."""
+
+    lr: float = setting("Outer learning rate η (1.0 with momentum 0: federated averaging).", default=0.7, min=0)
+    momentum: float = setting("Outer Nesterov momentum μ.", default=0.9, min=0, max=0.999)
+    rule: Literal["mean", "median", "trimmed_mean"] = setting(
+        "How contributions are combined: weighted `mean`, or the robust coordinate-wise `median` or "
+        "`trimmed_mean` (these ignore weights).",
+        default="mean",
+    )
+    trim: float = setting("trimmed_mean: the share cut at each end.", default=0.2, min=0, max=0.49)
+    outlier_factor: float = setting(
+        "Reject a contribution whose norm exceeds this many times the median of the others' (3 sites or more).",
+        default=10.0,
+        min=1,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Quorum:
+    """When the aggregator applies a round."""
+
+    min_sites: int = setting(
+        "Contributions needed before the timeout; at the timeout any number ≥ 1.", default=2, min=1
+    )
+    timeout_seconds: float = setting(
+        "From the first contribution of a round: after this, aggregate what is in (at least one).",
+        default=1800,
+        min=0,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class XsiteConfig:
+    """A cross-site training: the sites, the aggregator, the round."""
+
+    name: str = setting("Name of the cross-site training (logs, status).", check=check_name)
+    sites: list[XsiteSite] = setting("Every site taking part.", factory=list)
+    aggregator: str = setting("The site that aggregates and publishes rounds.", check=check_name)
+    round_steps: int = setting("H: inner steps each site takes per round.", min=1)
+    encoding: Literal["fp32", "bf16", "int8"] = setting(
+        "How a contribution travels: `fp32` (exact), `bf16` (half the bytes), `int8` (a quarter; per-chunk "
+        "binning over mean ± 6σ).",
+        default="fp32",
+    )
+    weighting: Literal["tokens", "equal"] = setting(
+        "Weights of the mean: tokens each site saw in the round, or equal.", default="tokens"
+    )
+    outer: Outer = setting("The outer optimizer.", factory=Outer)
+    quorum: Quorum = setting("When a round is applied.", factory=Quorum)
+    wait_seconds: float = setting(
+        "How long a trainer waits at a round boundary for the new global weights before training on locally "
+        "(it adopts them at a later boundary).",
+        default=600,
+        min=0,
+    )
+    keys: str = setting("Directory of every site's public key (`<site>.pub`), the same on every site.", check=check_abs)
+
+    def site(self, name: str) -> XsiteSite | None:
+        return next((s for s in self.sites if s.name == name), None)
+
+
+def parse_xsite(src: YamlSource) -> XsiteConfig:
+    dec = Decoder(src)
+    cfg = dec.decode(XsiteConfig, src.data)
+    dec.raise_if_any()
+    names = [s.name for s in cfg.sites]
+    if len(names) < 1:
+        dec.error(("sites",), "lists no site")
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            dec.error(("sites", i, "name"), f"site '{name}' is listed twice")
+    if names and cfg.aggregator not in names:
+        dec.error(("aggregator",), f"'{cfg.aggregator}' is not one of the sites ({', '.join(names)})")
+    if cfg.quorum.min_sites > len(names):
+        dec.error(("quorum", "min_sites"), f"{cfg.quorum.min_sites} is more than the {len(names)} site(s)")
+    dec.raise_if_any()
+    return cfg
+
+
+def load_xsite(path: str | Path) -> XsiteConfig:
+    return parse_xsite(load_yaml(Path(path)))
+
+
+__all__ = ["ConfigError", "XsiteConfig", "XsiteSite", "load_xsite", "parse_xsite"]

@@ -1,0 +1,105 @@
+"""The trainer's side of cross-site rounds (docs/cross-site.md): round checkpoints and adopting θ(r).
+
+A job with `xsite: {config, site}` trains in rounds of H = `round_steps` inner steps. At step 0 of a fresh run
+it saves a *start checkpoint* (tag base_round −1: the aggregator publishes round 0 from its own), then waits
+for θ(0). At every round boundary it saves a *round checkpoint* tagged with the global round its weights
+started from (base_round), the steps and the tokens since, which the site's `hpcscale sync` tick turns into a
+contribution Δ = θ(base) − θ_site; then it waits up to `wait_seconds` for the next global round and adopts it:
+the model's parameters become θ(r), the inner optimizer's state stays (DiLoCo). A wait that times out trains
+on from the local weights and adopts the newest round at a later boundary (its next contribution is then for
+the same base round, which the tick does not send twice: those steps count toward the base's next round).
+
+Every rank decides the same thing: rank 0 looks for θ(r) and broadcasts what it found once a second, so the
+wait is never one long collective (the collective timeout stays what the job says).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpcscale.config.xsite import XsiteConfig, load_xsite
+from hpcscale.util.paths import expand_path
+from hpcscale.xsite.rounds import TAG, latest_global, load_global
+
+POLL_S = 1.0
+
+
+class Rounds:
+    def __init__(self, ctx, model: torch.nn.Module, *, tokens_per_step: int):
+        spec = ctx.job.xsite
+        self.cfg: XsiteConfig = load_xsite(expand_path(spec.config))
+        self.site = spec.site
+        self.H = self.cfg.round_steps
+        self.ctx, self.model, self.tokens_per_step = ctx, model, tokens_per_step
+        self.run: Path = ctx.run_dir
+        self.base = -1  # the global round the current weights started from (-1: none adopted yet)
+        self.since = 0  # the step at which they were adopted
+
+    # ---- state carried in checkpoints ------------------------------------------------------------------------
+    def tag(self, step: int) -> dict:
+        steps = step - self.since
+        return {
+            "base_round": self.base,
+            "since": self.since,
+            "steps": steps,
+            "tokens": steps * self.tokens_per_step,
+            "site": self.site,
+        }
+
+    def restore(self, state: dict) -> None:
+        tag = state.get(TAG)
+        if isinstance(tag, dict) and type(tag.get("base_round")) is int:
+            self.base = tag["base_round"]
+            self.since = int(tag.get("since", 0)) if type(tag.get("since")) is int else 0
+
+    def is_boundary(self, done_steps: int) -> bool:
+        return done_steps % self.H == 0
+
+    # ---- adopting θ(r) ---------------------------------------------------------------------------------------
+    def wait_and_adopt(self, done_steps: int, *, wait_s: float | None = None) -> int | None:
+        """Wait (up to wait_seconds, or `wait_s`) for a global round newer than base; adopt it. Collective."""
+        limit = self.cfg.wait_seconds if wait_s is None else wait_s
+        t0 = time.monotonic()
+        found: int | None = None
+        while True:
+            decision = [None, False]
+            if self.ctx.rank == 0:
+                newest = latest_global(self.run)
+                if newest is not None and newest > self.base:
+                    decision = [newest, True]
+                elif time.monotonic() - t0 >= limit or self.ctx.stop.requested:
+                    decision = [None, True]
+            dist.broadcast_object_list(decision, src=0)
+            if decision[1]:
+                found = decision[0]
+                break
+            time.sleep(POLL_S)
+        waited = round(time.monotonic() - t0, 3)
+        if found is None:
+            self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=None)
+            return None
+        self._load(load_global(self.run, found))
+        self.base, self.since = found, done_steps
+        self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=found)
+        self.ctx.metrics.print(f"hpcscale: adopted global round {found} at step {done_steps} (waited {waited:.1f} s)")
+        return found
+
+    def _load(self, theta: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name not in theta:
+                    raise RuntimeError(f"global round has no tensor {name}: not this model's weights")
+                full = theta[name].to(dtype=p.dtype)
+                if hasattr(p, "to_local"):  # a DTensor: this rank's shard of the full tensor
+                    from torch.distributed.tensor import distribute_tensor
+
+                    local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local()
+                    p.to_local().copy_(local)
+                else:
+                    if tuple(full.shape) != tuple(p.shape):
+                        raise RuntimeError(f"global round's {name} has shape {tuple(full.shape)}, not {tuple(p.shape)}")
+                    p.copy_(full.to(p.device))

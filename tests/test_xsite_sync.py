@@ -1,0 +1,225 @@
+"""Cross-site rounds end to end on this machine: two sites' reference trainers (`hpcscale run --local`) and
+their `hpcscale sync` ticks, exchanging through the staging transports over a shared filesystem. Several rounds
+complete, both sites adopt every round and end on the same θ; ticks are idempotent and two at once apply a
+round once; a tampered contribution is rejected with its reason and never applied."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+from trainjobs import PARAMS
+
+STEPS, H = 30, 10
+
+
+def _setup(tmp: Path, *, steps: int = STEPS, wait: float = 120, min_sites: int = 2) -> tuple[Path, dict]:
+    keys = tmp / "keys"
+    for site in ("a", "b"):
+        r = run_cli("sync", "keygen", "--site", site, "--out", str(tmp / f"priv-{site}"))
+        assert r.returncode == 0, r.stderr
+        keys.mkdir(exist_ok=True)
+        (keys / f"{site}.pub").write_bytes((tmp / f"priv-{site}" / f"{site}.pub").read_bytes())
+    cfg = {
+        "name": "two",
+        "aggregator": "a",
+        "round_steps": H,
+        "encoding": "fp32",
+        "wait_seconds": wait,
+        "quorum": {"min_sites": min_sites, "timeout_seconds": 600},
+        "keys": str(keys),
+        "sites": [
+            {
+                "name": s,
+                "run": str(tmp / f"run-{s}"),
+                "state": str(tmp / f"state-{s}"),
+                "reach": str(tmp / f"state-{s}"),
+                "key": str(tmp / f"priv-{s}" / f"{s}.key"),
+            }
+            for s in ("a", "b")
+        ],
+    }
+    config = tmp / "xsite.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    jobs = {}
+    for i, s in enumerate(("a", "b")):
+        spec = {
+            "name": f"site-{s}",
+            "site": "local",
+            "tasks_per_node": 1,
+            "timeout_seconds": 120,
+            "checkpoint": {"every_steps": 0, "keep_last": 10},
+            "xsite": {"config": str(config), "site": s},
+            "train": {"entry": "builtin", "params": {**PARAMS, "steps": steps, "seed": 7 + i}},
+        }
+        jobs[s] = tmp / f"job-{s}.yaml"
+        jobs[s].write_text(yaml.safe_dump(spec))
+    return config, jobs
+
+
+def _tick(config: Path, site: str) -> subprocess.CompletedProcess:
+    return run_cli("sync", "--config", str(config), "--site", site, "--json")
+
+
+def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6) -> dict[str, int]:
+    procs = {
+        s: subprocess.Popen(
+            [sys.executable, "-m", "hpcscale", "run", str(jobs[s]), "--local", "--run-dir", str(tmp / f"run-{s}")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for s in jobs
+    }
+    deadline = time.monotonic() + 600
+    while any(p.poll() is None for p in procs.values()):
+        assert time.monotonic() < deadline, "the sites did not finish"
+        for s in ("a", "b"):
+            r = _tick(config, s)
+            assert r.returncode in (0, 1), r.stderr
+        time.sleep(0.5)
+    for _ in range(extra_ticks):  # the last round: exported, aggregated, pushed, handed over
+        for s in ("a", "b"):
+            _tick(config, s)
+    return {s: p.wait() for s, p in procs.items()}
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path):
+    from safetensors.torch import load_file
+
+    config, jobs = _setup(tmp_path)
+    codes = _run_sites(tmp_path, config, jobs)
+    assert codes == {"a": 0, "b": 0}
+    rounds = sorted((tmp_path / "state-a" / "rounds").glob("round-*.json"))
+    assert [p.name for p in rounds] == [f"round-{r:06d}.json" for r in range(STEPS // H + 1)]
+    for r in range(1, STEPS // H + 1):
+        doc = json.loads((tmp_path / "state-a" / "rounds" / f"round-{r:06d}.json").read_text())
+        assert sorted(a["site"] for a in doc["accepted"]) == ["a", "b"] and doc["rejected"] == [], doc
+        assert doc["parent"] == r - 1
+    for s in ("a", "b"):
+        adopted = [m["xsite_round"] for m in _metrics(tmp_path / f"run-{s}") if "xsite_round" in m]
+        assert adopted == list(range(STEPS // H)), (s, adopted)  # θ(0) at the start, then every boundary
+    final = STEPS // H
+    a = load_file(str(tmp_path / "run-a" / "xsite" / f"global-r{final:06d}.safetensors"))
+    b = load_file(str(tmp_path / "run-b" / "xsite" / f"global-r{final:06d}.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    status = run_cli("sync", "status", "--config", str(config), "--site", "a", "--json")
+    assert status.returncode == 0, status.stderr
+    doc = json.loads(status.stdout)
+    assert [r["round"] for r in doc["rounds"]] == list(range(final + 1)) and doc["bytes_sent"] > 0
+
+
+def _concurrent_ticks(config: Path, site: str, n: int = 2) -> list[dict]:
+    results: list[subprocess.CompletedProcess] = []
+    threads = [threading.Thread(target=lambda: results.append(_tick(config, site))) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [json.loads(r.stdout) for r in results]
+
+
+def _published(docs: list[dict], r: int) -> int:
+    return sum(1 for d in docs for e in d["events"] if e["event"] == "published" and e["round"] == r)
+
+
+def _start(tmp: Path, jobs: dict, site: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpcscale", "run", str(jobs[site]), "--local", "--run-dir", str(tmp / f"run-{site}")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _until(what: str, ok, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def _one_round_in(tmp: Path, config: Path, jobs: dict) -> None:
+    """Both trainers (H steps) start; when a's start checkpoint is down, two of a's ticks at once publish
+    round 0 (exactly one of them); b's and a's ticks hand θ(0) to their runs, which adopt it, train H steps and
+    finish; b's tick exports b's contribution and pushes it to a. Round 1 is left for the test to apply."""
+    procs = {s: _start(tmp, jobs, s) for s in ("a", "b")}
+    _until("a's start checkpoint", lambda: (tmp / "run-a" / "checkpoints" / "step-00000000").is_dir())
+    docs = _concurrent_ticks(config, "a")
+    assert _published(docs, 0) == 1, docs
+    _until("b's run directory", lambda: (tmp / "run-b" / "job.yaml").is_file())
+    assert _tick(config, "b").returncode == 0
+    for s, p in procs.items():
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, (s, out[-3000:])
+        assert [m["xsite_round"] for m in _metrics(tmp / f"run-{s}") if "xsite_round" in m] == [0]
+    out = _tick(config, "b")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp / "state-a" / "incoming" / "b" / "contrib-b-r000000.json").exists()
+
+
+def test_ticks_are_idempotent_and_two_at_once_apply_a_round_once(mpi, tmp_path):
+    config, jobs = _setup(tmp_path, steps=H)
+    _one_round_in(tmp_path, config, jobs)
+    docs = _concurrent_ticks(config, "a")  # a's contribution, then the round: one of the two ticks
+    assert _published(docs, 1) == 1, docs
+    doc = json.loads((tmp_path / "state-a" / "rounds" / "round-000001.json").read_text())
+    assert sorted(a["site"] for a in doc["accepted"]) == ["a", "b"] and doc["parent"] == 0
+    for _ in range(2):
+        _tick(config, "a")
+        _tick(config, "b")
+    rounds = sorted(p.name for p in (tmp_path / "state-a" / "rounds").glob("round-*.json"))
+    assert rounds == ["round-000000.json", "round-000001.json"]
+    before = {str(p): p.stat().st_mtime_ns for p in tmp_path.glob("state-*/**/*") if p.is_file()}
+    for site in ("a", "b"):
+        quiet = _tick(config, site)
+        assert quiet.returncode == 0 and json.loads(quiet.stdout)["events"] == [], quiet.stdout
+    after = {str(p): p.stat().st_mtime_ns for p in tmp_path.glob("state-*/**/*") if p.is_file()}
+    changed = [k for k in after if before.get(k) != after[k] and not k.endswith("log.jsonl")]
+    assert changed == [], changed
+
+
+def test_tampered_contribution_is_rejected_with_its_reason(mpi, tmp_path):
+    config, jobs = _setup(tmp_path, steps=H, min_sites=1)
+    _one_round_in(tmp_path, config, jobs)
+    incoming = tmp_path / "state-a" / "incoming" / "b" / "contrib-b-r000000.safetensors"
+    data = bytearray(incoming.read_bytes())
+    data[-1] ^= 0xFF  # one bit of b's payload flipped on the way
+    incoming.write_bytes(bytes(data))
+    out = json.loads(_tick(config, "a").stdout)
+    rejected = [e for e in out["events"] if e["event"] == "rejected"]
+    assert [e["site"] for e in rejected] == ["b"] and "sha256" in rejected[0]["reason"], out
+    doc = json.loads((tmp_path / "state-a" / "rounds" / "round-000001.json").read_text())
+    assert [a["site"] for a in doc["accepted"]] == ["a"]  # applied without b's
+    assert [x["site"] for x in doc["rejected"]] == ["b"] and "sha256" in doc["rejected"][0]["reason"]
+    again = json.loads(_tick(config, "a").stdout)
+    assert not [e for e in again["events"] if e["event"] == "rejected"], "a rejection is reported once"
+
+
+@pytest.mark.parametrize("bad", ["aggregator: c", "round_steps: 0"])
+def test_bad_config_is_exit_2_naming_the_key(tmp_path, bad):
+    config, _ = _setup(tmp_path)
+    text = config.read_text()
+    key, value = bad.split(": ")
+    spec = yaml.safe_load(text)
+    spec[key] = int(value) if value.isdigit() else value
+    config.write_text(yaml.safe_dump(spec))
+    r = run_cli("sync", "--config", str(config), "--site", "a")
+    assert r.returncode == 2 and key in r.stderr, r.stderr
+
+
+def test_crontab_example_names_real_options():
+    text = (REPO / "scripts" / "xsite.crontab").read_text()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert lines and all("hpcscale sync --config" in line and "--site" in line for line in lines)
