@@ -6,6 +6,8 @@ round once; a tampered contribution is rejected with its reason and never applie
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_cli
+from conftest import REPO, need, run_cli
 from trainjobs import PARAMS
 
 STEPS, H = 30, 10
@@ -64,11 +66,17 @@ def _setup(tmp: Path, *, steps: int = STEPS, wait: float = 120, min_sites: int =
     return config, jobs
 
 
-def _tick(config: Path, site: str) -> subprocess.CompletedProcess:
-    return run_cli("sync", "--config", str(config), "--site", site, "--json")
+def _tick(config: Path, site: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {"HPCSCALE_XSITE_FAULT": fault} if fault else None
+    return run_cli("sync", "--config", str(config), "--site", site, "--json", env=env)
 
 
-def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6) -> dict[str, int]:
+def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6, faults: bool = False) -> dict[str, int]:
+    """Both trainers, and each site's ticks every 0.5 s until they finish. faults: each tick is SIGKILLed at
+    the next of FAULT_POINTS in turn (where it gets that far); the one after it must complete what it left."""
+    from hpcscale.xsite.rounds import FAULT_POINTS
+
+    killed = 0
     procs = {
         s: subprocess.Popen(
             [sys.executable, "-m", "hpcscale", "run", str(jobs[s]), "--local", "--run-dir", str(tmp / f"run-{s}")],
@@ -82,9 +90,15 @@ def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6) -> 
     while any(p.poll() is None for p in procs.values()):
         assert time.monotonic() < deadline, "the sites did not finish"
         for s in ("a", "b"):
-            r = _tick(config, s)
-            assert r.returncode in (0, 1), r.stderr
+            fault = FAULT_POINTS[killed % len(FAULT_POINTS)] if faults else None
+            r = _tick(config, s, fault)
+            if r.returncode == -9:
+                killed += 1
+            else:
+                assert r.returncode in (0, 1), r.stderr
         time.sleep(0.5)
+    if faults:
+        assert killed >= len(FAULT_POINTS), f"only {killed} ticks reached a fault point"
     for _ in range(extra_ticks):  # the last round: exported, aggregated, pushed, handed over
         for s in ("a", "b"):
             _tick(config, s)
@@ -95,11 +109,12 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path):
+@pytest.mark.parametrize("faults", [False, True], ids=["clean", "kill-9-at-each-stage"])
+def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path, faults):
     from safetensors.torch import load_file
 
     config, jobs = _setup(tmp_path)
-    codes = _run_sites(tmp_path, config, jobs)
+    codes = _run_sites(tmp_path, config, jobs, faults=faults)
     assert codes == {"a": 0, "b": 0}
     rounds = sorted((tmp_path / "state-a" / "rounds").glob("round-*.json"))
     assert [p.name for p in rounds] == [f"round-{r:06d}.json" for r in range(STEPS // H + 1)]
@@ -223,3 +238,83 @@ def test_crontab_example_names_real_options():
     text = (REPO / "scripts" / "xsite.crontab").read_text()
     lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
     assert lines and all("hpcscale sync --config" in line and "--site" in line for line in lines)
+
+
+# ---- two Slurm clusters over a capped ssh link ----------------------------------------------------------------
+LINK = "20mbit"  # the tbf cap on the namespace's loopback: what a thin WAN link does to a round
+
+
+@pytest.fixture
+def capped_link():
+    """A network namespace whose loopback is capped by tbf (netem does not work on this kernel, tbf does)."""
+    need(shutil.which("ip") is not None and shutil.which("tc") is not None, "iproute2 (ip, tc)")
+    ns = f"hpcscale-xsite-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", LINK,
+                        "burst", "64kb", "latency", "50ms"], check=True)  # fmt: skip
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_two_slurm_clusters_exchange_over_a_capped_ssh_link(local_cluster, capped_link, tmp_path):
+    """Site a's trainer on cluster local1, site b's on local2 (`hpcscale submit`); their ticks run inside a
+    network namespace and reach each other's state directories only through an sshd in it, over a loopback
+    capped at LINK. Rounds complete, both sites adopt them and end on the same θ."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from safetensors.torch import load_file
+    from sshd import LoopbackSshd, available
+
+    need(available(), "sshd and ssh (apt-get install openssh-server openssh-client)")
+    up = subprocess.run([str(REPO / "scripts" / "localcluster"), "up", "--cluster", "local2"], capture_output=True,
+                        text=True, timeout=600)  # fmt: skip
+    assert up.returncode == 0, up.stderr[-2000:]
+    server = LoopbackSshd(tmp_path / "sshd", netns=capped_link).start()
+    try:
+        config, jobs = _setup(tmp_path, steps=STEPS)
+        cfg = yaml.safe_load(config.read_text())
+        cfg["ssh"] = server.ssh_command()
+        for site in cfg["sites"]:
+            site["reach"] = server.url(site["state"])
+        config.write_text(yaml.safe_dump(cfg))
+        ids = {}
+        for s, cluster_site in (("a", "localcluster"), ("b", "localcluster2")):
+            spec = yaml.safe_load(jobs[s].read_text())
+            spec["site"] = cluster_site
+            jobs[s].write_text(yaml.safe_dump(spec))
+            r = run_cli("submit", str(jobs[s]), "--run-dir", str(tmp_path / f"run-{s}"), "--json", env=local_cluster)
+            assert r.returncode == 0, r.stderr
+            ids[s] = (json.loads(r.stdout)["job_id"], cluster_site)
+
+        def tick(site: str) -> dict:
+            r = subprocess.run(["ip", "netns", "exec", capped_link, "hpcscale", "sync", "--config", str(config),
+                                "--site", site, "--json"], capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert r.returncode in (0, 1), r.stderr
+            return json.loads(r.stdout)
+
+        def finished() -> bool:
+            return all((tmp_path / f"run-{s}" / "checkpoints" / f"step-{STEPS:08d}").is_dir() for s in ("a", "b"))
+
+        deadline = time.monotonic() + 900
+        errors: list[str] = []
+        while not finished():
+            assert time.monotonic() < deadline, "the two sites did not finish"
+            for s in ("a", "b"):
+                errors += tick(s)["errors"]
+            time.sleep(0.5)
+        for _ in range(6):
+            for s in ("a", "b"):
+                tick(s)
+        final = STEPS // H
+        for s in ("a", "b"):
+            adopted = [m["xsite_round"] for m in _metrics(tmp_path / f"run-{s}") if "xsite_round" in m]
+            assert adopted == list(range(final)), (s, adopted, errors[-5:])
+        a = load_file(str(tmp_path / "run-a" / "xsite" / f"global-r{final:06d}.safetensors"))
+        b = load_file(str(tmp_path / "run-b" / "xsite" / f"global-r{final:06d}.safetensors"))
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+        status = json.loads(run_cli("sync", "status", "--config", str(config), "--site", "b", "--json").stdout)
+        assert status["bytes_sent"] > 0 and len(status["inbox"]) >= 1
+    finally:
+        server.stop()

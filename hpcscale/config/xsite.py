@@ -115,6 +115,11 @@ class XsiteConfig:
         min=0,
     )
     keys: str = setting("Directory of every site's public key (`<site>.pub`), the same on every site.", check=check_abs)
+    ssh: list[str] = setting(
+        "The ssh command and options a tick reaches other sites with (the staging ssh transport), e.g. "
+        "`[ssh, -i, ~/.ssh/xsite, -o, BatchMode=yes]`.",
+        factory=lambda: ["ssh"],
+    )
 
     def site(self, name: str) -> XsiteSite | None:
         return next((s for s in self.sites if s.name == name), None)

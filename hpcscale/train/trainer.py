@@ -201,7 +201,7 @@ def train(ctx: Context) -> None:
 
     def save(done_steps: int, *, asynchronous: bool) -> None:
         state = {"step": done_steps, "loader": loader.state_dict()}
-        if rounds is not None and rounds.is_boundary(done_steps):
+        if rounds is not None:  # lineage: every checkpoint names the global round its weights started from
             state[TAG] = rounds.tag(done_steps) if done_steps > 0 else {"base_round": -1, "site": rounds.site}
         with wd.paused("checkpoint"):
             stats = ckpt.save(done_steps, state_tensors(model, opt), state, asynchronous=asynchronous)

@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ from hpcscale.config.xsite import XsiteConfig, XsiteSite
 from hpcscale.errors import BadInput
 from hpcscale.portable import lock as tick_lock
 from hpcscale.portable.errors import StageError
+from hpcscale.portable.hashing import SHA256
 from hpcscale.util.paths import expand_path
 
 OUTBOX, INBOX, INCOMING, ROUNDS = "outbox", "inbox", "incoming", "rounds"
@@ -101,6 +103,15 @@ def _run(site: XsiteSite) -> Path:
     return expand_path(site.run)
 
 
+FAULT_POINTS = ("exported", "pushed", "published", "round_pushed", "handed")
+
+
+def _fault(point: str) -> None:
+    """Crash tests: HPCSCALE_XSITE_FAULT=<point> SIGKILLs the tick there (one environment lookup otherwise)."""
+    if os.environ.get("HPCSCALE_XSITE_FAULT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _atomic_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -136,13 +147,14 @@ def _consolidated(run: Path, step: int) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in consolidated(run / "checkpoints" / step_dir_name(step)).items()}
 
 
-def _push(files: list[Path], src_dir: Path, dst: str) -> int:
+def _push(cfg: XsiteConfig, files: list[Path], src_dir: Path, dst: str) -> int:
     """Stage `files` (in src_dir) to the endpoint `dst` with the staging transports; bytes sent."""
     from hpcscale.data.manifest import Manifest, entry_for
     from hpcscale.xsite.stage import StageOptions, stage_files
 
-    entries = [entry_for(src_dir, f.name, "sha256") for f in files]
-    result = stage_files(Manifest("sha256", entries), str(src_dir), dst, opts=StageOptions(jobs=1))
+    entries = [entry_for(src_dir, f.name, SHA256) for f in files]
+    opts = StageOptions(jobs=1, ssh=tuple(str(expand_path(a)) if a.startswith("~") else a for a in cfg.ssh))
+    result = stage_files(Manifest(SHA256, entries), str(src_dir), dst, opts=opts)
     return result.bytes_sent
 
 
@@ -193,11 +205,11 @@ def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, now: float
     if is_agg:
         _step("publish round 0", report, lambda: _publish_round0(cfg, me, key, report))
     _step("export", report, lambda: _export(cfg, me, key, keyring, report))
-    _step("push contribution", report, lambda: _push_contribution(me, aggregator, report))
+    _step("push contribution", report, lambda: _push_contribution(cfg, me, aggregator, report))
     if is_agg:
         _step("aggregate", report, lambda: _aggregate(cfg, me, key, keyring, report, now))
         for site in cfg.sites:
-            _step(f"push round to {site.name}", report, lambda site=site: _push_round(me, site, report))
+            _step(f"push round to {site.name}", report, lambda site=site: _push_round(cfg, me, site, report))
     _step("hand over", report, lambda: _hand_over(cfg, me, keyring, report))
 
 
@@ -224,7 +236,7 @@ def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) ->
     state = _state(me)
     if _published(state):
         return
-    start = [step for step, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1]
+    start = [step for step, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and step == 0]
     if not start:
         return  # the aggregator's trainer has not saved its start yet
     theta = _consolidated(_run(me), start[0])
@@ -264,7 +276,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
     state = _state(me)
     newest: dict[int, tuple[int, dict]] = {}
     for step, tag in _round_checkpoints(_run(me)):
-        if tag["base_round"] >= 0 and step > 0:
+        if tag["base_round"] >= 0 and step > 0 and step % cfg.round_steps == 0:  # round checkpoints only
             newest[tag["base_round"]] = (step, tag)  # the newest checkpoint of each base round
     for base, (step, tag) in sorted(newest.items()):
         if (state / OUTBOX / f"{contrib_stem(me.name, base)}.json").exists():
@@ -285,6 +297,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
             key=key,
         )
         report.add("exported", base_round=base, step=step, bytes=_pair_bytes(path))
+        _fault("exported")
 
 
 def _pair_bytes(json_path: Path) -> int:
@@ -295,7 +308,7 @@ def _pair(json_path: Path) -> list[Path]:
     return [json_path.with_suffix(".safetensors"), json_path]  # the payload first, its JSON (the marker) last
 
 
-def _push_contribution(me: XsiteSite, aggregator: XsiteSite, report: TickReport) -> None:
+def _push_contribution(cfg: XsiteConfig, me: XsiteSite, aggregator: XsiteSite, report: TickReport) -> None:
     outbox = _state(me) / OUTBOX
     mine = sorted(p for p in outbox.glob("contrib-*.json") if _CONTRIB.match(p.name))
     if not mine:
@@ -304,7 +317,8 @@ def _push_contribution(me: XsiteSite, aggregator: XsiteSite, report: TickReport)
     sent_marker = outbox / f".pushed-{newest.stem}"
     if sent_marker.exists():
         return
-    n = _push(_pair(newest), outbox, _endpoint(aggregator, me, f"{INCOMING}/{me.name}"))
+    n = _push(cfg, _pair(newest), outbox, _endpoint(aggregator, me, f"{INCOMING}/{me.name}"))
+    _fault("pushed")
     sent_marker.write_text(str(n))
     report.add("pushed", file=newest.name, to=aggregator.name, bytes=n)
 
@@ -388,6 +402,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         momentum=momentum,
         key=key,
     )
+    _fault("published")
     report.add("published", round=r, accepted=sorted(valid), rejected=rejected, waited_s=round(waited, 1))
 
 
@@ -400,7 +415,7 @@ def _read_json(path: Path) -> dict:
 
 
 # ---- 5. push rounds; 6. hand over ---------------------------------------------------------------------------------
-def _push_round(me: XsiteSite, site: XsiteSite, report: TickReport) -> None:
+def _push_round(cfg: XsiteConfig, me: XsiteSite, site: XsiteSite, report: TickReport) -> None:
     rounds = _state(me) / ROUNDS
     published = _published(_state(me))
     if not published:
@@ -409,7 +424,8 @@ def _push_round(me: XsiteSite, site: XsiteSite, report: TickReport) -> None:
     marker = rounds / f".pushed-{site.name}-{newest.stem}"
     if marker.exists():
         return
-    n = _push(_pair(newest), rounds, _endpoint(site, me, INBOX))
+    n = _push(cfg, _pair(newest), rounds, _endpoint(site, me, INBOX))
+    _fault("round_pushed")
     marker.write_text(str(n))
     report.add("pushed", file=newest.name, to=site.name, bytes=n)
 
@@ -435,6 +451,7 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
     save_file({k: v.contiguous() for k, v in published.theta.items()}, str(tmp), metadata={"round": str(r)})
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+    _fault("handed")
     os.replace(tmp, target)
     report.add("handed over", round=r, run=str(run))
 

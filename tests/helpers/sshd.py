@@ -28,7 +28,8 @@ def _free_port() -> int:
 
 
 class LoopbackSshd:
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, *, netns: str | None = None):
+        self.prefix = ["ip", "netns", "exec", netns] if netns else []  # sshd and its probe run in this namespace
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = 0
@@ -55,7 +56,7 @@ class LoopbackSshd:
             "AcceptEnv none\nSubsystem sftp internal-sftp\n"
         )
         self.proc = subprocess.Popen(
-            [SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
+            [*self.prefix, SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
             stdout=subprocess.DEVNULL,
             stderr=open(d / "sshd.log", "ab"),  # noqa: SIM115 - sshd holds it until stop()
         )
@@ -64,7 +65,7 @@ class LoopbackSshd:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sshd exited: {(d / 'sshd.log').read_text()[-1000:]}")
             probe = subprocess.run(
-                [*self.ssh_command(), "-p", str(self.port), "127.0.0.1", "true"], capture_output=True
+                [*self.prefix, *self.ssh_command(), "-p", str(self.port), "127.0.0.1", "true"], capture_output=True
             )
             if probe.returncode == 0:
                 return self

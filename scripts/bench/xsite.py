@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Cross-site rounds: bytes per round for each encoding, and the time of each stage of a sync tick.
+
+Two sites a (aggregator) and b on this machine, a model of --params parameters (default 100 M) held as real
+hpcscale checkpoints in each site's run directory (a start checkpoint, then a round checkpoint with each site's
+own weights), and the product's ticks (hpcscale.xsite.rounds.tick), in-process, timed stage by stage:
+  export (read the round checkpoint whole, Δ, encode, sign: site b's tick), push (stage to the aggregator),
+  aggregate (validate both contributions, the outer step, publish θ and m signed), push round and hand over.
+With --link RATE (root; e.g. 20mbit) the exchange goes through an sshd in a network namespace whose loopback
+is capped by tbf, and the round time (from b's export to θ(1) in b's run) shows what the link costs.
+
+    python scripts/bench/xsite.py [--params 100e6] [--reps 5] [--link 20mbit] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
+
+
+def make_checkpoints(run: Path, theta, site_theta) -> None:
+    """run/checkpoints: step 0 (start, base -1) with theta, step H (base 0) with site_theta; run/job.yaml."""
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.layout import ParallelDims
+
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "job.yaml").write_text("name: bench\n")
+    m = CheckpointManager(run / "checkpoints", dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, keep_last=5)
+    m.save(0, {f"model/{k}": v for k, v in theta.items()}, {"xsite": {"base_round": -1}}, asynchronous=False)
+    state = {"xsite": {"base_round": 0, "since": 0, "steps": 10, "tokens": 10_000}}
+    m.save(10, {f"model/{k}": v for k, v in site_theta.items()}, state, asynchronous=False)
+
+
+def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> dict:
+    import torch
+    import yaml
+
+    from hpcscale.config.xsite import load_xsite
+    from hpcscale.xsite import rounds
+    from hpcscale.xsite.signing import generate_key
+
+    keys = tmp / "keys"
+    keys.mkdir()
+    for s in ("a", "b"):
+        generate_key(tmp / f"priv-{s}", s)
+        (keys / f"{s}.pub").write_bytes((tmp / f"priv-{s}" / f"{s}.pub").read_bytes())
+    g = torch.Generator().manual_seed(0)
+    n_tensors = 16
+    theta = {f"w{i}": torch.randn(params // n_tensors, generator=g) for i in range(n_tensors)}
+    for s in ("a", "b"):
+        make_checkpoints(
+            tmp / f"run-{s}", theta, {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in theta.items()}
+        )
+    cfg = {
+        "name": "bench",
+        "aggregator": "a",
+        "round_steps": 10,
+        "encoding": encoding,
+        "keys": str(keys),
+        "quorum": {"min_sites": 2},
+        "sites": [
+            {"name": s, "run": str(tmp / f"run-{s}"), "state": str(tmp / f"state-{s}"),
+             "reach": url(tmp / f"state-{s}") if url else str(tmp / f"state-{s}"),
+             "key": str(tmp / f"priv-{s}" / f"{s}.key")}
+            for s in ("a", "b")
+        ],
+    }  # fmt: skip
+    if ssh:
+        cfg["ssh"] = ssh
+    (tmp / "x.yaml").write_text(yaml.safe_dump(cfg))
+    config = load_xsite(tmp / "x.yaml")
+
+    def timed(site: str) -> tuple[float, rounds.TickReport]:
+        t = time.perf_counter()
+        report = rounds.tick(config, site)
+        assert not report.errors, report.errors
+        return time.perf_counter() - t, report
+
+    setup_s, _ = timed("a")  # round 0 published, pushed to a and b, handed to a; a's contribution exported
+    t0 = time.perf_counter()
+    b_s, b_report = timed("b")  # b: θ(0) handed over, b's contribution exported (Δ, encode, sign) and pushed
+    agg_s, _ = timed("a")  # a: validate both, outer step, publish round 1, push it to both sites
+    hand_s, _ = timed("b")  # b: verify round 1, hand θ(1) to b's run
+    round_s = time.perf_counter() - t0
+    assert (tmp / "run-b" / "xsite" / "global-r000001.safetensors").exists()
+    sent_b = sum(e.get("bytes", 0) for e in b_report.events if e["event"] == "pushed")
+    contrib = next(e for e in b_report.events if e["event"] == "exported")["bytes"]
+    return {
+        "encoding": encoding,
+        "params": params,
+        "fp32_model_bytes": 4 * params,
+        "contribution_bytes": contrib,
+        "contribution_vs_fp32": round(contrib / (4 * params), 4),
+        "b_sent_bytes": sent_b,
+        "tick_b_export_push_s": round(b_s, 2),
+        "tick_a_aggregate_publish_push_s": round(agg_s, 2),
+        "tick_b_hand_over_s": round(hand_s, 2),
+        "round_s": round(round_s, 2),
+        "first_tick_a_s": round(setup_s, 2),
+    }
+
+
+@contextlib.contextmanager
+def capped(rate: str):
+    ns = f"hpcscale-bench-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+                        "burst", "256kb", "latency", "50ms"], check=True)  # fmt: skip
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=float, default=100e6)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--encodings", default="fp32,bf16,int8")
+    ap.add_argument("--link", default=None, help="cap the exchange at this tbf rate (needs root), e.g. 20mbit")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    inside = os.environ.get("HPCSCALE_BENCH_SSHD")
+    if a.link and not inside:
+        # The sshd and this process's ssh clients must both be in the capped namespace: start the sshd there,
+        # then run this script again inside it, told how to reach the sshd.
+        from sshd import LoopbackSshd
+
+        with capped(a.link) as ns, tempfile.TemporaryDirectory() as d:
+            server = LoopbackSshd(Path(d), netns=ns).start()
+            try:
+                info = json.dumps({"ssh": server.ssh_command(), "port": server.port})
+                return subprocess.call(["ip", "netns", "exec", ns, sys.executable, *sys.argv],
+                                       env={**os.environ, "HPCSCALE_BENCH_SSHD": info})  # fmt: skip
+            finally:
+                server.stop()
+    ssh, url = None, None
+    if inside:
+        info = json.loads(inside)
+        ssh = info["ssh"]
+
+        def url(path: Path) -> str:
+            return f"ssh://127.0.0.1:{info['port']}{os.path.abspath(path)}"
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    results = []
+    for enc in a.encodings.split(","):
+        for _ in range(a.reps):
+            with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
+                results.append(one(Path(d), int(a.params), enc, ssh, url))
+    rows = []
+    for enc in a.encodings.split(","):
+        rs = [r for r in results if r["encoding"] == enc]
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], float | int)}
+        rows.append({"encoding": enc, **med, "reps": len(rs)})
+    if a.json:
+        print(json.dumps({"link": a.link, "rows": rows, "runs": results}, indent=2))
+        return 0
+    print(f"cross-site tick, {a.params / 1e6:.0f} M parameters ({4 * a.params / 1e6:.0f} MB fp32), 2 sites, "
+          f"link {a.link or 'none (shared filesystem)'}; medians of {a.reps}")  # fmt: skip
+    print(f"  {'encoding':8} {'contrib MB':>10} {'vs fp32':>8} {'b export+push s':>16} {'a aggregate s':>14} "
+          f"{'b hand-over s':>14} {'round s':>8}")  # fmt: skip
+    for r in rows:
+        print(f"  {r['encoding']:8} {r['contribution_bytes'] / 1e6:10.1f} {r['contribution_vs_fp32']:8.3f} "
+              f"{r['tick_b_export_push_s']:16.2f} {r['tick_a_aggregate_publish_push_s']:14.2f} "
+              f"{r['tick_b_hand_over_s']:14.2f} {r['round_s']:8.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""DiLoCo across two sites against synchronous data parallel, at CPU scale, on real text (issue 15).
+
+The paper's central claim (Douillard et al. 2023, arXiv 2311.08105) shrunk to this machine: the reference GPT
+at ~0.85 M parameters on hpcscale's default corpus (Python's standard library sources, byte-level), two sites,
+H in {10, 50}, the same total tokens as a synchronous data-parallel run. Each site sees its own half of every
+global batch (the TokenLoader's dp split: sites never see each other's samples); its inner optimizer is the
+reference trainer's AdamW with warmup and cosine decay, and it persists across rounds. Every H steps each site
+contributes Δ_i = θ(r−1) − θ_i, encoded as the product encodes it (hpcscale.xsite.outer: fp32 or int8), the
+mean goes through the product's outer step (Nesterov SGD, η = 0.7, μ = 0.9), and both sites continue from θ(r).
+The synchronous baseline trains one model on both halves each step (what DDP over the two sites computes).
+
+Reported per configuration and seed: the final validation loss (of θ for DiLoCo), and the bytes each site
+sent: DDP sends its fp32 gradient every step (4P bytes; an all-reduce moves about that much per site each
+way), DiLoCo one encoded Δ per round. Output: a JSON of the figures and two PNG plots (validation loss against
+tokens and against bytes sent), under --out.
+
+    python scripts/experiments/diloco_vs_ddp.py [--steps 2000] [--seeds 3] [--out docs/experiments] [--jobs 2]
+
+Needs matplotlib (pip install matplotlib). Runs configurations in --jobs processes (single-threaded torch each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 128}
+SITE_BATCH = 8  # sequences per site per step; the synchronous run's batch is twice this
+LR, MIN_LR, WARMUP, WD = 3e-3, 3e-4, 100, 0.1
+EVAL_BATCHES = 16
+
+
+def lr_at(step: int, steps: int) -> float:
+    if step < WARMUP:
+        return LR * (step + 1) / WARMUP
+    progress = (step - WARMUP) / max(1, steps - WARMUP)
+    return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def run_config(kind: str, H: int, encoding: str, seed: int, steps: int, eval_every: int, manifest: str) -> dict:
+    import numpy as np
+    import torch
+
+    from hpcscale.data.loader import TokenLoader
+    from hpcscale.train.model import GPT, GPTShape, lm_loss
+    from hpcscale.xsite.outer import OuterStep, aggregate, decode, delta, encode, encoded_bytes, shapes_of
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    shape = GPTShape(vocab_size=256, **MODEL)
+    base = GPT(shape)
+    params = sum(p.numel() for p in base.parameters())
+    loaders = [
+        TokenLoader(
+            Path(manifest),
+            seq_len=shape.seq_len,
+            global_batch=2 * SITE_BATCH,
+            dp_rank=i,
+            dp_size=2,
+            seed=seed,
+            val_fraction=0.05,
+        )
+        for i in range(2)
+    ]
+    val = loaders[0].val_batches(EVAL_BATCHES)
+
+    def evaluate(model) -> float:
+        model.eval()
+        with torch.no_grad():
+            losses = [float(lm_loss(model(torch.from_numpy(x)), torch.from_numpy(y))) for x, y in val]
+        model.train()
+        return sum(losses) / len(losses)
+
+    def opt_for(model):
+        return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WD)
+
+    curve = []
+    sent = 0  # bytes one site sent
+    tokens_per_step = 2 * SITE_BATCH * shape.seq_len  # both sites together
+    t0 = time.perf_counter()
+    if kind == "ddp":
+        model, opt = base, opt_for(base)
+        for step in range(steps):
+            xs, ys = zip(*(loader.next_batch() for loader in loaders), strict=True)
+            x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, steps)
+            opt.zero_grad(set_to_none=True)
+            lm_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sent += 4 * params
+            if (step + 1) % eval_every == 0 or step == steps - 1:
+                curve.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "bytes": sent,
+                              "val_loss": evaluate(model)})  # fmt: skip
+    else:
+        import copy
+
+        theta = {n: p.detach().clone().float() for n, p in base.named_parameters()}
+        outer = OuterStep(theta, lr=0.7, momentum=0.9)
+        sites = [copy.deepcopy(base) for _ in range(2)]
+        opts = [opt_for(m) for m in sites]
+        shapes = shapes_of(theta)
+        per_round = encoded_bytes(shapes, encoding)
+        evaluator = copy.deepcopy(base)
+        global_theta = theta
+        for step in range(steps):
+            for model, opt, loader in zip(sites, opts, loaders, strict=True):
+                x, y = (torch.from_numpy(a) for a in loader.next_batch())
+                for g in opt.param_groups:
+                    g["lr"] = lr_at(step, steps)
+                opt.zero_grad(set_to_none=True)
+                lm_loss(model(x), y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+            if (step + 1) % H == 0 or step == steps - 1:
+                deltas = []
+                for model in sites:
+                    local = {n: p.detach() for n, p in model.named_parameters()}
+                    d = delta(global_theta, local)
+                    deltas.append((1.0, decode(encode(d, encoding), encoding, shapes)))
+                    sent += per_round
+                outer.apply(aggregate(deltas, rule="mean"))
+                global_theta = outer.state().theta
+                with torch.no_grad():
+                    for model in sites:
+                        for n, p in model.named_parameters():
+                            p.copy_(global_theta[n])
+            if (step + 1) % eval_every == 0 or step == steps - 1:
+                with torch.no_grad():  # the global weights of the newest round
+                    for n, p in evaluator.named_parameters():
+                        p.copy_(global_theta[n])
+                curve.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "bytes": sent,
+                              "val_loss": evaluate(evaluator)})  # fmt: skip
+    return {
+        "kind": kind,
+        "H": H,
+        "encoding": encoding,
+        "seed": seed,
+        "params": params,
+        "final_val_loss": curve[-1]["val_loss"],
+        "bytes_sent_per_site": sent,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "curve": curve,
+    }
+
+
+def label(r: dict) -> str:
+    return "synchronous DP" if r["kind"] == "ddp" else f"DiLoCo H={r['H']} {r['encoding']}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "experiments")
+    a = ap.parse_args()
+    from hpcscale.data.prepare import default_corpus_dataset
+
+    scratch = Path("/tmp/hpcscale-experiments")
+    scratch.mkdir(exist_ok=True)
+    manifest = str(default_corpus_dataset(scratch, sample_len=MODEL["seq_len"] + 1))
+    configs = [("ddp", 1, "fp32")] + [("diloco", h, e) for h in (10, 50) for e in ("fp32", "int8")]
+    jobs = [(k, h, e, seed, a.steps, a.eval_every, manifest) for seed in range(a.seeds) for k, h, e in configs]
+    with ProcessPoolExecutor(a.jobs) as pool:
+        results = list(pool.map(run_config, *zip(*jobs, strict=True)))
+    summary = []
+    ddp = {r["seed"]: r for r in results if r["kind"] == "ddp"}
+    for k, h, e in configs:
+        rs = [r for r in results if (r["kind"], r["H"], r["encoding"]) == (k, h, e)]
+        finals = [r["final_val_loss"] for r in rs]
+        rel = [r["final_val_loss"] / ddp[r["seed"]]["final_val_loss"] - 1 for r in rs]
+        fewer = [ddp[r["seed"]]["bytes_sent_per_site"] / r["bytes_sent_per_site"] for r in rs]
+        summary.append({
+            "config": label(rs[0]),
+            "final_val_loss_mean": round(statistics.mean(finals), 4),
+            "final_val_loss_spread": round(max(finals) - min(finals), 4),
+            "vs_sync_pct_mean": round(100 * statistics.mean(rel), 2),
+            "vs_sync_pct_worst": round(100 * max(rel), 2),
+            "bytes_sent_per_site": rs[0]["bytes_sent_per_site"],
+            "fewer_bytes_than_sync": round(statistics.mean(fewer), 1),
+        })  # fmt: skip
+    a.out.mkdir(parents=True, exist_ok=True)
+    doc = {"model": MODEL, "params": results[0]["params"], "steps": a.steps, "site_batch": SITE_BATCH,
+           "seeds": a.seeds, "summary": summary, "runs": results}  # fmt: skip
+    (a.out / "diloco_vs_ddp.json").write_text(json.dumps(doc, indent=1))
+    plot(results, a.out)
+    print(f"GPT {MODEL} ({results[0]['params'] / 1e6:.2f} M params), 2 sites, {a.steps} steps, {a.seeds} seeds")
+    print(f"{'config':24} {'val loss':>9} {'spread':>7} {'vs sync':>8} {'worst':>7} {'bytes/site':>12} {'fewer':>7}")
+    for s in summary:
+        print(f"{s['config']:24} {s['final_val_loss_mean']:9.4f} {s['final_val_loss_spread']:7.4f} "
+              f"{s['vs_sync_pct_mean']:7.2f}% {s['vs_sync_pct_worst']:6.2f}% {s['bytes_sent_per_site']:12d} "
+              f"{s['fewer_bytes_than_sync']:6.1f}x")  # fmt: skip
+    return 0
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for x, name, xlabel, log in (("tokens", "loss_vs_tokens", "tokens (both sites)", False),
+                                 ("bytes", "loss_vs_bytes", "bytes sent per site", True)):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for lab in dict.fromkeys(label(r) for r in results):
+            rs = [r for r in results if label(r) == lab]
+            steps = [p[x] for p in rs[0]["curve"]]
+            mean = [statistics.mean(r["curve"][i]["val_loss"] for r in rs) for i in range(len(steps))]
+            lo = [min(r["curve"][i]["val_loss"] for r in rs) for i in range(len(steps))]
+            hi = [max(r["curve"][i]["val_loss"] for r in rs) for i in range(len(steps))]
+            (line,) = ax.plot(steps, mean, label=lab)
+            ax.fill_between(steps, lo, hi, alpha=0.2, color=line.get_color())
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss")
+        ax.set_title("DiLoCo across 2 sites vs synchronous data parallel (band: seeds' range)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
