@@ -109,6 +109,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("faults", [False, True], ids=["clean", "kill-9-at-each-stage"])
 def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path, faults):
     from safetensors.torch import load_file
@@ -251,14 +252,16 @@ def capped_link():
     ns = f"hpcscale-xsite-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
     try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        # A WAN's MTU, not loopback's 64 KiB: tbf drops a packet larger than its bucket, which would stall TCP.
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "mtu", "1500", "up"], check=True)
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", LINK,
-                        "burst", "64kb", "latency", "50ms"], check=True)  # fmt: skip
+                        "burst", "256kb", "latency", "50ms"], check=True)  # fmt: skip
         yield ns
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.mark.timeout(1200)
 def test_two_slurm_clusters_exchange_over_a_capped_ssh_link(local_cluster, capped_link, tmp_path):
     """Site a's trainer on cluster local1, site b's on local2 (`hpcscale submit`); their ticks run inside a
     network namespace and reach each other's state directories only through an sshd in it, over a loopback

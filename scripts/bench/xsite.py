@@ -117,7 +117,7 @@ def capped(rate: str):
     ns = f"hpcscale-bench-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "mtu", "1500", "up"], check=True)
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
                         "burst", "256kb", "latency", "50ms"], check=True)  # fmt: skip
         yield ns

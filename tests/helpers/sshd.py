@@ -54,6 +54,8 @@ class LoopbackSshd:
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             "PermitRootLogin prohibit-password\nMaxStartups 64\nMaxSessions 64\nLogLevel ERROR\n"
             "AcceptEnv none\nSubsystem sftp internal-sftp\n"
+            # a client gone without a word (a broken link) ends its session, and the agent with it, in 15 s
+            "ClientAliveInterval 5\nClientAliveCountMax 3\n"
         )
         self.proc = subprocess.Popen(
             [*self.prefix, SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
