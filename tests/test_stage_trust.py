@@ -382,3 +382,34 @@ def test_an_unreadable_file_is_reported_by_build_and_is_not_damage_to_verify(tmp
     not_listed = {n["path"]: n["reason"] for n in json.loads(r.stdout)["not_listed"]}
     assert "ermission denied" in not_listed["d1/sub/f1.bin"]
     assert "d1/sub/f1.bin" not in {f.path for f in read_manifest(root / "manifest.json").files}
+
+
+def test_an_agent_whose_client_went_silent_exits_and_its_lock_is_taken_over(tmp_path, sshd):
+    """A client cut off by a broken link sends nothing, not even a close: its agent must not hold the
+    destination lock until sshd notices (hours without ClientAliveInterval). It exits after `idle_s` of waiting
+    (600 s by default) and the next stage takes the dead holder's lock over."""
+    from test_stage import PY
+
+    from hpcscale.xsite.channel import Channel
+
+    src = make_tree(tmp_path / "src", small=3)
+    build(src)
+    dst = tmp_path / "dst"
+    m = read_manifest(src / "manifest.json")
+    ch = Channel(parse_endpoint(sshd.url(dst), "destination"), "sink", tuple(sshd.ssh_command()), PY)
+    try:
+        entries = [[f.path, f.size, f.mtime_ns, f.hash, f.mode] for f in m.files]
+        ch.call(
+            {"op": "init", "opts": {"algorithm": m.hash_algorithm, "jobs": 1, "idle_s": 4}},
+            {"op": "plan", "entries": entries, "check": "stat", "manifest_sha256": None},
+        )
+        lock = dst / ".hpcscale-stage" / "lock"
+        assert lock.exists()
+        refused = stage(src / "manifest.json", str(src), sshd.url(dst), *ssh_args(sshd))
+        assert refused.returncode == 1 and "another hpcscale stage" in refused.stderr, refused.stderr
+        time.sleep(8)  # the silent client's agent gives up after 4 s of waiting
+        assert stage_json(src / "manifest.json", str(src), sshd.url(dst), *ssh_args(sshd))["committed"]
+        same_tree(src, dst)
+    finally:
+        ch.p.kill()
+        ch.p.wait()

@@ -61,12 +61,17 @@ class Input:
         self.buf = bytearray(size)
         self.view = memoryview(self.buf)
         self.pos = self.end = 0
+        self.waiting_since = None  # monotonic time a read began waiting for the other side; None: not waiting
 
     def read(self, n):
         """Up to n bytes (fewer if fewer are buffered); empty at the end of the stream."""
         if self.pos >= self.end:
             self.before_block()
-            self.end = os.readv(self.fd, [self.buf])
+            self.waiting_since = time.monotonic()
+            try:
+                self.end = os.readv(self.fd, [self.buf])
+            finally:
+                self.waiting_since = None
             self.pos = 0
             if not self.end:
                 return b""

@@ -15,6 +15,7 @@ stream that can no longer stay in step (Desync, EOF) ends the agent, and a rerun
 import os
 import sys
 import threading
+import time
 
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import BLOCK
@@ -57,6 +58,9 @@ def serve(role, root, inp, out):
             try:
                 if op == "init":
                     opts = req.get("opts") or {}
+                    idle = opts.get("idle_s")
+                    if type(idle) in (int, float) and idle > 0:
+                        IDLE_LIMIT[0] = float(idle)
                     end = _open_end(role, root, opts)
                     bucket = TokenBucket(opts["bwlimit"]) if opts.get("bwlimit") else None
                     send(out, {"ready": True, "root": end.root})
@@ -259,6 +263,29 @@ def _serve_get(source, req, out, bucket):
         os.close(fd)
 
 
+IDLE_S = 600.0  # waiting this long for the other side's next bytes: it is gone (init's "idle_s" overrides)
+
+
+IDLE_LIMIT = [IDLE_S]  # a list: init may change it while the watcher runs
+
+
+def _watch_idle(inp, limits):
+    """End the agent when the other side has sent nothing for limits[0] seconds while the agent waits for it.
+
+    A client that dies cleanly closes the connection and the agent reads EOF. One cut off by a broken link
+    sends nothing at all, and without this the agent would sit in read() holding the destination lock until
+    sshd noticed (hours, without ClientAliveInterval); every later stage into that destination would be
+    refused. Exiting leaves the lock file with a dead holder, which the next stage on this host takes over
+    (hpcscale.portable.lock). Time the agent spends working (a long plan) is not waiting, and does not count."""
+    while True:
+        time.sleep(min(5.0, limits[0] / 4))
+        since = inp.waiting_since
+        if since is not None and time.monotonic() - since > limits[0]:
+            sys.stderr.write(f"hpcscale agent: nothing from the other side for {limits[0]:.0f} s; exiting\n")
+            sys.stderr.flush()
+            os._exit(3)
+
+
 def main(argv):
     """`python3 -c <bootstrap> ROLE ROOT`: serve one stream on stdin/stdout."""
     role, root = argv[1], argv[2]
@@ -268,6 +295,7 @@ def main(argv):
     sys.stdout = sys.stderr  # nothing but the protocol on stdout
     # Reading the raw fd is safe: the bootstrap read exactly its blobs' bytes from it, unbuffered.
     inp = Input(sys.stdin.fileno(), out.flush)
+    threading.Thread(target=_watch_idle, args=(inp, IDLE_LIMIT), daemon=True).start()
     serve(role, root, inp, out)
     out.flush()
     sys.stderr.flush()

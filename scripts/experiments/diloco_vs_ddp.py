@@ -129,7 +129,7 @@ def run_config(kind: str, H: int, encoding: str, seed: int, steps: int, eval_eve
                     local = {n: p.detach() for n, p in model.named_parameters()}
                     d = delta(global_theta, local)
                     deltas.append((1.0, decode(encode(d, encoding), encoding, shapes)))
-                    sent += per_round
+                sent += per_round  # each site sends one encoded Δ per round
                 outer.apply(aggregate(deltas, rule="mean"))
                 global_theta = outer.state().theta
                 with torch.no_grad():
