@@ -77,10 +77,14 @@ def status_cmd(config_path: Path, site: str, as_json: bool) -> None:
     if as_json:
         print_json(doc)
         return
-    click.echo(f"site {doc['site']} (aggregator: {doc['aggregator']}); bytes sent {doc['bytes_sent']}")
+    click.echo(
+        f"site {doc['site']} (aggregator: {doc['aggregator']}); "
+        f"bytes sent {doc['bytes_sent']}, received {doc['bytes_received']}"
+    )
     for r in doc["rounds"]:
         acc = ", ".join(f"{a['site']} ({a['tokens']} tokens, {a['steps']} steps)" for a in r["accepted"]) or "-"
-        click.echo(f"  round {r['round']:4d}  averaged: {acc}")
+        wait = "" if r.get("quorum_wait_s") is None else f"  (quorum after {r['quorum_wait_s']} s)"
+        click.echo(f"  round {r['round']:4d}  averaged: {acc}{wait}")
         for rej in r["rejected"]:
             click.echo(f"              rejected {rej['site']}: {rej['reason']}")
     click.echo(f"  contributions sent: {', '.join(doc['contributions']) or 'none'}")

@@ -469,6 +469,10 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
             with contextlib.suppress(ValueError):
                 events.append(json.loads(line))
     sent = sum(e.get("bytes", 0) for e in events if e.get("event") == "pushed")
+    received = sum(p.stat().st_size for p in (state / INBOX).glob("round-*") if p.is_file())
+    if me.name == cfg.aggregator:
+        received += sum(p.stat().st_size for p in (state / INCOMING).glob("*/contrib-*") if p.is_file())
+    waited = {e["round"]: e.get("waited_s") for e in events if e.get("event") == "published"}
     rounds: dict[int, dict[str, Any]] = {}
     if me.name == cfg.aggregator and (state / ROUNDS).is_dir():
         for r in _published(state):
@@ -478,6 +482,7 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
                 "accepted": doc.get("accepted", []),
                 "rejected": doc.get("rejected", []),
                 "created": doc.get("created"),
+                "quorum_wait_s": waited.get(r),
             }
     return {
         "site": me.name,
@@ -486,6 +491,7 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
         "inbox": sorted(p.name for p in (state / INBOX).glob("round-*.json")),
         "rounds": [rounds[r] for r in sorted(rounds)],
         "bytes_sent": sent,
+        "bytes_received": received,
         "errors": [e for e in events if e.get("event") == "error"][-10:],
         "last_tick": events[-1]["time"] if events else None,
     }

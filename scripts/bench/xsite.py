@@ -54,6 +54,7 @@ def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> di
     keys = tmp / "keys"
     keys.mkdir()
     for s in ("a", "b"):
+        (tmp / f"priv-{s}").mkdir()
         generate_key(tmp / f"priv-{s}", s)
         (keys / f"{s}.pub").write_bytes((tmp / f"priv-{s}" / f"{s}.pub").read_bytes())
     g = torch.Generator().manual_seed(0)
