@@ -250,18 +250,13 @@ LINK = "20mbit"  # the tbf cap on the namespace's loopback: what a thin WAN link
 
 @pytest.fixture
 def capped_link():
-    """A network namespace whose loopback is capped by tbf (netem does not work on this kernel, tbf does)."""
+    """A network namespace whose loopback is capped at LINK (tests/helpers/sshd.py)."""
     need(shutil.which("ip") is not None and shutil.which("tc") is not None, "iproute2 (ip, tc)")
-    ns = f"hpcscale-xsite-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
-    try:
-        # A WAN's MTU, not loopback's 64 KiB: tbf drops a packet larger than its bucket, which would stall TCP.
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "mtu", "1500", "up"], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", LINK,
-                        "burst", "256kb", "latency", "50ms"], check=True)  # fmt: skip
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from sshd import capped_netns
+
+    with capped_netns(f"hpcscale-xsite-{os.getpid()}", LINK) as ns:
         yield ns
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 @pytest.mark.timeout(1200)

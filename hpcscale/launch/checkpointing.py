@@ -23,7 +23,6 @@ would take without hpcscale (its step count starts at 1, not 2).
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -265,7 +264,6 @@ class Checkpointer:
         for name, obj in self._objects.items():
             value = dict(obj) if isinstance(obj, dict) else obj.state_dict()
             out[name] = _jsonable(value, name)
-        json.dumps(out)  # the format writes it: fail here, naming nothing half-written
         return out
 
     def _state_problem(self, state: dict) -> str | None:

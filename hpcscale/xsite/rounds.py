@@ -50,6 +50,8 @@ from hpcscale.portable import lock as tick_lock
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import SHA256
 from hpcscale.util.paths import expand_path
+from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # one owner of the record names
+from hpcscale.xsite.roundfile import round_stem
 
 OUTBOX, INBOX, INCOMING, ROUNDS = "outbox", "inbox", "incoming", "rounds"
 LOG = "log.jsonl"
@@ -60,10 +62,6 @@ GLOBAL_DIR = "xsite"  # in the run directory
 TAG = "xsite"  # trainer_state key of a round checkpoint: {"base_round": b, "steps": n, "tokens": t}
 _CONTRIB = re.compile(r"^contrib-(?P<site>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})-r(?P<base>\d{6})\.json$")
 _ROUND = re.compile(r"^round-(?P<round>\d{6})\.json$")
-
-
-from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # noqa: E402  (one owner of the names)
-from hpcscale.xsite.roundfile import round_stem  # noqa: E402
 
 
 def global_path(run: Path, r: int) -> Path:
@@ -333,15 +331,19 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
     if not published:
         return
     r = published[-1] + 1
+    arrived = [
+        (site, path)
+        for site in cfg.sites
+        if (path := state / INCOMING / site.name / f"{contrib_stem(site.name, r - 1)}.json").exists()
+        and path.with_suffix(".safetensors").exists()
+    ]
+    if not arrived:  # the usual cron tick: do not read and verify the whole base round for nothing
+        return
     base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS)
     shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
     valid: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
     rejected: list[dict[str, str]] = []
-    for site in cfg.sites:
-        d = state / INCOMING / site.name
-        path = d / f"{contrib_stem(site.name, r - 1)}.json"
-        if not (path.exists() and path.with_suffix(".safetensors").exists()):
-            continue
+    for site, path in arrived:
         try:
             c = read_contribution(path, keyring=keyring, known_sites={s.name for s in cfg.sites},
                                   expected_base_round=r - 1)  # fmt: skip

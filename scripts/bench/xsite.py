@@ -15,7 +15,6 @@ is capped by tbf, and the round time (from b's export to θ(1) in b's run) shows
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -113,19 +112,6 @@ def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> di
     }
 
 
-@contextlib.contextmanager
-def capped(rate: str):
-    ns = f"hpcscale-bench-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "mtu", "1500", "up"], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-                        "burst", "256kb", "latency", "50ms"], check=True)  # fmt: skip
-        yield ns
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=float, default=100e6)
@@ -138,9 +124,9 @@ def main() -> int:
     if a.link and not inside:
         # The sshd and this process's ssh clients must both be in the capped namespace: start the sshd there,
         # then run this script again inside it, told how to reach the sshd.
-        from sshd import LoopbackSshd
+        from sshd import LoopbackSshd, capped_netns
 
-        with capped(a.link) as ns, tempfile.TemporaryDirectory() as d:
+        with capped_netns(f"hpcscale-bench-{os.getpid()}", a.link) as ns, tempfile.TemporaryDirectory() as d:
             server = LoopbackSshd(Path(d), netns=ns).start()
             try:
                 info = json.dumps({"ssh": server.ssh_command(), "port": server.port})

@@ -6,6 +6,7 @@ config and pid file under `workdir`, on a port the kernel picks; `stop()` kills 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -109,3 +110,18 @@ class LoopbackSshd:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+@contextlib.contextmanager
+def capped_netns(name: str, rate: str):
+    """A network namespace NAME whose loopback is capped at `rate` by tbf (netem does not work on this kernel,
+    tbf does), for an sshd and the clients that reach it. Needs root and iproute2; removed on exit."""
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        # A WAN's MTU, not loopback's 64 KiB: tbf drops a packet larger than its bucket, which would stall TCP.
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "mtu", "1500", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+                        "burst", "256kb", "latency", "50ms"], check=True)  # fmt: skip
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
