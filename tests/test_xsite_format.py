@@ -383,7 +383,9 @@ def test_a_missing_field_is_rejected(tmp_path, keys, keyring):
         ("accepted", [{"site": "a", "payload_sha256": "x", "tokens": 1, "steps": 1}], "accepted.payload_sha256"),
         ("rejected", [{"site": "", "reason": "r"}], "rejected.site"),
         ("rejected", [{"site": "a", "reason": "r" * 5000}], "rejected.reason"),
-        ("tensors", {"theta/w": {"shape": [1], "dtype": "F32"}}, "pairs"),
+        ("tensors", {"theta/w": {"shape": [1], "dtype": "F32"}, "momentum/w": {"shape": [2], "dtype": "F32"}}, "pairs"),
+        ("tensors", {"momentum/w": {"shape": [1], "dtype": "F32"}}, "pairs"),
+        ("tensors", {}, "pairs"),
         ("tensors", {"theta/w": {"shape": [1], "dtype": "BF16"}}, "tensors.theta/w.dtype"),
     ],
 )
@@ -393,6 +395,23 @@ def test_round_fields_of_the_wrong_type_are_rejected_by_name(tmp_path, keys, key
     path = rf.write_round(tmp_path, round=4, parent=3, theta=theta, momentum=theta, key=keys["agg"], **kw)
     _resign(path, keys["agg"], lambda doc: doc.update({field: value}))
     assert says in _rejected(path, keyring, lambda p, ring: rf.read_round(p, keyring=ring, aggregator="agg"))
+
+
+def test_a_sites_copy_holds_theta_only_and_cannot_serve_as_outer_state(tmp_path, keys, keyring):
+    theta = _tensors()
+    kw = dict(outer={"lr": 0.7, "momentum": 0.9, "nesterov": True, "rule": "mean"}, accepted=[], rejected=[])
+    (tmp_path / "full").mkdir()
+    (tmp_path / "copy").mkdir()
+    full = rf.write_round(tmp_path / "full", round=4, parent=3, theta=theta, momentum=theta, key=keys["agg"], **kw)
+    copy = rf.write_round(tmp_path / "copy", round=4, parent=3, theta=theta, momentum=None, key=keys["agg"], **kw)
+    got = rf.read_round(copy, keyring=keyring, aggregator="agg")
+    assert got.momentum is None and set(got.theta) == set(theta)
+    assert all(torch.equal(got.theta[k], theta[k]) for k in theta)
+    size = lambda p: p.with_suffix(".safetensors").stat().st_size  # noqa: E731
+    assert size(copy) < 0.55 * size(full)
+    assert rf.read_round(full, keyring=keyring, aggregator="agg", need_momentum=True).momentum is not None
+    with pytest.raises(rf.Rejected, match="θ only"):
+        rf.read_round(copy, keyring=keyring, aggregator="agg", need_momentum=True)
 
 
 def test_a_record_not_in_canonical_form_is_rejected(tmp_path, keys, keyring):

@@ -22,7 +22,16 @@ from trainjobs import PARAMS
 STEPS, H = 30, 10
 
 
-def _setup(tmp: Path, *, steps: int = STEPS, wait: float = 120, min_sites: int = 2) -> tuple[Path, dict]:
+def _setup(
+    tmp: Path,
+    *,
+    steps: int = STEPS,
+    wait: float = 120,
+    min_sites: int = 2,
+    keep_rounds: int = 10,
+    adopt: str = "wait",
+    entry: str = "builtin",
+) -> tuple[Path, dict]:
     keys = tmp / "keys"
     for site in ("a", "b"):
         r = run_cli("sync", "keygen", "--site", site, "--out", str(tmp / f"priv-{site}"))
@@ -35,6 +44,8 @@ def _setup(tmp: Path, *, steps: int = STEPS, wait: float = 120, min_sites: int =
         "round_steps": H,
         "encoding": "fp32",
         "wait_seconds": wait,
+        "keep_rounds": keep_rounds,
+        "adopt": adopt,
         "quorum": {"min_sites": min_sites, "timeout_seconds": 600},
         "keys": str(keys),
         "sites": [
@@ -61,9 +72,37 @@ def _setup(tmp: Path, *, steps: int = STEPS, wait: float = 120, min_sites: int =
             "xsite": {"config": str(config), "site": s},
             "train": {"entry": "builtin", "params": {**PARAMS, "steps": steps, "seed": 7 + i}},
         }
+        if entry == "user":  # a Context entry point: ctx.checkpoint makes it a site
+            (tmp / "xsite_user.py").write_text(USER_ENTRY)
+            spec["environment"] = {"PYTHONPATH": str(tmp)}
+            spec["train"] = {"entry": "xsite_user:main", "params": {"steps": steps, "seed": 7 + i}}
         jobs[s] = tmp / f"job-{s}.yaml"
         jobs[s].write_text(yaml.safe_dump(spec))
     return config, jobs
+
+
+USER_ENTRY = """
+import torch
+from torch import nn
+
+
+def main(ctx):
+    p = ctx.params
+    torch.manual_seed(p["seed"])
+    model = ctx.parallelize(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ctx.checkpoint.tokens_per_step = 32
+    start = ctx.checkpoint.restore(model, opt)
+    g = torch.Generator().manual_seed(p["seed"] * 1000 + start)
+    for step in range(start, p["steps"]):
+        x = torch.randn(32, 8, generator=g)
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ctx.metrics.log(step=step, loss=loss.item())
+        ctx.checkpoint.step(step)
+"""
 
 
 def _tick(config: Path, site: str, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -102,7 +141,10 @@ def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6, fau
     for _ in range(extra_ticks):  # the last round: exported, aggregated, pushed, handed over
         for s in ("a", "b"):
             _tick(config, s)
-    return {s: p.wait() for s, p in procs.items()}
+    outputs = {s: p.communicate()[0] for s, p in procs.items()}
+    codes = {s: p.returncode for s, p in procs.items()}
+    assert codes == {"a": 0, "b": 0}, {s: out[-3000:] for s, out in outputs.items()}
+    return codes
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -110,31 +152,60 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("faults", [False, True], ids=["clean", "kill-9-at-each-stage"])
-def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path, faults):
+@pytest.mark.parametrize(
+    ("faults", "adopt", "entry"),
+    [(False, "wait", "builtin"), (True, "wait", "builtin"), (False, "overlap", "builtin"), (False, "wait", "user")],
+    ids=["clean", "kill-9-at-each-stage", "overlap", "context-entry"],
+)  # fmt: skip
+def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path, faults, adopt, entry):
     from safetensors.torch import load_file
 
-    config, jobs = _setup(tmp_path)
+    final = STEPS // H
+    keep = 10 if faults else 2  # clean: only the newest two rounds stay, everywhere
+    config, jobs = _setup(tmp_path, keep_rounds=keep, adopt=adopt, entry=entry)
     codes = _run_sites(tmp_path, config, jobs, faults=faults)
     assert codes == {"a": 0, "b": 0}
-    rounds = sorted((tmp_path / "state-a" / "rounds").glob("round-*.json"))
-    assert [p.name for p in rounds] == [f"round-{r:06d}.json" for r in range(STEPS // H + 1)]
-    for r in range(1, STEPS // H + 1):
+    kept = list(range(max(0, final - keep + 1), final + 1))
+    names = lambda d, pattern: sorted(p.name for p in (tmp_path / d).glob(pattern))  # noqa: E731
+    assert names("state-a/rounds", "round-*.json") == [f"round-{r:06d}.json" for r in kept]
+    for s in ("a", "b"):
+        assert names(f"state-{s}/inbox", "round-*.json") == [f"round-{r:06d}.json" for r in kept]
+        assert names(f"run-{s}/xsite", "global-r*") == [f"global-r{r:06d}.safetensors" for r in kept]
+        assert names(f"state-{s}/outbox", "contrib-*.json") == [f"contrib-{s}-r{r - 1:06d}.json" for r in kept if r]
+    for r in [r for r in kept if r > 0]:
         doc = json.loads((tmp_path / "state-a" / "rounds" / f"round-{r:06d}.json").read_text())
         assert sorted(a["site"] for a in doc["accepted"]) == ["a", "b"] and doc["rejected"] == [], doc
         assert doc["parent"] == r - 1
+        if entry == "user":  # ctx.checkpoint.tokens_per_step × H steps
+            assert [a["tokens"] for a in doc["accepted"]] == [32 * H, 32 * H], doc["accepted"]
     for s in ("a", "b"):
         adopted = [m["xsite_round"] for m in _metrics(tmp_path / f"run-{s}") if "xsite_round" in m]
-        assert adopted == list(range(STEPS // H)), (s, adopted)  # θ(0) at the start, then every boundary
-    final = STEPS // H
+        # θ(0) at the start, then every boundary; ctx.checkpoint does not know which step is the last, so a
+        # Context entry waits at its last boundary too and ends on θ(final)
+        assert adopted == list(range(final + (entry == "user"))), (s, adopted)
+        for copy in (tmp_path / f"state-{s}" / "inbox").glob("round-*.json"):  # sites get θ only, never m
+            stored = json.loads(copy.read_text())["tensors"]
+            assert stored and all(n.startswith("theta/") for n in stored), (copy, sorted(stored)[:3])
     a = load_file(str(tmp_path / "run-a" / "xsite" / f"global-r{final:06d}.safetensors"))
     b = load_file(str(tmp_path / "run-b" / "xsite" / f"global-r{final:06d}.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     status = run_cli("sync", "status", "--config", str(config), "--site", "a", "--json")
     assert status.returncode == 0, status.stderr
     doc = json.loads(status.stdout)
-    assert [r["round"] for r in doc["rounds"]] == list(range(final + 1)) and doc["bytes_sent"] > 0
+    assert [r["round"] for r in doc["rounds"]] == kept and doc["bytes_sent"] > 0
     assert doc["bytes_received"] > 0
+    for s in ("a", "b"):  # overlap: every round after θ(0) adopted on top of the steps taken since its boundary
+        adoptions = [m for m in _metrics(tmp_path / f"run-{s}") if "xsite_round" in m]
+        kept = [m.get("xsite_kept_steps") for m in adoptions[1:]]
+        if adopt == "overlap":
+            assert all(isinstance(k, int) and 0 <= k <= H for k in kept), (s, adoptions)
+        else:
+            assert kept == [None] * len(kept), (s, adoptions)
+    if not faults:  # egress per round and destination: every round went to both sites, θ only (> 0 bytes)
+        to = {(e["round"], e["to"]) for e in doc["egress"] if e["bytes"] > 0}
+        assert {(r, s) for r in range(final + 1) for s in ("a", "b")} <= to, doc["egress"]
+        text = run_cli("sync", "status", "--config", str(config), "--site", "a")
+        assert f"round {final:4d}  bytes sent to: " in text.stdout, text.stdout
     if not faults:  # a tick killed just after publishing did not log it; its round has no quorum time
         assert all(r["quorum_wait_s"] is not None for r in doc["rounds"][1:])
 

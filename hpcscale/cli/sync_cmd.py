@@ -70,7 +70,8 @@ def sync(ctx: click.Context, config_path: Path | None, site: str | None, as_json
 @json_option
 def status_cmd(config_path: Path, site: str, as_json: bool) -> None:
     """This site's view of the rounds: published rounds (the aggregator) with the sites they averaged and
-    those they rejected (and why), this site's contributions, the rounds in its inbox, bytes sent."""
+    those they rejected (and why), this site's contributions, the rounds in its inbox, bytes sent and received,
+    and the bytes sent per round and destination (egress: what sites pay for; the newest 20 rounds)."""
     from hpcscale.xsite.rounds import status
 
     doc = status(_load(config_path), site)
@@ -87,6 +88,11 @@ def status_cmd(config_path: Path, site: str, as_json: bool) -> None:
         click.echo(f"  round {r['round']:4d}  averaged: {acc}{wait}")
         for rej in r["rejected"]:
             click.echo(f"              rejected {rej['site']}: {rej['reason']}")
+    by_round: dict[int, list[str]] = {}
+    for e in doc["egress"]:
+        by_round.setdefault(e["round"], []).append(f"{e['to']} {e['bytes']}")
+    for r, cells in sorted(by_round.items())[-20:]:
+        click.echo(f"  round {r:4d}  bytes sent to: {', '.join(cells)}")
     click.echo(f"  contributions sent: {', '.join(doc['contributions']) or 'none'}")
     click.echo(f"  rounds received:    {', '.join(doc['inbox']) or 'none'}")
     for e in doc["errors"]:

@@ -240,8 +240,8 @@ def _check_xsite(spec: JobSpec, dec: Decoder) -> None:
     from hpcscale.util.paths import expand_path
 
     assert spec.xsite is not None
-    if spec.train is None or spec.train.entry != "builtin":
-        dec.error(("xsite",), "cross-site rounds are run by the built-in trainer (train.entry: builtin)")
+    if spec.train is None:
+        dec.error(("xsite",), "a cross-site site trains: it needs `train:` (builtin, or an entry using ctx.checkpoint)")
         return
     try:
         cfg = load_xsite(expand_path(spec.xsite.config))

@@ -88,6 +88,14 @@ class Quorum:
         default=1800,
         min=0,
     )
+    late_rounds: int = setting(
+        "Fold a late contribution into a later round: one whose base round is at most this many rounds older "
+        "than the round being built's, from a site with nothing newer, not applied before (a stale Δ, as in "
+        "asynchronous SGD). 0: a contribution that misses its round is ignored.",
+        default=0,
+        min=0,
+        max=8,
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -113,6 +121,21 @@ class XsiteConfig:
         "(it adopts them at a later boundary).",
         default=600,
         min=0,
+    )
+    adopt: Literal["wait", "overlap"] = setting(
+        "What a trainer does at a round boundary: `wait` for the new global weights (up to wait_seconds) and "
+        "adopt them before the next step; or `overlap`: keep training and adopt them when they land, keeping "
+        "the local progress made meanwhile (θ ← θ(r) + (θ_now − θ_boundary)); the exchange then hides behind "
+        "compute, at most one round late (at the next boundary it waits).",
+        default="wait",
+    )
+    keep_rounds: int = setting(
+        "How many of the newest rounds each site keeps (published rounds and their site copies on the "
+        "aggregator, the inbox, contributions, the global weights handed to the run); older ones are deleted "
+        "by the tick. A site whose newest round checkpoint starts from a round no longer kept cannot contribute "
+        "it: it adopts the newest round instead.",
+        default=10,
+        min=2,
     )
     keys: str = setting("Directory of every site's public key (`<site>.pub`), the same on every site.", check=check_abs)
     ssh: list[str] = setting(

@@ -86,6 +86,8 @@ class Checkpointer:
         self._registered = False
         self._done: int | None = None  # steps finished at the last step() call
         self.restored_step: int | None = None
+        self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.train.rounds
+        self.tokens_per_step = 0  # cross-site weighting by tokens: set it before restore(); 0 counts steps alike
 
     # ---- the two calls --------------------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None = None, optimizer: Any = None, **state: Any) -> int:
@@ -102,6 +104,8 @@ class Checkpointer:
             for opt in self._optimizers:  # drop the lazy state get_state_dict created: see the module docstring
                 opt.state.clear()
             self.restored_step = None
+            if self._start_rounds(None):  # the start checkpoint (the aggregator's is round 0), then adopt θ(0)
+                self._round_boundary(0)
             return 0
         saved = restored.trainer_state
         if self._model is not None:
@@ -150,6 +154,9 @@ class Checkpointer:
         )
         self.restored_step = restored.step
         self._done = restored.step
+        if self._start_rounds(saved) and self._rounds.is_boundary(restored.step):
+            with self._watchdog.paused("cross-site round"):  # resumed from a round checkpoint: the wait it was in
+                self._rounds.wait_and_adopt(restored.step)
         return restored.step
 
     def step(self, step: int) -> None:
@@ -166,8 +173,12 @@ class Checkpointer:
             self._ctx.metrics.print(f"stop requested: stopping after step {step} (checkpoint saved)")
             raise StopRequested(step)
         every = self.policy.every_steps
-        if every and (step + 1) % every == 0:
+        if self._rounds is not None and self._rounds.is_boundary(step + 1):
+            self._round_boundary(step + 1)
+        elif every and (step + 1) % every == 0:
             self.save(step + 1, asynchronous=self.policy.asynchronous)
+        if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1):
+            self._rounds.poll(step + 1)  # adopt the round in flight if it has landed
 
     # ---- the rest -------------------------------------------------------------------------------------------
     def save(self, done_steps: int, *, asynchronous: bool | None = None) -> None:
@@ -178,6 +189,11 @@ class Checkpointer:
             asynchronous = self.policy.asynchronous
         tensors, _, optim_sd = self._tensors()
         state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
+        if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
+            from hpcscale.xsite.rounds import TAG
+
+            r = self._rounds
+            state[TAG] = r.tag(done_steps) if done_steps > 0 else {"base_round": -1, "site": r.site}
         if optim_sd is not None:
             state["optimizer"] = {
                 "param_groups": _jsonable(optim_sd["param_groups"], "optimizer.param_groups"),
@@ -200,6 +216,28 @@ class Checkpointer:
             self._manager.wait()
             if self.policy.every_steps and self._done is not None and self._manager.last_step != self._done:
                 self.save(self._done, asynchronous=False)
+
+    # ---- cross-site rounds (docs/cross-site.md) -------------------------------------------------------------------
+    def _start_rounds(self, saved: dict | None) -> bool:
+        if self._ctx.job.xsite is None:
+            return False
+        if self._model is None:
+            raise BadInput("the job is a cross-site site (xsite:): ctx.checkpoint.restore needs the model")
+        from hpcscale.train.rounds import Rounds
+
+        self._rounds = Rounds(self._ctx, self._model, tokens_per_step=int(self.tokens_per_step))
+        if saved is not None:
+            self._rounds.restore(saved)
+        return True
+
+    def _round_boundary(self, done_steps: int) -> None:
+        """Save the round checkpoint the sync tick exports, then wait for (or, adopt: overlap, go on and later
+        adopt) the next global round, as the built-in trainer does."""
+        with self._watchdog.paused("cross-site round"):
+            self._rounds.before_round_checkpoint(done_steps)
+            self.save(done_steps, asynchronous=False)
+            self.manager.wait()
+            self._rounds.after_round_checkpoint(done_steps)
 
     @property
     def manager(self):

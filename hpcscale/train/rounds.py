@@ -9,6 +9,13 @@ the model's parameters become θ(r), the inner optimizer's state stays (DiLoCo).
 on from the local weights and adopts the newest round at a later boundary (its next contribution is then for
 the same base round, which the tick does not send twice: those steps count toward the base's next round).
 
+With `adopt: overlap` the trainer does not wait at a boundary: it keeps a copy of its weights there and keeps
+training; when θ(r) lands (rank 0 looks every `poll_every` steps) it adopts θ(r) plus the progress made since
+the boundary, θ ← θ(r) + (θ_now − θ_boundary), so no step is lost and none counted twice (the next Δ holds the
+steps since the boundary). It is at most one round late: at the next boundary a round still missing is
+waited for (up to wait_seconds) before the next round checkpoint. A restart in the middle loses the copy: the
+weights are then adopted at the next boundary, as after a wait that timed out.
+
 Every rank decides the same thing: rank 0 looks for θ(r) and broadcasts what it found once a second, so the
 wait is never one long collective (the collective timeout stays what the job says).
 """
@@ -38,6 +45,10 @@ class Rounds:
         self.run: Path = ctx.run_dir
         self.base = -1  # the global round the current weights started from (-1: none adopted yet)
         self.since = 0  # the step at which they were adopted
+        self.overlap = self.cfg.adopt == "overlap"
+        self.poll_every = max(1, self.H // 10)
+        self.snapshot: dict[str, torch.Tensor] | None = None  # overlap: the weights at the boundary (local shards)
+        self.snapshot_step = 0
 
     # ---- state carried in checkpoints ------------------------------------------------------------------------
     def tag(self, step: int) -> dict:
@@ -58,6 +69,28 @@ class Rounds:
 
     def is_boundary(self, done_steps: int) -> bool:
         return done_steps % self.H == 0
+
+    # ---- the boundary, as the trainer calls it ------------------------------------------------------------------
+    def before_round_checkpoint(self, done_steps: int) -> None:
+        """overlap: the round that was in flight since the last boundary is adopted (waited for) first, so the
+        round checkpoint names the newest base. wait: nothing."""
+        if self.overlap and self.snapshot is not None and done_steps > 0:
+            self.wait_and_adopt(done_steps)
+
+    def after_round_checkpoint(self, done_steps: int) -> None:
+        """wait (and the start, step 0): wait for the next round and adopt it. overlap: keep the boundary's
+        weights and train on."""
+        if not self.overlap or done_steps == 0:
+            self.wait_and_adopt(done_steps)
+        elif self.snapshot is None:
+            self.snapshot = {n: _local(p).detach().clone() for n, p in self.model.named_parameters()}
+            self.snapshot_step = done_steps
+
+    def poll(self, done_steps: int) -> int | None:
+        """overlap, between boundaries: adopt θ(r) if it has landed (every poll_every steps). Collective."""
+        if self.snapshot is None or (done_steps - self.snapshot_step) % self.poll_every:
+            return None
+        return self.wait_and_adopt(done_steps, wait_s=0.0)
 
     # ---- adopting θ(r) ---------------------------------------------------------------------------------------
     def wait_and_adopt(self, done_steps: int, *, wait_s: float | None = None) -> int | None:
@@ -80,15 +113,23 @@ class Rounds:
             time.sleep(POLL_S)
         waited = round(time.monotonic() - t0, 3)
         if found is None:
-            self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=None)
+            if limit > 0:  # a wait that timed out is news; a poll that found nothing is not
+                self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=None)
             return None
-        self._load(load_global(self.run, found))
-        self.base, self.since = found, done_steps
-        self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=found)
-        self.ctx.metrics.print(f"hpcscale: adopted global round {found} at step {done_steps} (waited {waited:.1f} s)")
+        snapshot = self.snapshot
+        self._load(load_global(self.run, found), snapshot)
+        self.base, self.since = found, (self.snapshot_step if snapshot is not None else done_steps)
+        self.snapshot = None
+        extra = {} if snapshot is None else {"xsite_kept_steps": done_steps - self.snapshot_step}
+        kept = f", kept {done_steps - self.snapshot_step} local steps" if snapshot is not None else ""
+        self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=found, **extra)
+        self.ctx.metrics.print(
+            f"hpcscale: adopted global round {found} at step {done_steps} (waited {waited:.1f} s{kept})"
+        )
         return found
 
-    def _load(self, theta: dict[str, torch.Tensor]) -> None:
+    def _load(self, theta: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor] | None = None) -> None:
+        """The parameters become θ(r); with a boundary snapshot, θ(r) + (current − snapshot)."""
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if name not in theta:
@@ -97,9 +138,16 @@ class Rounds:
                 if hasattr(p, "to_local"):  # a DTensor: this rank's shard of the full tensor
                     from torch.distributed.tensor import distribute_tensor
 
-                    local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local()
-                    p.to_local().copy_(local)
+                    new = distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local()
                 else:
                     if tuple(full.shape) != tuple(p.shape):
                         raise RuntimeError(f"global round's {name} has shape {tuple(full.shape)}, not {tuple(p.shape)}")
-                    p.copy_(full.to(p.device))
+                    new = full.to(p.device)
+                local = _local(p)
+                if snapshot is not None:
+                    new = new + (local - snapshot[name])  # the steps taken since the boundary, kept
+                local.copy_(new)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p

@@ -208,11 +208,13 @@ def train(ctx: Context) -> None:
         ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
 
     def round_boundary(done_steps: int) -> None:
-        """Save the round checkpoint the sync tick exports, then wait for the next global round."""
+        """Save the round checkpoint the sync tick exports, then wait for the next global round (or, with
+        adopt: overlap, train on and adopt it when it lands: hpcscale.train.rounds)."""
         with wd.paused("cross-site round"):
+            rounds.before_round_checkpoint(done_steps)
             save(done_steps, asynchronous=False)
             ckpt.wait()
-            rounds.wait_and_adopt(done_steps)
+            rounds.after_round_checkpoint(done_steps)
 
     if rounds is not None and start == 0:
         round_boundary(0)  # the start checkpoint (the aggregator's becomes round 0), then adopt θ(0)
@@ -319,6 +321,8 @@ def train(ctx: Context) -> None:
             round_boundary(step + 1)
         elif policy.every_steps and (step + 1) % policy.every_steps == 0 and step != cfg.steps - 1:
             save(step + 1, asynchronous=policy.asynchronous)
+        if rounds is not None and rounds.overlap and not rounds.is_boundary(step + 1):
+            rounds.poll(step + 1)  # adopt the round in flight if it has landed
         if stop > 0:
             with wd.paused("checkpoint"):
                 save(step + 1, asynchronous=False)
@@ -329,6 +333,8 @@ def train(ctx: Context) -> None:
         with wd.paused("evaluation"):
             evaluate(cfg.steps - 1)
     with wd.paused("checkpoint"):
+        if rounds is not None and rounds.is_boundary(cfg.steps) and start < cfg.steps:
+            rounds.before_round_checkpoint(cfg.steps)  # overlap: the round in flight first, as at every boundary
         if policy.every_steps or rounds is not None:
             save(cfg.steps, asynchronous=False)  # a cross-site run's last round checkpoint too
         ckpt.wait()

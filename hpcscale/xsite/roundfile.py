@@ -137,6 +137,7 @@ class AcceptedContribution:
     payload_sha256: str
     tokens: int
     steps: int
+    base_round: int | None = None  # the round its Δ was computed against (older than parent: folded in late)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,9 +158,9 @@ class PublishedRound:
     created: str
     payload_sha256: str
     key_id: str
-    specs: dict[str, TensorSpec]  # as stored: theta/<name> and momentum/<name>
+    specs: dict[str, TensorSpec]  # as stored: theta/<name> and momentum/<name> (or theta/<name> only)
     theta: dict[str, torch.Tensor]  # <name> -> fp32
-    momentum: dict[str, torch.Tensor]  # <name> -> fp32, same shapes
+    momentum: dict[str, torch.Tensor] | None  # <name> -> fp32, same shapes; None in a site's copy (θ only)
 
 
 def canonical_json(fields: Mapping[str, Any]) -> bytes:
@@ -261,12 +262,13 @@ def _outer(value: object) -> OuterStep:
     )
 
 
-def _list(value: object, field: str, keys: set[str]) -> list[dict[str, Any]]:
+def _list(value: object, field: str, keys: set[str], optional: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     if not isinstance(value, list) or len(value) > MAX_LISTED_SITES:
         raise Rejected(f"field '{field}': expected a list of at most {MAX_LISTED_SITES} entries")
     for item in value:
-        if not isinstance(item, dict) or set(item) != keys:
-            raise Rejected(f"field '{field}': expected objects with exactly {', '.join(sorted(keys))}")
+        if not isinstance(item, dict) or not keys <= set(item) <= keys | optional:
+            also = f" (and maybe {', '.join(sorted(optional))})" if optional else ""
+            raise Rejected(f"field '{field}': expected objects with exactly {', '.join(sorted(keys))}{also}")
     return value  # type: ignore[return-value]
 
 
@@ -303,8 +305,16 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
     specs = _specs(doc["tensors"], frozenset({"F32"}))
     theta = {n[len(THETA) :]: s for n, s in specs.items() if n.startswith(THETA)}
     momentum = {n[len(MOMENTUM) :]: s for n, s in specs.items() if n.startswith(MOMENTUM)}
-    if len(theta) + len(momentum) != len(specs) or theta != momentum or not all(map(TENSOR_NAME.fullmatch, theta)):
-        raise Rejected("field 'tensors': expected theta/<name> and momentum/<name> pairs of the same shape only")
+    if (
+        not theta
+        or len(theta) + len(momentum) != len(specs)
+        or (momentum and theta != momentum)
+        or not all(map(TENSOR_NAME.fullmatch, theta))
+    ):
+        raise Rejected(
+            "field 'tensors': expected theta/<name> and momentum/<name> pairs of the same shape, or theta/<name> "
+            "only (a site's copy)"
+        )
     out.update(
         round=round_,
         parent=parent,
@@ -315,8 +325,11 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
                 payload_sha256=_text(a["payload_sha256"], "accepted.payload_sha256", _SHA256, "a sha256"),
                 tokens=_int(a["tokens"], "accepted.tokens"),
                 steps=_int(a["steps"], "accepted.steps"),
+                base_round=_int(a["base_round"], "accepted.base_round") if "base_round" in a else None,
             )
-            for a in _list(doc["accepted"], "accepted", {"site", "payload_sha256", "tokens", "steps"})
+            for a in _list(
+                doc["accepted"], "accepted", {"site", "payload_sha256", "tokens", "steps"}, frozenset({"base_round"})
+            )
         ),
         rejected=tuple(
             RejectedContribution(
@@ -505,9 +518,12 @@ def read_contribution(
     keyring: Keyring,
     known_sites: Collection[str],
     expected_base_round: int | None = None,
+    oldest_base_round: int | None = None,
     max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> Contribution:
-    """A verified contribution, or Rejected. `max_bytes` bounds the payload file."""
+    """A verified contribution, or Rejected. `max_bytes` bounds the payload file. Its base round must be
+    `expected_base_round`, or (a late contribution folded into a later round) no older than
+    `oldest_base_round`."""
     json_path = Path(json_path)
     try:
         text, doc, fields = _read_record(json_path, "contribution")
@@ -516,9 +532,11 @@ def read_contribution(
             raise Rejected(f"unknown site '{site}' (known: {', '.join(sorted(known_sites)[:20]) or 'none'})")
         _check_signed(json_path, text, doc, fields, site, keyring)
         base = fields["base_round"]
-        if expected_base_round is not None and base < expected_base_round:
+        oldest = expected_base_round if oldest_base_round is None else oldest_base_round
+        if oldest is not None and base < oldest:
             raise Rejected(
                 f"replayed from round {base + 1}: base round {base}, expected base round {expected_base_round}"
+                + (f" (or, late, {oldest} or newer)" if oldest != expected_base_round else "")
             )
         if expected_base_round is not None and base > expected_base_round:
             raise Rejected(f"for round {base + 1}, expected round {expected_base_round + 1}")
@@ -547,9 +565,10 @@ def read_round(
     aggregator: str,
     expected_round: int | None = None,
     max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    need_momentum: bool = False,
 ) -> PublishedRound:
     """A verified published round signed by one of `aggregator`'s keys, or Rejected. `max_bytes` bounds the
-    payload file."""
+    payload file; `need_momentum` refuses a site's copy (θ only) where the outer state is needed."""
     json_path = Path(json_path)
     try:
         text, doc, fields = _read_record(json_path, "round")
@@ -559,6 +578,9 @@ def read_round(
             raise Rejected(f"replayed from round {r}, expected round {expected_round}")
         if expected_round is not None and r > expected_round:
             raise Rejected(f"for round {r}, expected round {expected_round}")
+        has_momentum = any(n.startswith(MOMENTUM) for n in fields["specs"])
+        if need_momentum and not has_momentum:
+            raise Rejected("holds θ only (a site's copy), but the outer state needs the momentum too")
         tensors = _payload(json_path, fields, max_bytes)
     except Rejected as e:
         raise Rejected(e.reason, json_path) from None
@@ -576,7 +598,7 @@ def read_round(
         key_id=fields["key_id"],
         specs=fields["specs"],
         theta={n: tensors[THETA + n] for n in names},
-        momentum={n: tensors[MOMENTUM + n] for n in names},
+        momentum={n: tensors[MOMENTUM + n] for n in names} if has_momentum else None,
     )
 
 
@@ -723,24 +745,32 @@ def write_round(
     accepted: Sequence[AcceptedContribution | Mapping[str, Any]],
     rejected: Sequence[RejectedContribution | Mapping[str, Any]],
     theta: Mapping[str, torch.Tensor],
-    momentum: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor] | None,
     key: Ed25519PrivateKey,
 ) -> Path:
     """Write `round-<round>.{safetensors,json}`: θ and momentum (fp32, the same names and shapes) in one payload,
-    signed with `key` (the aggregator's); returns the .json path."""
-    if set(theta) != set(momentum):
+    signed with `key` (the aggregator's); returns the .json path. momentum=None writes a site's copy: θ only,
+    half the bytes, all a site needs to go on training."""
+    if momentum is not None and set(theta) != set(momentum):
         raise BadInput("cannot write a round: theta and momentum must hold the same names")
-    both = {THETA + n: t for n, t in theta.items()} | {MOMENTUM + n: t for n, t in momentum.items()}
+    both = {THETA + n: t for n, t in theta.items()} | {MOMENTUM + n: t for n, t in (momentum or {}).items()}
     stored = _stored(both, frozenset({"F32"}))
     fields = {
         "round": round,
         "parent": parent,
         "outer": _outer_json(outer),
-        "accepted": [_as_dict(a, ("site", "payload_sha256", "tokens", "steps")) for a in accepted],
+        "accepted": [_accepted_json(a) for a in accepted],
         "rejected": [_as_dict(r, ("site", "reason")) for r in rejected],
         "tensors": _spec_json(stored),
     }
     return _sign_and_publish(Path(directory), "round", fields, safetensors.torch.save(stored), key)
+
+
+def _accepted_json(a: AcceptedContribution | Mapping[str, Any]) -> dict[str, Any]:
+    out = _as_dict(a, ("site", "payload_sha256", "tokens", "steps", "base_round"))
+    if out.get("base_round") is None:
+        out.pop("base_round", None)
+    return out
 
 
 def _outer_json(outer: OuterStep | Mapping[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ Files only, pushed by the side that owns them (a site never needs to list a remo
     AGGREGATOR.state/ also
       incoming/<site>/contrib-...                        contributions the sites pushed
       rounds/round-NNNNNN.{json,safetensors}             published rounds: θ and momentum in one file
+      outgoing/round-NNNNNN.{json,safetensors}           each round's site copy: θ only, signed (what is pushed)
       quorum.json                                        when each round's first valid contribution came
       rejected.json                                      contributions rejected, and why
     SITE.run/xsite/global-rNNNNNN.safetensors           θ(r), verified, for the trainer to adopt
@@ -24,8 +25,11 @@ A tick, in order; each step is idempotent, every file is written whole under a t
 4. (aggregator) for the next round r: read every site's contribution for base r − 1, reject with a reason
    what fails (signature, hash, base round, shapes, finite values, norm outliers); apply the outer step once
    a quorum is in or the timeout has passed; publish round r (θ and m together, signed);
-5. (aggregator) push the newest round to every site's inbox;
-6. verify the newest round in the inbox and hand θ(r) to the run.
+5. (aggregator) push the newest round's site copy (θ only: half the bytes; the momentum stays at the aggregator)
+   to every site's inbox;
+6. verify the newest round in the inbox and hand θ(r) to the run;
+7. delete what is older than the newest `keep_rounds` rounds (rounds, site copies, inbox, contributions, the
+   global weights handed over), so a long training does not fill the filesystem.
 Two ticks at once on one site: the second finds the lock held and exits 0 saying so, so exactly one applies
 a round. A site that is down does not stop the others: its push fails, is logged, and is retried next tick.
 """
@@ -53,7 +57,7 @@ from hpcscale.util.paths import expand_path
 from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # one owner of the record names
 from hpcscale.xsite.roundfile import round_stem
 
-OUTBOX, INBOX, INCOMING, ROUNDS = "outbox", "inbox", "incoming", "rounds"
+OUTBOX, INBOX, INCOMING, ROUNDS, OUTGOING = "outbox", "inbox", "incoming", "rounds", "outgoing"
 LOG = "log.jsonl"
 QUORUM = "quorum.json"
 REJECTED = "rejected.json"  # (aggregator) what was rejected and why: reported once
@@ -170,7 +174,7 @@ def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None) -> TickR
         raise BadInput(f"--site {site_name}: not a site of {cfg.name} ({', '.join(s.name for s in cfg.sites)})")
     report = TickReport(site_name)
     state = _state(me)
-    for sub in (OUTBOX, INBOX) + ((INCOMING, ROUNDS) if me.name == cfg.aggregator else ()):
+    for sub in (OUTBOX, INBOX) + ((INCOMING, ROUNDS, OUTGOING) if me.name == cfg.aggregator else ()):
         (state / sub).mkdir(parents=True, exist_ok=True)
     (state / LOCK_DIR).mkdir(exist_ok=True)
     fd = os.open(state / LOCK_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -207,8 +211,10 @@ def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, now: float
     if is_agg:
         _step("aggregate", report, lambda: _aggregate(cfg, me, key, keyring, report, now))
         for site in cfg.sites:
-            _step(f"push round to {site.name}", report, lambda site=site: _push_round(cfg, me, site, report))
+            push = lambda site=site: _push_round(cfg, me, site, key, keyring, report)  # noqa: E731
+            _step(f"push round to {site.name}", report, push)
     _step("hand over", report, lambda: _hand_over(cfg, me, keyring, report))
+    _step("prune", report, lambda: _prune(cfg, me, report))
 
 
 def _step(name: str, report: TickReport, fn) -> None:
@@ -224,8 +230,18 @@ def _step(name: str, report: TickReport, fn) -> None:
 
 
 # ---- 1. round 0 ------------------------------------------------------------------------------------------------
+def _rounds_in(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(m.group("round")) for p in directory.iterdir() if (m := _ROUND.match(p.name)))
+
+
 def _published(state: Path) -> list[int]:
-    return sorted(int(m.group("round")) for p in (state / ROUNDS).iterdir() if (m := _ROUND.match(p.name)))
+    return _rounds_in(state / ROUNDS)
+
+
+def _oldest_kept(cfg: XsiteConfig, rounds: list[int]) -> int:
+    return max(0, rounds[-1] - cfg.keep_rounds + 1) if rounds else 0
 
 
 def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) -> None:
@@ -258,13 +274,13 @@ def _outer(cfg: XsiteConfig) -> dict[str, Any]:
 
 
 # ---- 2-3. export and push this site's contribution --------------------------------------------------------------
-def _verified_round(cfg: XsiteConfig, state: Path, keyring, r: int, where: str = INBOX):
+def _verified_round(cfg: XsiteConfig, state: Path, keyring, r: int, where: str = INBOX, need_momentum: bool = False):
     from hpcscale.xsite.roundfile import read_round
 
     path = state / where / f"{round_stem(r)}.json"
     if not path.exists():
         return None
-    return read_round(path, keyring=keyring, aggregator=cfg.aggregator)
+    return read_round(path, keyring=keyring, aggregator=cfg.aggregator, need_momentum=need_momentum)
 
 
 def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -> None:
@@ -276,9 +292,10 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
     for step, tag in _round_checkpoints(_run(me)):
         if tag["base_round"] >= 0 and step > 0 and step % cfg.round_steps == 0:  # round checkpoints only
             newest[tag["base_round"]] = (step, tag)  # the newest checkpoint of each base round
+    oldest = _oldest_kept(cfg, _rounds_in(state / INBOX))
     for base, (step, tag) in sorted(newest.items()):
-        if (state / OUTBOX / f"{contrib_stem(me.name, base)}.json").exists():
-            continue
+        if base < oldest or (state / OUTBOX / f"{contrib_stem(me.name, base)}.json").exists():
+            continue  # contributed already, or its base round is no longer kept (the trainer adopts a newer one)
         published = _verified_round(cfg, state, keyring, base)
         if published is None:
             report.add("waiting", reason=f"round {base} (the base of step {step}) is not in the inbox yet")
@@ -331,22 +348,27 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
     if not published:
         return
     r = published[-1] + 1
-    arrived = [
-        (site, path)
-        for site in cfg.sites
-        if (path := state / INCOMING / site.name / f"{contrib_stem(site.name, r - 1)}.json").exists()
-        and path.with_suffix(".safetensors").exists()
-    ]
-    if not arrived:  # the usual cron tick: do not read and verify the whole base round for nothing
-        return
-    base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS)
+    oldest = max(0, r - 1 - cfg.quorum.late_rounds)
+    used = _applied(state, range(oldest + 1, r))  # (site, base) already in a round: never applied twice
+    arrived = []
+    for site in cfg.sites:  # each site's newest contribution with a base in [oldest, r - 1] not applied yet
+        for b in range(r - 1, oldest - 1, -1):
+            path = state / INCOMING / site.name / f"{contrib_stem(site.name, b)}.json"
+            if (site.name, b) in used:
+                break  # a newer one went in already: an older one is superseded
+            if path.exists() and path.with_suffix(".safetensors").exists():
+                arrived.append((site, path))
+                break
+    if not any(p.name == f"{contrib_stem(s.name, r - 1)}.json" for s, p in arrived):
+        return  # the usual cron tick: do not read and verify the whole base round for nothing (late ones wait)
+    base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS, need_momentum=True)
     shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
     valid: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
     rejected: list[dict[str, str]] = []
     for site, path in arrived:
         try:
             c = read_contribution(path, keyring=keyring, known_sites={s.name for s in cfg.sites},
-                                  expected_base_round=r - 1)  # fmt: skip
+                                  expected_base_round=r - 1, oldest_base_round=oldest)  # fmt: skip
             if c.site != site.name:
                 raise Rejected(f"signed as {c.site} but pushed to {site.name}'s incoming directory")
             tensors = decode(c.tensors, c.encoding, shapes)
@@ -365,23 +387,24 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         report.add("rejected", round=r, site=x["site"], reason=x["reason"])
     if fresh:
         _atomic_bytes(state / REJECTED, json.dumps(seen).encode())
+    on_time = sorted(s for s, (c, _) in valid.items() if c.base_round == r - 1)  # a late one joins, never decides
     quorum = _read_json(state / QUORUM)
     first = quorum.get(str(r))
-    if valid and first is None:
+    if on_time and first is None:
         first = now
         quorum[str(r)] = now
         _atomic_bytes(state / QUORUM, json.dumps(quorum).encode())
     waited = 0.0 if first is None else now - first
-    ready = len(valid) >= cfg.quorum.min_sites or (valid and waited >= cfg.quorum.timeout_seconds)
+    ready = len(on_time) >= cfg.quorum.min_sites or (on_time and waited >= cfg.quorum.timeout_seconds)
     if not ready:
         if valid:  # nothing in yet is not news
-            report.add("quorum", round=r, have=sorted(valid), need=cfg.quorum.min_sites, waited_s=round(waited, 1))
+            report.add("quorum", round=r, have=on_time, need=cfg.quorum.min_sites, waited_s=round(waited, 1))
         return
     norms = {s: float(torch.sqrt(sum((t.double() ** 2).sum() for t in ts.values()))) for s, (_, ts) in valid.items()}
     for s, reason in norm_outliers(norms, factor=cfg.outer.outlier_factor).items():
         rejected.append({"site": s, "reason": reason})
         valid.pop(s)
-    if not valid:
+    if not any(c.base_round == r - 1 for c, _ in valid.values()):  # late ones alone never make a round
         report.add("quorum", round=r, have=[], rejected=rejected)
         return
     weights = [float(c.tokens) if cfg.weighting == "tokens" and c.tokens > 0 else 1.0 for c, _ in valid.values()]
@@ -396,7 +419,13 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         parent=r - 1,
         outer=_outer(cfg),
         accepted=[
-            {"site": s, "payload_sha256": c.payload_sha256, "tokens": c.tokens, "steps": c.steps}
+            {
+                "site": s,
+                "payload_sha256": c.payload_sha256,
+                "tokens": c.tokens,
+                "steps": c.steps,
+                "base_round": c.base_round,
+            }
             for s, (c, _) in valid.items()
         ],
         rejected=rejected,
@@ -405,7 +434,22 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         key=key,
     )
     _fault("published")
-    report.add("published", round=r, accepted=sorted(valid), rejected=rejected, waited_s=round(waited, 1))
+    late = {s: c.base_round for s, (c, _) in valid.items() if c.base_round != r - 1}
+    report.add("published", round=r, accepted=sorted(valid), rejected=rejected, waited_s=round(waited, 1),
+               **({"late": late} if late else {}))  # fmt: skip
+
+
+def _applied(state: Path, rounds: range) -> set[tuple[str, int]]:
+    """(site, base round) of every contribution the given published rounds applied (a round without base_round
+    in its entries, written before late folding existed, applied contributions for its parent)."""
+    out = set()
+    for r in rounds:
+        doc = _read_json(state / ROUNDS / f"{round_stem(r)}.json")
+        for a in doc.get("accepted", []) if isinstance(doc.get("accepted"), list) else []:
+            if isinstance(a, dict) and isinstance(a.get("site"), str):
+                b = a.get("base_round", r - 1)
+                out.add((a["site"], b if type(b) is int else r - 1))
+    return out
 
 
 def _read_json(path: Path) -> dict:
@@ -417,16 +461,39 @@ def _read_json(path: Path) -> dict:
 
 
 # ---- 5. push rounds; 6. hand over ---------------------------------------------------------------------------------
-def _push_round(cfg: XsiteConfig, me: XsiteSite, site: XsiteSite, report: TickReport) -> None:
-    rounds = _state(me) / ROUNDS
+def _site_copy(cfg: XsiteConfig, state: Path, key, keyring, r: int) -> Path:
+    """outgoing/round-r: the published round's θ, signed again without the momentum (a site needs only θ, and
+    the downlink to every site is most of a round's bytes). Made from the verified full round, so a tick killed
+    between publishing and this is completed by the next."""
+    from hpcscale.xsite.roundfile import write_round
+
+    path = state / OUTGOING / f"{round_stem(r)}.json"
+    if path.exists():
+        return path
+    full = _verified_round(cfg, state, keyring, r, where=ROUNDS)
+    return write_round(
+        state / OUTGOING,
+        round=r,
+        parent=full.parent,
+        outer=full.outer,
+        accepted=full.accepted,
+        rejected=full.rejected,
+        theta=full.theta,
+        momentum=None,
+        key=key,
+    )
+
+
+def _push_round(cfg: XsiteConfig, me: XsiteSite, site: XsiteSite, key, keyring, report: TickReport) -> None:
     published = _published(_state(me))
     if not published:
         return
-    newest = rounds / f"{round_stem(published[-1])}.json"
-    marker = rounds / f".pushed-{site.name}-{newest.stem}"
+    newest = _site_copy(cfg, _state(me), key, keyring, published[-1])
+    outgoing = newest.parent
+    marker = outgoing / f".pushed-{site.name}-{newest.stem}"
     if marker.exists():
         return
-    n = _push(cfg, _pair(newest), rounds, _endpoint(site, me, INBOX))
+    n = _push(cfg, _pair(newest), outgoing, _endpoint(site, me, INBOX))
     _fault("round_pushed")
     marker.write_text(str(n))
     report.add("pushed", file=newest.name, to=site.name, bytes=n)
@@ -436,7 +503,7 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
     from safetensors.torch import save_file
 
     state = _state(me)
-    found = sorted(int(m.group("round")) for p in (state / INBOX).iterdir() if (m := _ROUND.match(p.name)))
+    found = _rounds_in(state / INBOX)
     if not found:
         return
     r = found[-1]
@@ -458,6 +525,41 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
     report.add("handed over", round=r, run=str(run))
 
 
+# ---- 7. retention ----------------------------------------------------------------------------------------------
+_NUMBERED = re.compile(r"(?:^|-)r(?:ound-)?(\d{6})(?:\.|$)")  # round-000004.json, contrib-a-r000004.json, global-r…
+
+
+def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
+    """Delete rounds older than the newest keep_rounds (and contributions for them, and their push markers).
+    The newest round a site knows is never deleted, nor anything a later step of a tick still needs."""
+    state = _state(me)
+    known = _rounds_in(state / INBOX)
+    if me.name == cfg.aggregator:
+        known = sorted(set(known) | set(_published(state)))
+    oldest = _oldest_kept(cfg, known)
+    if oldest == 0:
+        return
+    dirs = [state / INBOX, state / OUTBOX, _run(me) / GLOBAL_DIR]
+    if me.name == cfg.aggregator:
+        dirs += [state / ROUNDS, state / OUTGOING] + [state / INCOMING / s.name for s in cfg.sites]
+    removed = 0
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            found = _NUMBERED.findall(p.name.removeprefix(".pushed-"))  # the last: a site name may look like one
+            if not found or not p.is_file():
+                continue
+            r = int(found[-1])
+            if p.name.startswith(".pushed-contrib-") or p.name.startswith("contrib-"):
+                r += 1  # a contribution against base b is for round b + 1
+            if r < oldest:
+                p.unlink(missing_ok=True)
+                removed += 1
+    if removed:
+        report.add("pruned", before_round=oldest, files=removed)
+
+
 # ---- status ------------------------------------------------------------------------------------------------------
 def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
     """This site's view: its log's rounds × sites, what is in its outbox, inbox and (aggregator) rounds."""
@@ -470,7 +572,15 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
         for line in (state / LOG).read_text().splitlines():
             with contextlib.suppress(ValueError):
                 events.append(json.loads(line))
-    sent = sum(e.get("bytes", 0) for e in events if e.get("event") == "pushed")
+    pushed = [e for e in events if e.get("event") == "pushed" and isinstance(e.get("bytes"), int)]
+    sent = sum(e["bytes"] for e in pushed)
+    egress: dict[tuple[int, str], int] = {}  # (round, destination) -> bytes this site sent for it
+    for e in pushed:
+        found = _NUMBERED.findall(str(e.get("file", "")))
+        if found:
+            r = int(found[-1]) + (1 if str(e.get("file")).startswith("contrib-") else 0)
+            key = (r, str(e.get("to")))
+            egress[key] = egress.get(key, 0) + e["bytes"]
     received = sum(p.stat().st_size for p in (state / INBOX).glob("round-*") if p.is_file())
     if me.name == cfg.aggregator:
         received += sum(p.stat().st_size for p in (state / INCOMING).glob("*/contrib-*") if p.is_file())
@@ -494,6 +604,7 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
         "rounds": [rounds[r] for r in sorted(rounds)],
         "bytes_sent": sent,
         "bytes_received": received,
+        "egress": [{"round": r, "to": to, "bytes": n} for (r, to), n in sorted(egress.items())],
         "errors": [e for e in events if e.get("event") == "error"][-10:],
         "last_tick": events[-1]["time"] if events else None,
     }

@@ -1,0 +1,134 @@
+"""The aggregator's rules for a late site, through real ticks on real signed files (no trainers): a
+contribution that missed its round is folded into the next one when `quorum.late_rounds` allows, exactly
+once, never decides a quorum, and is superseded by a newer one from the same site; with late_rounds 0 it is
+ignored. θ of every round is checked against the in-process outer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hpcscale.config.xsite import load_xsite
+from hpcscale.xsite import roundfile as rf
+from hpcscale.xsite import rounds
+from hpcscale.xsite.outer import OuterStep, aggregate, decode, encode
+from hpcscale.xsite.signing import generate_key, load_keyring, load_private
+
+SITES = ("a", "b", "c")
+
+
+def _setup(tmp: Path, late_rounds: int) -> tuple:
+    keys = tmp / "keys"
+    keys.mkdir()
+    for s in SITES:
+        generate_key(keys, s)
+    cfg = {
+        "name": "late",
+        "aggregator": "a",
+        "round_steps": 10,
+        "keys": str(keys),
+        "quorum": {"min_sites": 2, "timeout_seconds": 3600, "late_rounds": late_rounds},
+        "sites": [
+            {
+                "name": s,
+                "run": str(tmp / f"run-{s}"),
+                "state": str(tmp / f"state-{s}"),
+                "reach": str(tmp / f"state-{s}"),
+                "key": str(keys / f"{s}.key"),
+            }
+            for s in SITES
+        ],
+    }
+    path = tmp / "xsite.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    config = load_xsite(path)
+    theta0 = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(5)}
+    state = tmp / "state-a"
+    (state / rounds.ROUNDS).mkdir(parents=True)
+    rf.write_round(state / rounds.ROUNDS, round=0, parent=None, outer=rounds._outer(config), accepted=[],
+                   rejected=[], theta=theta0, momentum={k: torch.zeros_like(v) for k, v in theta0.items()},
+                   key=load_private(keys / "a.key"))  # fmt: skip
+    return config, keys, theta0
+
+
+def _contribute(tmp: Path, keys: Path, site: str, base: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    d = {"w": torch.randn(4, 3, generator=g) * 0.1, "b": torch.randn(5, generator=g) * 0.1}
+    incoming = tmp / "state-a" / rounds.INCOMING / site
+    incoming.mkdir(parents=True, exist_ok=True)
+    rf.write_contribution(incoming, site=site, base_round=base, steps=10, tokens=100, encoding="fp32",
+                          tensors=encode(d, "fp32"), key=load_private(keys / f"{site}.key"))  # fmt: skip
+    return decode(encode(d, "fp32"), "fp32", {k: tuple(v.shape) for k, v in d.items()})
+
+
+def _round(tmp: Path, keys: Path, r: int) -> rf.PublishedRound:
+    path = tmp / "state-a" / rounds.ROUNDS / f"round-{r:06d}.json"
+    return rf.read_round(path, keyring=load_keyring(keys), aggregator="a", need_momentum=True)
+
+
+def _published(report: rounds.TickReport) -> list[dict]:
+    return [e for e in report.events if e["event"] == "published"]
+
+
+@pytest.mark.parametrize("late_rounds", [1, 0])
+def test_a_late_contribution_is_folded_into_the_next_round_once(tmp_path, late_rounds):
+    config, keys, theta0 = _setup(tmp_path, late_rounds)
+    outer = OuterStep(theta0, lr=config.outer.lr, momentum=config.outer.momentum)  # the reference
+    da, db = _contribute(tmp_path, keys, "a", 0, 1), _contribute(tmp_path, keys, "b", 0, 2)
+    assert [e["accepted"] for e in _published(rounds.tick(config, "a"))] == [["a", "b"]]  # quorum 2 of 3
+    outer.apply(aggregate([(100.0, da), (100.0, db)]))
+    dc_late = _contribute(tmp_path, keys, "c", 0, 3)  # c's round-1 work arrives after round 1
+    assert _published(rounds.tick(config, "a")) == [], "a late contribution alone never makes a round"
+    da, db = _contribute(tmp_path, keys, "a", 1, 4), _contribute(tmp_path, keys, "b", 1, 5)
+    [event] = _published(rounds.tick(config, "a"))
+    r2 = _round(tmp_path, keys, 2)
+    if late_rounds:
+        assert event["accepted"] == ["a", "b", "c"] and event["late"] == {"c": 0}, event
+        assert {(a.site, a.base_round) for a in r2.accepted} == {("a", 1), ("b", 1), ("c", 0)}
+        outer.apply(aggregate([(100.0, da), (100.0, db), (100.0, dc_late)]))
+    else:
+        assert event["accepted"] == ["a", "b"] and "late" not in event, event
+        outer.apply(aggregate([(100.0, da), (100.0, db)]))
+    theta, _ = outer.state()
+    assert all(torch.equal(r2.theta[k], theta[k]) for k in theta)
+    # Round 3: a and b on time; c's old contribution is never applied again (nor, superseded, an older one).
+    _contribute(tmp_path, keys, "a", 2, 6), _contribute(tmp_path, keys, "b", 2, 7)
+    [event] = _published(rounds.tick(config, "a"))
+    assert event["accepted"] == ["a", "b"], event
+
+
+def test_a_newer_contribution_supersedes_a_late_one(tmp_path):
+    config, keys, _ = _setup(tmp_path, late_rounds=2)
+    _contribute(tmp_path, keys, "a", 0, 1), _contribute(tmp_path, keys, "b", 0, 2)
+    rounds.tick(config, "a")  # round 1 without c
+    _contribute(tmp_path, keys, "c", 0, 3)  # late for round 1 ...
+    _contribute(tmp_path, keys, "c", 1, 4)  # ... and c's on-time work for round 2 is here too
+    _contribute(tmp_path, keys, "a", 1, 5)
+    [event] = _published(rounds.tick(config, "a"))
+    assert event["accepted"] == ["a", "c"] and "late" not in event, event  # c's base-1 Δ, not both
+    r2 = _round(tmp_path, keys, 2)
+    assert {(a.site, a.base_round) for a in r2.accepted} == {("a", 1), ("c", 1)}
+
+
+def test_overlapped_adoption_keeps_the_steps_taken_since_the_boundary():
+    """adopt: overlap: θ ← θ(r) + (θ_now − θ_boundary), exactly, for every parameter."""
+    from hpcscale.train.rounds import Rounds
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    r = object.__new__(Rounds)
+    r.model = model
+    snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():  # "training" after the boundary
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    now = {n: p.detach().clone() for n, p in model.named_parameters()}
+    theta = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    r._load(theta, snapshot)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), theta[n] + (now[n] - snapshot[n])), n
+    r._load(theta)  # wait: θ(r) itself
+    assert all(torch.equal(p.detach(), theta[n]) for n, p in model.named_parameters())
