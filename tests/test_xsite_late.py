@@ -132,3 +132,17 @@ def test_overlapped_adoption_keeps_the_steps_taken_since_the_boundary():
         assert torch.equal(p.detach(), theta[n] + (now[n] - snapshot[n])), n
     r._load(theta)  # wait: θ(r) itself
     assert all(torch.equal(p.detach(), theta[n]) for n, p in model.named_parameters())
+
+
+def test_keep_rounds_must_outlast_late_rounds(tmp_path):
+    """A late contribution's round must not be pruned before it can be folded: exit 2 naming the key."""
+    from hpcscale.config.errors import ConfigError
+
+    _setup(tmp_path, late_rounds=1)
+    path = tmp_path / "xsite.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["keep_rounds"] = 2
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match="keep_rounds") as e:
+        load_xsite(path)
+    assert str(path) in str(e.value) and e.value.exit_code == 2

@@ -5,7 +5,8 @@ Two sites a (aggregator) and b on this machine, a model of --params parameters (
 hpcscale checkpoints in each site's run directory (a start checkpoint, then a round checkpoint with each site's
 own weights), and the product's ticks (hpcscale.xsite.rounds.tick), in-process, timed stage by stage:
   export (read the round checkpoint whole, Δ, encode, sign: site b's tick), push (stage to the aggregator),
-  aggregate (validate both contributions, the outer step, publish θ and m signed), push round and hand over.
+  aggregate (validate both contributions, the outer step, publish θ and m signed, and the θ-only copy sites
+  get), push round and hand over. "round in MB" is what b receives per round.
 With --link RATE (root; e.g. 20mbit) the exchange goes through an sshd in a network namespace whose loopback
 is capped by tbf, and the round time (from b's export to θ(1) in b's run) shows what the link costs.
 
@@ -91,12 +92,13 @@ def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> di
     setup_s, _ = timed("a")  # round 0 published, pushed to a and b, handed to a; a's contribution exported
     t0 = time.perf_counter()
     b_s, b_report = timed("b")  # b: θ(0) handed over, b's contribution exported (Δ, encode, sign) and pushed
-    agg_s, _ = timed("a")  # a: validate both, outer step, publish round 1, push it to both sites
+    agg_s, agg_report = timed("a")  # a: validate both, outer step, publish round 1, push its θ-only copy to both
     hand_s, _ = timed("b")  # b: verify round 1, hand θ(1) to b's run
     round_s = time.perf_counter() - t0
     assert (tmp / "run-b" / "xsite" / "global-r000001.safetensors").exists()
     sent_b = sum(e.get("bytes", 0) for e in b_report.events if e["event"] == "pushed")
     contrib = next(e for e in b_report.events if e["event"] == "exported")["bytes"]
+    down = sum(e["bytes"] for e in agg_report.events if e["event"] == "pushed" and e.get("to") == "b")
     return {
         "encoding": encoding,
         "params": params,
@@ -104,6 +106,7 @@ def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> di
         "contribution_bytes": contrib,
         "contribution_vs_fp32": round(contrib / (4 * params), 4),
         "b_sent_bytes": sent_b,
+        "b_received_bytes": down,  # round 1 as b receives it: θ only (the momentum stays at the aggregator)
         "tick_b_export_push_s": round(b_s, 2),
         "tick_a_aggregate_publish_push_s": round(agg_s, 2),
         "tick_b_hand_over_s": round(hand_s, 2),
@@ -161,10 +164,11 @@ def main() -> int:
         return 0
     print(f"cross-site tick, {a.params / 1e6:.0f} M parameters ({4 * a.params / 1e6:.0f} MB fp32), 2 sites, "
           f"link {a.link or 'none (shared filesystem)'}; medians of {a.reps}")  # fmt: skip
-    print(f"  {'encoding':8} {'contrib MB':>10} {'vs fp32':>8} {'b export+push s':>16} {'a aggregate s':>14} "
-          f"{'b hand-over s':>14} {'round s':>8}")  # fmt: skip
+    print(f"  {'encoding':8} {'contrib MB':>10} {'vs fp32':>8} {'round in MB':>11} {'b export+push s':>16} "
+          f"{'a aggregate s':>14} {'b hand-over s':>14} {'round s':>8}")  # fmt: skip
     for r in rows:
         print(f"  {r['encoding']:8} {r['contribution_bytes'] / 1e6:10.1f} {r['contribution_vs_fp32']:8.3f} "
+              f"{r['b_received_bytes'] / 1e6:11.1f} "
               f"{r['tick_b_export_push_s']:16.2f} {r['tick_a_aggregate_publish_push_s']:14.2f} "
               f"{r['tick_b_hand_over_s']:14.2f} {r['round_s']:8.2f}")  # fmt: skip
     return 0
