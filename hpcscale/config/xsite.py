@@ -163,8 +163,12 @@ def parse_xsite(src: YamlSource) -> XsiteConfig:
     if cfg.quorum.min_sites > len(names):
         dec.error(("quorum", "min_sites"), f"{cfg.quorum.min_sites} is more than the {len(names)} site(s)")
     if cfg.keep_rounds < cfg.quorum.late_rounds + 2:  # a late contribution's base round must still be kept
-        dec.error(("keep_rounds",), f"{cfg.keep_rounds} keeps fewer rounds than quorum.late_rounds + 2 "
-                  f"({cfg.quorum.late_rounds + 2}): a late contribution would be deleted before it is folded")  # fmt: skip
+        need = cfg.quorum.late_rounds + 2
+        dec.error(
+            ("keep_rounds",),
+            f"{cfg.keep_rounds} keeps fewer rounds than quorum.late_rounds + 2 ({need}): a late contribution "
+            "would be deleted before it is folded",
+        )
     dec.raise_if_any()
     return cfg
 

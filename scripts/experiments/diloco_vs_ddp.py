@@ -16,6 +16,13 @@ way), DiLoCo one encoded Δ per round. Output: a JSON of the figures and two PNG
 tokens and against bytes sent), under --out.
 
     python scripts/experiments/diloco_vs_ddp.py [--steps 2000] [--seeds 3] [--out docs/experiments] [--jobs 2]
+        [--outer 10:0.7:0.5,50:0.7:0.7] [--overlap 50:10] [--sync-warmup 200] [--no-sync]
+
+--outer sets the outer step per H (η, μ; the paper's 0.7, 0.9 was tuned for H = 500 over ~180 rounds; with
+40-200 rounds a shorter momentum horizon does better here: docs/cross-site.md has the sweep). --overlap H:D adds,
+for that H, the overlapped variant: θ(r) lands D steps after the boundary and is adopted on top of the steps taken
+meanwhile (hpcscale.train.rounds). --sync-warmup W trains W synchronous steps first (their gradients count as
+bytes sent).
 
 Needs matplotlib (pip install matplotlib). Runs configurations in --jobs processes (single-threaded torch each).
 """
@@ -47,7 +54,19 @@ def lr_at(step: int, steps: int) -> float:
     return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def run_config(kind: str, H: int, encoding: str, seed: int, steps: int, eval_every: int, manifest: str) -> dict:
+def run_config(
+    kind: str,
+    H: int,
+    encoding: str,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    manifest: str,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    sync_warmup: int = 0,
+    delay: int = 0,
+) -> dict:
     import numpy as np
     import torch
 
@@ -107,23 +126,37 @@ def run_config(kind: str, H: int, encoding: str, seed: int, steps: int, eval_eve
         import copy
 
         theta = {n: p.detach().clone().float() for n, p in base.named_parameters()}
-        outer = OuterStep(theta, lr=0.7, momentum=0.9)
+        outer = OuterStep(theta, lr=outer_lr, momentum=outer_momentum)
         sites = [copy.deepcopy(base) for _ in range(2)]
         opts = [opt_for(m) for m in sites]
         shapes = shapes_of(theta)
         per_round = encoded_bytes(shapes, encoding)
         evaluator = copy.deepcopy(base)
         global_theta = theta
+        pending: tuple[int, list[dict]] | None = None  # overlap: (adopt at step, each site's boundary weights)
         for step in range(steps):
+            warm = step < sync_warmup  # synchronous warm-up: gradients averaged every step, as DDP does
             for model, opt, loader in zip(sites, opts, loaders, strict=True):
                 x, y = (torch.from_numpy(a) for a in loader.next_batch())
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step, steps)
                 opt.zero_grad(set_to_none=True)
                 lm_loss(model(x), y).backward()
+            if warm:
+                with torch.no_grad():
+                    for ps in zip(*(m.parameters() for m in sites), strict=True):
+                        mean = sum(p.grad for p in ps) / len(ps)
+                        for p in ps:
+                            p.grad.copy_(mean)
+                sent += 4 * params
+            for model, opt in zip(sites, opts, strict=True):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
-            if (step + 1) % H == 0 or step == steps - 1:
+            if warm:
+                if step + 1 == sync_warmup:  # round 0 starts from the warmed-up weights
+                    global_theta = {n: p.detach().clone().float() for n, p in sites[0].named_parameters()}
+                    outer = OuterStep(global_theta, lr=outer_lr, momentum=outer_momentum)
+            elif (step + 1 - sync_warmup) % H == 0 or step == steps - 1:
                 deltas = []
                 for model in sites:
                     local = {n: p.detach() for n, p in model.named_parameters()}
@@ -132,20 +165,35 @@ def run_config(kind: str, H: int, encoding: str, seed: int, steps: int, eval_eve
                 sent += per_round  # each site sends one encoded Δ per round
                 outer.apply(aggregate(deltas, rule="mean"))
                 global_theta = outer.state().theta
+                if delay:  # adopt: overlap: θ(r) lands `delay` steps later; the steps taken meanwhile are kept
+                    snaps = [{n: p.detach().clone() for n, p in m.named_parameters()} for m in sites]
+                    pending = (step + 1 + delay, snaps)
+                else:
+                    with torch.no_grad():
+                        for model in sites:
+                            for n, p in model.named_parameters():
+                                p.copy_(global_theta[n])
+            if pending is not None and step + 1 == pending[0]:
                 with torch.no_grad():
-                    for model in sites:
+                    for model, snap in zip(sites, pending[1], strict=True):
                         for n, p in model.named_parameters():
-                            p.copy_(global_theta[n])
+                            p.copy_(global_theta[n] + (p - snap[n]))
+                pending = None
             if (step + 1) % eval_every == 0 or step == steps - 1:
-                with torch.no_grad():  # the global weights of the newest round
+                with torch.no_grad():  # the global weights of the newest round (in warm-up: the shared weights)
+                    current = dict(sites[0].named_parameters()) if warm else global_theta
                     for n, p in evaluator.named_parameters():
-                        p.copy_(global_theta[n])
+                        p.copy_(current[n])
                 curve.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "bytes": sent,
                               "val_loss": evaluate(evaluator)})  # fmt: skip
     return {
         "kind": kind,
         "H": H,
         "encoding": encoding,
+        "outer_lr": outer_lr,
+        "outer_momentum": outer_momentum,
+        "sync_warmup": sync_warmup,
+        "delay": delay,
         "seed": seed,
         "params": params,
         "final_val_loss": curve[-1]["val_loss"],
@@ -156,7 +204,23 @@ def run_config(kind: str, H: int, encoding: str, seed: int, steps: int, eval_eve
 
 
 def label(r: dict) -> str:
-    return "synchronous DP" if r["kind"] == "ddp" else f"DiLoCo H={r['H']} {r['encoding']}"
+    if r["kind"] == "ddp":
+        return "synchronous DP"
+    out = f"DiLoCo H={r['H']} {r['encoding']} η={r['outer_lr']:g} μ={r['outer_momentum']:g}"
+    if r.get("sync_warmup"):
+        out += f" +{r['sync_warmup']} sync steps"
+    if r.get("delay"):
+        out += f" overlap {r['delay']}"
+    return out
+
+
+def parse_outer(text: str) -> dict[int, tuple[float, float]]:
+    """'10:0.7:0.5,50:0.7:0.7' -> {H: (η, μ)}"""
+    out = {}
+    for part in text.split(","):
+        h, lr, mu = part.split(":")
+        out[int(h)] = (float(lr), float(mu))
+    return out
 
 
 def main() -> int:
@@ -165,6 +229,14 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--outer", default="10:0.7:0.5,50:0.7:0.7",
+                    help="H:η:μ for each H (the outer Nesterov step; the paper's is 0.7:0.9)")  # fmt: skip
+    ap.add_argument("--encodings", default="fp32,int8")
+    ap.add_argument("--overlap", default="",
+                    help="H:D,...: also run H in fp32 with adopt: overlap, θ(r) landing D steps late")  # fmt: skip
+    ap.add_argument("--sync-warmup", type=int, default=0,
+                    help="synchronous steps before round 0 (their gradients count as bytes sent)")  # fmt: skip
+    ap.add_argument("--no-sync", action="store_true", help="skip the synchronous baseline (exploration only)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "experiments")
     a = ap.parse_args()
     from hpcscale.data.prepare import default_corpus_dataset
@@ -172,37 +244,47 @@ def main() -> int:
     scratch = Path("/tmp/hpcscale-experiments")
     scratch.mkdir(exist_ok=True)
     manifest = str(default_corpus_dataset(scratch, sample_len=MODEL["seq_len"] + 1))
-    configs = [("ddp", 1, "fp32")] + [("diloco", h, e) for h in (10, 50) for e in ("fp32", "int8")]
-    jobs = [(k, h, e, seed, a.steps, a.eval_every, manifest) for seed in range(a.seeds) for k, h, e in configs]
+    outer = parse_outer(a.outer)
+    configs = [] if a.no_sync else [("ddp", 1, "fp32", 0.0, 0.0, 0, 0)]
+    for h, (lr, mu) in outer.items():
+        configs += [("diloco", h, e, lr, mu, a.sync_warmup, 0) for e in a.encodings.split(",")]
+    for part in filter(None, a.overlap.split(",")):
+        h, d = (int(x) for x in part.split(":"))
+        lr, mu = outer[h]
+        configs.append(("diloco", h, "fp32", lr, mu, a.sync_warmup, d))
+    jobs = [(k, h, e, seed, a.steps, a.eval_every, manifest, lr, mu, wu, d)
+            for seed in range(a.seeds) for k, h, e, lr, mu, wu, d in configs]  # fmt: skip
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(run_config, *zip(*jobs, strict=True)))
     summary = []
     ddp = {r["seed"]: r for r in results if r["kind"] == "ddp"}
-    for k, h, e in configs:
-        rs = [r for r in results if (r["kind"], r["H"], r["encoding"]) == (k, h, e)]
+    for lab in dict.fromkeys(label(r) for r in results):
+        rs = [r for r in results if label(r) == lab]
         finals = [r["final_val_loss"] for r in rs]
-        rel = [r["final_val_loss"] / ddp[r["seed"]]["final_val_loss"] - 1 for r in rs]
-        fewer = [ddp[r["seed"]]["bytes_sent_per_site"] / r["bytes_sent_per_site"] for r in rs]
-        summary.append({
-            "config": label(rs[0]),
+        row = {
+            "config": lab,
             "final_val_loss_mean": round(statistics.mean(finals), 4),
             "final_val_loss_spread": round(max(finals) - min(finals), 4),
-            "vs_sync_pct_mean": round(100 * statistics.mean(rel), 2),
-            "vs_sync_pct_worst": round(100 * max(rel), 2),
             "bytes_sent_per_site": rs[0]["bytes_sent_per_site"],
-            "fewer_bytes_than_sync": round(statistics.mean(fewer), 1),
-        })  # fmt: skip
+        }
+        if ddp:
+            rel = [r["final_val_loss"] / ddp[r["seed"]]["final_val_loss"] - 1 for r in rs]
+            fewer = [ddp[r["seed"]]["bytes_sent_per_site"] / r["bytes_sent_per_site"] for r in rs]
+            row.update(vs_sync_pct_mean=round(100 * statistics.mean(rel), 2),
+                       vs_sync_pct_worst=round(100 * max(rel), 2),
+                       fewer_bytes_than_sync=round(statistics.mean(fewer), 1))  # fmt: skip
+        summary.append(row)
     a.out.mkdir(parents=True, exist_ok=True)
     doc = {"model": MODEL, "params": results[0]["params"], "steps": a.steps, "site_batch": SITE_BATCH,
            "seeds": a.seeds, "summary": summary, "runs": results}  # fmt: skip
     (a.out / "diloco_vs_ddp.json").write_text(json.dumps(doc, indent=1))
     plot(results, a.out)
     print(f"GPT {MODEL} ({results[0]['params'] / 1e6:.2f} M params), 2 sites, {a.steps} steps, {a.seeds} seeds")
-    print(f"{'config':24} {'val loss':>9} {'spread':>7} {'vs sync':>8} {'worst':>7} {'bytes/site':>12} {'fewer':>7}")
+    print(f"{'config':44} {'val loss':>9} {'spread':>7} {'vs sync':>8} {'worst':>7} {'bytes/site':>12} {'fewer':>7}")
     for s in summary:
-        print(f"{s['config']:24} {s['final_val_loss_mean']:9.4f} {s['final_val_loss_spread']:7.4f} "
-              f"{s['vs_sync_pct_mean']:7.2f}% {s['vs_sync_pct_worst']:6.2f}% {s['bytes_sent_per_site']:12d} "
-              f"{s['fewer_bytes_than_sync']:6.1f}x")  # fmt: skip
+        print(f"{s['config']:44} {s['final_val_loss_mean']:9.4f} {s['final_val_loss_spread']:7.4f} "
+              f"{s.get('vs_sync_pct_mean', float('nan')):7.2f}% {s.get('vs_sync_pct_worst', float('nan')):6.2f}% "
+              f"{s['bytes_sent_per_site']:12d} {s.get('fewer_bytes_than_sync', float('nan')):6.1f}x")  # fmt: skip
     return 0
 
 
