@@ -57,8 +57,10 @@ class CheckpointManager:
         keep_every: int = 0,
         direct_io: bool = True,
         log=None,
+        lineage: dict | None = None,
     ):
         self.root, self.dims, self.rank = root, dims, rank
+        self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
         self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
         self.keep_last, self.keep_every = keep_last, keep_every
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -116,7 +118,12 @@ class CheckpointManager:
         pending = self.writer.snapshot(mine, copy=asynchronous)
         rng = rng_state()
         parent = step_dir_name(self.last_step) if self.last_step is not None else None
-        args = (step, pending, rng, dict(trainer_state), parent)
+        state = dict(trainer_state)
+        if self.lineage is not None:
+            from hpcscale.ckpt.lineage import TAG, for_save
+
+            state[TAG] = for_save(self.lineage, state, parent)
+        args = (step, pending, rng, state, parent)
         if asynchronous:
             self._thread = threading.Thread(target=self._background, args=args, name=f"ckpt-{step}", daemon=True)
             self._thread.start()

@@ -149,10 +149,14 @@ def inspect(path: Path, as_json: bool) -> None:
         return
     from rich.table import Table
 
+    state = dict(doc["trainer_state"])
+    lineage = state.pop("lineage", None)
     click.echo(
         f"step {doc['step']}  world {doc['world_size']}  layout {doc['layout']}  parent {doc['parent']}  "
-        f"{_size(doc['bytes'])}  trainer state {doc['trainer_state']}"
+        f"{_size(doc['bytes'])}  trainer state {state}"
     )
+    for line in _lineage_lines(lineage):
+        click.echo(line)
     table = Table()
     for col in ("tensor", "shape", "dtype", "shards", "chunks"):
         table.add_column(col)
@@ -161,6 +165,30 @@ def inspect(path: Path, as_json: bool) -> None:
             t["name"], "x".join(map(str, t["shape"])) or "scalar", t["dtype"], str(t["shards"]), str(t["chunks"])
         )
     console().print(table)
+
+
+def _lineage_lines(lineage: object) -> list[str]:
+    """What produced a checkpoint, one fact a line (hpcscale.ckpt.lineage); a checkpoint without: says so."""
+    if not isinstance(lineage, dict):
+        return ["lineage: none recorded (a checkpoint from before lineage, or not written by hpcscale)"]
+    get = lambda d, k: d.get(k) if isinstance(d, dict) else None  # noqa: E731
+    job, data, code = lineage.get("job"), lineage.get("data_manifest"), lineage.get("code")
+    out = [f"lineage: hpcscale {lineage.get('hpcscale_version')}, parent {lineage.get('parent')}"]
+    out.append(f"  job spec   {get(job, 'path')}  sha256 {get(job, 'sha256') or get(job, 'error')}")
+    if data:
+        out.append(f"  data       {get(data, 'path')}  sha256 {get(data, 'sha256') or get(data, 'error')}")
+    if isinstance(code, dict):
+        where = f"  {code['path']}" if code.get("path") else ""
+        git = ""
+        if code.get("git_commit"):
+            git = f"  git {code['git_commit'][:12]}{' (dirty)' if code.get('dirty') else ''}"
+        out.append(f"  code       {code.get('entry')}{where}{git}")
+    if isinstance(lineage.get("slurm"), dict):
+        s = lineage["slurm"]
+        out.append(f"  slurm      job {s.get('job_id')}, restart {s.get('restart_count')}")
+    if "round" in lineage:
+        out.append(f"  cross-site base round {lineage['round']}")
+    return out
 
 
 @ckpt.command()

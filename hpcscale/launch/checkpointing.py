@@ -243,6 +243,7 @@ class Checkpointer:
     def manager(self):
         """The CheckpointManager underneath (created on first use: a collective)."""
         if self._manager is None:
+            from hpcscale.ckpt import lineage
             from hpcscale.ckpt.manager import CheckpointManager
             from hpcscale.rundir import CHECKPOINTS
 
@@ -255,6 +256,7 @@ class Checkpointer:
                 keep_every=self.policy.keep_every,
                 direct_io=self.policy.direct_io,
                 log=ctx.metrics.print,
+                lineage=lineage.of_context(ctx),
             )
             ctx.hooks["checkpoint"] = self._manager
         return self._manager

@@ -161,6 +161,7 @@ def train(ctx: Context) -> None:
         )
     policy = ctx.job.checkpoint
     init_optimizer_state(opt)
+    from hpcscale.ckpt import lineage
     from hpcscale.ckpt.manager import CheckpointManager
 
     ckpt = CheckpointManager(
@@ -171,6 +172,7 @@ def train(ctx: Context) -> None:
         keep_every=policy.keep_every,
         direct_io=policy.direct_io,
         log=ctx.metrics.print,
+        lineage=lineage.of_context(ctx),
     )
     ctx.hooks["checkpoint"] = ckpt
     start = 0

@@ -1,0 +1,116 @@
+"""What produced a checkpoint: recorded in its trainer state under "lineage" (docs/checkpoint-format.md).
+
+    {"hpcscale_version": "0.1.0",
+     "job": {"path": RUN/job.yaml, "sha256": ..., "text": ...},        # the spec as run (-p overrides included)
+     "data_manifest": {"path": ..., "sha256": ...},                     # when the job names one
+     "code": {"entry": "mymodel:main", "path": ..., "git_commit": ..., "dirty": false},
+     "parent": "step-00000100",                                         # the checkpoint before it in this run
+     "slurm": {"job_id": "1234", "restart_count": 1},                   # under Slurm
+     "round": 7}                                                        # a cross-site site: its base round
+
+`collect` runs once per process on rank 0 (the only rank whose trainer state is committed): reading the job
+file, hashing the manifest and asking git are start-up costs, not per-save ones. Anything it cannot find is
+left out or recorded as an error string; lineage never stops a save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+MAX_JOB_TEXT = 64 * 1024  # the spec's text is kept when at most this long (its hash always)
+TAG = "lineage"
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def code_version(entry: str | None) -> dict[str, Any]:
+    """The user's code: where the entry point's top-level package lives and, in a git checkout, its commit
+    and whether tracked files differ from it. The built-in trainer is hpcscale's own code: its version says it."""
+    if not entry or entry == "builtin":
+        return {"entry": "builtin"}
+    module = entry.split(":", 1)[0]
+    out: dict[str, Any] = {"entry": entry}
+    try:
+        spec = importlib.util.find_spec(module.split(".")[0])
+    except (ImportError, ValueError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:300]
+        return out
+    origin = spec.origin if spec is not None else None
+    if not origin or origin in ("built-in", "frozen"):
+        return out
+    path = Path(origin).parent if Path(origin).name == "__init__.py" else Path(origin)
+    out["path"] = str(path)
+    directory = path if path.is_dir() else path.parent
+    commit = _git(directory, "rev-parse", "HEAD")
+    if commit is not None:
+        status = _git(directory, "status", "--porcelain", "--untracked-files=no")
+        out["git_commit"] = commit
+        out["dirty"] = bool(status) if status is not None else None
+    return out
+
+
+def collect(run_dir: Path, job: Any) -> dict[str, Any]:
+    from hpcscale import __version__
+
+    out: dict[str, Any] = {"hpcscale_version": __version__}
+    spec = run_dir / "job.yaml"
+    try:
+        data = spec.read_bytes()
+        text = data.decode("utf-8", "replace")
+        out["job"] = {
+            "path": str(spec),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "text": text if len(data) <= MAX_JOB_TEXT else None,
+        }
+    except OSError as e:
+        out["job"] = {"path": str(spec), "error": e.strerror or str(e)}
+    manifest = getattr(getattr(job, "data", None), "manifest", None)
+    if manifest:
+        from hpcscale.util.paths import expand_path
+
+        path = expand_path(manifest)
+        try:
+            out["data_manifest"] = {"path": str(path), "sha256": _sha256_file(path)}
+        except OSError as e:
+            out["data_manifest"] = {"path": str(path), "error": e.strerror or str(e)}
+    train = getattr(job, "train", None)
+    out["code"] = code_version(getattr(train, "entry", None))
+    return out
+
+
+def for_save(base: dict[str, Any], trainer_state: dict, parent: str | None) -> dict[str, Any]:
+    """The lineage one save records: the process's, its parent checkpoint, Slurm's job and restart count, and
+    a cross-site site's base round (from the trainer state's `xsite` tag)."""
+    out = dict(base, parent=parent)
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if job_id:
+        restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+        out["slurm"] = {"job_id": job_id, "restart_count": int(restarts) if restarts.isdigit() else restarts}
+    tag = trainer_state.get("xsite")
+    if isinstance(tag, dict) and type(tag.get("base_round")) is int:
+        out["round"] = tag["base_round"]
+    return out
+
+
+def of_context(ctx: Any) -> dict[str, Any] | None:
+    """collect() for a launched rank's Context: rank 0 only (the others' trainer state is not committed)."""
+    return collect(ctx.run_dir, ctx.job) if ctx.rank == 0 else None
