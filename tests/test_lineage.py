@@ -96,6 +96,14 @@ def test_every_checkpoint_of_a_run_records_its_lineage(mpi, repo, tmp_path):
         assert "slurm" not in lin and "round" not in lin  # a local run, not a cross-site site
         parents[step] = lin["parent"]
     assert parents == {5: None, 10: "step-00000005"}
+    listing = json.loads(run_cli("ckpt", "ls", str(run), "--json").stdout)["checkpoints"]
+    head = _git(repo, "rev-parse", "HEAD")
+    assert (
+        [(c["step"], c["parent"], c["origin"]) for c in listing]
+        == [  # newest first, each naming its parent
+            (s, p, f"job {spec_sha[:8]} code {head[:8]}") for s, p in ((10, "step-00000005"), (5, None))
+        ]
+    ), listing
     text = run_cli("ckpt", "inspect", str(run))
     assert text.returncode == 0, text.stderr
     assert f"git {_git(repo, 'rev-parse', 'HEAD')[:12]}" in text.stdout and spec_sha in text.stdout, text.stdout

@@ -51,6 +51,8 @@ class CheckpointInfo:
     layout: dict
     world_size: int
     verified: str  # "ok" (index checked whole: digest and structure; data files present, long enough) or the problem
+    parent: str | None = None  # the checkpoint saved before it in its run: the chain
+    origin: str = ""  # its lineage in short: job spec hash, code commit, Slurm job/restart, cross-site round
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +108,26 @@ def _info(root: Path, step: int) -> CheckpointInfo:
         index.layout,
         index.world_size,
         str(data_file_problem(root, index) or "ok"),
+        index.parent,
+        _origin(index.trainer_state.get("lineage")),
     )
+
+
+def _origin(lineage: object) -> str:
+    """`job 1a2b3c4d code 5e6f7a8b* slurm 123/1 round 4` (* dirty); empty without lineage."""
+    if not isinstance(lineage, dict):
+        return ""
+    parts = []
+    job, code, slurm = lineage.get("job"), lineage.get("code"), lineage.get("slurm")
+    if isinstance(job, dict) and isinstance(job.get("sha256"), str):
+        parts.append(f"job {job['sha256'][:8]}")
+    if isinstance(code, dict) and isinstance(code.get("git_commit"), str):
+        parts.append(f"code {code['git_commit'][:8]}{'*' if code.get('dirty') else ''}")
+    if isinstance(slurm, dict):
+        parts.append(f"slurm {slurm.get('job_id')}/{slurm.get('restart_count')}")
+    if type(lineage.get("round")) is int:
+        parts.append(f"round {lineage['round']}")
+    return " ".join(parts)
 
 
 def list_checkpoints(path: Path) -> list[CheckpointInfo]:

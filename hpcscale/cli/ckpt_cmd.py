@@ -31,7 +31,7 @@ def format_checkpoints(infos):
     from rich.table import Table
 
     table = Table(title="checkpoints")
-    for col in ("step", "time", "size", "new in it", "layout (pp,dp,tp)", "verified"):
+    for col in ("step", "time", "size", "new in it", "layout (pp,dp,tp)", "parent", "made by", "verified"):
         table.add_column(col, justify="right" if col in ("step", "size", "new in it") else "left")
     for i in infos:
         when = datetime.fromtimestamp(i.time).strftime("%Y-%m-%d %H:%M:%S") if i.time else "-"
@@ -42,6 +42,8 @@ def format_checkpoints(infos):
             _size(i.bytes),
             _size(i.new_bytes),
             layout,
+            (i.parent or "-").removeprefix("step-").lstrip("0") or "0",
+            i.origin or "-",
             "[green]ok[/green]" if i.verified == "ok" else f"[red]{i.verified}[/red]",
         )
     return table
@@ -51,7 +53,8 @@ def format_checkpoints(infos):
 @dir_arg
 @json_option
 def ls(path: Path, as_json: bool) -> None:
-    """List a run's checkpoints: step, time, size, bytes new in it, layout, structure check.
+    """List a run's checkpoints: step, time, size, bytes new in it, layout, the parent step (the chain), what
+    made it (job spec hash, code commit, * if dirty, Slurm job/restart, cross-site round), structure check.
 
     \b
     Example:
