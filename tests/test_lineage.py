@@ -77,7 +77,7 @@ def test_every_checkpoint_of_a_run_records_its_lineage(mpi, repo, tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump({
         "name": "lineage", "site": "local", "tasks_per_node": 1,
-        "environment": {"PYTHONPATH": str(repo)},
+        "environment": {"PYTHONPATH": str(repo), "API_TOKEN": "s3cr3t"},
         "checkpoint": {"every_steps": 5, "keep_last": 5},
         "train": {"entry": "lineage_entry:main", "params": {"steps": 10}},
     }))  # fmt: skip
@@ -91,7 +91,11 @@ def test_every_checkpoint_of_a_run_records_its_lineage(mpi, repo, tmp_path):
         assert out.returncode == 0, out.stderr
         lin = json.loads(out.stdout)["trainer_state"]["lineage"]
         assert lin["hpcscale_version"] == hpcscale.__version__
-        assert lin["job"]["sha256"] == spec_sha and lin["job"]["text"] == (run / "job.yaml").read_text()
+        assert lin["job"]["sha256"] == spec_sha  # of the file as run; the copy hides environment values
+        copy = yaml.safe_load(lin["job"]["text"])
+        assert copy["environment"] == {"PYTHONPATH": "<redacted>", "API_TOKEN": "<redacted>"}
+        assert copy["train"] == yaml.safe_load((run / "job.yaml").read_text())["train"]
+        assert "s3cr3t" not in json.dumps(lin)
         assert lin["code"]["git_commit"] == _git(repo, "rev-parse", "HEAD") and lin["code"]["dirty"] is False
         assert "slurm" not in lin and "round" not in lin  # a local run, not a cross-site site
         parents[step] = lin["parent"]

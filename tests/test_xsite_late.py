@@ -5,6 +5,7 @@ ignored. θ of every round is checked against the in-process outer step."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,75 @@ def test_keep_rounds_must_outlast_late_rounds(tmp_path):
     with pytest.raises(ConfigError, match="keep_rounds") as e:
         load_xsite(path)
     assert str(path) in str(e.value) and e.value.exit_code == 2
+
+
+def test_a_folded_contribution_is_never_applied_again(tmp_path):
+    """late_rounds 2: c's base-0 contribution, folded into round 2, is still in the window for round 3 and
+    must not go in again (c sends nothing newer)."""
+    config, keys, _ = _setup(tmp_path, late_rounds=2)
+    _contribute(tmp_path, keys, "a", 0, 1), _contribute(tmp_path, keys, "b", 0, 2)
+    rounds.tick(config, "a")  # round 1 without c
+    _contribute(tmp_path, keys, "c", 0, 3)
+    _contribute(tmp_path, keys, "a", 1, 4), _contribute(tmp_path, keys, "b", 1, 5)
+    [event] = _published(rounds.tick(config, "a"))
+    assert event["late"] == {"c": 0}, event
+    _contribute(tmp_path, keys, "a", 2, 6), _contribute(tmp_path, keys, "b", 2, 7)
+    [event] = _published(rounds.tick(config, "a"))
+    assert event["accepted"] == ["a", "b"] and "late" not in event, event
+
+
+def test_a_refused_outlier_does_not_come_back_as_a_late_contribution(tmp_path):
+    config, keys, _ = _setup(tmp_path, late_rounds=1)
+    _contribute(tmp_path, keys, "a", 0, 1), _contribute(tmp_path, keys, "b", 0, 2)
+    g = torch.Generator().manual_seed(3)
+    # ~50x the others' norm: over factor (10) x their median with three sites, under factor^2 (100) with two
+    huge = {"w": torch.randn(4, 3, generator=g) * 5, "b": torch.randn(5, generator=g) * 5}
+    incoming = tmp_path / "state-a" / rounds.INCOMING / "c"
+    incoming.mkdir(parents=True)
+    rf.write_contribution(incoming, site="c", base_round=0, steps=10, tokens=100, encoding="fp32",
+                          tensors=encode(huge, "fp32"), key=load_private(keys / "c.key"))  # fmt: skip
+    [event] = _published(rounds.tick(config, "a"))
+    assert event["accepted"] == ["a", "b"] and [x["site"] for x in event["rejected"]] == ["c"], event
+    r1 = _round(tmp_path, keys, 1)
+    assert [(x.site, x.base_round) for x in r1.rejected] == [("c", 0)]
+    # Round 2: only a in time; at the quorum timeout the round goes ahead with a alone, and with two
+    # contributions the norm rule cannot tell c's again (it needs three): only "never tried again" keeps it out.
+    _contribute(tmp_path, keys, "a", 1, 4)
+    t0 = time.time()
+    assert _published(rounds.tick(config, "a", now=t0)) == []
+    [event] = _published(rounds.tick(config, "a", now=t0 + config.quorum.timeout_seconds + 1))
+    assert event["accepted"] == ["a"] and "late" not in event, event
+
+
+def test_a_stray_round_name_in_an_inbox_deletes_nothing_and_blocks_nothing(tmp_path):
+    """An empty `inbox/round-999999.json` (hostile, or left by hand) must not make every real round "old" to
+    retention, nor stop the newest verified round from reaching the run."""
+    config, keys, _ = _setup(tmp_path, late_rounds=0)
+    run_b = tmp_path / "run-b"
+    run_b.mkdir()
+    (run_b / "job.yaml").write_text("name: b\n")
+    for s in ("a", "b"):
+        (tmp_path / f"state-{s}" / rounds.INBOX).mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"state-{s}" / rounds.INBOX / "round-999999.json").write_text("")
+    _contribute(tmp_path, keys, "a", 0, 1), _contribute(tmp_path, keys, "b", 0, 2)
+    rounds.tick(config, "a")  # round 1, pushed to every inbox
+    report = rounds.tick(config, "b")
+    assert (run_b / "xsite" / "global-r000001.safetensors").exists(), report.events
+    assert any(e["event"] == "rejected" and "999999" in e["file"] for e in report.events), report.events
+    assert {p.name for p in (tmp_path / "state-a" / rounds.ROUNDS).glob("round-*.json")} == {
+        "round-000000.json",
+        "round-000001.json",
+    }
+    assert (tmp_path / "state-b" / rounds.INBOX / "round-000001.json").exists()
+
+
+def test_a_compiled_model_adopts_the_weights_checkpoints_name():
+    """torch.compile names parameters `_orig_mod.<name>`; checkpoints (and so θ) name them `<name>`."""
+    from hpcscale.train.rounds import Rounds
+
+    r = object.__new__(Rounds)
+    r.model = torch.compile(torch.nn.Linear(4, 2))
+    assert {n for n, _ in r.model.named_parameters()} == {"_orig_mod.weight", "_orig_mod.bias"}
+    theta = {"weight": torch.randn(2, 4), "bias": torch.randn(2)}
+    r._load(theta)
+    assert torch.equal(r.model.weight.detach(), theta["weight"]) and torch.equal(r.model.bias.detach(), theta["bias"])

@@ -1,7 +1,8 @@
 """What produced a checkpoint: recorded in its trainer state under "lineage" (docs/checkpoint-format.md).
 
     {"hpcscale_version": "0.1.0",
-     "job": {"path": RUN/job.yaml, "sha256": ..., "text": ...},        # the spec as run (-p overrides included)
+     "job": {"path": RUN/job.yaml, "sha256": ..., "text": ...},        # the spec as run (-p overrides included),
+                                                                        # environment values redacted
      "data_manifest": {"path": ..., "sha256": ...},                     # when the job names one
      "code": {"entry": "mymodel:main", "path": ..., "git_commit": ..., "dirty": false},
      "parent": "step-00000100",                                         # the checkpoint before it in this run
@@ -75,11 +76,10 @@ def collect(run_dir: Path, job: Any) -> dict[str, Any]:
     spec = run_dir / "job.yaml"
     try:
         data = spec.read_bytes()
-        text = data.decode("utf-8", "replace")
         out["job"] = {
             "path": str(spec),
             "sha256": hashlib.sha256(data).hexdigest(),
-            "text": text if len(data) <= MAX_JOB_TEXT else None,
+            "text": _redacted(data) if len(data) <= MAX_JOB_TEXT else None,
         }
     except OSError as e:
         out["job"] = {"path": str(spec), "error": e.strerror or str(e)}
@@ -97,6 +97,23 @@ def collect(run_dir: Path, job: Any) -> dict[str, Any]:
     return out
 
 
+def _redacted(data: bytes) -> str | None:
+    """The spec's text with `environment:` values replaced by "<redacted>" (tokens and passwords live there, and
+    checkpoints travel further than run directories); the sha256 beside it is the original file's. None when
+    the file does not parse as a YAML mapping."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(data)
+    except yaml.YAMLError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    if isinstance(doc.get("environment"), dict):
+        doc["environment"] = {k: "<redacted>" for k in doc["environment"]}
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 def for_save(base: dict[str, Any], trainer_state: dict, parent: str | None) -> dict[str, Any]:
     """The lineage one save records: the process's, its parent checkpoint, Slurm's job and restart count, and
     a cross-site site's base round (from the trainer state's `xsite` tag)."""
@@ -112,5 +129,12 @@ def for_save(base: dict[str, Any], trainer_state: dict, parent: str | None) -> d
 
 
 def of_context(ctx: Any) -> dict[str, Any] | None:
-    """collect() for a launched rank's Context: rank 0 only (the others' trainer state is not committed)."""
-    return collect(ctx.run_dir, ctx.job) if ctx.rank == 0 else None
+    """collect() for a launched rank's Context: rank 0 only (the others' trainer state is not committed). It
+    never raises: rank 0 failing alone here would leave the other ranks waiting in the manager's first
+    collective."""
+    if ctx.rank != 0:
+        return None
+    try:
+        return collect(ctx.run_dir, ctx.job)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:500]}

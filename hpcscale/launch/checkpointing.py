@@ -106,6 +106,8 @@ class Checkpointer:
             self.restored_step = None
             if self._start_rounds(None):  # the start checkpoint (the aggregator's is round 0), then adopt θ(0)
                 self._round_boundary(0)
+                for opt in self._optimizers:  # its save made the lazy state again: the first step stays AdamW's own
+                    opt.state.clear()
             return 0
         saved = restored.trainer_state
         if self._model is not None:

@@ -13,8 +13,9 @@ With `adopt: overlap` the trainer does not wait at a boundary: it keeps a copy o
 training; when θ(r) lands (rank 0 looks every `poll_every` steps) it adopts θ(r) plus the progress made since
 the boundary, θ ← θ(r) + (θ_now − θ_boundary), so no step is lost and none counted twice (the next Δ holds the
 steps since the boundary). It is at most one round late: at the next boundary a round still missing is
-waited for (up to wait_seconds) before the next round checkpoint. A restart in the middle loses the copy: the
-weights are then adopted at the next boundary, as after a wait that timed out.
+waited for (up to wait_seconds) before the next round checkpoint. The copy is in host memory. A restart in
+the middle loses it: the steps up to the next boundary are then not contributed (that boundary's checkpoint
+has the base already exported), and the round in flight is adopted after it, on top of the steps taken since.
 
 Every rank decides the same thing: rank 0 looks for θ(r) and broadcasts what it found once a second, so the
 wait is never one long collective (the collective timeout stays what the job says).
@@ -82,8 +83,8 @@ class Rounds:
         weights and train on."""
         if not self.overlap or done_steps == 0:
             self.wait_and_adopt(done_steps)
-        elif self.snapshot is None:
-            self.snapshot = {n: _local(p).detach().clone() for n, p in self.model.named_parameters()}
+        elif self.snapshot is None:  # in host memory: an extra copy of the weights must not cost device memory
+            self.snapshot = {n: _local(p).detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
             self.snapshot_step = done_steps
 
     def poll(self, done_steps: int) -> int | None:
@@ -132,9 +133,10 @@ class Rounds:
         """The parameters become θ(r); with a boundary snapshot, θ(r) + (current − snapshot)."""
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                if name not in theta:
-                    raise RuntimeError(f"global round has no tensor {name}: not this model's weights")
-                full = theta[name].to(dtype=p.dtype)
+                key = canonical_name(name)
+                if key not in theta:
+                    raise RuntimeError(f"global round has no tensor {key}: not this model's weights")
+                full = theta[key].to(dtype=p.dtype)
                 if hasattr(p, "to_local"):  # a DTensor: this rank's shard of the full tensor
                     from torch.distributed.tensor import distribute_tensor
 
@@ -144,9 +146,21 @@ class Rounds:
                         raise RuntimeError(f"global round's {name} has shape {tuple(full.shape)}, not {tuple(p.shape)}")
                     new = full.to(p.device)
                 local = _local(p)
-                if snapshot is not None:
-                    new = new + (local - snapshot[name])  # the steps taken since the boundary, kept
+                if snapshot is not None:  # the steps taken since the boundary, kept
+                    new = new + (local - snapshot[name].to(local.device))
                 local.copy_(new)
+
+
+_WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as checkpoints (torch's get_state_dict) spell it: without the segments that
+    torch.compile, activation checkpointing and FSDP wrappers insert (`_orig_mod.w` is saved as `w`). A
+    DDP-wrapped model's `module.` prefix is not removed here: ctx.parallelize never wraps in DDP."""
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -144,6 +144,7 @@ class AcceptedContribution:
 class RejectedContribution:
     site: str
     reason: str
+    base_round: int | None = None  # the base of the contribution refused, where known: never tried again
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -335,8 +336,9 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
             RejectedContribution(
                 site=_text(r["site"], "rejected.site", _PRINTABLE, "1-256 printable ASCII characters"),
                 reason=_reason(r["reason"]),
+                base_round=_int(r["base_round"], "rejected.base_round") if "base_round" in r else None,
             )
-            for r in _list(doc["rejected"], "rejected", {"site", "reason"})
+            for r in _list(doc["rejected"], "rejected", {"site", "reason"}, frozenset({"base_round"}))
         ),
         specs=specs,
         stem=round_stem(round_),
@@ -760,17 +762,21 @@ def write_round(
         "parent": parent,
         "outer": _outer_json(outer),
         "accepted": [_accepted_json(a) for a in accepted],
-        "rejected": [_as_dict(r, ("site", "reason")) for r in rejected],
+        "rejected": [_without_none(_as_dict(r, ("site", "reason", "base_round"))) for r in rejected],
         "tensors": _spec_json(stored),
     }
     return _sign_and_publish(Path(directory), "round", fields, safetensors.torch.save(stored), key)
 
 
 def _accepted_json(a: AcceptedContribution | Mapping[str, Any]) -> dict[str, Any]:
-    out = _as_dict(a, ("site", "payload_sha256", "tokens", "steps", "base_round"))
-    if out.get("base_round") is None:
-        out.pop("base_round", None)
-    return out
+    return _without_none(_as_dict(a, ("site", "payload_sha256", "tokens", "steps", "base_round")))
+
+
+def _without_none(entry: dict[str, Any]) -> dict[str, Any]:
+    """An optional field left out rather than written as null (base_round of an entry)."""
+    if entry.get("base_round") is None:
+        entry.pop("base_round", None)
+    return entry
 
 
 def _outer_json(outer: OuterStep | Mapping[str, Any]) -> dict[str, Any]:

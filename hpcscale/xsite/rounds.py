@@ -240,6 +240,16 @@ def _published(state: Path) -> list[int]:
     return _rounds_in(state / ROUNDS)
 
 
+def _verified_rounds(cfg: XsiteConfig, me: XsiteSite) -> list[int]:
+    """The rounds retention counts from: only what was verified, never a name that merely appeared in the inbox
+    (a stray `round-999999.json` there must not make every real round "old"). The aggregator: the rounds it
+    published itself; a site: the newest round its tick verified and handed to its run."""
+    if me.name == cfg.aggregator:
+        return _published(_state(me))
+    handed = latest_global(_run(me))
+    return [] if handed is None else [handed]
+
+
 def _oldest_kept(cfg: XsiteConfig, rounds: list[int]) -> int:
     return max(0, rounds[-1] - cfg.keep_rounds + 1) if rounds else 0
 
@@ -292,7 +302,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
     for step, tag in _round_checkpoints(_run(me)):
         if tag["base_round"] >= 0 and step > 0 and step % cfg.round_steps == 0:  # round checkpoints only
             newest[tag["base_round"]] = (step, tag)  # the newest checkpoint of each base round
-    oldest = _oldest_kept(cfg, _rounds_in(state / INBOX))
+    oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
     for base, (step, tag) in sorted(newest.items()):
         if base < oldest or (state / OUTBOX / f"{contrib_stem(me.name, base)}.json").exists():
             continue  # contributed already, or its base round is no longer kept (the trainer adopts a newer one)
@@ -349,23 +359,23 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         return
     r = published[-1] + 1
     oldest = max(0, r - 1 - cfg.quorum.late_rounds)
-    used = _applied(state, range(oldest + 1, r))  # (site, base) already in a round: never applied twice
+    used = _decided(state, range(oldest + 1, r))  # (site, base) a round applied or refused: never tried again
     arrived = []
-    for site in cfg.sites:  # each site's newest contribution with a base in [oldest, r - 1] not applied yet
+    for site in cfg.sites:  # each site's newest contribution with a base in [oldest, r - 1] not decided yet
         for b in range(r - 1, oldest - 1, -1):
             path = state / INCOMING / site.name / f"{contrib_stem(site.name, b)}.json"
             if (site.name, b) in used:
-                break  # a newer one went in already: an older one is superseded
+                break  # a newer one was decided already: an older one is superseded
             if path.exists() and path.with_suffix(".safetensors").exists():
-                arrived.append((site, path))
+                arrived.append((site, b, path))
                 break
-    if not any(p.name == f"{contrib_stem(s.name, r - 1)}.json" for s, p in arrived):
+    if not any(b == r - 1 for _, b, _ in arrived):
         return  # the usual cron tick: do not read and verify the whole base round for nothing (late ones wait)
     base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS, need_momentum=True)
     shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
     valid: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
-    rejected: list[dict[str, str]] = []
-    for site, path in arrived:
+    rejected: list[dict[str, Any]] = []
+    for site, b, path in arrived:
         try:
             c = read_contribution(path, keyring=keyring, known_sites={s.name for s in cfg.sites},
                                   expected_base_round=r - 1, oldest_base_round=oldest)  # fmt: skip
@@ -377,11 +387,11 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
                 raise Rejected(problem)
             valid[site.name] = (c, tensors)
         except Rejected as e:
-            rejected.append({"site": site.name, "reason": str(e)})
+            rejected.append({"site": site.name, "reason": str(e), "base_round": b})
         except BadInput as e:  # decode's refusal of a payload that does not fit the model
-            rejected.append({"site": site.name, "reason": str(e)})
+            rejected.append({"site": site.name, "reason": str(e), "base_round": b})
     seen = _read_json(state / REJECTED)
-    fresh = [x for x in rejected if seen.get(f"{r}/{x['site']}") != x["reason"]]
+    fresh = [x for x in rejected if seen.get(f"{r}/{x['site']}") != x["reason"]]  # (base_round: in the round)
     for x in fresh:  # each rejection reported once (every tick re-reads the incoming files)
         seen[f"{r}/{x['site']}"] = x["reason"]
         report.add("rejected", round=r, site=x["site"], reason=x["reason"])
@@ -402,7 +412,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         return
     norms = {s: float(torch.sqrt(sum((t.double() ** 2).sum() for t in ts.values()))) for s, (_, ts) in valid.items()}
     for s, reason in norm_outliers(norms, factor=cfg.outer.outlier_factor).items():
-        rejected.append({"site": s, "reason": reason})
+        rejected.append({"site": s, "reason": reason, "base_round": valid[s][0].base_round})
         valid.pop(s)
     if not any(c.base_round == r - 1 for c, _ in valid.values()):  # late ones alone never make a round
         report.add("quorum", round=r, have=[], rejected=rejected)
@@ -439,16 +449,18 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
                **({"late": late} if late else {}))  # fmt: skip
 
 
-def _applied(state: Path, rounds: range) -> set[tuple[str, int]]:
-    """(site, base round) of every contribution the given published rounds applied (a round without base_round
-    in its entries, written before late folding existed, applied contributions for its parent)."""
+def _decided(state: Path, rounds: range) -> set[tuple[str, int]]:
+    """(site, base round) of every contribution the given published rounds applied or refused: a refused one
+    (a norm outlier, a bad signature) must not come back as a late contribution in a later round. An entry
+    without base_round (written before late folding existed) was for its round's parent."""
     out = set()
     for r in rounds:
         doc = _read_json(state / ROUNDS / f"{round_stem(r)}.json")
-        for a in doc.get("accepted", []) if isinstance(doc.get("accepted"), list) else []:
-            if isinstance(a, dict) and isinstance(a.get("site"), str):
-                b = a.get("base_round", r - 1)
-                out.add((a["site"], b if type(b) is int else r - 1))
+        for key in ("accepted", "rejected"):
+            for a in doc.get(key, []) if isinstance(doc.get(key), list) else []:
+                if isinstance(a, dict) and isinstance(a.get("site"), str):
+                    b = a.get("base_round", r - 1)
+                    out.add((a["site"], b if type(b) is int else r - 1))
     return out
 
 
@@ -500,21 +512,33 @@ def _push_round(cfg: XsiteConfig, me: XsiteSite, site: XsiteSite, key, keyring, 
 
 
 def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> None:
-    from safetensors.torch import save_file
+    from hpcscale.xsite.roundfile import Rejected
 
     state = _state(me)
     found = _rounds_in(state / INBOX)
     if not found:
         return
-    r = found[-1]
     run = _run(me)
     if not (run / "job.yaml").is_file():  # the job has not been started (its run directory is not made yet)
-        report.add("waiting", reason=f"round {r} is here; {run} is not a run directory yet")
+        report.add("waiting", reason=f"round {found[-1]} is here; {run} is not a run directory yet")
         return
+    handed = latest_global(run)
+    for r in reversed(found):  # the newest round that verifies: a stray or forged name must not block the rest
+        if handed is not None and r <= handed:
+            return
+        try:
+            published = _verified_round(cfg, state, keyring, r)
+        except Rejected as e:
+            report.add("rejected", file=f"{INBOX}/{round_stem(r)}.json", reason=e.reason)
+            continue
+        _write_global(run, r, published, report)
+        return
+
+
+def _write_global(run: Path, r: int, published, report: TickReport) -> None:
+    from safetensors.torch import save_file
+
     target = global_path(run, r)
-    if target.exists():
-        return
-    published = _verified_round(cfg, state, keyring, r)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     save_file({k: v.contiguous() for k, v in published.theta.items()}, str(tmp), metadata={"round": str(r)})
@@ -533,10 +557,7 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
     """Delete rounds older than the newest keep_rounds (and contributions for them, and their push markers).
     The newest round a site knows is never deleted, nor anything a later step of a tick still needs."""
     state = _state(me)
-    known = _rounds_in(state / INBOX)
-    if me.name == cfg.aggregator:
-        known = sorted(set(known) | set(_published(state)))
-    oldest = _oldest_kept(cfg, known)
+    oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
     if oldest == 0:
         return
     dirs = [state / INBOX, state / OUTBOX, _run(me) / GLOBAL_DIR]
@@ -576,6 +597,8 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
     sent = sum(e["bytes"] for e in pushed)
     egress: dict[tuple[int, str], int] = {}  # (round, destination) -> bytes this site sent for it
     for e in pushed:
+        if e.get("to") == me.name:  # the aggregator's copy to its own directories: no link crossed
+            continue
         found = _NUMBERED.findall(str(e.get("file", "")))
         if found:
             r = int(found[-1]) + (1 if str(e.get("file")).startswith("contrib-") else 0)
