@@ -176,6 +176,9 @@ def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path, fa
         doc = json.loads((tmp_path / "state-a" / "rounds" / f"round-{r:06d}.json").read_text())
         assert sorted(a["site"] for a in doc["accepted"]) == ["a", "b"] and doc["rejected"] == [], doc
         assert doc["parent"] == r - 1
+        # every Δ holds exactly one round of steps (overlap: the steps taken while the round was in flight
+        # count toward the next Δ, never twice), against its parent
+        assert [(a["steps"], a["base_round"]) for a in doc["accepted"]] == [(H, r - 1)] * 2, doc["accepted"]
         if entry == "user":  # ctx.checkpoint.tokens_per_step × H steps
             assert [a["tokens"] for a in doc["accepted"]] == [32 * H, 32 * H], doc["accepted"]
     for s in ("a", "b"):
