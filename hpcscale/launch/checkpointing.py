@@ -86,7 +86,7 @@ class Checkpointer:
         self._registered = False
         self._done: int | None = None  # steps finished at the last step() call
         self.restored_step: int | None = None
-        self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.train.rounds
+        self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.launch.rounds
         self.tokens_per_step = 0  # cross-site weighting by tokens: set it before restore(); 0 counts steps alike
 
     # ---- the two calls --------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ class Checkpointer:
             return False
         if self._model is None:
             raise BadInput("the job is a cross-site site (xsite:): ctx.checkpoint.restore needs the model")
-        from hpcscale.train.rounds import Rounds
+        from hpcscale.launch.rounds import Rounds
 
         self._rounds = Rounds(self._ctx, self._model, tokens_per_step=int(self.tokens_per_step))
         if saved is not None:

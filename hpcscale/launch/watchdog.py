@@ -72,7 +72,9 @@ _CHUNK_GAP_S = 0.05
 # hpcscale's rank failure line (launch/main.failure_line), "hpcscale launch: rank R (MPI rank M) on node N failed:
 # Type: message [at 2026-01-02T03:04:05.678901Z, after losing a peer]" (the peer mark only where it applies)
 _FAILURE = re.compile(r"^hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on node (\S+) failed: (.*)$")
-_FAILED_AT = re.compile(r" \[at (\S+?)(, after losing a peer)?\]\s*$")
+# Not anchored at the end: another process writing to the same log (slurmstepd's "*** STEP ... CANCELLED") can
+# append to the line before its newline; the last mark on the line is this rank's.
+_FAILED_AT = re.compile(r" \[at ([^\],\s]+)(, after losing a peer)?\]")
 _HANG = re.compile(r"^Hang: no step finished in ([\d.]+) s \(last finished step (-?\d+); world (\d+)\)")
 _STALL = re.compile(
     r"^hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for [\d.]+ s "
@@ -121,7 +123,7 @@ class FailureLine:
         if not line.startswith("hpcscale launch: rank") or " failed: " not in line:
             return None
         text = line.strip()
-        at = _FAILED_AT.search(text)
+        at = next(reversed(list(_FAILED_AT.finditer(text))), None)
         m = _FAILURE.match(text)
         rank = int(m.group(1)) if m and m.group(1).isdigit() else None
         h = _HANG.match(m.group(4)) if m else None

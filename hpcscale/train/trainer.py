@@ -193,8 +193,8 @@ def train(ctx: Context) -> None:
 
     wd = ctx.hooks.get("watchdog") or NoWatchdog()  # launch's progress watchdog; none without launch
     rounds = None
-    if ctx.job.xsite is not None:  # one site of a cross-site training (hpcscale.train.rounds)
-        from hpcscale.train.rounds import Rounds
+    if ctx.job.xsite is not None:  # one site of a cross-site training (hpcscale.launch.rounds)
+        from hpcscale.launch.rounds import Rounds
         from hpcscale.xsite.rounds import TAG
 
         rounds = Rounds(ctx, model, tokens_per_step=cfg.global_batch * cfg.seq_len)
@@ -211,7 +211,7 @@ def train(ctx: Context) -> None:
 
     def round_boundary(done_steps: int) -> None:
         """Save the round checkpoint the sync tick exports, then wait for the next global round (or, with
-        adopt: overlap, train on and adopt it when it lands: hpcscale.train.rounds)."""
+        adopt: overlap, train on and adopt it when it lands: hpcscale.launch.rounds)."""
         with wd.paused("cross-site round"):
             rounds.before_round_checkpoint(done_steps)
             save(done_steps, asynchronous=False)
