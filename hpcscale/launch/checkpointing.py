@@ -194,8 +194,7 @@ class Checkpointer:
         if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
             from hpcscale.xsite.rounds import TAG
 
-            r = self._rounds
-            state[TAG] = r.tag(done_steps) if done_steps > 0 else {"base_round": -1, "site": r.site}
+            state[TAG] = self._rounds.tag(done_steps)
         if optim_sd is not None:
             state["optimizer"] = {
                 "param_groups": _jsonable(optim_sd["param_groups"], "optimizer.param_groups"),
@@ -236,10 +235,7 @@ class Checkpointer:
         """Save the round checkpoint the sync tick exports, then wait for (or, adopt: overlap, go on and later
         adopt) the next global round, as the built-in trainer does."""
         with self._watchdog.paused("cross-site round"):
-            self._rounds.before_round_checkpoint(done_steps)
-            self.save(done_steps, asynchronous=False)
-            self.manager.wait()
-            self._rounds.after_round_checkpoint(done_steps)
+            self._rounds.boundary(done_steps, lambda: (self.save(done_steps, asynchronous=False), self.manager.wait()))
 
     @property
     def manager(self):

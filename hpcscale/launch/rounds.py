@@ -53,6 +53,9 @@ class Rounds:
 
     # ---- state carried in checkpoints ------------------------------------------------------------------------
     def tag(self, step: int) -> dict:
+        """The `xsite` entry of a checkpoint's trainer state; at step 0 the start checkpoint's (base −1)."""
+        if step == 0:
+            return {"base_round": -1, "site": self.site}
         steps = step - self.since
         return {
             "base_round": self.base,
@@ -72,6 +75,14 @@ class Rounds:
         return done_steps % self.H == 0
 
     # ---- the boundary, as the trainer calls it ------------------------------------------------------------------
+    def boundary(self, done_steps: int, save_and_wait) -> None:
+        """At a round boundary (or the start, 0): the round in flight first (overlap), then the round checkpoint
+        the sync tick exports (`save_and_wait()`: saved synchronously and committed), then wait for the next
+        round, or keep the boundary's weights and train on (overlap)."""
+        self.before_round_checkpoint(done_steps)
+        save_and_wait()
+        self.after_round_checkpoint(done_steps)
+
     def before_round_checkpoint(self, done_steps: int) -> None:
         """overlap: the round that was in flight since the last boundary is adopted (waited for) first, so the
         round checkpoint names the newest base. wait: nothing."""

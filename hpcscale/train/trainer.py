@@ -204,7 +204,7 @@ def train(ctx: Context) -> None:
     def save(done_steps: int, *, asynchronous: bool) -> None:
         state = {"step": done_steps, "loader": loader.state_dict()}
         if rounds is not None:  # lineage: every checkpoint names the global round its weights started from
-            state[TAG] = rounds.tag(done_steps) if done_steps > 0 else {"base_round": -1, "site": rounds.site}
+            state[TAG] = rounds.tag(done_steps)
         with wd.paused("checkpoint"):
             stats = ckpt.save(done_steps, state_tensors(model, opt), state, asynchronous=asynchronous)
         ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
@@ -213,10 +213,7 @@ def train(ctx: Context) -> None:
         """Save the round checkpoint the sync tick exports, then wait for the next global round (or, with
         adopt: overlap, train on and adopt it when it lands: hpcscale.launch.rounds)."""
         with wd.paused("cross-site round"):
-            rounds.before_round_checkpoint(done_steps)
-            save(done_steps, asynchronous=False)
-            ckpt.wait()
-            rounds.after_round_checkpoint(done_steps)
+            rounds.boundary(done_steps, lambda: (save(done_steps, asynchronous=False), ckpt.wait()))
 
     if rounds is not None and start == 0:
         round_boundary(0)  # the start checkpoint (the aggregator's becomes round 0), then adopt θ(0)

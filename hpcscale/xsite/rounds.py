@@ -553,6 +553,15 @@ def _write_global(run: Path, r: int, published, report: TickReport) -> None:
 _NUMBERED = re.compile(r"(?:^|-)r(?:ound-)?(\d{6})(?:\.|$)")  # round-000004.json, contrib-a-r000004.json, global-r…
 
 
+def _round_of(name: str) -> int | None:
+    """The round a file belongs to: round-R and global-rR are round R; contrib-S-rB (Δ against base B) is for
+    round B + 1. The last number on the name counts: a site name may look like one."""
+    found = _NUMBERED.findall(name)
+    if not found:
+        return None
+    return int(found[-1]) + (1 if name.startswith("contrib-") else 0)
+
+
 def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
     """Delete rounds older than the newest keep_rounds (and contributions for them, and their push markers).
     The newest round a site knows is never deleted, nor anything a later step of a tick still needs."""
@@ -568,12 +577,9 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
         if not d.is_dir():
             continue
         for p in d.iterdir():
-            found = _NUMBERED.findall(p.name.removeprefix(".pushed-"))  # the last: a site name may look like one
-            if not found or not p.is_file():
+            r = _round_of(p.name.removeprefix(".pushed-"))
+            if r is None or not p.is_file():
                 continue
-            r = int(found[-1])
-            if p.name.startswith(".pushed-contrib-") or p.name.startswith("contrib-"):
-                r += 1  # a contribution against base b is for round b + 1
             if r < oldest:
                 p.unlink(missing_ok=True)
                 removed += 1
@@ -599,9 +605,8 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
     for e in pushed:
         if e.get("to") == me.name:  # the aggregator's copy to its own directories: no link crossed
             continue
-        found = _NUMBERED.findall(str(e.get("file", "")))
-        if found:
-            r = int(found[-1]) + (1 if str(e.get("file")).startswith("contrib-") else 0)
+        r = _round_of(str(e.get("file", "")))
+        if r is not None:
             key = (r, str(e.get("to")))
             egress[key] = egress.get(key, 0) + e["bytes"]
     received = sum(p.stat().st_size for p in (state / INBOX).glob("round-*") if p.is_file())
