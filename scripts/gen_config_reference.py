@@ -78,7 +78,7 @@ def type_name(tp: typing.Any) -> str:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):
         inner = [type_name(a) for a in args if a is not type(None)]
-        return " \\| ".join(inner) + " \\| null"
+        return " \\| ".join(inner) + (" \\| null" if type(None) in args else "")
     if origin is list:
         return f"list of {type_name(args[0])}"
     if origin is dict:

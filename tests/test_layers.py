@@ -26,6 +26,7 @@ LAYERS = [
     "rundir",  # the run directory's layout: job.yaml, site.yaml, submissions, logs, metrics, checkpoints
     "ckpt",  # checkpoint format, writer, reader, verify
     "xsite",  # staging transports (and, later, cross-site rounds)
+    "observe",  # what a run recorded, read back: per-rank timing and stragglers, checkpoint interval, reports
     "slurm",  # render, sbatch/squeue/sacct/scontrol, the switch tree of a live site
     "parallel",  # torch-native TP / PP / DP applied to a model
     "launch",  # rank bootstrap, signals, the Context handed to entry points

@@ -16,3 +16,16 @@ def fault(point: str, rank: int) -> None:
     name, _, who = spec.partition("@")
     if name == point and (not who or int(who) == rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow(step: int) -> None:
+    """HPCSCALE_CKPT_SLOW=<seconds>@<step>: every save from `step` on takes `seconds` longer (a filesystem
+    that got slower), for the tests of `checkpoint.every_steps: auto`."""
+    spec = os.environ.get("HPCSCALE_CKPT_SLOW", "")
+    if not spec:
+        return
+    seconds, _, start = spec.partition("@")
+    if step >= int(start or 0):
+        import time
+
+        time.sleep(float(seconds))

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hpcscale.ckpt import faults
 from hpcscale.ckpt.format import INDEX, REFUSED, committed_steps, read_index, step_dir_name
 from hpcscale.ckpt.reader import load_shards
 from hpcscale.ckpt.retention import apply_retention
@@ -112,6 +113,7 @@ class CheckpointManager:
             self._refused.discard(step)
             self._set_aside([step])
         t0 = time.perf_counter()
+        faults.slow(step)  # tests only: HPCSCALE_CKPT_SLOW, a filesystem that got slower
         shards = local_shards(tensors)
         table = writers(shards, self.dims, pp_rank=self.coords.pp)
         mine = [s for s in shards if writer_of(s, table, tp_rank=self.coords.tp) == self.rank]

@@ -21,6 +21,12 @@ from hpcscale.errors import STOPPED_EXIT_CODE
     help="Nodes to keep the job off (default: the job's restart.exclude): none, the last failure's, or "
     "every node that failed in this run.",
 )
+@click.option(
+    "--exclude-slow",
+    is_flag=True,
+    help="Also keep the job off the nodes of the stragglers `hpcscale status` names (per-rank timing of the "
+    "last attempt).",
+)
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="Resume on N nodes (resharded on load).")
 @dry_run_option
 @json_option
@@ -29,6 +35,7 @@ from hpcscale.errors import STOPPED_EXIT_CODE
 def resume(
     run: Path,
     exclude_mode: str | None,
+    exclude_slow: bool,
     nodes: int | None,
     dry_run: bool,
     as_json: bool,
@@ -43,6 +50,7 @@ def resume(
       hpcscale resume /scratch/me/runs/gpt-20261121-101500 --dry-run   # show the decision only
       hpcscale resume RUN                      # resubmit (local runs: rerun through mpirun)
       hpcscale resume RUN --nodes 3 --json     # on fewer nodes: resharded, same global batch
+      hpcscale resume RUN --exclude-slow       # and away from the stragglers `status` names
 
     Refused (exit 2, nothing submitted) while the run's job is pending or running, when the run finished,
     and while another `resume` of the same run is deciding.
@@ -61,7 +69,7 @@ def resume(
 
     rd = RunDir.open(run.resolve())
     with resume_lock(rd):
-        plan, loaded = plan_resume(rd, exclude_mode=exclude_mode, nodes=nodes)
+        plan, loaded = plan_resume(rd, exclude_mode=exclude_mode, nodes=nodes, exclude_slow=exclude_slow)
         plan.dry_run = dry_run
         if not as_json:
             _show(plan)

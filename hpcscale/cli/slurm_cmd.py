@@ -159,3 +159,76 @@ def status(run: Path, as_json: bool) -> None:
     if st.last_metrics:
         m = st.last_metrics
         out.print(f"last step {m['step']}: loss {m['loss']:.4f}, {m.get('tokens_per_s', 0):.0f} tokens/s")
+    if st.timing:
+        for line in format_timing(st.timing, run):
+            out.print(line)
+    if st.checkpoint_interval:
+        c = st.checkpoint_interval
+        out.print(f"checkpoint interval (auto): {c['steps']} steps, next save at step {c['next_at']}: {c['why']}")
+
+
+PER_RANK_ROWS = 16  # up to this many ranks, a row each; above, a row per node and the slowest ranks
+
+
+def format_timing(timing: dict, run: Path) -> list:
+    """The newest per-rank window as a table (per node for big jobs) and the straggler verdict
+    (docs/observability.md explains every column)."""
+    from rich.table import Table
+
+    verdict = timing["stragglers"]
+    relative = {r["rank"]: r for r in verdict["ranks"]}
+    ranks = timing["ranks"]
+    title = f"per-rank step time, ms: means over steps {timing['step'] - timing['steps'] + 1}-{timing['step']}" + (
+        f" (attempt {timing['attempt']})" if timing["attempt"] is not None else ""
+    )
+    table = Table(title=title)
+    columns = ("step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s")
+    heads = ("step", "own", "compute", "data", "dp wait", "step sync", "ckpt")
+    per_rank = len(ranks) <= PER_RANK_ROWS
+    for col in ("rank" if per_rank else "node", "node" if per_rank else "ranks", "pp", *heads, "own ÷ peers"):
+        table.add_column(col, justify="right" if col not in ("node", "ranks") else "left")
+    if per_rank:
+        rows = [
+            (str(r["rank"]), r["node"], str(r["pp"]), r, relative.get(r["rank"], {}).get("relative")) for r in ranks
+        ]
+    else:
+        import statistics
+
+        by_node: dict[str, list[dict]] = {}
+        for r in ranks:
+            by_node.setdefault(r["node"], []).append(r)
+        rows = []
+        for node, members in by_node.items():
+            med = {c: statistics.median(m[c] for m in members) for c in columns}
+            stages = sorted({m["pp"] for m in members})
+            first, last = members[0]["rank"], members[-1]["rank"]
+            rows.append((node, f"{first}-{last}", ",".join(map(str, stages)), med, verdict["nodes"].get(node)))
+    slow = set(verdict["slow_ranks"])
+    for a, b, pp, figures, rel in rows:
+        flagged = (per_rank and int(a) in slow) or (not per_rank and a in verdict["slow_nodes"])
+        cells = [f"{figures[c] * 1000:.1f}" for c in columns]
+        mark = "—" if rel is None else f"{rel:.2f}×"
+        row = [a, b, pp, *cells, mark]
+        table.add_row(*[f"[red]{x}[/red]" for x in row] if flagged else row)
+    lines: list = [table]
+    rule = verdict["rule"]
+    if verdict["reason"]:
+        lines.append(f"stragglers: no verdict: {verdict['reason']}")
+    elif not slow:
+        lines.append(
+            f"stragglers: none (no rank's own time was ≥ {rule['ratio']}× its peers' in {rule['min_slow']} of the "
+            f"last {verdict['windows']} windows)"
+        )
+    else:
+        for rank in verdict["slow_ranks"]:
+            r = relative[rank]
+            lines.append(
+                f"[red]straggler: rank {rank} on node {r['node']}[/red]: own time {r['relative']:.2f}× its peers' "
+                f"(slow in {r['slow_windows']} of the last {verdict['windows']} windows)"
+            )
+        nodes = ",".join(verdict["slow_nodes"])
+        lines.append(
+            f"slow node(s): {nodes}. To move the job off them: stop it (scancel --signal=USR2 JOBID: it saves and "
+            f"stops), then hpcscale resume {run} --exclude-slow"
+        )
+    return lines

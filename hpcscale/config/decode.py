@@ -1,6 +1,7 @@
 """Turn parsed YAML into the typed config dataclasses, collecting every problem with its line.
 
-Supported annotations: str, int, float, bool, Any, Literal[...], X | None, list[X], dict[str, X] and nested
+Supported annotations: str, int, float, bool, Any, Literal[...], X | None, X | Literal[...] (a number or a
+word), list[X], dict[str, X] and nested
 dataclasses declared with hpcscale.config.fields.setting. Unknown keys are errors with a did-you-mean.
 """
 
@@ -73,6 +74,8 @@ class Decoder:
         lo, hi, check = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("check")
         if v is None:
             return True
+        if isinstance(v, str):  # bounds are on numbers; a number-or-word key's word has none
+            lo = hi = None
         if lo is not None and v < lo:
             self.error(path, f"must be at least {lo}, got {v}")
             return False
@@ -97,7 +100,20 @@ class Decoder:
                 return None, True
             if len(args) == 1:
                 return self.value(args[0], v, path)
-            raise TypeError(f"unsupported union {tp}")  # a schema bug, not user input
+            # A number or a word (`every_steps: 100` or `auto`): the words are one Literal, the rest one type.
+            words = [a for a in args if typing.get_origin(a) is Literal]
+            other = [a for a in args if typing.get_origin(a) is not Literal]
+            if len(words) != 1 or len(other) != 1:
+                raise TypeError(f"unsupported union {tp}")  # a schema bug, not user input
+            choices = typing.get_args(words[0])
+            if v in choices:
+                return v, True
+            if isinstance(v, str):
+                shown = " or ".join(repr(c) for c in choices)
+                hint = did_you_mean(v, [str(c) for c in choices])
+                self.error(path, f"expected {_describe(other[0])} or {shown}, got {v!r}{hint}")
+                return None, False
+            return self.value(other[0], v, path)
         if v is None:
             self.error(path, f"must not be empty (expected {_describe(tp)})")
             return None, False

@@ -56,13 +56,35 @@ class Train:
 class CheckpointPolicy:
     """When to checkpoint and what to keep."""
 
-    every_steps: int = setting("Save every N steps; 0 turns periodic saves off.", default=100, min=0)
+    every_steps: int | Literal["auto"] = setting(
+        "Save every N steps; 0 turns periodic saves off. `auto`: the interval that loses the least time to "
+        "saves and failures together (Young/Daly, from each save's measured cost and the job's MTBF: the "
+        "site's `reliability.node_mtbf_hours` and this run's failures), recomputed at every save "
+        "(docs/observability.md).",
+        default=100,
+        min=0,
+    )
     keep_last: int = setting("Keep the newest K checkpoints.", default=3, min=1)
     keep_every: int = setting("Also keep every M-th step's checkpoint; 0 for none.", default=0, min=0)
     asynchronous: bool = setting("Write in the background while training goes on.", default=True, key="async")
     direct_io: bool = setting(
         "Write checkpoint data with O_DIRECT, past the page cache (buffered where the filesystem refuses it).",
         default=True,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
+class Metrics:
+    """What a run records beside metrics.jsonl (docs/observability.md)."""
+
+    timing_every: int = setting(
+        "Every N steps, rank 0 gathers each rank's step-time breakdown over those steps (one small MPI gather) "
+        "into RUN/timing.jsonl: what `hpcscale status` names stragglers from. 0 turns it off.",
+        default=20,
+        min=0,
+    )
+    tensorboard: bool = setting(
+        "Also write rank 0's metrics as TensorBoard event files under RUN/tensorboard/.", default=False
     )
 
 
@@ -206,6 +228,7 @@ class JobSpec:
     sweep: Sweep | None = setting("Job-array sweep.", default=None)
     checkpoint: CheckpointPolicy = setting("Checkpoint policy.", factory=CheckpointPolicy)
     data: Data = setting("Training data.", factory=Data)
+    metrics: Metrics = setting("Per-rank timing and TensorBoard.", factory=Metrics)
     xsite: XsiteJob | None = setting("Cross-site training: the config and this job's site.", default=None)
     signals: Signals = setting("Time-limit and preemption signal, and requeue.", factory=Signals)
     restart: Restart = setting("Requeue budgets and node exclusion.", factory=Restart)

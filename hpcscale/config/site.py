@@ -156,6 +156,19 @@ class SlurmSettings:
 
 
 @dataclass(kw_only=True, slots=True)
+class Reliability:
+    """How often this site's nodes fail: what `checkpoint.every_steps: auto` plans for."""
+
+    node_mtbf_hours: float = setting(
+        "Mean time between failures of one node, in hours (anything that ends a job running on it: hardware, "
+        "kernel, interconnect). A job on N nodes fails N times as often. The default, 5 years, is of the order "
+        "published for large GPU clusters; put your centre's figure here.",
+        default=43800.0,
+        min=0.001,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class SiteConfig:
     """A site: one cluster (or this machine) and how to run on it."""
 
@@ -173,6 +186,7 @@ class SiteConfig:
     filesystems: Filesystems = setting("Scratch, runs and checkpoints.")
     staging: Staging = setting("Cross-site data staging.", factory=Staging)
     slurm: SlurmSettings = setting("Slurm client settings.", factory=SlurmSettings)
+    reliability: Reliability = setting("Node failure rate.", factory=Reliability)
 
     def partition(self, name: str | None) -> Partition | None:
         """The partition called `name`, or the default one when `name` is None."""

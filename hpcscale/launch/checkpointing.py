@@ -88,6 +88,10 @@ class Checkpointer:
         self.restored_step: int | None = None
         self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.launch.rounds
         self.tokens_per_step = 0  # cross-site weighting by tokens: set it before restore(); 0 counts steps alike
+        self._saves = None  # launch.timing.SaveSchedule, made at restore (it plans from the start step)
+        self._t_last: float | None = None  # when the last step() (or restore) returned: per-rank timing
+        self._dp_wait_last = 0.0
+        self._background_before: float | None = None
 
     # ---- the two calls --------------------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None = None, optimizer: Any = None, **state: Any) -> int:
@@ -108,6 +112,7 @@ class Checkpointer:
                 self._round_boundary(0)
                 for opt in self._optimizers:  # its save made the lazy state again: the first step stays AdamW's own
                     opt.state.clear()
+            self._start_clock(0)
             return 0
         saved = restored.trainer_state
         if self._model is not None:
@@ -159,6 +164,7 @@ class Checkpointer:
         if self._start_rounds(saved) and self._rounds.is_boundary(restored.step):
             with self._watchdog.paused("cross-site round"):  # resumed from a round checkpoint: the wait it was in
                 self._rounds.wait_and_adopt(restored.step)
+        self._start_clock(restored.step)
         return restored.step
 
     def step(self, step: int) -> None:
@@ -169,22 +175,35 @@ class Checkpointer:
             raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
         self._watchdog.beat(step)
         self._done = step + 1
+        t_sync = time.perf_counter()
         if self._ctx.should_stop():
             self.save(step + 1, asynchronous=False)
             self.manager.wait()
             self._ctx.metrics.print(f"stop requested: stopping after step {step} (checkpoint saved)")
             raise StopRequested(step)
-        every = self.policy.every_steps
+        t_saves = time.perf_counter()
+        sync_s = t_saves - t_sync
+        work_s = t_saves - self._t_last  # the user's step, from the previous step() to this one's stop check
+        self._saves.step(work_s)
+        ckpt_s = 0.0
         if self._rounds is not None and self._rounds.is_boundary(step + 1):
             self._round_boundary(step + 1)
-        elif every and (step + 1) % every == 0:
-            self.save(step + 1, asynchronous=self.policy.asynchronous)
+        elif self._saves.due(step + 1):
+            ckpt_s = self.save(step + 1, asynchronous=self.policy.asynchronous)
+            self._saves.saved(step + 1, ckpt_s, self._background_before)
         if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1):
             self._rounds.poll(step + 1)  # adopt the round in flight if it has landed
+        dp_wait = sum(getattr(s, "comm_wait_total_s", 0.0) for s in self._ctx._syncs)
+        self._times.record(
+            step, step_s=work_s + ckpt_s, dp_wait_s=dp_wait - self._dp_wait_last, sync_s=sync_s, ckpt_s=ckpt_s
+        )
+        self._dp_wait_last = dp_wait
+        self._t_last = time.perf_counter()
 
     # ---- the rest -------------------------------------------------------------------------------------------
-    def save(self, done_steps: int, *, asynchronous: bool | None = None) -> None:
-        """Save now, as the state after `done_steps` steps (asynchronous: the job's checkpoint.async)."""
+    def save(self, done_steps: int, *, asynchronous: bool | None = None) -> float:
+        """Save now, as the state after `done_steps` steps (asynchronous: the job's checkpoint.async); returns
+        the seconds the caller was blocked (the wait for a save still writing included)."""
         if not self._registered:
             raise BadInput("ctx.checkpoint.save() before ctx.checkpoint.restore(...): restore registers the state")
         if asynchronous is None:
@@ -205,8 +224,16 @@ class Checkpointer:
                 },
             }
         with self._watchdog.paused("checkpoint"):
+            t = time.perf_counter()
+            self.manager.wait()
+            waited = time.perf_counter() - t
+            before = self.manager.last_stats
             stats = self.manager.save(done_steps, tensors, state, asynchronous=asynchronous)
-        self._ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
+        # what the save before wrote in the background: its cost to the loop, for checkpoint.every_steps: auto
+        self._background_before = (before.background_s or None) if before is not None else None
+        blocking = waited + stats.blocking_s
+        self._ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=round(blocking, 6))
+        return blocking
 
     def close(self) -> None:
         """After the entry point returned (launch calls it): save the last finished step if the job has a
@@ -215,8 +242,19 @@ class Checkpointer:
             return
         with self._watchdog.paused("checkpoint"):
             self._manager.wait()
-            if self.policy.every_steps and self._done is not None and self._manager.last_step != self._done:
+            if self.policy.every_steps != 0 and self._done is not None and self._manager.last_step != self._done:
                 self.save(self._done, asynchronous=False)
+
+    def _start_clock(self, start: int) -> None:
+        from hpcscale.launch.timing import NoStepTimes, SaveSchedule
+
+        ctx = self._ctx
+        self._saves = SaveSchedule(
+            self.policy.every_steps, start=start, mtbf=ctx.hooks.get("mtbf"), log=ctx.metrics.log, say=ctx.metrics.print
+        )
+        self._times = ctx.hooks.get("timing") or NoStepTimes()
+        self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
+        self._t_last = time.perf_counter()
 
     # ---- cross-site rounds (docs/cross-site.md) -------------------------------------------------------------------
     def _start_rounds(self, saved: dict | None) -> bool:

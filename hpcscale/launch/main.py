@@ -138,15 +138,25 @@ def _leave_together(timeout_s: float) -> bool:
 
 
 def _exit_together(code: int) -> None:
-    """Every rank is past the stop barrier: finalize MPI and exit now, skipping the interpreter's teardown
-    (torch's takes a second or more, unevenly), so the ranks end within moments of each other and srun's
-    --kill-on-bad-exit finds nothing left to kill."""
+    """Every rank is done (past the stop barrier, or the entry returned and the process group is gone): run the
+    atexit handlers (a user's too), finalize MPI and exit now, skipping the interpreter's teardown. Torch's
+    teardown takes a second or more, unevenly, so skipping it ends the ranks within moments of each other and
+    srun's --kill-on-bad-exit finds nothing left to kill; and a gloo thread that outlives the process group and
+    reaches for the interpreter while it is being torn down aborts the rank ("terminate called without an
+    active exception", SIGABRT after a run that had finished)."""
+    import atexit
+    import gc
+
     from mpi4py import MPI
 
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    gc.collect()  # unreachable files a user did not close are flushed by their finalizers
     sys.stdout.flush()
     sys.stderr.flush()
     with contextlib.suppress(Exception):
-        MPI.Finalize()
+        if not MPI.Is_finalized():
+            MPI.Finalize()
     os._exit(code)
 
 
@@ -162,7 +172,8 @@ def _stop_step(e: StopRequested) -> int | None:
 
 
 def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
-    """Run this rank; returns the process exit code (0, or STOPPED_EXIT_CODE after a stop request)."""
+    """Run this rank. A rank that finished exits here, with every rank (_exit_together); otherwise returns the
+    process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
     from mpi4py import MPI
 
     stop = StopFlag()
@@ -178,6 +189,8 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         if info.rank == 0:  # every rank passed the bootstrap, so every rank's stop handler is installed
             print(RANKS_READY, flush=True)
         code = _run(loaded, info, run_dir, stop, sweep_index)
+        if code == 0:
+            _exit_together(0)
     except StopRequested as e:
         if getattr(e, "together", False):
             _exit_together(STOPPED_EXIT_CODE)
@@ -191,6 +204,28 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         MPI.COMM_WORLD.Abort(1)
         return 1
     return code
+
+
+def _from_mpi_root(compute: Callable):
+    """compute() on MPI rank 0, its result in every rank."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.bcast(compute() if MPI.COMM_WORLD.rank == 0 else None, root=0)
+
+
+def _job_mtbf(loaded: LoadedJob, work_dir: Path, nodes: list[str]):
+    from hpcscale.observe.interval import job_mtbf
+
+    try:
+        events = RunDir(work_dir).attempt_events()
+    except OSError:
+        events = []
+    return job_mtbf(
+        node_mtbf_hours=loaded.site.config.reliability.node_mtbf_hours,
+        nodes=len(nodes),
+        events=events,
+        now=time.time(),
+    )
 
 
 def _abort_job() -> None:
@@ -265,6 +300,11 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         on_hang=_abort_job,
     ).start()
     ctx.hooks["watchdog"] = watchdog  # the entry point beats it after each step (hpcscale.train.trainer)
+    from hpcscale.launch.timing import StepTimes
+
+    ctx.hooks["timing"] = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
+    if spec.checkpoint.every_steps == "auto":  # the job's MTBF, the same figure in every rank
+        ctx.hooks["mtbf"] = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
     try:
         resolve_entry(spec.train.entry)(ctx)
         if ctx._checkpoint is not None:  # ctx.checkpoint: the last step's save, and the wait for one in flight

@@ -29,9 +29,10 @@ from pathlib import Path
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.requeue import grace_advice
+from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
 from hpcscale.portable.errors import StageError
-from hpcscale.rundir import LOGS, RESUME_STATE, RunDir, Submission, append_json_line
+from hpcscale.rundir import LOGS, RESUME_STATE, TIMING, RunDir, Submission, append_json_line
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.hostlist import expand
@@ -333,7 +334,12 @@ def resume_lock(rd: RunDir):
 
 
 def plan_resume(
-    rd: RunDir, *, exclude_mode: str | None = None, nodes: int | None = None, client: SlurmClient | None = None
+    rd: RunDir,
+    *,
+    exclude_mode: str | None = None,
+    nodes: int | None = None,
+    client: SlurmClient | None = None,
+    exclude_slow: bool = False,
 ) -> tuple[Plan, LoadedJob]:
     """Everything `resume` decides, nothing submitted. BadInput (exit 2) when there is nothing to resume."""
     subs = rd.submissions()
@@ -365,10 +371,25 @@ def plan_resume(
             for s in subs:
                 exclude += s.excluded
             exclude = list(dict.fromkeys(exclude))
+    slow: list[str] = []
+    if exclude_slow:  # the nodes of the stragglers `hpcscale status` names (hpcscale.observe.timing)
+        if local:
+            raise BadInput("--exclude-slow: a local run has one node; there is no other node to move to")
+        verdict = judge(read_windows(rd.path / TIMING))
+        if verdict.reason:
+            raise BadInput(f"--exclude-slow: {rd.path}: no straggler verdict: {verdict.reason}")
+        slow = [node for node in verdict.slow_nodes if node not in exclude]
+        exclude += slow
     n = nodes or spec.nodes
     if local and nodes:
         raise BadInput("--nodes: a local run has one node; change the ranks with `hpcscale run --local -n`")
     plan = Plan(str(rd.path), "local" if local else "slurm", diag, step, refused, sorted(exclude), n)
+    if exclude_slow:
+        plan.warnings.append(
+            f"--exclude-slow: excluding the stragglers' node(s) {','.join(slow)}"
+            if slow
+            else "--exclude-slow: status names no straggler in the last attempt; no node added"
+        )
     if not local and (advice := grace_advice(rd, spec.signals.grace_seconds)):
         plan.warnings.append(advice)
     if n != spec.nodes:

@@ -53,6 +53,7 @@ class GradSync:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.accumulation_steps = 1
         self.comm_wait_s = 0.0
+        self.comm_wait_total_s = 0.0  # every finish()'s wait added up: per-rank timing takes differences
         self.buckets: list[_Bucket] = []
         self.automatic = automatic
         self.syncing = True  # automatic mode: False inside no_sync()
@@ -142,6 +143,7 @@ class GradSync:
                 self._launch(bucket)
             bucket.work.wait()
         self.comm_wait_s = time.perf_counter() - t
+        self.comm_wait_total_s += self.comm_wait_s
         for bucket in self.buckets:
             bucket.buffer.div_(self.size)
             offset = 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput
-from hpcscale.rundir import JOB, RunDir, Submission
+from hpcscale.rundir import JOB, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.bounded import loads_json
@@ -41,6 +41,8 @@ class RunStatus:
     submissions: list[SubmissionStatus]
     latest_checkpoint: dict | None = None  # step, time, bytes, layout of the newest committed checkpoint
     last_metrics: dict | None = None  # the last training line of metrics.jsonl
+    timing: dict | None = None  # the newest per-rank window of timing.jsonl and the straggler verdict
+    checkpoint_interval: dict | None = None  # checkpoint.every_steps: auto's latest plan (metrics.jsonl)
 
     def to_json(self) -> dict:
         return {
@@ -49,6 +51,8 @@ class RunStatus:
             "source": self.source,
             "latest_checkpoint": self.latest_checkpoint,
             "last_metrics": self.last_metrics,
+            "timing": self.timing,
+            "checkpoint_interval": self.checkpoint_interval,
             "submissions": [
                 {"submission": asdict(s.submission), "jobs": [asdict(j) for j in s.jobs]} for s in self.submissions
             ],
@@ -84,7 +88,30 @@ def run_status(path: Path) -> RunStatus:
         [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs],
         _latest_checkpoint(rd),
         _last_metrics(rd.metrics),
+        _timing(rd),
+        _last_metrics(rd.metrics, key="checkpoint_interval"),
     )
+
+
+def _timing(rd: RunDir) -> dict | None:
+    """The newest window (per rank: the medians; its step and attempt) and the straggler verdict."""
+    from hpcscale.observe.timing import judge, read_windows
+
+    windows = read_windows(rd.path / TIMING)
+    if not windows:
+        return None
+    newest = windows[-1]
+    verdict = judge(windows)
+    return {
+        "step": newest.step,
+        "steps": newest.steps,
+        "attempt": newest.attempt,
+        "time": newest.time,
+        "ranks": [
+            {"rank": i, "node": newest.nodes[i], "pp": newest.pp[i], **row} for i, row in enumerate(newest.ranks)
+        ],
+        "stragglers": verdict.to_json(),
+    }
 
 
 def _latest_checkpoint(rd: RunDir) -> dict | None:
@@ -96,16 +123,21 @@ def _latest_checkpoint(rd: RunDir) -> dict | None:
     return asdict(info) if info else None
 
 
-def _last_metrics(path: Path) -> dict | None:
+def _last_metrics(path: Path, *, key: str = "loss") -> dict | None:
+    """The last line of metrics.jsonl with `key` (for "loss": the line; otherwise that key's value, with the
+    line's step)."""
     if not path.exists():
         return None
-    for line in reversed(path.read_text().splitlines()):
+    for line in reversed(path.read_text(errors="replace").splitlines()):
         try:
             row = loads_json(line, source=str(path), max_bytes=1 << 20)
         except BadInput:  # a torn last line of a run that is still writing, or damage: look further back
             continue
-        if isinstance(row, dict) and "loss" in row:
-            return row
+        if isinstance(row, dict) and key in row:
+            if key == "loss":
+                return row
+            value = row[key]
+            return {**value, "at_step": row.get("step")} if isinstance(value, dict) else None
     return None
 
 

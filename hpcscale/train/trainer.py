@@ -26,6 +26,7 @@ from hpcscale.data.loader import TokenLoader
 from hpcscale.data.prepare import default_corpus_dataset
 from hpcscale.launch.context import Context
 from hpcscale.launch.signals import StopRequested
+from hpcscale.launch.timing import NoStepTimes, SaveSchedule
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.clip import clip_grad_norm
 from hpcscale.parallel.grad_sync import GradSync
@@ -192,6 +193,10 @@ def train(ctx: Context) -> None:
         )
 
     wd = ctx.hooks.get("watchdog") or NoWatchdog()  # launch's progress watchdog; none without launch
+    times = ctx.hooks.get("timing") or NoStepTimes()  # per-rank breakdown into RUN/timing.jsonl
+    saves = SaveSchedule(
+        policy.every_steps, start=start, mtbf=ctx.hooks.get("mtbf"), log=ctx.metrics.log, say=ctx.metrics.print
+    )
     rounds = None
     if ctx.job.xsite is not None:  # one site of a cross-site training (hpcscale.launch.rounds)
         from hpcscale.launch.rounds import Rounds
@@ -201,13 +206,21 @@ def train(ctx: Context) -> None:
         if restored is not None:
             rounds.restore(restored.trainer_state)
 
-    def save(done_steps: int, *, asynchronous: bool) -> None:
+    def save(done_steps: int, *, asynchronous: bool) -> tuple[float, float | None]:
+        """Save; returns the seconds the loop was blocked (the wait for the save before included) and how long
+        the save before wrote in the background (None: it did not)."""
         state = {"step": done_steps, "loader": loader.state_dict()}
         if rounds is not None:  # lineage: every checkpoint names the global round its weights started from
             state[TAG] = rounds.tag(done_steps)
         with wd.paused("checkpoint"):
+            t = time.perf_counter()
+            ckpt.wait()
+            waited = time.perf_counter() - t
+            before = ckpt.last_stats
             stats = ckpt.save(done_steps, state_tensors(model, opt), state, asynchronous=asynchronous)
-        ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=stats.blocking_s)
+        blocking = waited + stats.blocking_s
+        ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=round(blocking, 6))
+        return blocking, (before.background_s or None) if before is not None else None
 
     def round_boundary(done_steps: int) -> None:
         """Save the round checkpoint the sync tick exports, then wait for the next global round (or, with
@@ -279,6 +292,7 @@ def train(ctx: Context) -> None:
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         inputs, targets = to_device(loader.next_batch())
+        data_s = time.perf_counter() - t0
         lr = lr_at(step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -295,8 +309,9 @@ def train(ctx: Context) -> None:
         opt.step()
         t_comm = time.perf_counter()
         loss_value, stop = agree(loss, 1.0 if ctx.stop.requested else 0.0)
-        comm_s = sync.comm_wait_s + (time.perf_counter() - t_comm)
-        step_s = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        comm_s = sync.comm_wait_s + (t_end - t_comm)
+        step_s = t_end - t0
         ctx.metrics.log(
             step=step,
             loss=loss_value,
@@ -313,13 +328,24 @@ def train(ctx: Context) -> None:
                 f"{tokens_per_step / step_s:8.0f} tok/s"
             )
         wd.beat(step)
+        saves.step(step_s)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
             with wd.paused("evaluation"):
                 evaluate(step)
+        ckpt_s = 0.0
         if rounds is not None and rounds.is_boundary(step + 1) and step != cfg.steps - 1:
             round_boundary(step + 1)
-        elif policy.every_steps and (step + 1) % policy.every_steps == 0 and step != cfg.steps - 1:
-            save(step + 1, asynchronous=policy.asynchronous)
+        elif saves.due(step + 1) and step != cfg.steps - 1:
+            ckpt_s, background_s = save(step + 1, asynchronous=policy.asynchronous)
+            saves.saved(step + 1, ckpt_s, background_s)
+        times.record(
+            step,
+            step_s=step_s + ckpt_s,
+            data_s=data_s,
+            dp_wait_s=sync.comm_wait_s,
+            sync_s=t_end - t_comm,
+            ckpt_s=ckpt_s,
+        )
         if rounds is not None and rounds.overlap and not rounds.is_boundary(step + 1):
             rounds.poll(step + 1)  # adopt the round in flight if it has landed
         if stop > 0:
@@ -334,6 +360,6 @@ def train(ctx: Context) -> None:
     with wd.paused("checkpoint"):
         if rounds is not None and rounds.is_boundary(cfg.steps) and start < cfg.steps:
             rounds.before_round_checkpoint(cfg.steps)  # overlap: the round in flight first, as at every boundary
-        if policy.every_steps or rounds is not None:
+        if saves.enabled or rounds is not None:
             save(cfg.steps, asynchronous=False)  # a cross-site run's last round checkpoint too
         ckpt.wait()

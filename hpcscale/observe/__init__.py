@@ -1,0 +1,1 @@
+"""What a run recorded, read back and judged: per-rank timing, stragglers, the checkpoint interval, reports."""
