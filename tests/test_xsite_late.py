@@ -219,3 +219,38 @@ def test_a_compiled_model_adopts_the_weights_checkpoints_name():
     theta = {"weight": torch.randn(2, 4), "bias": torch.randn(2)}
     r._load(theta)
     assert torch.equal(r.model.weight.detach(), theta["weight"]) and torch.equal(r.model.bias.detach(), theta["bias"])
+
+
+def test_the_aggregators_records_and_log_are_kept_bounded(tmp_path, monkeypatch):
+    """quorum.json and rejected.json keep only the rounds retention keeps; log.jsonl keeps its newest half
+    past its cap, from a whole line, and sync status still reads it."""
+    config, keys, _ = _setup(tmp_path, late_rounds=0)
+    path = tmp_path / "xsite.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["keep_rounds"] = 2
+    path.write_text(yaml.safe_dump(doc))
+    config = load_xsite(path)
+    monkeypatch.setattr(rounds, "LOG_MAX_BYTES", 4096)
+    state = tmp_path / "state-a"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    generate_key(bad, "c")  # c signs with a key the keyring does not hold: rejected every round
+    for r in range(6):
+        _contribute(tmp_path, keys, "a", r, 10 + r), _contribute(tmp_path, keys, "b", r, 20 + r)
+        incoming = state / rounds.INCOMING / "c"
+        incoming.mkdir(parents=True, exist_ok=True)
+        rf.write_contribution(incoming, site="c", base_round=r, steps=10, tokens=100, encoding="fp32",
+                              tensors=encode({"w": torch.zeros(4, 3), "b": torch.zeros(5)}, "fp32"),
+                              key=load_private(bad / "c.key"))  # fmt: skip
+        assert len(_published(rounds.tick(config, "a"))) == 1
+        rounds.tick(config, "a")  # prunes after the round is verified
+    import json
+
+    quorum = json.loads((state / rounds.QUORUM).read_text())
+    rejected = json.loads((state / rounds.REJECTED).read_text())
+    assert sorted(int(k) for k in quorum) == [5, 6], quorum  # rounds 5 and 6 kept (keep_rounds 2)
+    assert rejected and all(int(k.split("/")[0]) >= 5 for k in rejected), rejected
+    log = (state / rounds.LOG).read_bytes()
+    assert len(log) <= 4096 + 2048 and log.endswith(b"\n")
+    assert all("event" in json.loads(line) for line in log.splitlines())  # every line whole
+    assert rounds.status(config, "a")["rounds"], "status reads the rotated log"

@@ -185,15 +185,32 @@ def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None) -> TickR
             report.locked_out = str(e)
             return report
         try:
-            _tick_locked(cfg, me, report, now if now is not None else time.time())
+            try:
+                _tick_locked(cfg, me, report, now if now is not None else time.time())
+            finally:  # under the lock: the log's rotation cannot drop another tick's lines
+                _append_log(state, report.events)
         finally:
             tick_lock.release(fd, token)
     finally:
         os.close(fd)
-    with open(state / LOG, "a") as f:
-        for e in report.events:
-            f.write(json.dumps(e) + "\n")
     return report
+
+
+LOG_MAX_BYTES = 16 << 20  # log.jsonl past this keeps its newest half (sync status reads the newest rounds)
+
+
+def _append_log(state: Path, events: list[dict[str, Any]]) -> None:
+    if not events:
+        return
+    path = state / LOG
+    with open(path, "a") as f:
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+    if path.stat().st_size > LOG_MAX_BYTES:
+        with open(path, "rb") as f:
+            f.seek(-(LOG_MAX_BYTES // 2), os.SEEK_END)
+            tail = f.read()
+        _atomic_bytes(path, tail[tail.find(b"\n") + 1 :])  # from the first whole line
 
 
 def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, now: float) -> None:
@@ -572,7 +589,7 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
     dirs = [state / INBOX, state / OUTBOX, _run(me) / GLOBAL_DIR]
     if me.name == cfg.aggregator:
         dirs += [state / ROUNDS, state / OUTGOING] + [state / INCOMING / s.name for s in cfg.sites]
-    removed = 0
+    removed = records = 0
     for d in dirs:
         if not d.is_dir():
             continue
@@ -583,8 +600,21 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
             if r < oldest:
                 p.unlink(missing_ok=True)
                 removed += 1
-    if removed:
-        report.add("pruned", before_round=oldest, files=removed)
+    if me.name == cfg.aggregator:  # the aggregator's per-round records: quorum times, rejections reported
+        for name in (QUORUM, REJECTED):
+            record = _read_json(state / name)
+            kept = {k: v for k, v in record.items() if (_record_round(k) or 0) >= oldest}
+            if len(kept) != len(record):
+                _atomic_bytes(state / name, json.dumps(kept).encode())
+                records += len(record) - len(kept)
+    if removed or records:
+        report.add("pruned", before_round=oldest, files=removed, records=records)
+
+
+def _record_round(key: str) -> int | None:
+    """The round of a quorum.json key ("7") or a rejected.json key ("7/site")."""
+    head = key.partition("/")[0]
+    return int(head) if head.isdigit() else None
 
 
 # ---- status ------------------------------------------------------------------------------------------------------
