@@ -393,3 +393,52 @@ def test_two_slurm_clusters_exchange_over_a_capped_ssh_link(local_cluster, cappe
         assert status["bytes_sent"] > 0 and len(status["inbox"]) >= 1
     finally:
         server.stop()
+
+
+def test_overlap_restarted_mid_round_reads_its_boundary_weights_back(mpi, tmp_path):
+    """adopt: overlap keeps the boundary's weights in host memory. b's first run ends mid-round (step H + H/2,
+    round 1 still in flight); run again, it reads them back from its round checkpoint at H, so round 1 is
+    adopted on top of the steps since H and its next Δ still holds exactly H steps against round 1."""
+    config, jobs = _setup(tmp_path, adopt="overlap")
+    short = tmp_path / "job-b-short.yaml"
+    spec = yaml.safe_load(jobs["b"].read_text())
+    spec["train"]["params"]["steps"] = H + H // 2
+    short.write_text(yaml.safe_dump(spec))
+    a = _start(tmp_path, jobs, "a")
+    b = _start(tmp_path, {"b": short}, "b")
+    adopted = lambda s: [m["xsite_round"] for m in _metrics(tmp_path / f"run-{s}") if "xsite_round" in m]  # noqa: E731
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "run-b" / "metrics.jsonl").exists() or adopted("b") != [0]:  # θ(0) only: round 1 waits
+        assert time.monotonic() < deadline, "θ(0) never reached b"
+        for s in ("a", "b"):
+            _tick(config, s)
+        time.sleep(0.3)
+    out, _ = b.communicate(timeout=300)
+    assert b.returncode == 0, out[-3000:]
+    assert adopted("b") == [0], "round 1 must still be in flight when b's first run ends"
+    # the whole job again, in the same run directory: resumes at step H + H/2
+    b = subprocess.Popen(
+        [sys.executable, "-m", "hpcscale", "run", str(jobs["b"]), "--local", "--run-dir", str(tmp_path / "run-b"),
+         "--reuse"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while a.poll() is None or b.poll() is None:
+        assert time.monotonic() < deadline, "the sites did not finish"
+        for s in ("a", "b"):
+            _tick(config, s)
+        time.sleep(0.5)
+    for _ in range(6):
+        for s in ("a", "b"):
+            _tick(config, s)
+    outs = {"a": a.communicate()[0], "b": b.communicate()[0]}
+    assert a.returncode == 0 and b.returncode == 0, {s: o[-3000:] for s, o in outs.items()}
+    assert f"round in flight since step {H}: its boundary weights read back" in outs["b"], outs["b"][-3000:]
+    after = [m for m in _metrics(tmp_path / "run-b") if m.get("xsite_round") == 1]
+    assert after and after[0]["xsite_kept_steps"] >= H // 2, after  # the steps since the boundary were kept
+    for r in (2, 3):
+        doc = json.loads((tmp_path / "state-a" / "rounds" / f"round-{r:06d}.json").read_text())
+        assert sorted((x["site"], x["steps"], x["base_round"]) for x in doc["accepted"]) == [
+            ("a", H, r - 1),
+            ("b", H, r - 1),
+        ], doc["accepted"]

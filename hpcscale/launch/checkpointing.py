@@ -164,6 +164,8 @@ class Checkpointer:
         if self._start_rounds(saved) and self._rounds.is_boundary(restored.step):
             with self._watchdog.paused("cross-site round"):  # resumed from a round checkpoint: the wait it was in
                 self._rounds.wait_and_adopt(restored.step)
+        elif self._rounds is not None:  # overlap, restarted mid-round: the boundary's weights from its checkpoint
+            self._rounds.rebuild_snapshot(restored.step, self.manager.root)
         self._start_clock(restored.step)
         return restored.step
 

@@ -13,9 +13,10 @@ With `adopt: overlap` the trainer does not wait at a boundary: it keeps a copy o
 training; when θ(r) lands (rank 0 looks every `poll_every` steps) it adopts θ(r) plus the progress made since
 the boundary, θ ← θ(r) + (θ_now − θ_boundary), so no step is lost and none counted twice (the next Δ holds the
 steps since the boundary). It is at most one round late: at the next boundary a round still missing is
-waited for (up to wait_seconds) before the next round checkpoint. The copy is in host memory. A restart in
-the middle loses it: the steps up to the next boundary are then not contributed (that boundary's checkpoint
-has the base already exported), and the round in flight is adopted after it, on top of the steps taken since.
+waited for (up to wait_seconds) before the next round checkpoint. The copy is in host memory; a restart in
+the middle reads it back from the boundary's round checkpoint (rebuild_snapshot), so the round in flight is
+adopted as if there had been no restart. Only when that checkpoint is gone (keep_last) or unreadable are the
+steps up to the next boundary not contributed (that boundary's checkpoint has the base already exported).
 
 Every rank decides the same thing: rank 0 looks for θ(r) and broadcasts what it found once a second, so the
 wait is never one long collective (the collective timeout stays what the job says).
@@ -103,6 +104,40 @@ class Rounds:
         if self.snapshot is None or (done_steps - self.snapshot_step) % self.poll_every:
             return None
         return self.wait_and_adopt(done_steps, wait_s=0.0)
+
+    def rebuild_snapshot(self, done_steps: int, checkpoints: Path) -> bool:
+        """overlap, restarted between two boundaries while a round is in flight (none adopted since the last
+        boundary): the boundary's weights, kept in host memory, died with the process; they are the boundary's
+        round checkpoint's model, so read them back. Each rank reads its own part; all or none (one all-reduce).
+        False when there is nothing in flight, or that checkpoint is gone or unreadable (said in the log)."""
+        if not self.overlap or done_steps % self.H == 0 or self.snapshot is not None:
+            return False
+        boundary = done_steps - done_steps % self.H
+        if self.since >= boundary:  # a round was adopted after the boundary: nothing in flight
+            return False
+        from hpcscale.ckpt.format import INDEX, read_index, step_dir_name
+        from hpcscale.ckpt.reader import load_shards
+        from hpcscale.ckpt.shards import local_shards
+
+        copies = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        problem = None
+        try:
+            index = read_index(checkpoints / step_dir_name(boundary) / INDEX)
+            load_shards(index, checkpoints, local_shards({f"model/{canonical_name(n)}": t for n, t in copies.items()}))
+        except Exception as e:  # every rank must reach the all-reduce below
+            problem = f"{type(e).__name__}: {e}"
+        ok = torch.tensor([0.0 if problem else 1.0], device=self.ctx.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() < 1:
+            self.ctx.metrics.print(
+                f"hpcscale: the round in flight since step {boundary} will be adopted without the steps taken "
+                f"since: its boundary weights cannot be read back ({problem or 'on another rank'})"
+            )
+            return False
+        self.snapshot = {name: _local(t).to("cpu", copy=True) for name, t in copies.items()}
+        self.snapshot_step = boundary
+        self.ctx.metrics.print(f"hpcscale: round in flight since step {boundary}: its boundary weights read back")
+        return True
 
     # ---- adopting θ(r) ---------------------------------------------------------------------------------------
     def wait_and_adopt(self, done_steps: int, *, wait_s: float | None = None) -> int | None:

@@ -233,6 +233,8 @@ def train(ctx: Context) -> None:
     elif rounds is not None and rounds.is_boundary(start):
         with wd.paused("cross-site round"):  # resumed from a round checkpoint: the wait it was killed in
             rounds.wait_and_adopt(start)
+    elif rounds is not None:  # overlap, restarted mid-round: the boundary's weights back from its checkpoint
+        rounds.rebuild_snapshot(start, ctx.run_dir / CHECKPOINTS)
 
     autocast = ctx.device.type == "cuda" and cfg.bf16
     tokens_per_step = cfg.global_batch * cfg.seq_len
