@@ -30,8 +30,9 @@ print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "mpi4py": "mpi
         ["config", "show", "localcluster"],
         ["config", "--help"],
         ["doctor", "--help"],
+        ["report", "--help"],
     ],
-    ids=["help", "validate", "show", "config-help", "doctor-help"],
+    ids=["help", "validate", "show", "config-help", "doctor-help", "report-help"],
 )
 def test_login_node_commands_do_not_import_torch(args):
     out = subprocess.run(

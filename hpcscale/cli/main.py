@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "render": ("hpcscale.cli.slurm_cmd", "render", "Print the sbatch script for a job; submit nothing."),
     "submit": ("hpcscale.cli.slurm_cmd", "submit", "Render, create the run directory and sbatch a job."),
     "status": ("hpcscale.cli.slurm_cmd", "status", "A run's submissions and their Slurm states."),
+    "report": ("hpcscale.cli.report_cmd", "report", "Plots and a summary of a run: loss, throughput, per-rank time."),
     "resume": ("hpcscale.cli.resume_cmd", "resume", "Explain how a run stopped; resubmit from a verified checkpoint."),
     "topo": ("hpcscale.cli.topo_cmd", "topo", "Show the switch tree; plan rank placement."),
     "run": ("hpcscale.cli.train_cmd", "run", "Run a job on this machine through mpirun (--local)."),

@@ -28,10 +28,15 @@ class MetricsLogger:
     """JSON lines in RUN/metrics.jsonl, written by global rank 0 only; `print` echoes progress to stdout.
     Every line names its attempt (RUN/attempts.jsonl): a step repeated after a requeue or resume is told apart."""
 
-    def __init__(self, path: Path | None, *, attempt: int | None = None):
+    def __init__(self, path: Path | None, *, attempt: int | None = None, tensorboard: Path | None = None):
         self.path = path
         self.attempt = attempt
         self._f = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115 - lives with the run
+        self._tb = None
+        if tensorboard is not None and path is not None:  # metrics.tensorboard: the same lines as events
+            from hpcscale.observe.tensorboard import TensorBoardSink
+
+            self._tb = TensorBoardSink(tensorboard)
 
     def log(self, **values: Any) -> None:
         if self._f is not None:
@@ -40,7 +45,10 @@ class MetricsLogger:
                 if self.attempt is None
                 else {"time": round(time.time(), 3), "attempt": self.attempt}
             )
-            self._f.write(json.dumps({**head, **values}) + "\n")
+            row = {**head, **values}
+            self._f.write(json.dumps(row) + "\n")
+            if self._tb is not None:
+                self._tb.log(row)
 
     def print(self, message: str) -> None:
         if self._f is not None:
@@ -49,6 +57,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,7 @@ from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.portable.lock import process_start_time
-from hpcscale.rundir import METRICS, RunDir, link_checkpoints, site_checkpoint_root
+from hpcscale.rundir import METRICS, TENSORBOARD, RunDir, link_checkpoints, site_checkpoint_root
 from hpcscale.util.paths import expand_path
 
 # The reference trainer is loaded by name like any user's entry point: launch runs entry points, it does not
@@ -270,7 +270,8 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
             target = target / "sweep" / work_dir.name
         link_checkpoints(work_dir, target, run_id=run_id)
     attempt = _begin_attempt(work_dir, info) if info.rank == 0 else None
-    metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt)
+    tensorboard = work_dir / TENSORBOARD / f"attempt-{attempt}" if spec.metrics.tensorboard else None
+    metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)
     ctx = Context(
         rank=info.rank,
         world_size=info.world_size,

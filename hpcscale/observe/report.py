@@ -1,0 +1,329 @@
+"""`hpcscale report RUN -o DIR`: PNG plots and a markdown summary of a run, from its files alone (docs/report.md).
+
+Reads RUN/metrics.jsonl (loss, validation loss, step time, tokens/s, saves), RUN/attempts.jsonl (restarts),
+RUN/timing.jsonl (per-rank step times, stragglers) and the committed checkpoints. Torch-free: a login node
+makes the report. Damaged or torn lines are skipped, never fatal; a step logged again after a restart keeps
+its newest value (the one training went on from).
+
+Writes, inside DIR only: loss.png, throughput.png, ranks.png (when per-rank timing exists), summary.md.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from hpcscale.errors import BadInput
+from hpcscale.rundir import JOB, METRICS, TIMING, RunDir
+from hpcscale.util.bounded import loads_json
+
+MAX_LINE = 1 << 20
+
+
+@dataclass
+class RunData:
+    name: str
+    train: dict[int, dict] = field(default_factory=dict)  # step -> newest training line
+    val: dict[int, float] = field(default_factory=dict)  # step -> newest validation loss
+    saves: list[tuple[int, float, int | None]] = field(default_factory=list)  # (step saved, time, attempt)
+    restarts: list[tuple[int, float, int]] = field(default_factory=list)  # (first step, time, attempt)
+    attempts: int = 0
+    skipped: int = 0  # lines that were not JSON objects
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def read_run(path: Path) -> RunData:
+    """Everything the report plots; BadInput (exit 2) when RUN is not a run directory or has no training line."""
+    try:
+        rd = RunDir.open(path)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read the run directory: {e}") from None
+    name = path.name
+    try:
+        from hpcscale.config.yamlsrc import load_yaml
+
+        doc = load_yaml(rd.path / JOB).data
+        if isinstance(doc, dict) and isinstance(doc.get("name"), str):
+            name = doc["name"]
+    except Exception:  # a damaged job.yaml costs the title, not the report
+        pass
+    data = RunData(name)
+    first_step: dict[int, int] = {}
+    try:
+        raw = (rd.path / METRICS).read_bytes()
+    except FileNotFoundError:
+        raise BadInput(f"{rd.path}: no {METRICS}: the run has not logged a step yet") from None
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = loads_json(line, source=str(rd.path / METRICS), max_bytes=MAX_LINE) if len(line) <= MAX_LINE else None
+        except BadInput:
+            row = None
+        if not isinstance(row, dict) or type(row.get("step")) is not int or row["step"] < -1:
+            data.skipped += 1
+            continue
+        step, attempt = row["step"], row.get("attempt")
+        attempt = attempt if type(attempt) is int else None
+        when = row.get("time") if _finite(row.get("time")) else None
+        loss = row.get("loss")
+        if isinstance(loss, int | float) and not isinstance(loss, bool):  # NaN too: a diverged run shows it
+            data.train[step] = row
+            if attempt is not None:
+                first_step[attempt] = min(first_step.get(attempt, step), step)
+        if _finite(row.get("val_loss")):
+            data.val[step] = float(row["val_loss"])
+        if type(row.get("checkpoint")) is int and when is not None:
+            data.saves.append((row["checkpoint"], float(when), attempt))
+    if not data.train:
+        raise BadInput(f"{rd.path / METRICS}: no training line (step and loss) to report")
+    for event in rd.attempt_events():
+        if event.get("event") != "begin" or type(event.get("attempt")) is not int:
+            continue
+        data.attempts += 1
+        attempt = event["attempt"]
+        if attempt > 1 and attempt in first_step:
+            data.restarts.append((first_step[attempt], _when(event.get("time")), attempt))
+    return data
+
+
+def _when(stamp: object) -> float:
+    try:
+        return datetime.fromisoformat(str(stamp)).timestamp()
+    except ValueError:
+        return math.nan
+
+
+def tokens_by_step(data: RunData) -> dict[int, float] | None:
+    """Cumulative tokens at the end of each step (tokens_per_s × step_time_s of each step); None when the run
+    does not log them (a Context entry point that logs only its loss)."""
+    out, total = {}, 0.0
+    for step in sorted(data.train):
+        row = data.train[step]
+        if not (_finite(row.get("tokens_per_s")) and _finite(row.get("step_time_s"))):
+            return None
+        total += row["tokens_per_s"] * row["step_time_s"]
+        out[step] = total
+    return out
+
+
+def build(run: Path, out: Path) -> dict:
+    """Write the report into `out` (created; never written through a symlink); returns what was written."""
+    from hpcscale.observe.timing import judge, read_windows
+
+    data = read_run(run)
+    if out.is_symlink():
+        raise BadInput(f"-o {out}: a symbolic link; the report writes only into a real directory")
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"-o {out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    windows = read_windows(run / TIMING)
+    verdict = judge(windows) if windows else None
+    written = []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    written.append(_plot_loss(data, out / "loss.png"))
+    written.append(_plot_throughput(data, out / "throughput.png"))
+    if windows:
+        written.append(_plot_ranks(windows, verdict, out / "ranks.png"))
+    summary = summarize(data, verdict, [p.name for p in written])
+    _write(out / "summary.md", render_markdown(summary).encode())
+    written.append(out / "summary.md")
+    return {"run": str(run), "out": str(out), "files": [str(p) for p in written], "summary": summary}
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Replace `path` atomically; a symlink planted at `path` is replaced, never followed."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _save(fig, path: Path) -> Path:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    _write(path, buf.getvalue())
+    return path
+
+
+def _mark(ax, data: RunData, *, x_of) -> None:
+    """Restarts as red dashed lines, saves as grey ticks, on an axis whose x is `x_of(step)`."""
+    for i, (step, _, _) in enumerate(data.restarts):
+        x = x_of(step)
+        if x is not None:
+            ax.axvline(x, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
+    for i, (step, _, _) in enumerate(data.saves):
+        x = x_of(step - 1)
+        if x is not None:
+            ax.axvline(x, color="0.75", lw=0.6, zorder=0, label="checkpoint" if i == 0 else None)
+
+
+def _plot_loss(data: RunData, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    steps = sorted(data.train)
+    loss = [data.train[s]["loss"] for s in steps]
+    tokens = tokens_by_step(data)
+    fig, axes = plt.subplots(2 if tokens else 1, 1, figsize=(8, 6.5 if tokens else 3.5), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(steps, loss, lw=1, label="training loss")
+    if data.val:
+        vs = sorted(data.val)
+        ax.plot(vs, [data.val[s] for s in vs], "o-", ms=3, label="validation loss")
+    _mark(ax, data, x_of=lambda s: s)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{data.name}: loss")
+    ax.legend(fontsize=8)
+    if tokens:
+        ax = axes[1][0]
+        ax.plot([tokens[s] for s in steps], loss, lw=1, label="training loss")
+        if data.val:
+            vs = [s for s in sorted(data.val) if s in tokens]
+            ax.plot([tokens[s] for s in vs], [data.val[s] for s in vs], "o-", ms=3, label="validation loss")
+        _mark(ax, data, x_of=lambda s: tokens.get(s))
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _plot_throughput(data: RunData, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    rows = [data.train[s] for s in sorted(data.train) if _finite(data.train[s].get("time"))]
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    if rows and _finite(rows[0].get("tokens_per_s")):
+        t0 = min(r["time"] for r in rows)
+        by_attempt: dict[object, list[dict]] = {}
+        for r in rows:  # one line per attempt: no line drawn across the gap of a restart
+            by_attempt.setdefault(r.get("attempt"), []).append(r)
+        for part in by_attempt.values():
+            part.sort(key=lambda r: r["time"])
+            ax.plot([(r["time"] - t0) / 60 for r in part], [r.get("tokens_per_s", math.nan) for r in part],
+                    lw=1, color="tab:blue")  # fmt: skip
+        for i, (_, when, _) in enumerate(data.restarts):
+            if math.isfinite(when):
+                ax.axvline((when - t0) / 60, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
+        for i, (_, when, _) in enumerate(data.saves):
+            ax.axvline((when - t0) / 60, color="0.75", lw=0.6, zorder=0, label="checkpoint" if i == 0 else None)
+        if data.restarts or data.saves:
+            ax.legend(fontsize=8)
+        ax.set_xlabel("minutes since the first logged step (queue waits between attempts included)")
+        ax.set_ylabel("tokens/s")
+    else:
+        ax.text(0.5, 0.5, "this run does not log tokens/s", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"{data.name}: throughput")
+    return _save(fig, path)
+
+
+def _plot_ranks(windows, verdict, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    newest = windows[-1]
+    same = [w for w in windows if w.nodes == newest.nodes and w.pp == newest.pp]
+    grid = np.array([[row["own_s"] * 1000 for row in w.ranks] for w in same]).T  # ranks x windows
+    n = len(newest.nodes)
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.25 * n + 1.5)))
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(image, ax=ax, label="own ms/step (window mean)")
+    slow = set(verdict.slow_ranks) if verdict is not None else set()
+    ax.set_yticks(range(n))
+    ax.set_yticklabels(
+        [f"{'straggler ' if i in slow else ''}{i} ({newest.nodes[i]})" for i in range(n)], fontsize=7 if n > 16 else 8
+    )
+    for i, label in enumerate(ax.get_yticklabels()):
+        if i in slow:
+            label.set_color("tab:red")
+    ticks = list(range(0, len(same), max(1, len(same) // 10)))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(same[i].step) for i in ticks], fontsize=8)
+    for i in range(1, len(same)):
+        if same[i].attempt != same[i - 1].attempt:
+            ax.axvline(i - 0.5, color="white", ls="--", lw=1.5)  # a restart
+    ax.set_xlabel("window's last step")
+    ax.set_ylabel("rank (node)")
+    ax.set_title("per-rank own time, not waiting on others (dashed: a restart)")
+    return _save(fig, path)
+
+
+def summarize(data: RunData, verdict, images: list[str]) -> dict:
+    steps = sorted(data.train)
+    last = data.train[steps[-1]]
+    tokens = tokens_by_step(data)
+    times = [r["step_time_s"] for r in data.train.values() if _finite(r.get("step_time_s"))]
+    tps = [r["tokens_per_s"] for r in data.train.values() if _finite(r.get("tokens_per_s"))]
+    return {
+        "name": data.name,
+        "steps": len(steps),
+        "last_step": steps[-1],
+        "final_loss": float(last["loss"]),
+        "best_val_loss": min(data.val.values()) if data.val else None,
+        "final_val_loss": data.val[max(data.val)] if data.val else None,
+        "tokens": round(tokens[steps[-1]]) if tokens else None,
+        "median_step_s": sorted(times)[len(times) // 2] if times else None,
+        "median_tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
+        "attempts": data.attempts,
+        "restarts": [{"step": s, "attempt": a} for s, _, a in data.restarts],
+        "checkpoints": sorted({s for s, _, _ in data.saves}),
+        "stragglers": None if verdict is None else verdict.to_json(),
+        "skipped_lines": data.skipped,
+        "images": images,
+    }
+
+
+def render_markdown(s: dict) -> str:
+    def num(v, fmt):
+        return "—" if v is None else format(v, fmt)
+
+    restarts = ", ".join(f"attempt {r['attempt']} from step {r['step']}" for r in s["restarts"])
+    saved = s["checkpoints"]
+    shown = ", ".join(map(str, saved[-8:])) + (" …" if len(saved) > 8 else "")
+    lines = [
+        f"# {s['name']}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| steps logged | {s['steps']} (last step {s['last_step']}) |",
+        f"| final training loss | {s['final_loss']:.4f} |",
+        f"| validation loss, final / best | {num(s['final_val_loss'], '.4f')} / {num(s['best_val_loss'], '.4f')} |",
+        f"| tokens | {num(s['tokens'], ',')} (tokens/s × step time, summed over steps) |",
+        f"| median step | {num(s['median_step_s'] and s['median_step_s'] * 1000, '.1f')} ms |",
+        f"| median tokens/s | {num(s['median_tokens_per_s'], ',.0f')} |",
+        f"| attempts | {s['attempts']} ({len(s['restarts'])} restart(s){': ' + restarts if restarts else ''}) |",
+        f"| checkpoints saved | {len(saved)}{f' (steps {shown})' if saved else ''} |",
+    ]
+    v = s["stragglers"]
+    if v is None:
+        lines.append("| stragglers | no per-rank timing recorded (metrics.timing_every) |")
+    elif v["reason"]:
+        lines.append(f"| stragglers | no verdict: {v['reason']} |")
+    elif v["slow_ranks"]:
+        slow = [r for r in v["ranks"] if r["rank"] in v["slow_ranks"]]
+        named = ", ".join(f"rank {r['rank']} on {r['node']} ({r['relative']:.2f}× its peers)" for r in slow)
+        lines.append(f"| stragglers | {named} |")
+    else:
+        lines.append(f"| stragglers | none in the last {v['windows']} windows of the newest attempt |")
+    if s["skipped_lines"]:
+        lines.append(f"| damaged metrics lines skipped | {s['skipped_lines']} |")
+    lines.append("")
+    for image in s["images"]:
+        lines += [f"![{image}]({image})", ""]
+    return "\n".join(lines)
