@@ -282,3 +282,35 @@ def test_data_file_round_trips_odd_chunks_from_aligned_and_unaligned_memory(tmp_
     for c, off in zip(chunks, offsets, strict=True):
         assert data[off : off + c.numel()] == bytes(c.numpy())
         assert not direct or off % ALIGN == 0
+
+
+def test_a_deferred_async_save_holds_the_tensors_as_they_were_when_staged(tmp_path):
+    """defer_staging: save() returns before the copy; after wait_staged() the caller changes the tensors in
+    place, and the checkpoint still holds the values of the save's moment, hashes verified on load."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.layout import ParallelDims
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0)
+        g = torch.Generator().manual_seed(0)
+        state = {f"w{i}": torch.randn(512, 256, generator=g) for i in range(8)}
+        expected = {k: v.clone() for k, v in state.items()}
+        stats = m.save(1, state, {"step": 1}, asynchronous=True, defer_staging=True)
+        m.wait_staged()
+        for t in state.values():  # the optimizer step, while the write may still run
+            t.mul_(-3.0)
+        m.wait()
+        assert stats.step == 1 and m.last_step == 1
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        fresh = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0)
+        restored = fresh.load_latest(target)
+        assert restored is not None and restored.step == 1
+        assert all(torch.equal(target[k], expected[k]) for k in state)
+        m.wait_staged()  # nothing pending: returns at once
+    finally:
+        dist.destroy_process_group()

@@ -84,6 +84,7 @@ class CheckpointManager:
         self._adopt_newest()
         self.last_stats: SaveStats | None = None
         self._thread: threading.Thread | None = None
+        self._staged: threading.Event | None = None  # a deferred save's copy taken (wait_staged)
         self._error: BaseException | None = None
 
     def _adopt_newest(self) -> None:
@@ -104,8 +105,19 @@ class CheckpointManager:
 
     # ---- saving ---------------------------------------------------------------------------------------------
     def save(
-        self, step: int, tensors: dict[str, torch.Tensor], trainer_state: dict, *, asynchronous: bool
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        trainer_state: dict,
+        *,
+        asynchronous: bool,
+        defer_staging: bool = False,
     ) -> SaveStats:
+        """Save `tensors` and `trainer_state` as step `step`. Synchronous: returns when committed. Asynchronous:
+        returns once the tensors are copied (staged) to host buffers and writes in the background; with
+        `defer_staging` even the copy runs in the background, and the caller must call wait_staged() before it
+        next changes any of `tensors` in place (the trainer: before the optimizer step; on an accelerator the
+        copy then overlaps the forward and backward passes, which leave the tensors alone)."""
         self.wait()
         if step == self.last_step:
             return self.last_stats or SaveStats(step, 0.0, 0, 0)
@@ -117,7 +129,6 @@ class CheckpointManager:
         shards = local_shards(tensors)
         table = writers(shards, self.dims, pp_rank=self.coords.pp)
         mine = [s for s in shards if writer_of(s, table, tp_rank=self.coords.tp) == self.rank]
-        pending = self.writer.snapshot(mine, copy=asynchronous)
         rng = rng_state()
         parent = step_dir_name(self.last_step) if self.last_step is not None else None
         state = dict(trainer_state)
@@ -125,6 +136,15 @@ class CheckpointManager:
             from hpcscale.ckpt.lineage import TAG, for_save
 
             state[TAG] = for_save(self.lineage, state, parent)
+        if asynchronous and defer_staging:
+            self._staged = threading.Event()
+            self._thread = threading.Thread(
+                target=self._stage_and_write, args=(mine, step, rng, state, parent), name=f"ckpt-{step}", daemon=True
+            )
+            self._thread.start()
+            self.last_stats = SaveStats(step, time.perf_counter() - t0, 0, 0)
+            return self.last_stats
+        pending = self.writer.snapshot(mine, copy=asynchronous)
         args = (step, pending, rng, state, parent)
         if asynchronous:
             self._thread = threading.Thread(target=self._background, args=args, name=f"ckpt-{step}", daemon=True)
@@ -135,6 +155,23 @@ class CheckpointManager:
             result = self._write(*args)
             self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
         return self.last_stats
+
+    def _stage_and_write(self, mine, step, rng, state, parent) -> None:
+        try:
+            pending = self.writer.snapshot(mine, copy=True)
+        except BaseException as e:  # surfaced by wait(); nothing was written
+            self._error = e
+            return
+        finally:
+            self._staged.set()
+        self._background(step, pending, rng, state, parent)
+
+    def wait_staged(self) -> None:
+        """Block until a deferred save's copy of the tensors is taken (at once when none is pending): after
+        this the caller may change them. Does not wait for the write."""
+        if self._staged is not None:
+            self._staged.wait()
+            self._staged = None
 
     def _background(self, *args) -> None:
         t0 = time.perf_counter()
@@ -195,6 +232,7 @@ class CheckpointManager:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._staged = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error

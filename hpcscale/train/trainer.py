@@ -217,7 +217,11 @@ def train(ctx: Context) -> None:
             ckpt.wait()
             waited = time.perf_counter() - t
             before = ckpt.last_stats
-            stats = ckpt.save(done_steps, state_tensors(model, opt), state, asynchronous=asynchronous)
+            # asynchronous: even the copy to host buffers runs in the background; the loop waits for it only
+            # before the optimizer step, the next change to the saved tensors (ckpt.wait_staged below)
+            stats = ckpt.save(
+                done_steps, state_tensors(model, opt), state, asynchronous=asynchronous, defer_staging=asynchronous
+            )
         blocking = waited + stats.blocking_s
         ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=round(blocking, 6))
         return blocking, (before.background_s or None) if before is not None else None
@@ -308,6 +312,7 @@ def train(ctx: Context) -> None:
             tp_group=ctx.mesh["tp"].get_group() if dims.tp > 1 else None,
             pp_group=ctx.mesh["pp"].get_group() if dims.pp > 1 else None,
         )
+        ckpt.wait_staged()  # a save's copy of the weights and optimizer state is taken before they change
         opt.step()
         t_comm = time.perf_counter()
         loss_value, stop = agree(loss, 1.0 if ctx.stop.requested else 0.0)
@@ -349,6 +354,7 @@ def train(ctx: Context) -> None:
             ckpt_s=ckpt_s,
         )
         if rounds is not None and rounds.overlap and not rounds.is_boundary(step + 1):
+            ckpt.wait_staged()  # adopting a round changes the weights
             rounds.poll(step + 1)  # adopt the round in flight if it has landed
         if stop > 0:
             with wd.paused("checkpoint"):

@@ -95,7 +95,7 @@ def worker(windows: int) -> None:
             times.record(i, step_s=0.05)
         flushes = []
         for w in range(windows):
-            for i in range(EVERY - 1):
+            for _ in range(EVERY - 1):
                 times._rows.append((0.05, 0.04, 0.04, 0.0, 0.005, 0.005, 0.0))
             comm.Barrier()
             t = time.perf_counter()
