@@ -392,3 +392,35 @@ def test_status_names_the_rank_slowed_by_sigstop_bursts_and_resume_moves_off_its
     doc = json.loads(plan.stdout)
     assert doc["exclude"] == [node], doc
     assert any(f"stragglers' node(s) {node}" in w for w in doc["warnings"]), doc
+
+
+def test_status_shows_big_jobs_per_node_and_names_the_straggler(tmp_path):
+    """Above 16 ranks the table has a row per node (its ranks' medians); the straggler line still names the
+    rank and its node."""
+    from rich.console import Console
+
+    from hpcscale.cli.slurm_cmd import format_timing
+    from hpcscale.observe.timing import judge
+
+    nodes = [f"n{i // 4 + 1}" for i in range(32)]
+    own = [0.010] * 32
+    own[13] = 0.02  # on n4
+    windows = _windows([own] * WINDOWS, nodes=nodes)
+    verdict = judge(windows)
+    newest = windows[-1]
+    timing = {
+        "step": newest.step,
+        "steps": newest.steps,
+        "attempt": newest.attempt,
+        "ranks": [
+            {"rank": i, "node": newest.nodes[i], "pp": newest.pp[i], **row} for i, row in enumerate(newest.ranks)
+        ],
+        "stragglers": verdict.to_json(),
+    }
+    console = Console(record=True, width=200)
+    for line in format_timing(timing, tmp_path):
+        console.print(line)
+    text = console.export_text()
+    rows = [line for line in text.splitlines() if line.startswith("│ n")]
+    assert [r.split()[1] for r in rows] == [f"n{i}" for i in range(1, 9)]  # one row per node, not per rank
+    assert "straggler: rank 13 on node n4" in text and "--exclude-slow" in text
