@@ -314,3 +314,47 @@ def test_a_deferred_async_save_holds_the_tensors_as_they_were_when_staged(tmp_pa
         m.wait_staged()  # nothing pending: returns at once
     finally:
         dist.destroy_process_group()
+
+
+def test_async_saves_share_one_low_priority_thread_that_survives_a_failed_save(tmp_path):
+    """Every async save runs on one long-lived thread at checkpoint.background_nice (the loop's threads get a
+    core first); a failed save is raised by wait() and the next save still commits on the same thread."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.errors import RuntimeFailure
+    from hpcscale.layout import ParallelDims
+
+    before = set(threading.enumerate())  # other tests' managers' threads live on (daemons, idle)
+
+    def writer_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "hpcscale-ckpt-0" and t not in before]
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        m = CheckpointManager(tmp_path / "a", dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, background_nice=7)
+        state = {"w": torch.randn(256, 256)}
+        m.save(1, state, {"step": 1}, asynchronous=True)
+        m.wait()
+        (thread,) = writer_threads()
+        assert os.getpriority(os.PRIO_PROCESS, thread.native_id) == min(19, base + 7)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's own priority untouched
+        state["w"].add_(1.0)
+        m.save(2, state, {"step": object()}, asynchronous=True, defer_staging=True)  # commit cannot record it
+        m.wait_staged()
+        with pytest.raises(RuntimeFailure, match="step 2"):
+            m.wait()
+        state["w"].add_(1.0)
+        m.save(3, state, {"step": 3}, asynchronous=True)
+        m.wait()
+        assert m.last_step == 3 and writer_threads() == [thread] and thread.is_alive()
+        target = {"w": torch.zeros(256, 256)}
+        restored = CheckpointManager(tmp_path / "a", dims=ParallelDims(pp=1, dp=1, tp=1), rank=0).load_latest(target)
+        assert restored is not None and restored.step == 3 and torch.equal(target["w"], state["w"])
+    finally:
+        dist.destroy_process_group()

@@ -40,11 +40,12 @@ def local_shards(tensors: dict[str, torch.Tensor]) -> list[LocalShard]:
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
             _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-            out.append(
-                LocalShard(
-                    name, t.to_local(), tuple(t.shape), tuple(offset), any(p.is_shard() for p in t.placements), source=t
-                )
-            )
+            # The local tensor itself, as torch's own checkpointing reads it: to_local() is an autograd call
+            # (0.1 ms each, 40 of them in the save call) for a view that is detached and copied anyway.
+            local = getattr(t, "_local_tensor", None)
+            local = t.to_local() if local is None else local
+            sharded = any(p.is_shard() for p in t.placements)
+            out.append(LocalShard(name, local, tuple(t.shape), tuple(offset), sharded, source=t))
         else:
             out.append(LocalShard(name, t, tuple(t.shape), (0,) * t.dim(), False, source=t))
     return out

@@ -71,6 +71,14 @@ class CheckpointPolicy:
         "Write checkpoint data with O_DIRECT, past the page cache (buffered where the filesystem refuses it).",
         default=True,
     )
+    background_nice: int = setting(
+        "The nice value of the thread that writes async saves (0 for the loop's own priority, 19 the lowest): "
+        "the training loop's threads get a core the moment they need one; the save's CPU work runs when they "
+        "wait (docs/checkpoints.md).",
+        default=19,
+        min=0,
+        max=19,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

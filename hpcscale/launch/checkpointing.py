@@ -293,6 +293,7 @@ class Checkpointer:
                 keep_last=self.policy.keep_last,
                 keep_every=self.policy.keep_every,
                 direct_io=self.policy.direct_io,
+                background_nice=self.policy.background_nice,
                 log=ctx.metrics.print,
                 lineage=lineage.of_context(ctx),
             )

@@ -172,6 +172,7 @@ def train(ctx: Context) -> None:
         keep_last=policy.keep_last,
         keep_every=policy.keep_every,
         direct_io=policy.direct_io,
+        background_nice=policy.background_nice,
         log=ctx.metrics.print,
         lineage=lineage.of_context(ctx),
     )
