@@ -605,3 +605,36 @@ def test_boot_runs_the_compiled_agent_only_under_the_same_bytecode_magic(tmp_pat
     out = io.BytesIO(r.stdout)
     assert "hello" in wire.recv(out)
     assert wire.recv(out)["ready"] is True
+
+
+def test_a_record_read_ahead_is_used_only_while_the_record_file_is_unchanged(tmp_path):
+    """The agent reads the destination's record at 'init', before the plan takes the lock
+    (Sink.prefetch_record). A record replaced in between (another stage's commit) must be read again: here the
+    new record says nothing, so the plan hashes every file instead of trusting what was read ahead."""
+    from hpcscale.portable.sink import Sink
+
+    src = make_tree(tmp_path / "src", small=6)
+    build(src)
+    dst = tmp_path / "dst"
+    stage_json(src / "manifest.json", str(src), str(dst))
+    m = read_manifest(src / "manifest.json")
+    entries = [[f.path, f.size, f.mtime_ns, f.hash, f.mode] for f in m.files]
+
+    def plan(replace_record: bool) -> dict:
+        sink = Sink(str(dst), m.hash_algorithm, jobs=1)
+        try:
+            sink.prefetch_record()
+            if replace_record:
+                sink._prefetch()  # the read ahead is done: what it read is the old record
+                record = dst / ".hpcscale-stage" / "verified.json"
+                fresh = record.with_name("fresh.tmp")
+                fresh.write_text(json.dumps({"hash_algorithm": m.hash_algorithm, "files": {}}))
+                os.replace(fresh, record)  # as a commit replaces it: another inode
+            statuses, info = sink.plan(entries)
+            assert all(s == -1 for s in statuses)  # every file is in place either way
+            return info
+        finally:
+            sink.close()
+
+    assert plan(replace_record=False)["hashed"] == 0  # proven by the record read ahead
+    assert plan(replace_record=True)["hashed"] == len(entries)  # the stale read ahead was not used

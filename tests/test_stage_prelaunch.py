@@ -61,3 +61,33 @@ def test_the_scan_reads_what_click_parses(tmp_path, form):
 @pytest.mark.parametrize("extra", NO_EARLY_START)
 def test_nothing_starts_early_for_help_dry_runs_and_double_dashes(extra):
     assert scan_stage_args(["m.json", "--from", "/a", "--to", "ssh://h/b", extra]) is None
+
+
+def test_stage_ends_without_teardown_yet_every_byte_and_exit_code_arrives(tmp_path):
+    """`hpcscale stage` ends the process once its output is flushed (hpcscale.cli.entry._exit_now): the --json
+    document arrives whole through a pipe, a bad input still exits 2 with its message, and a reader that
+    closed the pipe early gets the ordinary exit, not a hang or a lost exit code."""
+    import json
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(300):
+        (src / "d" / f"f{i:03d}.txt").write_text(f"file {i}\n" * 10)
+    manifest = tmp_path / "manifest.json"
+    hpcscale = [sys.executable, "-m", "hpcscale"]
+    subprocess.run([*hpcscale, "manifest", "build", str(src), "-o", str(manifest)], check=True, capture_output=True)
+    stage_args = [*hpcscale, "stage", str(manifest), "--from", str(src), "--to", str(tmp_path / "dst"), "--json"]
+    done = subprocess.run(stage_args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["sent"] == 300
+    assert (tmp_path / "dst" / "manifest.json").is_file() and (tmp_path / "dst" / "d" / "f299.txt").is_file()
+
+    manifest.write_text('{"format": "hpcscale-manifest", "version": 1, "files": 5}')
+    bad = subprocess.run(stage_args, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "manifest.json: hash_algorithm" in bad.stderr and "Traceback" not in bad.stderr
+
+    closed = subprocess.Popen([*stage_args[:-1], "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    closed.stdout.close()  # nobody reads: the flush at the end fails
+    assert closed.wait(timeout=120) != 0

@@ -3,6 +3,10 @@
 `hpcscale stage` over ssh spends most of a no-op rerun waiting for ssh to connect, so `main` starts ssh before
 click and the command modules load (about 50 ms earlier; hpcscale.xsite.channel.prelaunch). The stage command
 adopts that connection only if its parsed options ask for the same endpoint; otherwise it is closed.
+
+When `stage` is done and its output written, the process ends without the interpreter's teardown (freeing
+every module of ~190, 13 ms of a 0.46 s cron-driven no-op rerun over ssh): stdout, stderr and logging are
+flushed first, and nothing of stage's is left for a finalizer (ssh and every thread are waited for inside).
 """
 
 from __future__ import annotations
@@ -12,10 +16,36 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["stage"]:
+    staging = args[:1] == ["stage"]
+    if staging:
         from hpcscale.xsite.channel import prelaunch
 
         prelaunch(args[1:])
     from hpcscale.cli.main import cli
 
-    cli(args, prog_name="hpcscale")
+    if not (staging and argv is None):  # called as a function (tests, embedding): return as usual
+        cli(args, prog_name="hpcscale")
+        return
+    try:
+        cli(args, prog_name="hpcscale")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if code is None or type(code) is int:
+        _exit_now(code or 0)
+    raise SystemExit(code)
+
+
+def _exit_now(code: int) -> None:
+    """Flush what the command wrote, then end the process at once; where a flush fails (a closed pipe), return
+    and let the ordinary exit report it."""
+    import os
+
+    try:
+        if "logging" in sys.modules:
+            sys.modules["logging"].shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        return
+    os._exit(code)

@@ -20,7 +20,6 @@ Every operation is relative to the state directory's descriptor, opened without 
 import contextlib
 import json
 import os
-import socket
 import time
 
 from hpcscale.portable.errors import StageError
@@ -94,7 +93,7 @@ def _read(state_fd):
 def _stale(doc, st):
     if not doc:
         return time.time() - st.st_mtime > UNREADABLE_STALE_S
-    if doc.get("host") != socket.gethostname():
+    if doc.get("host") != os.uname().nodename:
         return False
     if doc.get("boot") != _boot_id():
         return True
@@ -120,7 +119,7 @@ def acquire(state_fd, where):
     StageError('runtime') naming the holder if another live stage holds it."""
     token = os.urandom(8).hex()
     owner = {
-        "host": socket.gethostname(),
+        "host": os.uname().nodename,
         "pid": os.getpid(),
         "start": _start_time(os.getpid()),
         "boot": _boot_id(),

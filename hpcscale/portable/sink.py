@@ -42,7 +42,7 @@ from hpcscale.portable.paths import (
     check_relpath,
     part_name,
 )
-from hpcscale.portable.threads import parallel_map
+from hpcscale.portable.threads import in_background, parallel_map
 
 _libc = None
 
@@ -220,6 +220,11 @@ def _lstat(path):
         return None
 
 
+def _identity(st):
+    """What changes whenever a file is replaced (rename: another inode) or written (size, mtime, ctime)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _unlink(path, dir_fd=None):
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path, dir_fd=dir_fd)
@@ -273,6 +278,7 @@ class Sink:
         self.proc_umask = _proc_umask()
         self.lock_token = None  # the destination lock's token while this stage holds it
         self._want_dirs = None  # [(path, mode)] the manifest lists, once planned
+        self._prefetch = None  # the record read ahead (prefetch_record), waited for by the plan
         self.dirs_clean = True  # every listed directory is there with its mode
         self._lock_owner = False
         if lock is not None and not dry_run:
@@ -382,20 +388,63 @@ class Sink:
         self._lock_owner = True
 
     # -- records ----------------------------------------------------------------------------------------
+    def prefetch_record(self):
+        """Start reading the record of verified files on a thread (the agent calls this at 'init', while the
+        plan, a megabyte for 10k files, is still on the wire). The plan uses what was read only if the record
+        file is still the same file, unchanged (identity, size, times): else it reads it again, under the lock."""
+        if self._prefetch is None and self.algorithm:
+            self._prefetch = in_background(self._read_record)
+
+    def _read_record(self):
+        """(identity of the record file, {path: record}); (None, {}) where there is none."""
+        state = self.state_fd()
+        if state is None:
+            return None, {}
+        try:
+            fd = os.open(RECORD, os.O_RDONLY | NO_FOLLOW, dir_fd=state)
+        except OSError:
+            return None, {}
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None, {}
+            data = b"".join(bytes(b) for b in blocks(fd, 0, st.st_size))
+        finally:
+            os.close(fd)
+        records = {}
+        try:
+            doc = json.loads(data) if data else {}
+            if doc.get("hash_algorithm") == self.algorithm and type(doc.get("files")) is dict:
+                records = doc["files"]
+        except (ValueError, AttributeError, RecursionError):
+            pass
+        return _identity(st), records
+
+    def _record_now(self):
+        """The record as it is now: the prefetched one if the file has not changed since, else read again."""
+        if self._prefetch is not None:
+            try:
+                ident, records = self._prefetch()
+            except Exception:  # read again below, where an error surfaces as it would have
+                ident, records = None, {}
+            finally:
+                self._prefetch = None
+            state = self.state_fd()
+            if ident is not None and state is not None:
+                try:
+                    if _identity(os.stat(RECORD, dir_fd=state, follow_symlinks=False)) == ident:
+                        return records
+                except OSError:
+                    pass
+        return self._read_record()[1]
+
     def load_records(self, committed_only=False):
         """({path: [size, mtime_ns, ctime_ns, ino, hash]} of what this destination verified with our algorithm,
         whether journals were found). committed_only: the record of completed transfers, no journals."""
         state = self.state_fd()
-        records = {}
         if state is None:
-            return records, False
-        data = _read_regular(RECORD, state)
-        try:
-            doc = json.loads(data) if data else {}
-            if doc.get("hash_algorithm") == self.algorithm and type(doc.get("files")) is dict:
-                records.update(doc["files"])
-        except (ValueError, AttributeError, RecursionError):
-            pass
+            return {}, False
+        records = dict(self._record_now())
         names = [] if committed_only else sorted(os.listdir(state))
         journals = False
         for name in names:

@@ -62,6 +62,8 @@ def serve(role, root, inp, out):
                     if type(idle) in (int, float) and idle > 0:
                         IDLE_LIMIT[0] = float(idle)
                     end = _open_end(role, root, opts)
+                    if role == "sink" and not opts.get("lock"):  # a stream that will plan: read ahead for it
+                        end.prefetch_record()
                     bucket = TokenBucket(opts["bwlimit"]) if opts.get("bwlimit") else None
                     send(out, {"ready": True, "root": end.root})
                     continue
