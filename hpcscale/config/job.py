@@ -72,10 +72,10 @@ class CheckpointPolicy:
         default=True,
     )
     background_nice: int = setting(
-        "The nice value of the thread that writes async saves (0 for the loop's own priority, 19 the lowest): "
-        "the training loop's threads get a core the moment they need one; the save's CPU work runs when they "
-        "wait (docs/checkpoints.md).",
-        default=19,
+        "The nice value of the thread that writes async saves (0: the loop's own priority; up to 19, the "
+        "lowest: the loop's threads get a core first and the save runs when they wait, so on a node whose "
+        "cores are all busy it finishes later) (docs/checkpoint-format.md#async-saves).",
+        default=0,
         min=0,
         max=19,
     )
