@@ -358,3 +358,27 @@ def test_async_saves_share_one_low_priority_thread_that_survives_a_failed_save(t
         assert restored is not None and restored.step == 3 and torch.equal(target["w"], state["w"])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("rank_nice", "thread_nice"), [(5, 12), (15, 19)])
+def test_background_nice_is_added_to_the_ranks_own_and_capped(tmp_path, rank_nice, thread_nice):
+    """background_nice raises the writer thread's nice value above the rank's (a rank started under `nice`),
+    capped at 19; it never gives the thread a higher priority than the rank has."""
+    code = f"""
+import os, pathlib, threading, torch, torch.distributed as dist
+from hpcscale.ckpt.manager import CheckpointManager
+from hpcscale.layout import ParallelDims
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+m = CheckpointManager(pathlib.Path({str(tmp_path)!r}), dims=ParallelDims(pp=1, dp=1, tp=1), rank=0,
+                      background_nice=7)
+m.save(1, {{"w": torch.ones(4)}}, {{}}, asynchronous=True)
+m.wait()
+(t,) = [t for t in threading.enumerate() if t.name == "hpcscale-ckpt-0"]
+print(os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, t.native_id))
+"""
+    done = subprocess.run(
+        ["nice", "-n", str(rank_nice), sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(rank_nice), str(thread_nice)]

@@ -329,7 +329,8 @@ class _Background:
     the training loop 5-10 ms (the new thread takes the GIL before start() returns); handing a job to a
     waiting thread costs microseconds.
 
-    The thread runs at `nice` (checkpoint.background_nice, default 0: the loop's own priority). At 19 a rank's
+    The thread's nice value is raised by `nice` (checkpoint.background_nice, default 0: the loop's own
+    priority). At 19 a rank's
     main thread gets a core the moment it wakes instead of queueing behind 8 ranks' copying and hashing; the
     save's CPU work is the same, but on a CPU-bound node it runs only in the loop's waits and finishes later
     (docs/checkpoint-format.md, scripts/bench/ckpt.py 3b measures both)."""
@@ -356,9 +357,11 @@ class _Background:
 
     def _run(self) -> None:
         if self.nice:  # this thread only (Linux: a thread's id is a process id to setpriority)
-            # Not Linux, or refused: the save still runs, at the loop's priority.
+            # Added to the nice value the thread was born with (the rank's: under `nice 5`, 5 + nice), never
+            # raising its priority. Not Linux, or refused: the save still runs, at the loop's priority.
             with contextlib.suppress(OSError, AttributeError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+                me = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + self.nice))
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._job is not None)

@@ -72,9 +72,9 @@ class CheckpointPolicy:
         default=True,
     )
     background_nice: int = setting(
-        "The nice value of the thread that writes async saves (0: the loop's own priority; up to 19, the "
-        "lowest: the loop's threads get a core first and the save runs when they wait, so on a node whose "
-        "cores are all busy it finishes later) (docs/checkpoint-format.md#async-saves).",
+        "How much to raise the nice value of the thread that writes async saves, above the rank's own (0: the "
+        "loop's priority; 19: the lowest there is: the loop's threads get a core first and the save runs when "
+        "they wait, so on a node whose cores are all busy it finishes later) (docs/checkpoint-format.md#async-saves).",
         default=0,
         min=0,
         max=19,
