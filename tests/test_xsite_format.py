@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import zstandard
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,7 @@ from hpcscale.xsite import roundfile as rf
 from hpcscale.xsite import signing
 
 QUICK = 0.5  # seconds: "refused in well under a second"
+COMPRESSED_FIELDS = {"payload_compression", "payload_raw_bytes"}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,9 @@ def _tensors() -> dict[str, torch.Tensor]:
     return {"layers.0.w": torch.randn(3, 4, generator=g), "layers.0.b": torch.randn(4, generator=g)}
 
 
-def _contrib(directory: Path, key, *, site: str = "a", base: int = 3, encoding: str = "fp32", tensors=None) -> Path:
+def _contrib(
+    directory: Path, key, *, site: str = "a", base: int = 3, encoding: str = "fp32", tensors=None, compression="none"
+) -> Path:
     return rf.write_contribution(
         directory,
         site=site,
@@ -63,6 +67,7 @@ def _contrib(directory: Path, key, *, site: str = "a", base: int = 3, encoding: 
         encoding=encoding,
         tensors=_tensors() if tensors is None else tensors,
         key=key,
+        compression=compression,
     )
 
 
@@ -93,27 +98,37 @@ def _resign(path: Path, key, change) -> None:
     path.write_bytes(rf.canonical_json(doc) + b"\n")
 
 
-def _repayload(path: Path, key, payload: bytes) -> None:
-    """Replace the payload with `payload` and sign a record that matches its size and hash."""
+def _repayload(path: Path, key, payload: bytes, **fields) -> None:
+    """Replace the payload with `payload` and sign a record that matches its size and hash (and `fields`)."""
     path.with_suffix(".safetensors").write_bytes(payload)
     _resign(
         path,
         key,
-        lambda doc: doc.update(payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest()),
+        lambda doc: doc.update(
+            payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest(), **fields
+        ),
     )
 
 
 # ---- round trips ----
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
 @pytest.mark.parametrize("encoding", ["fp32", "bf16", "int8"])
-def test_contribution_round_trip(tmp_path, keys, keyring, encoding):
+def test_contribution_round_trip(tmp_path, keys, keyring, encoding, compression):
     tensors = _tensors()
     if encoding == "bf16":
         tensors = {n: t.bfloat16() for n, t in tensors.items()}
     if encoding == "int8":  # the codes and their fp32 offsets and steps, as outer.encode writes them
         tensors = {"w/q": torch.arange(12, dtype=torch.uint8), "w/lo": torch.zeros(1), "w/step": torch.ones(1)}
-    path = _contrib(tmp_path, keys["a"], encoding=encoding, tensors=tensors)
+    path = _contrib(tmp_path, keys["a"], encoding=encoding, tensors=tensors, compression=compression)
+    doc = json.loads(path.read_bytes())
+    raw = safetensors.torch.save(tensors)
+    if compression == "none":
+        assert COMPRESSED_FIELDS.isdisjoint(doc) and path.with_suffix(".safetensors").read_bytes() == raw
+    else:
+        assert (doc["payload_compression"], doc["payload_raw_bytes"]) == ("zstd", len(raw))
+        assert zstandard.decompress(path.with_suffix(".safetensors").read_bytes()) == raw
     assert path.name == "contrib-a-r000003.json"
     assert path.with_suffix(".safetensors").is_file()
     c = _read(path, keyring, expected_base_round=3)
@@ -508,6 +523,83 @@ def test_a_payload_with_other_tensors_than_the_record_lists_is_rejected(tmp_path
     assert "BF16" in _rejected(path, keyring)
 
 
+def test_compression_shrinks_int8_codes_and_changes_nothing_read(tmp_path, keys, keyring):
+    """A Δ's int8 codes are far from uniform (most fall near the chunk's mean): zstd stores them in well under a
+    byte each, and the contribution read back is the same either way."""
+    from hpcscale.xsite.outer import encode
+
+    g = torch.Generator().manual_seed(1)
+    codes = encode({"w": torch.randn(256, 1024, generator=g) * 1e-3}, "int8")
+    (tmp_path / "none").mkdir()
+    (tmp_path / "zstd").mkdir()
+    plain = _contrib(tmp_path / "none", keys["a"], encoding="int8", tensors=codes)
+    packed = _contrib(tmp_path / "zstd", keys["a"], encoding="int8", tensors=codes, compression="zstd")
+    size = lambda p: p.with_suffix(".safetensors").stat().st_size  # noqa: E731
+    assert size(packed) < 0.95 * 256 * 1024 < size(plain)
+    a, b = _read(plain, keyring), _read(packed, keyring)
+    assert a.specs == b.specs and all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+
+
+def _zstd(data: bytes, **kw) -> bytes:
+    return zstandard.ZstdCompressor(**kw).compress(data)
+
+
+_W = safetensors.torch.save({"w": torch.zeros(2)})  # a valid raw payload for a record listing w: F32 [2]
+
+
+_V = safetensors.torch.save({"v": torch.zeros(2)})  # valid, but of another tensor than the record lists
+
+
+@pytest.mark.parametrize(
+    ("payload", "raw_bytes", "says"),
+    [
+        pytest.param(b"not zstd at all", len(_W), "not a zstd frame", id="not-zstd"),
+        pytest.param(_zstd(_W, write_content_size=False), len(_W), "declares no size", id="no-size"),
+        pytest.param(_zstd(_W), len(_W) + 1, f"declares {len(_W)} bytes, the record says {len(_W) + 1}", id="size"),
+        pytest.param(_zstd(_W) + b"trailing", len(_W), "does not decompress", id="trailing"),
+        pytest.param(_zstd(_W)[:-4], len(_W), "does not decompress", id="truncated"),
+        pytest.param(_zstd(_W) + _zstd(_W), len(_W), "does not decompress", id="two-frames"),
+        pytest.param(_zstd(_V), len(_V), "missing ['w']", id="other-tensor"),
+        pytest.param(_zstd(b"x" * 100), 100, "payload header of", id="not-safetensors"),
+    ],
+)
+def test_a_signed_but_malicious_compressed_payload_is_rejected(tmp_path, keys, keyring, payload, raw_bytes, says):
+    """A key holder signs a compressed payload that lies about itself: refused with a reason, the frame's
+    declared size checked against the signed one before anything is decompressed, the result then held to the
+    same header checks as an uncompressed payload."""
+    path = _contrib(tmp_path, keys["a"], tensors={"w": torch.zeros(2)}, compression="zstd")
+    _repayload(path, keys["a"], payload, payload_raw_bytes=raw_bytes)
+    assert says in _rejected(path, keyring)
+
+
+def test_a_compression_bomb_is_refused_before_decompressing(tmp_path, keys, keyring):
+    """1 GiB of zeros compresses to about 32 KiB: a record saying so is refused by the caller's bound on the raw
+    size, and one that understates it by the frame's own header, both without allocating the gigabyte."""
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))  # 64 MiB here, the frame declares it
+    path = _contrib(tmp_path, keys["a"], tensors={"w": torch.zeros(2)}, compression="zstd")
+    _repayload(path, keys["a"], bomb, payload_raw_bytes=64 << 20)
+    assert f"decompresses to {64 << 20} bytes, over the limit of {1 << 20}" in _rejected(
+        path, keyring, max_bytes=1 << 20
+    )
+    _repayload(path, keys["a"], bomb, payload_raw_bytes=100)
+    assert f"declares {64 << 20} bytes, the record says 100" in _rejected(path, keyring)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda doc: doc.update(payload_compression="gzip"), 'field \'payload_compression\': "gzip", expected "zstd"'),
+        (lambda doc: doc.pop("payload_raw_bytes"), "missing ['payload_raw_bytes']"),
+        (lambda doc: doc.pop("payload_compression"), "missing ['payload_compression']"),
+        (lambda doc: doc.update(payload_raw_bytes=-1), "payload_raw_bytes"),
+    ],
+)
+def test_compression_fields_come_as_a_valid_pair(tmp_path, keys, keyring, change, says):
+    path = _contrib(tmp_path, keys["a"], compression="zstd")
+    _resign(path, keys["a"], change)
+    assert says in _rejected(path, keyring)
+
+
 @pytest.mark.parametrize("which", [".json", ".safetensors"])
 def test_a_symlinked_json_or_payload_is_refused(tmp_path, keys, keyring, which):
     real = tmp_path / "real"
@@ -620,10 +712,10 @@ def test_the_writer_refuses_an_inconsistent_round(tmp_path, keys):
 # ---- fuzzing: anything from outside is Rejected, never another exception, quickly ----
 
 
-@pytest.fixture(scope="module")
-def valid_pair(tmp_path_factory, keys) -> tuple[bytes, bytes]:
+@pytest.fixture(scope="module", params=["none", "zstd"])
+def valid_pair(tmp_path_factory, keys, request) -> tuple[bytes, bytes]:
     d = tmp_path_factory.mktemp("valid")
-    path = _contrib(d, keys["a"])
+    path = _contrib(d, keys["a"], compression=request.param)
     return path.read_bytes(), path.with_suffix(".safetensors").read_bytes()
 
 
@@ -688,7 +780,9 @@ _JSON = st.recursive(
 
 
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(field=st.sampled_from(sorted(rf.CONTRIBUTION_FIELDS - {"signature", "key_id"})), value=_JSON)
+@given(
+    field=st.sampled_from(sorted((rf.CONTRIBUTION_FIELDS | COMPRESSED_FIELDS) - {"signature", "key_id"})), value=_JSON
+)
 def test_any_field_value_signed_by_the_right_key_is_read_or_rejected(keys, keyring, valid_pair, field, value):
     """Field checks against hostile values from a key holder: a clean Rejected, or (when the value happens to be
     valid) a contribution; never another exception."""

@@ -337,6 +337,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
             encoding=cfg.encoding,
             tensors=encode(d, cfg.encoding),
             key=key,
+            compression=cfg.compression,
         )
         report.add("exported", base_round=base, step=step, bytes=_pair_bytes(path))
         _fault("exported")
@@ -510,6 +511,7 @@ def _site_copy(cfg: XsiteConfig, state: Path, key, keyring, r: int) -> Path:
         theta=full.theta,
         momentum=None,
         key=key,
+        compression=cfg.compression,
     )
 
 

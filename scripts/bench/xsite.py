@@ -9,8 +9,9 @@ own weights), and the product's ticks (hpcscale.xsite.rounds.tick), in-process, 
   get), push round and hand over. "round in MB" is what b receives per round.
 With --link RATE (root; e.g. 20mbit) the exchange goes through an sshd in a network namespace whose loopback
 is capped by tbf, and the round time (from b's export to θ(1) in b's run) shows what the link costs.
+Each encoding runs with each --compressions value (the cross-site config's compression), side by side.
 
-    python scripts/bench/xsite.py [--params 100e6] [--reps 5] [--link 20mbit] [--json]
+    python scripts/bench/xsite.py [--params 100e6] [--reps 5] [--link 20mbit] [--compressions zstd,none] [--json]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def make_checkpoints(run: Path, theta, site_theta) -> None:
     m.save(10, {f"model/{k}": v for k, v in site_theta.items()}, state, asynchronous=False)
 
 
-def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> dict:
+def one(tmp: Path, params: int, encoding: str, compression: str, ssh: list[str] | None, url) -> dict:
     import torch
     import yaml
 
@@ -69,6 +70,7 @@ def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> di
         "aggregator": "a",
         "round_steps": 10,
         "encoding": encoding,
+        "compression": compression,
         "keys": str(keys),
         "quorum": {"min_sites": 2},
         "sites": [
@@ -101,6 +103,7 @@ def one(tmp: Path, params: int, encoding: str, ssh: list[str] | None, url) -> di
     down = sum(e["bytes"] for e in agg_report.events if e["event"] == "pushed" and e.get("to") == "b")
     return {
         "encoding": encoding,
+        "compression": compression,
         "params": params,
         "fp32_model_bytes": 4 * params,
         "contribution_bytes": contrib,
@@ -120,6 +123,7 @@ def main() -> int:
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--encodings", default="fp32,bf16,int8")
+    ap.add_argument("--compressions", default="zstd,none")
     ap.add_argument("--link", default=None, help="cap the exchange at this tbf rate (needs root), e.g. 20mbit")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -150,25 +154,26 @@ def main() -> int:
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     results = []
-    for enc in a.encodings.split(","):
-        for _ in range(a.reps):
+    configs = [(e, c) for e in a.encodings.split(",") for c in a.compressions.split(",")]
+    for _ in range(a.reps):  # the configurations alternate within each repetition: the machine's drift hits all
+        for enc, comp in configs:
             with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
-                results.append(one(Path(d), int(a.params), enc, ssh, url))
+                results.append(one(Path(d), int(a.params), enc, comp, ssh, url))
     rows = []
-    for enc in a.encodings.split(","):
-        rs = [r for r in results if r["encoding"] == enc]
+    for enc, comp in configs:
+        rs = [r for r in results if (r["encoding"], r["compression"]) == (enc, comp)]
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if isinstance(rs[0][k], float | int)}
-        rows.append({"encoding": enc, **med, "reps": len(rs)})
+        rows.append({"encoding": enc, "compression": comp, **med, "reps": len(rs)})
     if a.json:
         print(json.dumps({"link": a.link, "rows": rows, "runs": results}, indent=2))
         return 0
     print(f"cross-site tick, {a.params / 1e6:.0f} M parameters ({4 * a.params / 1e6:.0f} MB fp32), 2 sites, "
           f"link {a.link or 'none (shared filesystem)'}; medians of {a.reps}")  # fmt: skip
-    print(f"  {'encoding':8} {'contrib MB':>10} {'vs fp32':>8} {'round in MB':>11} {'b export+push s':>16} "
-          f"{'a aggregate s':>14} {'b hand-over s':>14} {'round s':>8}")  # fmt: skip
+    print(f"  {'encoding':8} {'compress':8} {'contrib MB':>10} {'vs fp32':>8} {'round in MB':>11} "
+          f"{'b export+push s':>16} {'a aggregate s':>14} {'b hand-over s':>14} {'round s':>8}")  # fmt: skip
     for r in rows:
-        print(f"  {r['encoding']:8} {r['contribution_bytes'] / 1e6:10.1f} {r['contribution_vs_fp32']:8.3f} "
-              f"{r['b_received_bytes'] / 1e6:11.1f} "
+        print(f"  {r['encoding']:8} {r['compression']:8} {r['contribution_bytes'] / 1e6:10.1f} "
+              f"{r['contribution_vs_fp32']:8.3f} {r['b_received_bytes'] / 1e6:11.1f} "
               f"{r['tick_b_export_push_s']:16.2f} {r['tick_a_aggregate_publish_push_s']:14.2f} "
               f"{r['tick_b_hand_over_s']:14.2f} {r['round_s']:8.2f}")  # fmt: skip
     return 0

@@ -12,11 +12,13 @@ The synchronous baseline trains one model on both halves each step (what DDP ove
 
 Reported per configuration and seed: the final validation loss (of θ for DiLoCo), and the bytes each site
 sent: DDP sends its fp32 gradient every step (4P bytes; an all-reduce moves about that much per site each
-way), DiLoCo one encoded Δ per round. Output: a JSON of the figures and two PNG plots (validation loss against
+way), DiLoCo one contribution per round, counted as the size of the payload file the product writes for it
+(hpcscale.xsite.roundfile.pack_payload: safetensors, zstd-compressed by default; the larger of the two
+sites' each round). Output: a JSON of the figures and two PNG plots (validation loss against
 tokens and against bytes sent), under --out.
 
     python scripts/experiments/diloco_vs_ddp.py [--steps 2000] [--seeds 3] [--out docs/experiments] [--jobs 2]
-        [--outer 10:0.7:0.5,50:0.7:0.7] [--overlap 50:10] [--sync-warmup 200] [--no-sync]
+        [--outer 10:0.7:0.5,50:0.7:0.7] [--overlap 50:10] [--sync-warmup 200] [--no-sync] [--compression zstd]
 
 --outer sets the outer step per H (η, μ; the paper's 0.7, 0.9 was tuned for H = 500 over ~180 rounds; with
 40-200 rounds a shorter momentum horizon does better here: docs/cross-site.md has the sweep). --overlap H:D adds,
@@ -43,15 +45,15 @@ sys.path.insert(0, str(REPO))
 
 MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "seq_len": 128}
 SITE_BATCH = 8  # sequences per site per step; the synchronous run's batch is twice this
-LR, MIN_LR, WARMUP, WD = 3e-3, 3e-4, 100, 0.1
+LR, WARMUP, WD = 3e-3, 100, 0.1  # peak learning rate (--lr), warmup steps, weight decay; the floor is LR / 10
 EVAL_BATCHES = 16
 
 
-def lr_at(step: int, steps: int) -> float:
+def lr_at(step: int, steps: int, peak: float = LR) -> float:
     if step < WARMUP:
-        return LR * (step + 1) / WARMUP
+        return peak * (step + 1) / WARMUP
     progress = (step - WARMUP) / max(1, steps - WARMUP)
-    return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * min(1.0, progress)))
+    return peak / 10 + 0.5 * (peak - peak / 10) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def run_config(
@@ -66,6 +68,8 @@ def run_config(
     outer_momentum: float = 0.9,
     sync_warmup: int = 0,
     delay: int = 0,
+    compression: str = "zstd",
+    lr: float = LR,
 ) -> dict:
     import numpy as np
     import torch
@@ -73,6 +77,7 @@ def run_config(
     from hpcscale.data.loader import TokenLoader
     from hpcscale.train.model import GPT, GPTShape, lm_loss
     from hpcscale.xsite.outer import OuterStep, aggregate, decode, delta, encode, encoded_bytes, shapes_of
+    from hpcscale.xsite.roundfile import pack_payload
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -101,10 +106,11 @@ def run_config(
         return sum(losses) / len(losses)
 
     def opt_for(model):
-        return torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WD)
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=WD)
 
     curve = []
     sent = 0  # bytes one site sent
+    sent_uncompressed = 0  # the same contributions' tensor bytes, before compression
     tokens_per_step = 2 * SITE_BATCH * shape.seq_len  # both sites together
     t0 = time.perf_counter()
     if kind == "ddp":
@@ -113,7 +119,7 @@ def run_config(
             xs, ys = zip(*(loader.next_batch() for loader in loaders), strict=True)
             x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, steps)
+                g["lr"] = lr_at(step, steps, lr)
             opt.zero_grad(set_to_none=True)
             lm_loss(model(x), y).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -139,7 +145,7 @@ def run_config(
             for model, opt, loader in zip(sites, opts, loaders, strict=True):
                 x, y = (torch.from_numpy(a) for a in loader.next_batch())
                 for g in opt.param_groups:
-                    g["lr"] = lr_at(step, steps)
+                    g["lr"] = lr_at(step, steps, lr)
                 opt.zero_grad(set_to_none=True)
                 lm_loss(model(x), y).backward()
             if warm:
@@ -157,12 +163,14 @@ def run_config(
                     global_theta = {n: p.detach().clone().float() for n, p in sites[0].named_parameters()}
                     outer = OuterStep(global_theta, lr=outer_lr, momentum=outer_momentum)
             elif (step + 1 - sync_warmup) % H == 0 or step == steps - 1:
-                deltas = []
+                deltas, sizes = [], []
                 for model in sites:
                     local = {n: p.detach() for n, p in model.named_parameters()}
-                    d = delta(global_theta, local)
-                    deltas.append((1.0, decode(encode(d, encoding), encoding, shapes)))
-                sent += per_round  # each site sends one encoded Δ per round
+                    encoded = encode(delta(global_theta, local), encoding)
+                    sizes.append(len(pack_payload(encoded, compression)[0]))  # the payload file as written
+                    deltas.append((1.0, decode(encoded, encoding, shapes)))
+                sent += max(sizes)  # each site sends one contribution per round; count the larger
+                sent_uncompressed += per_round
                 outer.apply(aggregate(deltas, rule="mean"))
                 global_theta = outer.state().theta
                 if delay:  # adopt: overlap: θ(r) lands `delay` steps later; the steps taken meanwhile are kept
@@ -197,7 +205,10 @@ def run_config(
         "seed": seed,
         "params": params,
         "final_val_loss": curve[-1]["val_loss"],
+        "compression": compression,
+        "lr": lr,
         "bytes_sent_per_site": sent,
+        "bytes_sent_per_site_uncompressed": sent_uncompressed if kind != "ddp" else sent,
         "seconds": round(time.perf_counter() - t0, 1),
         "curve": curve,
     }
@@ -237,6 +248,9 @@ def main() -> int:
     ap.add_argument("--sync-warmup", type=int, default=0,
                     help="synchronous steps before round 0 (their gradients count as bytes sent)")  # fmt: skip
     ap.add_argument("--no-sync", action="store_true", help="skip the synchronous baseline (exploration only)")
+    ap.add_argument("--lr", type=float, default=LR, help="peak inner learning rate, for every run (AdamW)")
+    ap.add_argument("--compression", default="zstd", choices=["zstd", "none"],
+                    help="how contributions are stored and sent (the cross-site config's compression)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "experiments")
     a = ap.parse_args()
     from hpcscale.data.prepare import default_corpus_dataset
@@ -252,7 +266,7 @@ def main() -> int:
         h, d = (int(x) for x in part.split(":"))
         lr, mu = outer[h]
         configs.append(("diloco", h, "fp32", lr, mu, a.sync_warmup, d))
-    jobs = [(k, h, e, seed, a.steps, a.eval_every, manifest, lr, mu, wu, d)
+    jobs = [(k, h, e, seed, a.steps, a.eval_every, manifest, lr, mu, wu, d, a.compression, a.lr)
             for seed in range(a.seeds) for k, h, e, lr, mu, wu, d in configs]  # fmt: skip
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(run_config, *zip(*jobs, strict=True)))
@@ -265,18 +279,19 @@ def main() -> int:
             "config": lab,
             "final_val_loss_mean": round(statistics.mean(finals), 4),
             "final_val_loss_spread": round(max(finals) - min(finals), 4),
-            "bytes_sent_per_site": rs[0]["bytes_sent_per_site"],
+            "bytes_sent_per_site": round(statistics.mean(r["bytes_sent_per_site"] for r in rs)),
         }
         if ddp:
             rel = [r["final_val_loss"] / ddp[r["seed"]]["final_val_loss"] - 1 for r in rs]
             fewer = [ddp[r["seed"]]["bytes_sent_per_site"] / r["bytes_sent_per_site"] for r in rs]
             row.update(vs_sync_pct_mean=round(100 * statistics.mean(rel), 2),
                        vs_sync_pct_worst=round(100 * max(rel), 2),
-                       fewer_bytes_than_sync=round(statistics.mean(fewer), 1))  # fmt: skip
+                       fewer_bytes_than_sync=round(statistics.mean(fewer), 2),
+                       fewer_bytes_than_sync_least=round(min(fewer), 2))  # fmt: skip
         summary.append(row)
     a.out.mkdir(parents=True, exist_ok=True)
     doc = {"model": MODEL, "params": results[0]["params"], "steps": a.steps, "site_batch": SITE_BATCH,
-           "seeds": a.seeds, "summary": summary, "runs": results}  # fmt: skip
+           "seeds": a.seeds, "lr": a.lr, "compression": a.compression, "summary": summary, "runs": results}  # fmt: skip
     (a.out / "diloco_vs_ddp.json").write_text(json.dumps(doc, indent=1))
     plot(results, a.out)
     print(f"GPT {MODEL} ({results[0]['params'] / 1e6:.2f} M params), 2 sites, {a.steps} steps, {a.seeds} seeds")
@@ -284,7 +299,7 @@ def main() -> int:
     for s in summary:
         print(f"{s['config']:44} {s['final_val_loss_mean']:9.4f} {s['final_val_loss_spread']:7.4f} "
               f"{s.get('vs_sync_pct_mean', float('nan')):7.2f}% {s.get('vs_sync_pct_worst', float('nan')):6.2f}% "
-              f"{s['bytes_sent_per_site']:12d} {s.get('fewer_bytes_than_sync', float('nan')):6.1f}x")  # fmt: skip
+              f"{s['bytes_sent_per_site']:12d} {s.get('fewer_bytes_than_sync', float('nan')):7.2f}x")  # fmt: skip
     return 0
 
 
