@@ -20,7 +20,16 @@ from trainjobs import job_spec, losses
 
 from hpcscale.launch.local import describe_failure
 from hpcscale.launch.main import failure_line
-from hpcscale.launch.watchdog import FailureLine, Hang, HungRanks, Watchdog, hang_line, hung_ranks, stall_text
+from hpcscale.launch.watchdog import (
+    FailureLine,
+    Hang,
+    HungRanks,
+    Watchdog,
+    hang_line,
+    hung_ranks,
+    stall_text,
+    stalled_nodes,
+)
 
 HANG_S = 8  # the job's hang_timeout_seconds
 COLLECTIVE_S = 60  # its timeout_seconds: the job must end well before a collective would time out
@@ -255,6 +264,31 @@ def test_a_stopped_rank_continued_only_to_be_killed_is_still_the_stuck_one():
     earlier = "hpcscale launch: rank 1 (MPI rank 1) on node a" + stall_text(60) + "\n"
     time.sleep(0.001)
     assert hung_ranks([earlier, _hang(0), _hang(1), _hang(3)]) == ([2], 4, 8.4)
+
+
+def test_a_rank_starved_after_its_hang_line_still_waited():
+    """On a loaded machine a live rank's watchdog can wake late during the grace, after it wrote its hang line:
+    it says it was not running, but it waited like the others; the stopped rank said so before anything else."""
+    lines = [_hang(0), _hang(1), _hang(3)]
+    time.sleep(0.001)
+    starved = "hpcscale launch: rank 1 (MPI rank 1) on node a" + stall_text(3.4) + "\n"
+    stopped = "hpcscale launch: rank 2 (MPI rank 2) on node a" + stall_text(13.2) + "\n"
+    assert hung_ranks([*lines, starved, stopped]) == ([2], 4, 8.4)
+    assert hung_ranks([*lines, starved]) == ([2], 4, 8.4)
+
+
+def test_lines_glued_to_another_ranks_unfinished_line_are_read():
+    """mpirun forwards each rank's output in reads of up to 4096 bytes; on a loaded machine a read can end mid-
+    line and the next rank's line is glued to it. Our lines are read from their start on the line."""
+    partial = '  File "/x/hpcscale/train/trainer.py", line 3'
+    glued = [_hang(0), partial + _hang(1), "hpcscale launch: rank 0 (MPI rank 0): Python sta" + _hang(3)]
+    assert hung_ranks(glued) == ([2], 4, 8.4)
+    assert FailureLine.parse(partial + _hang(1)).rank == 1
+    stopped = partial + "hpcscale launch: rank 2 (MPI rank 2) on node b" + stall_text(13.2) + "\n"
+    time.sleep(0.001)  # its hang line after it was continued: it was stopped first
+    assert hung_ranks([*glued, _hang(2), stopped]) == ([2], 4, 8.4)
+    assert stalled_nodes([stopped]) == {2: "b"}
+    assert FailureLine.parse(partial + "\n") is None and hung_ranks(["hpcscale launch: rank 1 said\n"]) is None
 
 
 def test_every_rank_waiting_in_python_is_a_deadlock_among_them():

@@ -38,8 +38,10 @@ continue (SIGCONT) on their way to killing it, says it was not running instead o
 
 Who is to blame (hung_ranks). A stopped rank's watchdog is stopped with it, and a rank stuck in C code holding
 the GIL cannot run its watchdog either: the stuck ranks are those of the world that wrote no hang line, and
-any that say they were not running. A deadlock in Python releases the GIL, so there every rank writes its line
-and the stacks show where.
+any that say they were not running before they wrote one (a live rank starved during the grace, after its
+hang line, still waited). A deadlock in Python releases the GIL, so there every rank writes its line and the
+stacks show where. Lines are read from where ours start on a line: mpirun can glue one rank's line to another's
+unfinished one on a loaded machine.
 
 `beat` costs one clock read and a few attribute stores, no lock: a single float (`_since`, the beat time
 moved forward by paused time) carries the state the thread reads, so a torn read cannot make it fire early.
@@ -71,13 +73,17 @@ _CHUNK_GAP_S = 0.05
 
 # hpcscale's rank failure line (launch/main.failure_line), "hpcscale launch: rank R (MPI rank M) on node N failed:
 # Type: message [at 2026-01-02T03:04:05.678901Z, after losing a peer]" (the peer mark only where it applies)
-_FAILURE = re.compile(r"^hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on node (\S+) failed: (.*)$")
+_FAILURE = re.compile(r"hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on node (\S+) failed: (.*)$")
+# Where a line of ours starts: at the start of the line, or after the unfinished last line of another rank's
+# output (mpirun forwards each rank's output in reads of up to 4096 bytes: on a loaded machine one read can end
+# mid-line, and the next rank's line is glued to it). The last such start on a line is ours.
+_OURS = "hpcscale launch: rank "
 # Not anchored at the end: another process writing to the same log (slurmstepd's "*** STEP ... CANCELLED") can
 # append to the line before its newline; the last mark on the line is this rank's.
 _FAILED_AT = re.compile(r" \[at ([^\],\s]+)(, after losing a peer)?\]")
 _HANG = re.compile(r"^Hang: no step finished in ([\d.]+) s \(last finished step (-?\d+); world (\d+)\)")
 _STALL = re.compile(
-    r"^hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for [\d.]+ s "
+    r"hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for [\d.]+ s "
     r".*\[at (?P<at>\S+)\]\s*$"
 )
 
@@ -120,9 +126,9 @@ class FailureLine:
 
     @classmethod
     def parse(cls, line: str) -> FailureLine | None:
-        if not line.startswith("hpcscale launch: rank") or " failed: " not in line:
+        text = _ours(line)
+        if text is None or " failed: " not in text:
             return None
-        text = line.strip()
         at = next(reversed(list(_FAILED_AT.finditer(text))), None)
         m = _FAILURE.match(text)
         rank = int(m.group(1)) if m and m.group(1).isdigit() else None
@@ -147,7 +153,8 @@ def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
 
     Stuck: every rank of the world that wrote no hang line, and every rank that says it was not running when
     the hang was reported (a SIGSTOPped rank that srun or mpirun continue on their way to killing it, which may
-    then fail "after losing a peer" like any survivor: that line proves nothing about it). Empty when every
+    then fail "after losing a peer" like any survivor: that line proves nothing about it) before any hang line
+    of its own (a rank that wrote its hang line, then was starved for a while, waited). Empty when every
     rank wrote a hang line: all were waiting in Python (a deadlock among them), and their stacks say where.
     """
     lines = list(lines)
@@ -160,19 +167,33 @@ def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
         if f.hang is None and not f.peer_lost and (first_hang is None or f.time is None or f.time < first_hang):
             return None  # a rank failed of its own accord first: that is the story, not the hang it caused
     world = max(f.hang.world_size for f in hangs)
-    waiting = {f.rank for f in hangs if f.rank is not None}
-    stalled = {
-        int(m.group(1))
-        for line in lines
-        if (m := _STALL.match(line.strip())) and (first_hang is None or m.group("at") >= first_hang)
+    waiting = {f.rank: f.time for f in hangs if f.rank is not None}  # rank -> when it said so
+    stalled: dict[int, str] = {}  # rank -> when it first said it was not running, from the first hang on
+    for line in lines:
+        if (m := _stall(line)) and (first_hang is None or m.group("at") >= first_hang):
+            stalled.setdefault(int(m.group(1)), m.group("at"))
+    # A rank that waited and only then was starved (its line after its hang line: a loaded machine, during the
+    # grace) still waited; one that was not running before it said anything was stopped.
+    stuck = (set(range(world)) - set(waiting)) | {
+        r for r, at in stalled.items() if waiting.get(r) is None or at < waiting[r]
     }
-    stuck = (set(range(world)) - waiting) | stalled
     return HungRanks(sorted(stuck), world, min(f.hang.seconds for f in hangs))
 
 
 def stalled_nodes(lines: Iterable[str]) -> dict[int, str]:
     """rank -> node of every rank that says it was not running (SIGSTOPped, then continued to be killed)."""
-    return {int(m.group(1)): m.group("node") for line in lines if (m := _STALL.match(line.strip()))}
+    return {int(m.group(1)): m.group("node") for line in lines if (m := _stall(line))}
+
+
+def _ours(line: str) -> str | None:
+    """The line from its last start of one of ours (see _OURS) on; None when it holds none."""
+    at = line.rfind(_OURS)
+    return line[at:].strip() if at >= 0 else None
+
+
+def _stall(line: str) -> re.Match[str] | None:
+    text = _ours(line)
+    return _STALL.match(text) if text is not None else None
 
 
 def _exit_now() -> None:
