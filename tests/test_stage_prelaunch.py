@@ -91,3 +91,36 @@ def test_stage_ends_without_teardown_yet_every_byte_and_exit_code_arrives(tmp_pa
     closed = subprocess.Popen([*stage_args[:-1], "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     closed.stdout.close()  # nobody reads: the flush at the end fails
     assert closed.wait(timeout=120) != 0
+
+
+def test_an_early_ssh_nothing_took_is_stopped_when_click_refuses_the_command_line(tmp_path):
+    """`stage` starts ssh before click parses; when click then refuses the command line (exit 2), the process
+    ends without the interpreter's teardown, and that early ssh must still be stopped, not left running."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pidfile = tmp_path / "ssh.pid"
+    fake_ssh = tmp_path / "fake-ssh"
+    fake_ssh.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
+    fake_ssh.chmod(0o755)
+    (tmp_path / "src").mkdir()
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+    argv = [sys.executable, "-m", "hpcscale", "stage", str(manifest), "--from", str(tmp_path / "src")]
+    argv += ["--to", "ssh://nowhere.invalid/dst", "--ssh", str(fake_ssh), "--check", "bogus"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--check" in done.stderr, done.stderr
+    deadline = time.monotonic() + 10
+    while not pidfile.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())  # the early ssh did start
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    with open(f"/proc/{pid}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    os.kill(pid, 9)
+    raise AssertionError(f"the early ssh (pid {pid}) was left running (state {state})")

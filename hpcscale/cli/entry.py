@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> None:
         code = 0
     except SystemExit as e:
         code = e.code
+    finally:
+        from hpcscale.xsite.channel import discard_prelaunched
+
+        discard_prelaunched()  # an early ssh nothing took (click refused the command line): _exit_now skips atexit
     if code is None or type(code) is int:
         _exit_now(code or 0)
     raise SystemExit(code)

@@ -276,12 +276,14 @@ def prelaunch(argv: Sequence[str]) -> None:
         if _prelaunched is not None:  # click may reject the command line: then nothing takes it
             import atexit
 
-            atexit.register(_discard_prelaunched)
+            atexit.register(discard_prelaunched)
     except Exception:  # anything odd here is for click to report
         _prelaunched = None
 
 
-def _discard_prelaunched() -> None:
+def discard_prelaunched() -> None:
+    """Stop the ssh `prelaunch` started if no command took it (a rejected command line): at exit, and before
+    hpcscale.cli.entry ends the process without the interpreter's teardown (which would skip atexit)."""
     global _prelaunched
     ch, _prelaunched = _prelaunched, None
     if ch is not None:
