@@ -583,6 +583,25 @@ def test_a_compression_bomb_is_refused_before_decompressing(tmp_path, keys, keyr
     )
     _repayload(path, keys["a"], bomb, payload_raw_bytes=100)
     assert f"declares {64 << 20} bytes, the record says 100" in _rejected(path, keyring)
+    # at the readers' default bound (16 GiB) too: no more than a safetensors file of the signed specs
+    _repayload(path, keys["a"], bomb, payload_raw_bytes=64 << 20)
+    assert f"decompresses to {64 << 20} bytes, but its tensors take 8:" in _rejected(path, keyring)
+
+
+def test_the_aggregator_reads_a_contribution_within_its_models_size(tmp_path, keys, keyring):
+    """A site's signed specs may list tensors far larger than the model (a compromised key): the aggregator's
+    bound, the model's widest encoding, refuses their bomb before it is inflated."""
+    from hpcscale.xsite.outer import contribution_bound, encoded_bytes
+
+    model = {"w": (1000,)}
+    assert contribution_bound(model) == 8 + rf.MAX_PAYLOAD_HEADER_BYTES + encoded_bytes(model, "fp32")
+    assert contribution_bound(model) >= max(encoded_bytes(model, e) for e in ("fp32", "bf16", "int8"))
+    fits = _contrib(tmp_path, keys["a"], tensors={"w": torch.ones(1000)}, compression="zstd")
+    assert _read(fits, keyring, max_bytes=contribution_bound(model)).tensors["w"].shape == (1000,)
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    path = _contrib(huge, keys["a"], tensors={"w": torch.zeros(8 << 20)}, compression="zstd")  # 32 MiB listed
+    assert "over the limit of" in _rejected(path, keyring, max_bytes=contribution_bound(model))
 
 
 @pytest.mark.parametrize(

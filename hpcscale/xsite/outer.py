@@ -158,6 +158,15 @@ def encoded_bytes(shapes: Mapping[str, tuple], encoding: str) -> int:
     return sum(math.prod(shape) * dtype.itemsize for dtype, shape in _payload_spec(shapes, encoding).values())
 
 
+def contribution_bound(shapes: Mapping[str, tuple]) -> int:
+    """The largest payload file a contribution to a model of these shapes can need, compressed or not: its
+    tensors in the widest encoding and the largest safetensors header a reader takes. The aggregator reads
+    contributions within it, so a site cannot make it read or inflate more than the model's size."""
+    from hpcscale.xsite.roundfile import MAX_PAYLOAD_HEADER_BYTES
+
+    return 8 + MAX_PAYLOAD_HEADER_BYTES + max(encoded_bytes(shapes, e) for e in ENCODINGS)
+
+
 def encode(delta: Mapping[str, Tensor], encoding: str) -> dict[str, Tensor]:
     """Δ (any floating dtype, taken as fp32) → the flat dict of contiguous CPU tensors that goes on the wire.
     Refuses a non-finite Δ, and for bf16 one whose elements round past bf16's range."""

@@ -15,8 +15,9 @@ docs/cross-site-format.md for every field. Everything read here came from anothe
 - the JSON text must be exactly canonical_json(fields) plus a newline, so a record has one spelling and no byte
   of it can change without the signature failing;
 - a compressed payload (`payload_compression: zstd`) reaches the decompressor only after its sha256 has been
-  checked, and only when its frame declares exactly the signed `payload_raw_bytes`, itself within `max_bytes`:
-  a small file cannot make a reader allocate more than the caller allowed.
+  checked, and only when its frame declares exactly the signed `payload_raw_bytes`, itself within `max_bytes` and
+  no larger than a safetensors file of the signed tensor specs can be: a small file cannot make a reader
+  allocate more than the caller allowed, or more than the tensors it lists need.
 
 Commit order when writing (where a crash may land): the payload goes to a temporary name, is fsynced and
 renamed to `<stem>.safetensors`; then the JSON goes to a temporary name, is fsynced and hard-linked to
@@ -524,8 +525,18 @@ def _check_signed(
 def _payload(json_path: Path, fields: dict[str, Any], max_bytes: int) -> dict[str, torch.Tensor]:
     path = json_path.with_name(fields["stem"] + ".safetensors")
     compressed = fields["compression"] == "zstd"
-    if compressed and fields["raw_bytes"] > max_bytes:
-        raise Rejected(f"payload decompresses to {fields['raw_bytes']} bytes, over the limit of {max_bytes}")
+    if compressed:  # what the frame may inflate to: the safetensors file the signed specs describe, no more
+        raw, data_bytes = (
+            fields["raw_bytes"],
+            sum(math.prod(s.shape) * DTYPES[s.dtype][1] for s in fields["specs"].values()),
+        )
+        if raw > max_bytes:
+            raise Rejected(f"payload decompresses to {raw} bytes, over the limit of {max_bytes}")
+        if not 8 + data_bytes < raw <= 8 + MAX_PAYLOAD_HEADER_BYTES + data_bytes:
+            raise Rejected(
+                f"payload decompresses to {raw} bytes, but its tensors take {data_bytes}: a safetensors file of "
+                f"them is 8 bytes and a header of at most {MAX_PAYLOAD_HEADER_BYTES} longer"
+            )
     data = _read_regular(path, max_bytes=max_bytes, what="payload", expected_size=fields["payload_bytes"])
     digest = hashlib.sha256(data).hexdigest()
     if digest != fields["payload_sha256"]:

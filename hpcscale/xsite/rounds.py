@@ -368,7 +368,7 @@ def _push_contribution(cfg: XsiteConfig, me: XsiteSite, aggregator: XsiteSite, r
 
 # ---- 4. aggregate ------------------------------------------------------------------------------------------------
 def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport, now: float) -> None:
-    from hpcscale.xsite.outer import OuterStep, aggregate, check_finite, decode, norm_outliers
+    from hpcscale.xsite.outer import OuterStep, aggregate, check_finite, contribution_bound, decode, norm_outliers
     from hpcscale.xsite.roundfile import Rejected, read_contribution, write_round
 
     state = _state(me)
@@ -391,12 +391,13 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         return  # the usual cron tick: do not read and verify the whole base round for nothing (late ones wait)
     base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS, need_momentum=True)
     shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
+    bound = contribution_bound(shapes)
     valid: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
     rejected: list[dict[str, Any]] = []
     for site, b, path in arrived:
         try:
             c = read_contribution(path, keyring=keyring, known_sites={s.name for s in cfg.sites},
-                                  expected_base_round=r - 1, oldest_base_round=oldest)  # fmt: skip
+                                  expected_base_round=r - 1, oldest_base_round=oldest, max_bytes=bound)  # fmt: skip
             if c.site != site.name:
                 raise Rejected(f"signed as {c.site} but pushed to {site.name}'s incoming directory")
             tensors = decode(c.tensors, c.encoding, shapes)
