@@ -4,6 +4,7 @@
     restored = manager.load_latest(tensors)                        # newest complete, verified checkpoint
     manager.save(step, tensors, trainer_state, asynchronous=True)  # blocks only for the snapshot
     manager.wait()                                                 # a background failure is raised here
+    manager.close()                                                # at the end: wait(), then end the thread
 
 At most one save is in flight: save() first waits for the previous one, and raises its error if it failed.
 """
@@ -171,9 +172,10 @@ class CheckpointManager:
 
     def wait_staged(self) -> None:
         """Block until a deferred save's copy of the tensors is taken (at once when none is pending): after
-        this the caller may change them. Does not wait for the write."""
+        this the caller may change them. Does not wait for the write; raises if the writer thread died."""
         if self._staged is not None:
-            self._staged.wait()
+            while not self._staged.wait(self._bg.POLL_S):
+                self._bg.raise_if_dead()
             self._staged = None
 
     def _background(self, *args) -> None:
@@ -231,14 +233,25 @@ class CheckpointManager:
         return result
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; raise its error if it failed."""
+        """Block until the save in flight is committed; raise its error if it failed, or that the writer thread
+        died."""
         if self._pending:
-            self._bg.join()
             self._pending = False
+            self._bg.join()
         self._staged = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        escaped = self._bg.take_error()  # the jobs catch their own errors: this is what got past them
+        error, self._error = self._error or escaped, None
+        if error is not None:
             raise error
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error, as wait() does), then end the writer thread: idle, it
+        would live until the process exits. Idempotent; a manager that never saved asynchronously has no thread.
+        Synchronous saves still work afterwards; an asynchronous one raises."""
+        try:
+            self.wait()
+        finally:
+            self._bg.close()
 
     # ---- loading --------------------------------------------------------------------------------------------
     def load_latest(
@@ -333,17 +346,30 @@ class _Background:
     priority). At 19 a rank's
     main thread gets a core the moment it wakes instead of queueing behind 8 ranks' copying and hashing; the
     save's CPU work is the same, but on a CPU-bound node it runs only in the loop's waits and finishes later
-    (docs/checkpoint-format.md, scripts/bench/ckpt.py 3b measures both)."""
+    (docs/checkpoint-format.md, scripts/bench/ckpt.py 3b measures both). The jobs the loop waits for run at
+    that priority too: a deferred save's copy (wait_staged) and a save not finished when the next one is due.
+
+    Whatever a job raises is kept for take_error() (the manager's wait() raises it in the training thread), so
+    the thread outlives a failed save. Should it die anyway, submit() and join() say so instead of waiting for a
+    thread that will never answer: the caller waits with the hang watchdog paused."""
+
+    POLL_S = 1.0  # how soon join() notices a thread that died with a job: a dead thread notifies no one
 
     def __init__(self, name: str, nice: int):
         self.name, self.nice = name, nice
         self._cv = threading.Condition()
         self._job: tuple | None = None
         self._busy = False
+        self._closed = False
         self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None  # what escaped the last job
+        self._died_of: BaseException | None = None
 
     def submit(self, fn: Callable, *args) -> None:
         with self._cv:
+            if self._closed:
+                raise RuntimeFailure("checkpoint manager is closed: it runs no more asynchronous saves")
+            self._raise_if_dead()
             assert not self._busy, "a save is already in flight"
             self._job, self._busy = (fn, args), True
             if self._thread is None:
@@ -352,10 +378,45 @@ class _Background:
             self._cv.notify_all()
 
     def join(self) -> None:
+        """Wait until the job handed over is done; raise if the thread died first."""
         with self._cv:
-            self._cv.wait_for(lambda: not self._busy)
+            while not self._cv.wait_for(lambda: not self._busy, timeout=self.POLL_S):
+                self._raise_if_dead()
+
+    def take_error(self) -> BaseException | None:
+        with self._cv:
+            error, self._error = self._error, None
+            return error
+
+    def raise_if_dead(self) -> None:
+        with self._cv:
+            self._raise_if_dead()
+
+    def close(self) -> None:
+        """Let the thread finish the job in flight, end it and join it. Idempotent; nothing to do before the
+        first save started it."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _raise_if_dead(self) -> None:
+        if self._thread is not None and not self._thread.is_alive() and not self._closed:
+            cause = f" of {type(self._died_of).__name__}: {self._died_of}" if self._died_of is not None else ""
+            raise RuntimeFailure(
+                f"the checkpoint writer thread {self.name} died{cause}; the save in flight, if any, was not "
+                "committed and this rank cannot save asynchronously any more"
+            ) from self._died_of
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # outside a job (an asynchronous exception): submit() and join() report it
+            self._died_of = e
+            raise
+
+    def _loop(self) -> None:
         if self.nice:  # this thread only (Linux: a thread's id is a process id to setpriority)
             # Added to the nice value the thread was born with (the rank's: under `nice 5`, 5 + nice), never
             # raising its priority. Not Linux, or refused: the save still runs, at the loop's priority.
@@ -364,11 +425,19 @@ class _Background:
                 os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + self.nice))
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._job is not None)
+                self._cv.wait_for(lambda: self._job is not None or self._closed)
+                if self._job is None:
+                    return
                 (fn, args), self._job = self._job, None
             try:
-                fn(*args)  # records its own errors (the manager's _error); never raises
+                fn(*args)  # the manager's jobs record their own errors; this is for what escapes them
+            except BaseException as e:  # KeyboardInterrupt, SystemExit too: the thread must live on
+                with self._cv:
+                    self._error = e
             finally:
+                # Dropped before waiting for the next job, which may come much later or never: the arguments
+                # reach the tensors saved (the live model's, on the accelerator too) and the trainer state.
+                fn = args = None
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()

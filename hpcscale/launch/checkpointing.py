@@ -239,13 +239,15 @@ class Checkpointer:
 
     def close(self) -> None:
         """After the entry point returned (launch calls it): save the last finished step if the job has a
-        checkpoint period and that step is not saved yet, and wait for a save in flight."""
+        checkpoint period and that step is not saved yet, and wait for a save in flight; then end the manager's
+        writer thread."""
         if self._manager is None:
             return
         with self._watchdog.paused("checkpoint"):
             self._manager.wait()
             if self.policy.every_steps != 0 and self._done is not None and self._manager.last_step != self._done:
                 self.save(self._done, asynchronous=False)
+            self._manager.close()
 
     def _start_clock(self, start: int) -> None:
         from hpcscale.launch.timing import NoStepTimes, SaveSchedule

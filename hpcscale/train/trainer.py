@@ -371,4 +371,4 @@ def train(ctx: Context) -> None:
             rounds.before_round_checkpoint(cfg.steps)  # overlap: the round in flight first, as at every boundary
         if saves.enabled or rounds is not None:
             save(cfg.steps, asynchronous=False)  # a cross-site run's last round checkpoint too
-        ckpt.wait()
+        ckpt.close()  # waits for the save in flight, then ends the writer thread
