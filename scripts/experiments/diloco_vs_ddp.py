@@ -226,9 +226,9 @@ def label(r: dict) -> str:
 
 
 def parse_outer(text: str) -> dict[int, tuple[float, float]]:
-    """'10:0.7:0.5,50:0.7:0.7' -> {H: (η, μ)}"""
+    """'10:0.7:0.5,50:0.7:0.7' -> {H: (η, μ)}; '' -> {} (the synchronous baseline alone)"""
     out = {}
-    for part in text.split(","):
+    for part in filter(None, text.split(",")):
         h, lr, mu = part.split(":")
         out[int(h)] = (float(lr), float(mu))
     return out
