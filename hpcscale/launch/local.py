@@ -235,7 +235,7 @@ def describe_failure(lines) -> str | None:
     lines = list(lines)
     if (hung := hung_ranks(lines)) is not None:
         return _describe_hang(hung)
-    failures = [f for line in lines if (f := _RankFailure.parse(line)) is not None]
+    failures = [f for line in lines for f in _RankFailure.parse_all(line)]
     own = [f for f in failures if not f.peer_lost]
     m = _DIED.search("".join(lines))
     if m and not (int(m.group(3)) == signal.SIGABRT and own):

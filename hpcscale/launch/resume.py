@@ -167,7 +167,7 @@ def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
 
     tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
     summary = describe_failure([line + "\n" for line in lines])
-    own = [f for line in lines if (f := FailureLine.parse(line)) and not f.peer_lost and not f.hang and f.node]
+    own = [f for line in lines for f in FailureLine.parse_all(line) if not f.peer_lost and not f.hang and f.node]
     if own:  # srun terminates the others after a rank's own failure: their "Terminated" blames nobody
         return summary, [own[0].node]
     hung = hung_ranks(lines)

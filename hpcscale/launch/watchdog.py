@@ -38,10 +38,10 @@ continue (SIGCONT) on their way to killing it, says it was not running instead o
 
 Who is to blame (hung_ranks). A stopped rank's watchdog is stopped with it, and a rank stuck in C code holding
 the GIL cannot run its watchdog either: the stuck ranks are those of the world that wrote no hang line, and
-any that say they were not running before they wrote one (a live rank starved during the grace, after its
-hang line, still waited). A deadlock in Python releases the GIL, so there every rank writes its line and the
-stacks show where. Lines are read from where ours start on a line: mpirun can glue one rank's line to another's
-unfinished one on a loaded machine.
+any that say they were not running for as long as the others waited (a live rank starved for a few seconds
+on a loaded machine says so too, then fires: it waited). A deadlock in Python releases the GIL, so there every
+rank writes its line and the stacks show where. Lines are read in pieces, from wherever one of ours starts on
+a line: mpirun can glue one rank's line to another's unfinished one on a loaded machine.
 
 `beat` costs one clock read and a few attribute stores, no lock: a single float (`_since`, the beat time
 moved forward by paused time) carries the state the thread reads, so a torn read cannot make it fire early.
@@ -76,15 +76,15 @@ _CHUNK_GAP_S = 0.05
 _FAILURE = re.compile(r"hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on node (\S+) failed: (.*)$")
 # Where a line of ours starts: at the start of the line, or after the unfinished last line of another rank's
 # output (mpirun forwards each rank's output in reads of up to 4096 bytes: on a loaded machine one read can end
-# mid-line, and the next rank's line is glued to it). The last such start on a line is ours.
+# mid-line, and the next rank's line is glued to it). A line is read as the pieces that start there.
 _OURS = "hpcscale launch: rank "
 # Not anchored at the end: another process writing to the same log (slurmstepd's "*** STEP ... CANCELLED") can
 # append to the line before its newline; the last mark on the line is this rank's.
 _FAILED_AT = re.compile(r" \[at ([^\],\s]+)(, after losing a peer)?\]")
 _HANG = re.compile(r"^Hang: no step finished in ([\d.]+) s \(last finished step (-?\d+); world (\d+)\)")
 _STALL = re.compile(
-    r"hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for [\d.]+ s "
-    r".*\[at (?P<at>\S+)\]\s*$"
+    r"hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for (?P<lost>[\d.]+) s "
+    r".*\[at (?P<at>[^\]\s]+)\]"
 )
 
 
@@ -126,8 +126,26 @@ class FailureLine:
 
     @classmethod
     def parse(cls, line: str) -> FailureLine | None:
-        text = _ours(line)
-        if text is None or " failed: " not in text:
+        """The last failure line of ours on a physical line (see parse_all), or None."""
+        found = cls.parse_all(line)
+        return found[-1] if found else None
+
+    @classmethod
+    def parse_all(cls, line: str) -> list[FailureLine]:
+        """Every failure line of ours on a physical line: usually one; more where mpirun glued one rank's line
+        to another's unfinished one. A piece cut short by the next one has lost its end, time and peer mark
+        included: it counts only if it still says which rank hung (a hang line's own words come first)."""
+        pieces = _pieces(line)
+        found = []
+        for n, text in enumerate(pieces):
+            f = cls._parse_piece(text)
+            if f is not None and (n == len(pieces) - 1 or f.time is not None or f.hang is not None):
+                found.append(f)
+        return found
+
+    @classmethod
+    def _parse_piece(cls, text: str) -> FailureLine | None:
+        if " failed: " not in text:
             return None
         at = next(reversed(list(_FAILED_AT.finditer(text))), None)
         m = _FAILURE.match(text)
@@ -151,49 +169,56 @@ def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
     """The ranks to blame for a hang, from a job's output (a `run --local` log, a Slurm job's log); None when
     the job did not end in a hang: no watchdog line, or a rank failed for a reason of its own before the first.
 
-    Stuck: every rank of the world that wrote no hang line, and every rank that says it was not running when
-    the hang was reported (a SIGSTOPped rank that srun or mpirun continue on their way to killing it, which may
-    then fail "after losing a peer" like any survivor: that line proves nothing about it) before any hang line
-    of its own (a rank that wrote its hang line, then was starved for a while, waited). Empty when every
-    rank wrote a hang line: all were waiting in Python (a deadlock among them), and their stacks say where.
+    Stuck: every rank of the world that wrote no hang line, and every rank that says it was not running, when
+    the hang was reported, for at least as long as the others waited (a SIGSTOPped rank that srun or mpirun
+    continue on their way to killing it, which may then fail "after losing a peer" like any survivor, or even
+    write a hang line of its own: neither proves anything about it). A live rank starved for less than that
+    (a loaded machine) waited. Empty when every rank wrote a hang line and none was stopped: all were waiting
+    in Python (a deadlock among them), and their stacks say where.
     """
     lines = list(lines)
-    failures = [f for line in lines if (f := FailureLine.parse(line)) is not None]
+    failures = [f for line in lines for f in FailureLine.parse_all(line)]
     hangs = [f for f in failures if f.hang is not None]
     if not hangs:
         return None
     first_hang = min((f.time for f in hangs if f.time), default=None)
+    timed = any(f.time for f in failures)  # lines of a version that writes times: one without was cut short
     for f in failures:
         if f.hang is None and not f.peer_lost and (first_hang is None or f.time is None or f.time < first_hang):
+            if f.time is None and timed:
+                continue  # its end (time, peer mark) was lost to mpirun's interleaving: it proves nothing
             return None  # a rank failed of its own accord first: that is the story, not the hang it caused
     world = max(f.hang.world_size for f in hangs)
-    waiting = {f.rank: f.time for f in hangs if f.rank is not None}  # rank -> when it said so
-    stalled: dict[int, str] = {}  # rank -> when it first said it was not running, from the first hang on
-    for line in lines:
-        if (m := _stall(line)) and (first_hang is None or m.group("at") >= first_hang):
-            stalled.setdefault(int(m.group(1)), m.group("at"))
-    # A rank that waited and only then was starved (its line after its hang line: a loaded machine, during the
-    # grace) still waited; one that was not running before it said anything was stopped.
-    stuck = (set(range(world)) - set(waiting)) | {
-        r for r, at in stalled.items() if waiting.get(r) is None or at < waiting[r]
+    waited = min(f.hang.seconds for f in hangs)
+    waiting = {f.rank for f in hangs if f.rank is not None}
+    # Not running, from the first hang on, for as long as the others waited: stopped, and what they waited on,
+    # whatever it wrote once continued. A live rank starved for a few seconds on a loaded machine writes the
+    # same kind of line, then its own hang line (its clock skips the lost time): it waited like the others.
+    stopped = {
+        int(m.group(1))
+        for line in lines
+        for m in _stalls(line)
+        if (first_hang is None or m.group("at") >= first_hang) and float(m.group("lost")) >= waited
     }
-    return HungRanks(sorted(stuck), world, min(f.hang.seconds for f in hangs))
+    stuck = (set(range(world)) - waiting) | stopped
+    return HungRanks(sorted(stuck), world, waited)
 
 
 def stalled_nodes(lines: Iterable[str]) -> dict[int, str]:
     """rank -> node of every rank that says it was not running (SIGSTOPped, then continued to be killed)."""
-    return {int(m.group(1)): m.group("node") for line in lines if (m := _stall(line))}
+    return {int(m.group(1)): m.group("node") for line in lines for m in _stalls(line)}
 
 
-def _ours(line: str) -> str | None:
-    """The line from its last start of one of ours (see _OURS) on; None when it holds none."""
-    at = line.rfind(_OURS)
-    return line[at:].strip() if at >= 0 else None
+def _pieces(line: str) -> list[str]:
+    """The pieces of a physical line that start where one of ours does (see _OURS), each up to the next."""
+    if _OURS not in line:
+        return []
+    starts = [m.start() for m in re.finditer(re.escape(_OURS), line)]
+    return [line[a:b].strip() for a, b in zip(starts, [*starts[1:], len(line)], strict=True)]
 
 
-def _stall(line: str) -> re.Match[str] | None:
-    text = _ours(line)
-    return _STALL.match(text) if text is not None else None
+def _stalls(line: str) -> list[re.Match[str]]:
+    return [m for text in _pieces(line) if (m := _STALL.match(text))]
 
 
 def _exit_now() -> None:
