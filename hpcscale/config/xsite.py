@@ -114,8 +114,8 @@ class XsiteConfig:
     compression: Literal["zstd", "none"] = setting(
         "How the records that travel (contributions, the sites' copies of each round) store their tensors: "
         "`zstd` (lossless: int8 codes shrink to 0.8-0.9 of their size, fp32 to about 0.92; 0.5 GB/s a core "
-        "each way) or `none`. Readers take either; `none` also suits sites still running an hpcscale older than "
-        "compressed records, which refuses them (docs/cross-site-format.md).",
+        "each way) or `none`. Readers take either. An hpcscale older than compressed records refuses them, and "
+        "this key: set `none` on the upgraded sites while another is not upgraded yet (docs/cross-site.md, runbook).",
         default="zstd",
     )
     weighting: Literal["tokens", "equal"] = setting(
