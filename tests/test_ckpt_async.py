@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
+import traceback
 import weakref
 
 import pytest
@@ -88,6 +89,9 @@ def test_a_finished_save_leaves_nothing_of_it_on_the_writer_thread_and_close_end
     _within(m.close)
     with pytest.raises(RuntimeFailure, match="closed"):
         m.save(2, {"w": torch.ones(4)}, {"step": 2}, asynchronous=True)
+    with pytest.raises(RuntimeFailure, match="closed"):
+        m.save(2, {"w": torch.ones(4)}, {"step": 2}, asynchronous=True, defer_staging=True)
+    _within(m.wait_staged)  # a save refused before it was handed over leaves nothing to wait for
     m.save(2, {"w": torch.ones(4)}, {"step": 2}, asynchronous=False)  # the caller's own thread: still works
     assert m.last_step == 2
     never = _manager(tmp_path / "b")
@@ -122,6 +126,24 @@ def test_system_exit_in_a_background_save_is_raised_by_the_next_wait(group, tmp_
     (thread,) = _new_writer_threads(before)
     _within(m.close)
     assert not thread.is_alive()
+
+
+def test_a_failed_save_kept_for_the_next_wait_holds_none_of_its_tensors(group, tmp_path):
+    """The error of a background save waits for the training thread's next wait(), which may come a whole
+    checkpoint interval later: its traceback must not keep the tensors of the save alive meanwhile."""
+    m = _manager(tmp_path)
+    w = torch.ones(4096).as_subclass(_ExitsWhenCopied)
+    gone = weakref.ref(w)
+    m.save(1, {"w": w}, {"step": 1}, asynchronous=True, defer_staging=True)
+    _within(m.wait_staged)
+    _within(m._bg.join)  # the thread is idle again: the error is kept, not yet raised
+    del w
+    gc.collect()
+    assert gone() is None, "the failed save's error still holds the tensor"
+    with pytest.raises(SystemExit) as failed:
+        _within(m.wait)
+    assert "_stage_and_write" in "".join(traceback.format_tb(failed.value.__traceback__))  # still readable
+    _within(m.close)
 
 
 @pytest.mark.parametrize("escaping", [KeyboardInterrupt, SystemExit])

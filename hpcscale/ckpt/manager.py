@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,6 @@ class CheckpointManager:
         self._bg = _Background(f"hpcscale-ckpt-{rank}", background_nice)
         self._pending = False  # an async save was handed to it and not yet waited for
         self._staged: threading.Event | None = None  # a deferred save's copy taken (wait_staged)
-        self._error: BaseException | None = None
 
     def _adopt_newest(self) -> None:
         """Dedup new saves against the newest committed checkpoint already on disk (a fresh process, a resumed
@@ -143,9 +143,9 @@ class CheckpointManager:
 
             state[TAG] = for_save(self.lineage, state, parent)
         if asynchronous and defer_staging:
-            self._staged = threading.Event()
-            self._bg.submit(self._stage_and_write, mine, step, rng, state, parent)
-            self._pending = True
+            staged = threading.Event()
+            self._bg.submit(self._stage_and_write, mine, step, rng, state, parent, staged)
+            self._staged, self._pending = staged, True  # only once handed over: a refused save leaves none
             self.last_stats = SaveStats(step, time.perf_counter() - t0, 0, 0)
             return self.last_stats
         pending = self.writer.snapshot(mine, copy=asynchronous)
@@ -160,14 +160,12 @@ class CheckpointManager:
             self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
         return self.last_stats
 
-    def _stage_and_write(self, mine, step, rng, state, parent) -> None:
+    def _stage_and_write(self, mine, step, rng, state, parent, staged: threading.Event) -> None:
+        """On the writer thread: what it raises (nothing was written) is raised by the next wait()."""
         try:
             pending = self.writer.snapshot(mine, copy=True)
-        except BaseException as e:  # surfaced by wait(); nothing was written
-            self._error = e
-            return
         finally:
-            self._staged.set()
+            staged.set()
         self._background(step, pending, rng, state, parent)
 
     def wait_staged(self) -> None:
@@ -179,19 +177,17 @@ class CheckpointManager:
             self._staged = None
 
     def _background(self, *args) -> None:
+        """On the writer thread: what it raises is raised by the next wait()."""
         t0 = time.perf_counter()
-        try:
-            result = self._write(*args)
-            if self.last_stats is not None:
-                self.last_stats = SaveStats(
-                    result.step,
-                    self.last_stats.blocking_s,
-                    result.new_bytes,
-                    result.referenced_bytes,
-                    time.perf_counter() - t0,
-                )
-        except BaseException as e:  # surfaced by wait()
-            self._error = e
+        result = self._write(*args)
+        if self.last_stats is not None:
+            self.last_stats = SaveStats(
+                result.step,
+                self.last_stats.blocking_s,
+                result.new_bytes,
+                result.referenced_bytes,
+                time.perf_counter() - t0,
+            )
 
     def _write(self, step, pending, rng, trainer_state, parent):
         rows, result, error = [], None, None
@@ -236,11 +232,14 @@ class CheckpointManager:
         """Block until the save in flight is committed; raise its error if it failed, or that the writer thread
         died."""
         if self._pending:
-            self._pending = False
-            self._bg.join()
+            try:
+                self._bg.join()
+            except RuntimeFailure:  # the thread died: nothing is in flight any more
+                self._pending = False
+                raise
+            self._pending = False  # after the join: an interrupted join (Ctrl-C) leaves the save still in flight
         self._staged = None
-        escaped = self._bg.take_error()  # the jobs catch their own errors: this is what got past them
-        error, self._error = self._error or escaped, None
+        error = self._bg.take_error()
         if error is not None:
             raise error
 
@@ -430,10 +429,10 @@ class _Background:
                     return
                 (fn, args), self._job = self._job, None
             try:
-                fn(*args)  # the manager's jobs record their own errors; this is for what escapes them
+                fn(*args)
             except BaseException as e:  # KeyboardInterrupt, SystemExit too: the thread must live on
                 with self._cv:
-                    self._error = e
+                    self._error = _kept(e)  # the job's frames are done: they can let go of its arguments
             finally:
                 # Dropped before waiting for the next job, which may come much later or never: the arguments
                 # reach the tensors saved (the live model's, on the accelerator too) and the trainer state.
@@ -477,3 +476,10 @@ def _rng_problem(states: dict[str, np.ndarray] | None) -> str | None:
         if cuda.dtype != np.uint8 or cuda.shape != (want,):
             return f"the CUDA RNG state has shape {cuda.shape}; this torch expects ({want},)"
     return None
+
+
+def _kept(error: BaseException) -> BaseException:
+    """A background save's error, kept until the training thread's next wait(): its traceback still reads as
+    before, but its frames let go of their local variables (the tensors saved, the trainer state)."""
+    traceback.clear_frames(error.__traceback__)
+    return error
