@@ -76,7 +76,7 @@ def run_config(
 
     from hpcscale.data.loader import TokenLoader
     from hpcscale.train.model import GPT, GPTShape, lm_loss
-    from hpcscale.xsite.outer import OuterStep, aggregate, decode, delta, encode, encoded_bytes, shapes_of
+    from hpcscale.xsite.outer import OuterStep, aggregate, decode, delta, encode, shapes_of
     from hpcscale.xsite.roundfile import pack_payload
 
     torch.set_num_threads(1)
@@ -110,7 +110,7 @@ def run_config(
 
     curve = []
     sent = 0  # bytes one site sent
-    sent_uncompressed = 0  # the same contributions' tensor bytes, before compression
+    sent_uncompressed = 0  # the same, with each payload file uncompressed (compression: none)
     tokens_per_step = 2 * SITE_BATCH * shape.seq_len  # both sites together
     t0 = time.perf_counter()
     if kind == "ddp":
@@ -136,7 +136,6 @@ def run_config(
         sites = [copy.deepcopy(base) for _ in range(2)]
         opts = [opt_for(m) for m in sites]
         shapes = shapes_of(theta)
-        per_round = encoded_bytes(shapes, encoding)
         evaluator = copy.deepcopy(base)
         global_theta = theta
         pending: tuple[int, list[dict]] | None = None  # overlap: (adopt at step, each site's boundary weights)
@@ -155,6 +154,7 @@ def run_config(
                         for p in ps:
                             p.grad.copy_(mean)
                 sent += 4 * params
+                sent_uncompressed += 4 * params
             for model, opt in zip(sites, opts, strict=True):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -167,10 +167,11 @@ def run_config(
                 for model in sites:
                     local = {n: p.detach() for n, p in model.named_parameters()}
                     encoded = encode(delta(global_theta, local), encoding)
-                    sizes.append(len(pack_payload(encoded, compression)[0]))  # the payload file as written
+                    payload, raw = pack_payload(encoded, compression)
+                    sizes.append((len(payload), raw))  # the payload file as written, and its safetensors bytes
                     deltas.append((1.0, decode(encoded, encoding, shapes)))
-                sent += max(sizes)  # each site sends one contribution per round; count the larger
-                sent_uncompressed += per_round
+                sent += max(n for n, _ in sizes)  # each site sends one contribution per round; count the larger
+                sent_uncompressed += max(raw for _, raw in sizes)
                 outer.apply(aggregate(deltas, rule="mean"))
                 global_theta = outer.state().theta
                 if delay:  # adopt: overlap: θ(r) lands `delay` steps later; the steps taken meanwhile are kept
