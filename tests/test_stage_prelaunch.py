@@ -100,10 +100,12 @@ def test_an_early_ssh_nothing_took_is_stopped_when_click_refuses_the_command_lin
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
-    pidfile = tmp_path / "ssh.pid"
+    started = tmp_path / "ssh.started"
+    seconds = f"{300 + os.getpid() % 1000}.{time.monotonic_ns() % 1000}"  # names this test's sleep in /proc
     fake_ssh = tmp_path / "fake-ssh"
-    fake_ssh.write_text(f"#!/bin/sh\necho $$ > {pidfile}\nexec sleep 300\n")
+    fake_ssh.write_text(f"#!/bin/sh\ntouch {started}\nexec sleep {seconds}\n")
     fake_ssh.chmod(0o755)
     (tmp_path / "src").mkdir()
     manifest = tmp_path / "manifest.json"
@@ -112,15 +114,21 @@ def test_an_early_ssh_nothing_took_is_stopped_when_click_refuses_the_command_lin
     argv += ["--to", "ssh://nowhere.invalid/dst", "--ssh", str(fake_ssh), "--check", "bogus"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--check" in done.stderr, done.stderr
-    deadline = time.monotonic() + 10
-    while not pidfile.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    pid = int(pidfile.read_text())  # the early ssh did start
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return
-    with open(f"/proc/{pid}/stat") as f:
-        state = f.read().rsplit(")", 1)[1].split()[0]
-    os.kill(pid, 9)
-    raise AssertionError(f"the early ssh (pid {pid}) was left running (state {state})")
+
+    def ours() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd[:2] == [b"sleep", seconds.encode()]:
+                found.append(int(pid))
+        return found
+
+    # the early ssh started (here, before click had even loaded) and is gone: stopped, not left to sleep
+    assert started.exists(), "the early ssh never started: this test proves nothing"
+    left = ours()
+    for pid in left:
+        os.kill(pid, 9)
+    assert left == [], f"the early ssh was left running: pids {left}"
