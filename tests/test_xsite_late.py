@@ -254,3 +254,22 @@ def test_the_aggregators_records_and_log_are_kept_bounded(tmp_path, monkeypatch)
     assert len(log) <= 4096 + 2048 and log.endswith(b"\n")
     assert all("event" in json.loads(line) for line in log.splitlines())  # every line whole
     assert rounds.status(config, "a")["rounds"], "status reads the rotated log"
+
+
+def test_the_aggregator_refuses_a_contribution_larger_than_its_model_before_inflating_it(tmp_path):
+    """A site's key signs whatever specs it likes: a compressed payload listing 32 MiB of zeros for a model of
+    a few floats is a few KiB on the wire. The tick reads contributions within the model's size, so it refuses
+    that one before decompressing it, and the round goes on without it."""
+    config, keys, _ = _setup(tmp_path, late_rounds=0)
+    _contribute(tmp_path, keys, "a", 0, 1)
+    incoming = tmp_path / "state-a" / rounds.INCOMING / "b"
+    incoming.mkdir(parents=True, exist_ok=True)
+    bomb = {"w": torch.zeros(4, 3), "b": torch.zeros(5), "x": torch.zeros(8 << 20)}
+    rf.write_contribution(incoming, site="b", base_round=0, steps=10, tokens=100, encoding="fp32", tensors=bomb,
+                          key=load_private(keys / "b.key"), compression="zstd")  # fmt: skip
+    assert (incoming / "contrib-b-r000000.safetensors").stat().st_size < 64 << 10
+    _contribute(tmp_path, keys, "c", 0, 3)
+    report = rounds.tick(config, "a")
+    [refused] = [e for e in report.events if e["event"] == "rejected"]
+    assert refused["site"] == "b" and "over the limit of" in refused["reason"], refused
+    assert [e["accepted"] for e in _published(report)] == [["a", "c"]]
