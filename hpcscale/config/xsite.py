@@ -114,7 +114,7 @@ class XsiteConfig:
     compression: Literal["zstd", "none"] = setting(
         "How the records that travel (contributions, the sites' copies of each round) store their tensors: "
         "`zstd` (lossless: an int8 contribution shrinks to about 0.92 of its size, an fp32 one to about 0.88; "
-        "0.6-0.85 GB/s a core each way: it saves time on links slower than a few hundred Mbit/s, costs some on "
+        "0.6-0.85 GB/s a core each way: about even in time over 100 Mbit, a saving on slower links, a cost on "
         "faster ones and on a shared filesystem) or `none`. Readers take either. An hpcscale older than "
         "compressed records refuses them, and this key: set `none` on the upgraded sites while another is not "
         "upgraded yet (docs/cross-site.md, runbook).",
