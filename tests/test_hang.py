@@ -196,37 +196,44 @@ def test_a_stopped_watchdog_never_fires():
     assert hangs == [] and wd.fired is None
 
 
-_STOPPED_CHILD = """
+def _watchdog_child(*, rank: int, min_seconds: float, then: str) -> str:
+    """A script: a real watchdog (stall threshold 0.3 s) beats once, says "ready", runs `then`, and says whether
+    it fired."""
+    return f"""
 import sys, time
 from hpcscale.launch import watchdog
 watchdog.STALL_S = 0.3
 hangs = []
-wd = watchdog.Watchdog(rank=2, mpi_rank=2, node="n", world_size=4, min_seconds=0.8, on_hang=lambda: hangs.append(1),
-                       grace_seconds=0).start()
+wd = watchdog.Watchdog(rank={rank}, mpi_rank={rank}, node="n", world_size=4, min_seconds={min_seconds},
+                       on_hang=lambda: hangs.append(1), grace_seconds=0).start()
 wd.beat(7)
 print("ready", flush=True)
-time.sleep(1.3)  # SIGSTOPped for 1 s of it
-wd.beat(8)
+{then}
 wd.stop()
 print("fired" if hangs else "not fired", flush=True)
 """
+
+
+def _stopped_for(script: str, *, after: float, seconds: float, timeout: float) -> tuple[str, str]:
+    """Run `script`; once it is ready, wait `after`, SIGSTOP it for `seconds`, continue it: (stdout, stderr)."""
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        time.sleep(after)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(seconds)
+        child.send_signal(signal.SIGCONT)
+        return child.communicate(timeout=timeout)
+    finally:
+        child.kill()
 
 
 def test_time_the_process_was_stopped_does_not_count():
     """A rank stopped for longer than its timeout and continued (a suspended job, resumed) is not hung; it says
     it was not running, and that line is what names a SIGSTOPped rank that mpirun continues to kill it."""
     peers = [_hang(r, seconds=0.3) for r in (0, 1, 3)]  # written before its line, as when they fire
-    child = subprocess.Popen(
-        [sys.executable, "-c", _STOPPED_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout.readline() == "ready\n"
-        child.send_signal(signal.SIGSTOP)
-        time.sleep(1.0)
-        child.send_signal(signal.SIGCONT)
-        out, err = child.communicate(timeout=10)
-    finally:
-        child.kill()
+    then = "time.sleep(1.3)  # SIGSTOPped for 1 s of it\nwd.beat(8)"
+    out, err = _stopped_for(_watchdog_child(rank=2, min_seconds=0.8, then=then), after=0, seconds=1.0, timeout=10)
     assert out == "not fired\n", err
     (line,) = err.splitlines()
     assert line.startswith("hpcscale launch: rank 2 (MPI rank 2) on node n was not running for "), line
@@ -268,37 +275,12 @@ def test_a_stopped_rank_continued_only_to_be_killed_is_still_the_stuck_one():
     assert hung_ranks([earlier, _hang(0), _hang(1), _hang(3)]) == ([2], 4, 8.4)
 
 
-_STARVED_CHILD = """
-import sys, time
-from hpcscale.launch import watchdog
-watchdog.STALL_S = 0.3
-hangs = []
-wd = watchdog.Watchdog(rank=1, mpi_rank=1, node="n", world_size=4, min_seconds=1.6, on_hang=lambda: hangs.append(1),
-                       grace_seconds=0).start()
-wd.beat(7)
-print("ready", flush=True)
-time.sleep(4.0)  # no further step: it waits on a stopped peer, and is itself starved for a while
-wd.stop()
-print("fired" if hangs else "not fired", flush=True)
-"""
-
-
 def test_a_live_rank_starved_for_a_while_still_waited():
     """On a loaded machine a live rank's watchdog can wake seconds late: it says it was not running, its clock
     skips that time, and it fires as the others do. It waited like them: only a rank not running for as long as
     the others waited was stopped (the CI case: ranks 0, 3 waited, rank 1 was starved, rank 2 was stopped)."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", _STARVED_CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout.readline() == "ready\n"
-        time.sleep(0.3)
-        child.send_signal(signal.SIGSTOP)
-        time.sleep(0.9)
-        child.send_signal(signal.SIGCONT)
-        out, err = child.communicate(timeout=20)
-    finally:
-        child.kill()
+    then = "time.sleep(4.0)  # no further step: it waits on a stopped peer, and is itself starved for a while"
+    out, err = _stopped_for(_watchdog_child(rank=1, min_seconds=1.6, then=then), after=0.3, seconds=0.9, timeout=20)
     assert out == "fired\n", err
     starved, own = err.splitlines()[:2]  # then its stacks
     assert " was not running for " in starved and FailureLine.parse(own).hang.seconds >= 1.6, err
