@@ -113,6 +113,10 @@ class TensorSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype][0]
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][1]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Contribution:
@@ -446,7 +450,7 @@ def _payload_tensors(data: bytes, specs: dict[str, TensorSpec]) -> dict[str, tor
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise Rejected(f"payload tensor {name}: malformed data_offsets")
         begin, end = offsets
-        if end - begin != math.prod(spec.shape) * DTYPES[spec.dtype][1]:
+        if end - begin != spec.nbytes:
             raise Rejected(f"payload tensor {name}: data_offsets {offsets} do not hold its shape and dtype")
         spans.append((begin, end, name))
     position = 0
@@ -527,10 +531,7 @@ def _payload(json_path: Path, fields: dict[str, Any], max_bytes: int) -> dict[st
     path = json_path.with_name(fields["stem"] + ".safetensors")
     compressed = fields["compression"] == "zstd"
     if compressed:  # what the frame may inflate to: the safetensors file the signed specs describe, no more
-        raw, data_bytes = (
-            fields["raw_bytes"],
-            sum(math.prod(s.shape) * DTYPES[s.dtype][1] for s in fields["specs"].values()),
-        )
+        raw, data_bytes = fields["raw_bytes"], sum(s.nbytes for s in fields["specs"].values())
         if raw > max_bytes:
             raise Rejected(f"payload decompresses to {raw} bytes, over the limit of {max_bytes}")
         if not 8 + data_bytes < raw <= 8 + MAX_PAYLOAD_HEADER_BYTES + data_bytes:
