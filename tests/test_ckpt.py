@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,10 +60,18 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bit_for_bit(uninterrupt
     assert _losses(run) == uninterrupted  # every step, bit for bit
 
 
+@pytest.fixture(scope="module")
+def saved_at_2_2_2(mpi, tmp_path_factory) -> Path:
+    """A run of 10 steps at tp=2, pp=2, dp=2 (8 ranks), its checkpoint at step 10: each layout below copies it."""
+    tmp = tmp_path_factory.mktemp("saved")
+    _run(_spec(tmp / "first.yaml", tp=2, pp=2, ranks=8, steps=10), tmp / "run")
+    return tmp / "run"
+
+
 @pytest.mark.parametrize(("tp", "pp", "ranks"), [(1, 1, 1), (2, 1, 8), (1, 2, 4)], ids=["1-1-1", "tp2-dp4", "pp2-dp2"])
-def test_saved_at_2_2_2_loads_into_another_layout(uninterrupted, tmp_path, tp, pp, ranks):
+def test_saved_at_2_2_2_loads_into_another_layout(uninterrupted, saved_at_2_2_2, tmp_path, tp, pp, ranks):
     run = tmp_path / "run"
-    _run(_spec(tmp_path / "first.yaml", tp=2, pp=2, ranks=8, steps=10), run)
+    shutil.copytree(saved_at_2_2_2, run, symlinks=True)  # a run directory moved elsewhere resumes as well
     result = _run(_spec(tmp_path / "second.yaml", tp=tp, pp=pp, ranks=ranks), run, "--reuse")
     assert "resumed from checkpoint step 10 (new layout: resharded)" in result.stdout
     losses = _losses(run)

@@ -247,7 +247,7 @@ def _run(store, data: st.DataObject, *, sealed: bool) -> None:
 
 
 FUZZ = settings(
-    max_examples=1200,
+    max_examples=800,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

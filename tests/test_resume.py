@@ -27,7 +27,7 @@ from trainjobs import job_spec, losses
 from hpcscale.config.job import JobSpec, Restart, Signals
 from hpcscale.launch.requeue import classify, decide
 
-STEPS = 600
+STEPS = 300  # long enough that a fault after step 80 lands mid-run (about 35 ms a step here)
 
 
 # ---- the policy, without a cluster ------------------------------------------------------------------------

@@ -138,9 +138,13 @@ def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6, fau
         time.sleep(0.5)
     if faults:
         assert killed >= len(FAULT_POINTS), f"only {killed} ticks reached a fault point"
-    for _ in range(extra_ticks):  # the last round: exported, aggregated, pushed, handed over
+    for _ in range(extra_ticks):  # the last round: exported, aggregated, pushed, handed over; until nothing moves
+        moved = False
         for s in ("a", "b"):
-            _tick(config, s)
+            r = _tick(config, s)
+            moved |= r.returncode != 0 or bool(json.loads(r.stdout)["events"])
+        if not moved:
+            break
     outputs = {s: p.communicate()[0] for s, p in procs.items()}
     codes = {s: p.returncode for s, p in procs.items()}
     assert codes == {"a": 0, "b": 0}, {s: out[-3000:] for s, out in outputs.items()}
