@@ -58,7 +58,7 @@ def sh(*args: str, check: bool = True) -> str:
     return p.stdout
 
 
-def job_file(path: Path, n_embd: int) -> Path:
+def job_file(path: Path, n_embd: int, environment: dict[str, str]) -> Path:
     spec = {
         "name": "bench-resume",
         "site": "localcluster",
@@ -73,6 +73,8 @@ def job_file(path: Path, n_embd: int) -> Path:
                        "seq_len": 32, "n_layer": 8, "n_embd": n_embd, "n_head": 4, "seed": 7},
         },
     }  # fmt: skip
+    if environment:
+        spec["environment"] = environment
     path.write_text(yaml.safe_dump(spec))
     return path
 
@@ -149,8 +151,8 @@ def raw_read(run: Path, step: int) -> tuple[float, int]:
     return time.perf_counter() - t, n
 
 
-def one(base: Path, rep: int, n_embd: int) -> dict:
-    job = job_file(base / "job.yaml", n_embd)
+def one(base: Path, rep: int, n_embd: int, environment: dict[str, str]) -> dict:
+    job = job_file(base / "job.yaml", n_embd, environment)
     # a fresh start, for comparison
     fresh = base / f"fresh-{rep}"
     drop_caches()
@@ -213,9 +215,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--embd", type=int, default=512, help="the GPT's width: 512 makes ~300 MB of state, 256 ~80 MB")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="the job's `environment`")
     a = ap.parse_args()
+    environment = dict(e.split("=", 1) for e in a.env)
     base = Path(tempfile.mkdtemp(prefix="hpcscale-bench-resume-", dir="/var/tmp"))
-    results = [one(base, rep, a.embd) for rep in range(a.reps)]
+    results = [one(base, rep, a.embd, environment) for rep in range(a.reps)]
     keys = [k for k in results[0] if k not in ("excluded", "load_cold", "killed_on")]
     med = {k: statistics.median(r[k] for r in results) for k in keys}
     doc = {"reps": results, "median": med, "cold_cache": drop_caches()}
