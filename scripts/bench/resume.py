@@ -4,7 +4,8 @@ the job `hpcscale resume` submitted, split into detection, the resume command, s
 checkpoint load, next to a fresh start of the same job; and that checkpoint load against a raw sequential
 read of the same bytes, both from a cold page cache.
 
-    python scripts/bench/resume.py [--reps 5] [--json] [--embd 512]   (scripts/localcluster up; root drops caches)
+    python scripts/bench/resume.py [--reps 5] [--json] [--embd 512] [--env KEY=VALUE ...]
+        (scripts/localcluster up; root drops caches; --env goes into the job's `environment`)
 
 Per repetition:
   1. submit a 2-node job (one rank per node, a GPT of ~300 MB of model and optimizer state), let it save a
