@@ -213,6 +213,13 @@ def test_two_sites_complete_rounds_and_end_on_the_same_weights(mpi, tmp_path, fa
         assert to == {(r, "b") for r in range(final + 1)}, doc["egress"]
         text = run_cli("sync", "status", "--config", str(config), "--site", "a")
         assert f"round {final:4d}  bytes sent to: " in text.stdout, text.stdout
+    if entry == "builtin" and not faults and adopt == "wait":
+        for s in ("a", "b"):  # cron's usual tick, nothing to do: it never loads torch (over a second of imports)
+            idle = subprocess.run([sys.executable, "-X", "importtime", "-m", "hpcscale", "sync", "--config",
+                                   str(config), "--site", s, "--json"], capture_output=True, text=True)  # fmt: skip
+            assert idle.returncode == 0 and json.loads(idle.stdout)["events"] == [], idle.stdout + idle.stderr[-2000:]
+            loaded = [line.rsplit("|", 1)[-1].strip() for line in idle.stderr.splitlines() if "|" in line]
+            assert "hpcscale.xsite.rounds" in loaded and "torch" not in loaded, s
     if not faults:  # a tick killed just after publishing did not log it; its round has no quorum time
         assert all(r["quorum_wait_s"] is not None for r in doc["rounds"][1:])
 

@@ -43,16 +43,17 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import safetensors.torch
-import torch
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.util.bounded import loads_json
 from hpcscale.xsite.signing import Keyring, key_id, sign, valid_site_name, verify
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1
 MiB = 1 << 20
@@ -67,8 +68,9 @@ MAX_LISTED_SITES = 10_000  # entries in a round's accepted and rejected lists
 MAX_REASON_CHARS = 4096
 
 # safetensors dtype -> (torch dtype, bytes per element). Only what the formats use.
-DTYPES = {"F32": (torch.float32, 4), "BF16": (torch.bfloat16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1)}
-_DTYPE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in DTYPES.items()}
+# (torch is imported where tensors are handled, not here: an idle `hpcscale sync` tick needs none of it.)
+DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "I8": ("int8", 1), "U8": ("uint8", 1)}
+_DTYPE_NAMES = {f"torch.{attr}": name for name, (attr, _) in DTYPES.items()}  # str(torch dtype) -> stored name
 # F32 beside bf16 and int8: tensors kept at full precision, and int8's offsets and steps (its codes are I8 or U8).
 ENCODINGS = {
     "fp32": frozenset({"F32"}),
@@ -111,7 +113,9 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype][0])
 
     @property
     def nbytes(self) -> int:
@@ -460,6 +464,8 @@ def _payload_tensors(data: bytes, specs: dict[str, TensorSpec]) -> dict[str, tor
         position = end
     if position != len(data) - 8 - size:
         raise Rejected(f"payload data area is {len(data) - 8 - size} bytes, its tensors cover {position}")
+    import safetensors.torch
+
     try:
         tensors = safetensors.torch.load(data)
     except Exception as e:  # the library's own checks, after ours; any failure means the payload is bad
@@ -570,6 +576,8 @@ def _decompress(data: bytes, raw_bytes: int) -> bytes:
 def pack_payload(tensors: Mapping[str, torch.Tensor], compression: str) -> tuple[bytes, int]:
     """What a record's payload file holds for these tensors (a safetensors file, zstd-compressed or not) and the
     size of the safetensors bytes. The writers use it, and so does whoever counts the bytes a record costs."""
+    import safetensors.torch
+
     raw = safetensors.torch.save(dict(tensors))
     if compression == "none":
         return raw, len(raw)
@@ -674,11 +682,13 @@ def read_round(
 def _stored(tensors: Mapping[str, torch.Tensor], allowed: frozenset[str]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors, none sharing memory with another (tied weights, θ passed as its own momentum):
     safetensors refuses shared storage, and a file holds each tensor's own bytes anyway."""
+    import torch
+
     out, seen = {}, set()
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise BadInput(f"{name!r}: not a tensor")
-        dtype = _DTYPE_NAMES.get(t.dtype)
+        dtype = _DTYPE_NAMES.get(str(t.dtype))
         if dtype not in allowed:
             raise BadInput(f"{name!r}: dtype {t.dtype}, expected one of {', '.join(sorted(allowed))}")
         t = t.detach().to("cpu").contiguous()
@@ -691,7 +701,7 @@ def _stored(tensors: Mapping[str, torch.Tensor], allowed: frozenset[str]) -> dic
 
 
 def _spec_json(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    return {n: {"shape": list(t.shape), "dtype": _DTYPE_NAMES[t.dtype]} for n, t in tensors.items()}
+    return {n: {"shape": list(t.shape), "dtype": _DTYPE_NAMES[str(t.dtype)]} for n, t in tensors.items()}
 
 
 def _sign_and_publish(

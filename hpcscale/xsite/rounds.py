@@ -44,9 +44,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hpcscale.config.xsite import XsiteConfig, XsiteSite
 from hpcscale.errors import BadInput
@@ -56,6 +54,9 @@ from hpcscale.portable.hashing import SHA256
 from hpcscale.util.paths import expand_path
 from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # one owner of the record names
 from hpcscale.xsite.roundfile import round_stem
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: an idle tick needs none of it (1 s)
+    import torch
 
 OUTBOX, INBOX, INCOMING, ROUNDS, OUTGOING = "outbox", "inbox", "incoming", "rounds", "outgoing"
 LOG = "log.jsonl"
@@ -272,14 +273,16 @@ def _oldest_kept(cfg: XsiteConfig, rounds: list[int]) -> int:
 
 
 def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) -> None:
-    from hpcscale.xsite.roundfile import write_round
-
     state = _state(me)
     if _published(state):
         return
     start = [step for step, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and step == 0]
     if not start:
         return  # the aggregator's trainer has not saved its start yet
+    import torch  # here, not above: a tick with nothing to publish needs no torch
+
+    from hpcscale.xsite.roundfile import write_round
+
     theta = _consolidated(_run(me), start[0])
     write_round(
         state / ROUNDS,
@@ -311,9 +314,6 @@ def _verified_round(cfg: XsiteConfig, state: Path, keyring, r: int, where: str =
 
 
 def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -> None:
-    from hpcscale.xsite.outer import delta, encode
-    from hpcscale.xsite.roundfile import write_contribution
-
     state = _state(me)
     newest: dict[int, tuple[int, dict]] = {}
     for step, tag in _round_checkpoints(_run(me)):
@@ -327,6 +327,9 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
         if published is None:
             report.add("waiting", reason=f"round {base} (the base of step {step}) is not in the inbox yet")
             continue
+        from hpcscale.xsite.outer import delta, encode  # torch: only once there is a contribution to write
+        from hpcscale.xsite.roundfile import write_contribution
+
         d = delta(published.theta, _consolidated(_run(me), step))
         path = write_contribution(
             state / OUTBOX,
@@ -368,9 +371,6 @@ def _push_contribution(cfg: XsiteConfig, me: XsiteSite, aggregator: XsiteSite, r
 
 # ---- 4. aggregate ------------------------------------------------------------------------------------------------
 def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport, now: float) -> None:
-    from hpcscale.xsite.outer import OuterStep, aggregate, check_finite, contribution_bound, decode, norm_outliers
-    from hpcscale.xsite.roundfile import Rejected, read_contribution, write_round
-
     state = _state(me)
     published = _published(state)
     if not published:
@@ -389,6 +389,11 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
                 break
     if not any(b == r - 1 for _, b, _ in arrived):
         return  # the usual cron tick: do not read and verify the whole base round for nothing (late ones wait)
+    import torch  # here, not above: the usual tick returned already, without torch
+
+    from hpcscale.xsite.outer import OuterStep, aggregate, check_finite, contribution_bound, decode, norm_outliers
+    from hpcscale.xsite.roundfile import Rejected, read_contribution, write_round
+
     base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS, need_momentum=True)
     shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
     bound = contribution_bound(shapes)
