@@ -67,8 +67,8 @@ MAX_INT = (1 << 63) - 1
 MAX_LISTED_SITES = 10_000  # entries in a round's accepted and rejected lists
 MAX_REASON_CHARS = 4096
 
-# safetensors dtype -> (torch dtype, bytes per element). Only what the formats use.
-# (torch is imported where tensors are handled, not here: an idle `hpcscale sync` tick needs none of it.)
+# safetensors dtype -> (torch's name for it, bytes per element). Only what the formats use. Names, not torch
+# dtypes: torch is imported where tensors are handled, not here (an idle `hpcscale sync` tick needs none of it).
 DTYPES = {"F32": ("float32", 4), "BF16": ("bfloat16", 2), "I8": ("int8", 1), "U8": ("uint8", 1)}
 _DTYPE_NAMES = {f"torch.{attr}": name for name, (attr, _) in DTYPES.items()}  # str(torch dtype) -> stored name
 # F32 beside bf16 and int8: tensors kept at full precision, and int8's offsets and steps (its codes are I8 or U8).
