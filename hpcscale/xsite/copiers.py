@@ -1,0 +1,357 @@
+"""A local copy (both ends on this host, or on one shared filesystem) in copier processes, one per `-j`.
+
+Why processes, not threads: every file costs a dozen short system calls (open, fadvise, read, a new inode,
+write, utime, link, fstat, close), and a thread gives up the GIL at each one. With two copier threads and an
+opener beside them, each of those became a hand-over between threads: 29 futex calls per file, ~0.9 s of
+CPU for a 10,000-file copy on two cores (perf), more than the Python work itself (docs/benchmarks.md, staging
+run W). A process of its own does the same calls without anyone to hand over to.
+
+How: the parent plans, holds the destination lock and commits, as before (hpcscale.xsite.stage). It cuts the
+files into units (each large file alone, the small ones in runs of neighbours in the manifest's order, so
+that a process works in one directory at a time) and writes every unit's index into a pipe, then forks. Each
+child takes the next index from that pipe whenever it needs work, so the processes finish together however
+uneven the files are. It opens the files a few ahead with POSIX_FADV_WILLNEED (so cold reads overlap its
+copying, as the opener thread did), and places each with the same code as every other path
+(hpcscale.portable.sink.Writer: hashed as written, linked or renamed only once the hash matched), in a Sink of
+its own that joins the parent's lock by its token and journals to a journal of its own. It reports to the
+parent on a pipe of its own, a few times a second: files placed, bytes, and every failure with its kind.
+
+Guarantees, as for threads:
+- the parent commits (record, then manifest) only once every child has said it finished and exited 0, and
+  every file was reported placed (hpcscale.xsite.stage._complete counts them);
+- a child that dies, or stops reporting, fails the stage; nothing is committed;
+- a child never outlives the parent: it asks the kernel for SIGKILL when the parent dies (PR_SET_PDEATHSIG),
+  so no file is written by a stage whose lock holder is gone; a failure of kind 'input', an interrupt or any
+  exception in the parent kills the children before the error surfaces;
+- a killed child leaves what a killed stage leaves: unnamed inodes that vanish, part files a rerun continues,
+  journal lines that a rerun checks by stat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+
+from hpcscale.portable.errors import StageError
+from hpcscale.portable.hashing import blocks, hasher
+from hpcscale.portable.sink import TMPFILE_MAX, Sink
+from hpcscale.portable.wire import TokenBucket
+
+CHUNK = 32  # small files a copier process takes at a time
+AHEAD = 32  # files a child keeps open ahead of the one it copies
+REPORT_S = 0.1  # how often a child reports its progress
+_PR_SET_PDEATHSIG = 1
+
+
+def processes_for(jobs: int, files: int) -> int:
+    """How many copier processes a local copy of `files` files uses with -j `jobs`; 0: copy in threads (one
+    job, one file, not Linux, or not called from the main thread: the kernel ties a child's death signal to
+    the thread that forked it)."""
+    if jobs < 2 or files < 2 or not sys.platform.startswith("linux"):
+        return 0
+    if threading.current_thread() is not threading.main_thread():
+        return 0
+    return min(jobs, files)
+
+
+def chunks(todo: list, n: int) -> list[list]:
+    """`todo` ([(entry, offset)], large files first, then small ones in path order) as the units `n` copier
+    processes take one at a time: each large file alone, the small ones in runs of up to CHUNK neighbours (the
+    same directories, near each other on disk), shorter where there are few, so that each process gets some."""
+    per = max(1, min(CHUNK, len(todo) // (4 * n)))
+    out: list[list] = []
+    run: list = []
+    for item in todo:
+        if item[0][1] - item[1] >= TMPFILE_MAX:
+            out.append([item])
+            continue
+        run.append(item)
+        if len(run) == per:
+            out.append(run)
+            run = []
+    if run:
+        out.append(run)
+    return out
+
+
+def open_source(source, entry, offset):
+    """(fd, None), with the kernel asked to read the file ahead; or (None, (message, kind))."""
+    try:
+        fd = source.open(entry[0])
+    except StageError as e:
+        return None, (str(e), e.kind)
+    except OSError as e:  # e.g. a dangling symlink: this file fails, the others go on
+        return None, (str(e), "runtime")
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_WILLNEED)
+    return fd, None
+
+
+def copy_file(sink: Sink, entry, offset: int, fd: int, bucket, on_bytes):
+    """Bytes [offset, size) of the open source `fd` into place at `sink` (fd is closed). None once the file is
+    verified and in place; else (message, kind), and nothing of it took its name."""
+    try:
+        w = sink.begin(entry, offset)
+        try:
+            pos = offset
+            for data in blocks(fd, offset, entry[1]):
+                if bucket is not None:
+                    bucket.take(len(data))
+                w.write(data)
+                pos += len(data)
+                on_bytes(len(data))
+            if pos < entry[1]:
+                raise StageError(f"{w.path}: the source shrank while being read", "verify")
+        except BaseException:
+            w.abort()
+            raise
+        w.finish()
+    except StageError as e:
+        return str(e), e.kind
+    except OSError as e:
+        return str(e), "runtime"
+    except Exception as e:  # never a silent end: the file fails, and the stage with it
+        return f"unexpected {type(e).__name__}: {e}", "runtime"
+    finally:
+        os.close(fd)
+    return None
+
+
+class _Report:
+    """A child's messages to the parent, one JSON list a line: ["n", files placed, of them resumed, bytes],
+    ["f", path, message, kind], ["d"] (done: no unit left to take, every file taken handled, the journal
+    closed)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.files = self.resumed = self.bytes = 0
+        self.lines: list[str] = []
+        self.last = time.monotonic()
+
+    def add_bytes(self, n: int) -> None:
+        self.bytes += n
+        self.maybe_send()
+
+    def placed(self, resumed: bool) -> None:
+        self.files += 1
+        self.resumed += resumed
+        self.maybe_send()
+
+    def failed(self, path, message: str, kind: str) -> None:
+        self._counts()
+        self.lines.append(json.dumps(["f", path, message, kind]))
+        self.send()
+
+    def _counts(self) -> None:
+        if self.files or self.bytes:
+            self.lines.append(json.dumps(["n", self.files, self.resumed, self.bytes]))
+            self.files = self.resumed = self.bytes = 0
+
+    def maybe_send(self) -> None:
+        if time.monotonic() - self.last >= REPORT_S:
+            self._counts()
+            self.send()
+
+    def send(self) -> None:
+        data = memoryview("".join(line + "\n" for line in self.lines).encode())
+        self.lines.clear()
+        while data:
+            data = data[os.write(self.fd, data) :]
+        self.last = time.monotonic()
+
+
+def _units(fd: int, units: list):
+    """The files of the units this child takes from the work pipe, one unit (4 bytes: its index) at a time.
+    Every read asks for 4 bytes of a pipe written in multiples of 4 and then closed: each index goes to exactly
+    one reader, and an empty pipe is the end."""
+    while True:
+        b = os.read(fd, 4)
+        if len(b) < 4:
+            return
+        yield from units[int.from_bytes(b, "little")]
+
+
+def _child(units: list, work: int, source, sink: Sink, bwlimit, fd: int, parent: int, libc) -> None:
+    """A copier process: copy the units it takes from the pipe `work`, report on `fd`, never return."""
+    code = 1
+    report = _Report(fd)
+    try:
+        # SIGKILL when the parent dies; if it died before the request, exit now
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+            os._exit(1)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is the parent's to handle: it kills us
+        own = Sink(sink.root, sink.algorithm, sync=False, jobs=1, umask=sink.umask, lock=sink.lock_token)
+        try:
+            bucket = TokenBucket(bwlimit) if bwlimit else None
+            items = _units(work, units)
+            ahead: deque = deque()
+            pending = 0  # bytes of the files open ahead
+            stop = False
+            while True:
+                # a few files ahead, but never more than a large file's worth of bytes: work taken is work the
+                # other processes can no longer share
+                while not stop and len(ahead) < AHEAD and pending < TMPFILE_MAX:
+                    item = next(items, None)
+                    if item is None:
+                        break
+                    entry, offset = item
+                    src_fd, problem = open_source(source, entry, offset)
+                    if problem is not None:
+                        report.failed(entry[0], *problem)
+                        stop = problem[1] == "input"
+                    else:
+                        ahead.append((entry, offset, src_fd))
+                        pending += entry[1] - offset
+                if not ahead:
+                    break
+                entry, offset, src_fd = ahead.popleft()
+                pending -= entry[1] - offset
+                if stop:
+                    os.close(src_fd)
+                    continue
+                problem = copy_file(own, entry, offset, src_fd, bucket, report.add_bytes)
+                if problem is None:
+                    report.placed(offset > 0)
+                else:
+                    report.failed(entry[0], *problem)
+                    stop = problem[1] == "input"
+        finally:
+            own.close()  # the journal, closed: every line of a placed file is with the OS
+        report._counts()
+        report.lines.append('["d"]')
+        report.send()
+        code = 0
+    except BaseException as e:
+        with contextlib.suppress(BaseException):
+            report.failed(None, f"copier process {os.getpid()}: unexpected {type(e).__name__}: {e}", "runtime")
+    finally:
+        os._exit(code)  # no interpreter teardown: nothing of the parent's (buffers, atexit) runs twice
+
+
+def _listen(fd: int, run, done: list, i: int) -> None:
+    """The parent's side of one child's pipe, until the child closes it."""
+    rest = b""
+    try:
+        while True:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                return
+            *lines, rest = (rest + data).split(b"\n")
+            for line in lines:
+                msg = json.loads(line)
+                if msg[0] == "n":
+                    _, files, resumed, nbytes = msg
+                    if nbytes:
+                        run.sent_bytes(nbytes)
+                    for k in range(files):
+                        run.ok(k < resumed)
+                elif msg[0] == "f":
+                    run.fail(msg[1], msg[2], msg[3])
+                elif msg[0] == "d":
+                    done[i] = True
+    except BaseException as e:  # a report we cannot read: the stage must not commit on it
+        run.abort(e)
+
+
+def copy_in_processes(todo: list, source, sink: Sink, bwlimit, run, n: int) -> None:
+    """Copy `todo` with `n` copier processes (see the module's docstring); outcomes go to `run` as the copier
+    threads' do (ok, sent_bytes, fail, abort)."""
+    import ctypes  # before the fork, as the hash module: nothing is imported in a child
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    hasher(sink.algorithm)
+    work, units = _work_pipe(todo, n)
+    n = min(n, len(units))
+    run.result.streams = n
+    rate = bwlimit / n if bwlimit else None
+    parent = os.getpid()
+    children: list[tuple[int, int]] = []
+    live: set[int] = set()  # forked and not yet reaped: the only pids ever signalled
+    try:
+        for _ in range(n):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(r)
+                _child(units, work, source, sink, rate, w, parent, libc)
+            os.close(w)
+            children.append((pid, r))
+            live.add(pid)
+        done = [False] * len(children)
+        listeners = [
+            threading.Thread(target=_listen, args=(r, run, done, i), daemon=True) for i, (_, r) in enumerate(children)
+        ]
+        for t in listeners:
+            t.start()
+        for t in listeners:
+            while t.is_alive():
+                t.join(0.1)
+                if run.stop.is_set():
+                    _kill(live)
+        for i, (pid, _) in enumerate(children):
+            status = _reap(pid, live)
+            if not done[i] and not run.stop.is_set():
+                run.fail(None, f"copier process {pid} {_ended(status)} before it finished its files", "runtime")
+            elif status and not run.stop.is_set():
+                run.fail(None, f"copier process {pid} {_ended(status)}", "runtime")
+    finally:
+        _kill(live)
+        for pid, r in children:
+            _reap(pid, live)
+            os.close(r)
+        os.close(work)
+
+
+def _work_pipe(todo: list, n: int) -> tuple[int, list]:
+    """(read end of a pipe holding every unit's index, closed for writing; the units). The pipe is grown to hold
+    them all (F_SETPIPE_SZ); where it cannot grow enough, the units are made longer."""
+    import fcntl
+
+    units = chunks(todo, n)
+    r, w = os.pipe()
+    try:
+        size = 1 << 16
+        if 4 * len(units) > size:
+            with contextlib.suppress(OSError):
+                size = fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4 * len(units))
+        if 4 * len(units) > size:
+            per = -(-len(todo) // (size // 4))
+            units = [todo[i : i + per] for i in range(0, len(todo), per)]
+        data = memoryview(b"".join(i.to_bytes(4, "little") for i in range(len(units))))
+        while data:
+            data = data[os.write(w, data) :]
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    return r, units
+
+
+def _kill(live: set[int]) -> None:
+    for pid in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _reap(pid: int, live: set[int]):
+    """The child's wait status; None if it was reaped already."""
+    if pid not in live:
+        return None
+    status = os.waitpid(pid, 0)[1]
+    live.discard(pid)
+    return status
+
+
+def _ended(status) -> str:
+    if status is None:
+        return "ended"
+    if os.WIFSIGNALED(status):
+        return f"was killed by signal {os.WTERMSIG(status)}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
