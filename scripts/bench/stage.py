@@ -104,7 +104,9 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=10000)
     ap.add_argument("--large", type=int, default=4)
     ap.add_argument("--large-mb", type=int, default=50)
-    ap.add_argument("--jobs", type=int, default=2, help="hpcscale -j between local paths (2 copiers beat 4 on 2 cores)")
+    ap.add_argument(
+        "--jobs", type=int, default=2, help="hpcscale -j between local paths (processes; 2 and 4 alike on 2 cores)"
+    )
     ap.add_argument(
         "--ssh-jobs", type=int, default=1, help="hpcscale -j over ssh (on 2 cores each extra stream costs CPU)"
     )
