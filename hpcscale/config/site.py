@@ -126,8 +126,8 @@ class Staging:
     """How other sites reach this one's data (hpcscale stage)."""
 
     jobs: int = setting(
-        "Parallel transfer streams of `hpcscale stage --site` (its `-j`): ssh connections or local copy "
-        "threads. An explicit `-j` wins.",
+        "Parallel transfer streams of `hpcscale stage --site` (its `-j`): ssh connections or local copier "
+        "processes. An explicit `-j` wins.",
         default=8,
         min=1,
         max=256,
