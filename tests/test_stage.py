@@ -517,6 +517,111 @@ def test_an_input_error_in_one_copier_process_stops_the_others(tmp_path):
     assert not (dst / "manifest.json").exists()
 
 
+def test_a_front_end_started_with_sigchld_ignored_still_reaps_and_commits(tmp_path):
+    """A launcher that set SIGCHLD to SIG_IGN (it survives exec) would let the kernel reap the copiers."""
+    src = make_tree(tmp_path / "src", small=30)
+    build(src)
+    dst = tmp_path / "dst"
+    r = subprocess.run(
+        ["hpcscale", "stage", str(src / "manifest.json"), "--from", str(src), "--to", str(dst), "-j", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN),
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["committed"] and json.loads(r.stdout)["streams"] == 2
+    same_tree(src, dst)
+
+
+def test_a_work_pipe_that_cannot_grow_gets_longer_units_and_never_blocks(tmp_path, monkeypatch):
+    """A user over the kernel's pipe limits gets small pipes that F_SETPIPE_SZ cannot grow: the units are cut to
+    what the pipe holds (written before any copier exists, more would block for ever)."""
+    import fcntl
+
+    from hpcscale.xsite import copiers
+    from hpcscale.xsite.stage import StageOptions, stage_files
+
+    src = tmp_path / "src"
+    for i in range(1500):
+        d = src / f"d{i % 10}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}").write_bytes(i.to_bytes(4, "little"))
+    build(src)
+    monkeypatch.setattr(copiers, "CHUNK", 1)  # 1500 units: 6000 bytes of indexes
+    monkeypatch.setattr(copiers, "_grow_pipe", lambda fd, size: fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096))
+    r = stage_files(read_manifest(src / "manifest.json"), str(src), str(tmp_path / "dst"), opts=StageOptions(jobs=2))
+    assert r.committed and r.sent == 1500 and r.streams == 2
+    same_tree(src, tmp_path / "dst")
+
+
+@pytest.mark.parametrize("where", ["child", "parent"])
+def test_a_signal_while_forking_never_runs_the_front_ends_code_in_a_copier(tmp_path, where):
+    """SIGINT arriving in a copier's first instant, or in the front end while it forks: the copier never unwinds
+    through the front end's code (a second summary, a lock released under it); the front end handles its own."""
+    src = make_tree(tmp_path / "src", small=30)
+    build(src)
+    dst = tmp_path / "dst"
+    script = f"""
+import os, signal, sys
+from hpcscale.data.manifest import read_manifest
+from hpcscale.xsite.stage import StageOptions, stage_files
+me = os.getpid()
+hook = "after_in_child" if {where!r} == "child" else "after_in_parent"
+os.register_at_fork(**{{hook: lambda: os.kill(os.getpid(), signal.SIGINT)}})
+try:
+    m = read_manifest({str(src / "manifest.json")!r})
+    r = stage_files(m, {str(src)!r}, {str(dst)!r}, opts=StageOptions(jobs=2))
+    print("PID", os.getpid(), "committed", r.committed, r.streams, flush=True)
+except KeyboardInterrupt:
+    print("PID", os.getpid(), "interrupted", flush=True)
+"""
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("PID")]
+    assert len(lines) == 1, r.stdout + r.stderr  # one process came back from stage_files: the front end
+    assert "Traceback" not in r.stderr, r.stderr
+    if where == "child":  # the copiers ignore it; the stage completes
+        assert lines[0].endswith("committed True 2"), lines
+        same_tree(src, dst)
+    else:  # the front end's own Ctrl-C: copiers killed, nothing committed, the lock given back
+        assert lines[0].endswith("interrupted"), lines
+        assert not (dst / "manifest.json").exists()
+        assert not (dst / ".hpcscale-stage" / "lock").exists()
+
+
+def test_the_bandwidth_limit_is_one_budget_for_all_copier_processes(tmp_path):
+    """One big file and three tiny ones at 1 MiB/s with -j 4: the process with the big file has the whole rate
+    once the others are done (a 1/4 share each would take 12 s)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(3 << 20))
+    for i in range(3):
+        (src / f"t{i}").write_bytes(b"x")
+    build(src)
+    t = time.monotonic()
+    r = stage_json(src / "manifest.json", str(src), str(tmp_path / "dst"), "--bwlimit", "1M", "-j", "4")
+    took = time.monotonic() - t
+    assert r["committed"] and r["streams"] == 4
+    assert 2.0 <= took < 6.0, took
+
+
+def test_no_memory_to_fork_copies_in_threads(tmp_path, monkeypatch):
+    import errno
+
+    from hpcscale.xsite.stage import StageOptions, stage_files
+
+    src = make_tree(tmp_path / "src", small=20)
+    build(src)
+
+    def no_fork():
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    r = stage_files(read_manifest(src / "manifest.json"), str(src), str(tmp_path / "dst"), opts=StageOptions(jobs=3))
+    assert r.committed and r.sent == 21 and r.streams == 3
+    same_tree(src, tmp_path / "dst")
+
+
 # -- stage over ssh (a real sshd on loopback) ------------------------------------------------------------
 
 

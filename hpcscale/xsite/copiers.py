@@ -19,10 +19,18 @@ parent on a pipe of its own, a few times a second: files placed, bytes, and ever
 Guarantees, as for threads:
 - the parent commits (record, then manifest) only once every child has said it finished and exited 0, and
   every file was reported placed (hpcscale.xsite.stage._complete counts them);
-- a child that dies, or stops reporting, fails the stage; nothing is committed;
+- a child that dies fails the stage; nothing is committed (one that hangs, on a hung NFS read say, or is
+  stopped with SIGSTOP, holds the stage up until it goes on, as a hung copier thread did);
 - a child never outlives the parent: it asks the kernel for SIGKILL when the parent dies (PR_SET_PDEATHSIG),
-  so no file is written by a stage whose lock holder is gone; a failure of kind 'input', an interrupt or any
-  exception in the parent kills the children before the error surfaces;
+  so no file is written by a stage whose lock holder is gone (a child inside an uninterruptible system call
+  finishes that one call first: a write to its own part file or inode, or the link or rename of a file
+  already verified); a failure of kind 'input', an interrupt or any exception in the parent kills the
+  children before the error surfaces; the children are killed through pidfds where the kernel has them, and
+  reaped by the parent whatever the caller's SIGCHLD disposition;
+- signals are held while a child is forked: a Ctrl-C then reaches the parent's handler in the parent only,
+  and the child ignores SIGINT (the parent kills it) and takes the default for the others;
+- --bwlimit is one budget for all processes (a token bucket on a shared page);
+- if not even one process can be forked (no memory), the copy runs in threads instead;
 - a killed child leaves what a killed stage leaves: unnamed inodes that vanish, part files a rerun continues,
   journal lines that a rerun checks by stat.
 """
@@ -33,6 +41,7 @@ import contextlib
 import json
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -41,7 +50,6 @@ from collections import deque
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import blocks, hasher
 from hpcscale.portable.sink import TMPFILE_MAX, Sink
-from hpcscale.portable.wire import TokenBucket
 
 CHUNK = 32  # small files a copier process takes at a time
 AHEAD = 32  # files a child keeps open ahead of the one it copies
@@ -177,7 +185,7 @@ def _units(fd: int, units: list):
         yield from units[int.from_bytes(b, "little")]
 
 
-def _child(units: list, work: int, source, sink: Sink, bwlimit, fd: int, parent: int, libc) -> None:
+def _child(units: list, work: int, source, sink: Sink, bucket, fd: int, parent: int, libc) -> None:
     """A copier process: copy the units it takes from the pipe `work`, report on `fd`, never return."""
     code = 1
     report = _Report(fd)
@@ -185,10 +193,8 @@ def _child(units: list, work: int, source, sink: Sink, bwlimit, fd: int, parent:
         # SIGKILL when the parent dies; if it died before the request, exit now
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
             os._exit(1)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # an interrupt is the parent's to handle: it kills us
         own = Sink(sink.root, sink.algorithm, sync=False, jobs=1, umask=sink.umask, lock=sink.lock_token)
         try:
-            bucket = TokenBucket(bwlimit) if bwlimit else None
             items = _units(work, units)
             ahead: deque = deque()
             pending = 0  # bytes of the files open ahead
@@ -234,12 +240,12 @@ def _child(units: list, work: int, source, sink: Sink, bwlimit, fd: int, parent:
         os._exit(code)  # no interpreter teardown: nothing of the parent's (buffers, atexit) runs twice
 
 
-def _listen(fd: int, run, done: list, i: int) -> None:
-    """The parent's side of one child's pipe, until the child closes it."""
+def _listen(child, run) -> None:
+    """The parent's side of one child's report pipe, until the child closes it."""
     rest = b""
     try:
         while True:
-            data = os.read(fd, 1 << 16)
+            data = os.read(child.report, 1 << 16)
             if not data:
                 return
             *lines, rest = (rest + data).split(b"\n")
@@ -254,74 +260,204 @@ def _listen(fd: int, run, done: list, i: int) -> None:
                 elif msg[0] == "f":
                     run.fail(msg[1], msg[2], msg[3])
                 elif msg[0] == "d":
-                    done[i] = True
+                    child.done = True
     except BaseException as e:  # a report we cannot read: the stage must not commit on it
         run.abort(e)
 
 
-def copy_in_processes(todo: list, source, sink: Sink, bwlimit, run, n: int) -> None:
-    """Copy `todo` with `n` copier processes (see the module's docstring); outcomes go to `run` as the copier
-    threads' do (ok, sent_bytes, fail, abort)."""
+# Signals held back while a child is forked and until its pid is known (so that neither a Ctrl-C in the child's
+# first microseconds runs the parent's handler there, nor one in the parent is lost in an at-fork hook), and
+# while the children are killed and reaped.
+_HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
+
+
+class _SharedBucket:
+    """--bwlimit for all copier processes together: TokenBucket's arithmetic on a shared page under a
+    semaphore (a 1/N share each would leave most of the rate unused while one process copies the last big
+    file). A holder killed inside the few microseconds it holds the semaphore would leave it taken: a waiter
+    then goes on after a second, which at worst lets a burst through."""
+
+    def __init__(self, rate: float):
+        import mmap
+        import multiprocessing
+
+        self.rate = float(rate)
+        self.mem = mmap.mmap(-1, 16)  # anonymous and MAP_SHARED: the children see one page
+        self.lock = multiprocessing.get_context("fork").Lock()
+        struct.pack_into("dd", self.mem, 0, time.monotonic(), 0.0)
+
+    def take(self, n: int) -> None:
+        held = self.lock.acquire(timeout=1.0)
+        try:
+            then, debt = struct.unpack_from("dd", self.mem, 0)
+            now = time.monotonic()
+            debt = max(0.0, debt - (now - then) * self.rate) + n
+            struct.pack_into("dd", self.mem, 0, now, debt)
+        finally:
+            if held:
+                self.lock.release()
+        wait = debt / self.rate - 0.05  # a 50 ms burst, as TokenBucket
+        if wait > 0:
+            time.sleep(wait)
+
+
+class _Child:
+    """A forked copier: its pid, a pidfd where the kernel has them (a signal through it can never reach
+    another process that reused the pid), its report pipe and the thread that reads it."""
+
+    def __init__(self, pid: int, report: int):
+        self.pid, self.report = pid, report
+        self.pidfd = None
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(pid)
+        self.reaped = False
+        self.status = None  # its wait status; None if someone else reaped it (a SIGCHLD handler of the caller)
+        self.done = False
+        self.listener: threading.Thread | None = None
+
+    def kill(self) -> None:
+        if self.reaped:
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGKILL)
+
+    def reap(self) -> None:
+        if self.reaped:
+            return
+        with contextlib.suppress(ChildProcessError):  # reaped by someone else: its report says if it finished
+            self.status = os.waitpid(self.pid, 0)[1]
+        self.reaped = True
+
+    def close(self) -> None:
+        """Close the report pipe once its reader is done with it (a reader still blocked keeps it: a closed
+        number could be reused by another file under the reader's feet)."""
+        if self.listener is not None and self.listener.is_alive():
+            self.listener.join(5)
+            if self.listener.is_alive():
+                return
+        with contextlib.suppress(OSError):
+            os.close(self.report)
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+
+
+def copy_in_processes(todo: list, source, sink: Sink, bwlimit, run, n: int) -> bool:
+    """Copy `todo` with up to `n` copier processes (see the module's docstring); outcomes go to `run` as the
+    copier threads' do (ok, sent_bytes, fail, abort). False, having done nothing, if not even one process could
+    be forked (no memory for it): the caller copies in threads instead."""
     import ctypes  # before the fork, as the hash module: nothing is imported in a child
+    import gc
 
     libc = ctypes.CDLL(None, use_errno=True)
     hasher(sink.algorithm)
     work, units = _work_pipe(todo, n)
     n = min(n, len(units))
-    run.result.streams = n
-    rate = bwlimit / n if bwlimit else None
+    bucket = _SharedBucket(bwlimit) if bwlimit else None
     parent = os.getpid()
-    children: list[tuple[int, int]] = []
-    live: set[int] = set()  # forked and not yet reaped: the only pids ever signalled
+    children: list[_Child] = []
+    # The caller's SIGCHLD disposition, SIG_IGN in particular, would let the kernel reap the children behind
+    # our back; the default while they run, restored after.
+    chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
-        for _ in range(n):
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(r)
-                _child(units, work, source, sink, rate, w, parent, libc)
-            os.close(w)
-            children.append((pid, r))
-            live.add(pid)
-        done = [False] * len(children)
-        listeners = [
-            threading.Thread(target=_listen, args=(r, run, done, i), daemon=True) for i, (_, r) in enumerate(children)
-        ]
-        for t in listeners:
-            t.start()
-        for t in listeners:
-            while t.is_alive():
-                t.join(0.1)
+        gc.freeze()  # what exists now is shared with the children, not copied by their collector's writes
+        try:
+            for _ in range(n):
+                r, w = os.pipe()
+                old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+                try:
+                    pid = os.fork()
+                except OSError:
+                    os.close(r)
+                    os.close(w)
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                    if not children:
+                        os.close(work)
+                        return False
+                    break  # fewer processes than asked: the ones there are share the work
+                if pid == 0:
+                    try:
+                        os.close(r)
+                        for sig in _HELD:
+                            signal.signal(sig, signal.SIG_IGN if sig == signal.SIGINT else signal.SIG_DFL)
+                        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+                        _child(units, work, source, sink, bucket, w, parent, libc)
+                    finally:
+                        os._exit(1)
+                children.append(_Child(pid, r))
+                os.close(w)
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        finally:
+            gc.unfreeze()
+        run.result.streams = len(children)
+        for c in children:
+            c.listener = threading.Thread(target=_listen, args=(c, run), daemon=True)
+            c.listener.start()
+        for c in children:
+            while c.listener.is_alive():
+                c.listener.join(0.1)
                 if run.stop.is_set():
-                    _kill(live)
-        for i, (pid, _) in enumerate(children):
-            status = _reap(pid, live)
-            if not done[i] and not run.stop.is_set():
-                run.fail(None, f"copier process {pid} {_ended(status)} before it finished its files", "runtime")
-            elif status and not run.stop.is_set():
-                run.fail(None, f"copier process {pid} {_ended(status)}", "runtime")
+                    for k in children:
+                        k.kill()
+        for c in children:
+            c.reap()
+            if run.stop.is_set():
+                continue
+            if not c.done:
+                run.fail(None, f"copier process {c.pid} {_ended(c.status)} before it finished its files", "runtime")
+            elif c.status:
+                run.fail(None, f"copier process {c.pid} {_ended(c.status)}", "runtime")
+        return True
     finally:
-        _kill(live)
-        for pid, r in children:
-            _reap(pid, live)
-            os.close(r)
-        os.close(work)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)  # a second Ctrl-C must not leave zombies
+        try:
+            for c in children:
+                c.kill()
+            for c in children:
+                c.reap()
+            for c in children:
+                c.close()
+            with contextlib.suppress(OSError):
+                os.close(work)
+            if chld is not None:  # None: a handler set outside Python, which signal.signal cannot put back
+                signal.signal(signal.SIGCHLD, chld)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _grow_pipe(fd: int, size: int) -> None:
+    """Ask for a pipe buffer of `size` bytes (F_SETPIPE_SZ); refused past the user's limits, silently."""
+    import fcntl
+
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+
+
+def _pipe_size(fd: int) -> int:
+    import fcntl
+
+    try:
+        return fcntl.fcntl(fd, getattr(fcntl, "F_GETPIPE_SZ", 1032))
+    except OSError:
+        return 4096  # the least a pipe holds (one page)
 
 
 def _work_pipe(todo: list, n: int) -> tuple[int, list]:
-    """(read end of a pipe holding every unit's index, closed for writing; the units). The pipe is grown to hold
-    them all (F_SETPIPE_SZ); where it cannot grow enough, the units are made longer."""
-    import fcntl
-
+    """(read end of a pipe holding every unit's index, closed for writing; the units). All of it is written
+    before any child exists, so it must fit: the pipe is grown (F_SETPIPE_SZ), its real size read back (a user
+    over the kernel's pipe limits gets 8 KiB and no growth), and where it still falls short the units are made
+    longer. A write that fits an empty pipe never waits."""
     units = chunks(todo, n)
     r, w = os.pipe()
     try:
-        size = 1 << 16
-        if 4 * len(units) > size:
-            with contextlib.suppress(OSError):
-                size = fcntl.fcntl(w, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4 * len(units))
-        if 4 * len(units) > size:
-            per = -(-len(todo) // (size // 4))
+        if 4 * len(units) > _pipe_size(w):
+            _grow_pipe(w, 4 * len(units))
+        room = _pipe_size(w) // 4
+        if len(units) > room:
+            per = -(-len(todo) // room)
             units = [todo[i : i + per] for i in range(0, len(todo), per)]
         data = memoryview(b"".join(i.to_bytes(4, "little") for i in range(len(units))))
         while data:
@@ -332,21 +468,6 @@ def _work_pipe(todo: list, n: int) -> tuple[int, list]:
     finally:
         os.close(w)
     return r, units
-
-
-def _kill(live: set[int]) -> None:
-    for pid in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _reap(pid: int, live: set[int]):
-    """The child's wait status; None if it was reaped already."""
-    if pid not in live:
-        return None
-    status = os.waitpid(pid, 0)[1]
-    live.discard(pid)
-    return status
 
 
 def _ended(status) -> str:

@@ -302,9 +302,7 @@ def _local(entries, dirs, manifest_text, source: Source, sink: Sink, opts: Stage
     if opts.dry_run:
         return
     n = copiers.processes_for(opts.jobs, len(todo))
-    if n:
-        copiers.copy_in_processes(todo, source, sink, opts.bwlimit, run, n)
-    else:
+    if not (n and copiers.copy_in_processes(todo, source, sink, opts.bwlimit, run, n)):
         _local_threads(todo, source, sink, opts, run)
     _commit(sink, manifest_text, run, len(todo))
 
