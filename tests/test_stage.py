@@ -549,7 +549,7 @@ def test_a_work_pipe_that_cannot_grow_gets_longer_units_and_never_blocks(tmp_pat
         (d / f"f{i}").write_bytes(i.to_bytes(4, "little"))
     build(src)
     monkeypatch.setattr(copiers, "CHUNK", 1)  # 1500 units: 6000 bytes of indexes
-    monkeypatch.setattr(copiers, "_grow_pipe", lambda fd, size: fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096))
+    monkeypatch.setattr(copiers, "widen_pipe", lambda fd, size: fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096))
     r = stage_files(read_manifest(src / "manifest.json"), str(src), str(tmp_path / "dst"), opts=StageOptions(jobs=2))
     assert r.committed and r.sent == 1500 and r.streams == 2
     same_tree(src, tmp_path / "dst")

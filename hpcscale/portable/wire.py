@@ -99,19 +99,38 @@ class TokenBucket:
             time.sleep(wait)
 
 
-def stream_file(fd, offset, size, out, bucket=None):
-    """Send bytes [offset, size) of fd to out."""
+def pump(fd, offset, size, write, bucket=None, on_bytes=None):
+    """Bytes [offset, size) of fd to `write`, under `bucket`'s rate, each block counted by `on_bytes`; returns
+    where it stopped (short of size if the file shrank)."""
     pos = offset
     for data in blocks(fd, offset, size):
         if bucket is not None:
             bucket.take(len(data))
-        out.write(data)
+        write(data)
         pos += len(data)
+        if on_bytes is not None:
+            on_bytes(len(data))
+    return pos
+
+
+def stream_file(fd, offset, size, out, bucket=None):
+    """Send bytes [offset, size) of fd to out."""
+    pos = pump(fd, offset, size, out.write, bucket)
     if pos < size:
         raise StageError(f"file shrank while being sent ({pos} of {size} bytes)", "runtime")
 
 
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named there only from Python 3.10
+
+
+def pipe_size(fd):
+    """A pipe's buffer size in bytes (F_GETPIPE_SZ); 4096, the least a pipe holds, where it cannot be read."""
+    try:
+        import fcntl
+
+        return fcntl.fcntl(fd, F_SETPIPE_SZ + 1)  # F_GETPIPE_SZ
+    except (OSError, ImportError):
+        return 4096
 
 
 def widen_pipe(fd, size=1 << 20):

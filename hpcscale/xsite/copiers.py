@@ -48,8 +48,9 @@ import time
 from collections import deque
 
 from hpcscale.portable.errors import StageError
-from hpcscale.portable.hashing import blocks, hasher
+from hpcscale.portable.hashing import hasher
 from hpcscale.portable.sink import TMPFILE_MAX, Sink
+from hpcscale.portable.wire import TokenBucket, pipe_size, pump, widen_pipe
 
 CHUNK = 32  # small files a copier process takes at a time
 AHEAD = 32  # files a child keeps open ahead of the one it copies
@@ -107,14 +108,7 @@ def copy_file(sink: Sink, entry, offset: int, fd: int, bucket, on_bytes):
     try:
         w = sink.begin(entry, offset)
         try:
-            pos = offset
-            for data in blocks(fd, offset, entry[1]):
-                if bucket is not None:
-                    bucket.take(len(data))
-                w.write(data)
-                pos += len(data)
-                on_bytes(len(data))
-            if pos < entry[1]:
+            if pump(fd, offset, entry[1], w.write, bucket, on_bytes) < entry[1]:
                 raise StageError(f"{w.path}: the source shrank while being read", "verify")
         except BaseException:
             w.abort()
@@ -160,6 +154,11 @@ class _Report:
         if self.files or self.bytes:
             self.lines.append(json.dumps(["n", self.files, self.resumed, self.bytes]))
             self.files = self.resumed = self.bytes = 0
+
+    def done(self) -> None:
+        self._counts()
+        self.lines.append('["d"]')
+        self.send()
 
     def maybe_send(self) -> None:
         if time.monotonic() - self.last >= REPORT_S:
@@ -229,9 +228,7 @@ def _child(units: list, work: int, source, sink: Sink, bucket, fd: int, parent: 
                     stop = problem[1] == "input"
         finally:
             own.close()  # the journal, closed: every line of a placed file is with the OS
-        report._counts()
-        report.lines.append('["d"]')
-        report.send()
+        report.done()
         code = 0
     except BaseException as e:
         with contextlib.suppress(BaseException):
@@ -271,34 +268,34 @@ def _listen(child, run) -> None:
 _HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
 
 
-class _SharedBucket:
-    """--bwlimit for all copier processes together: TokenBucket's arithmetic on a shared page under a
-    semaphore (a 1/N share each would leave most of the rate unused while one process copies the last big
-    file). A holder killed inside the few microseconds it holds the semaphore would leave it taken: a waiter
-    then goes on after a second, which at worst lets a burst through."""
+class _SharedBucket(TokenBucket):
+    """--bwlimit for all copier processes together: TokenBucket with its state (t, debt) on a shared page and a
+    semaphore for its lock (a 1/N share each would leave most of the rate unused while one process copies the
+    last big file). A holder killed inside the few microseconds it holds the semaphore would leave it taken: a
+    waiter then goes on after a second, which at worst lets a burst through."""
 
     def __init__(self, rate: float):
         import mmap
         import multiprocessing
 
-        self.rate = float(rate)
         self.mem = mmap.mmap(-1, 16)  # anonymous and MAP_SHARED: the children see one page
-        self.lock = multiprocessing.get_context("fork").Lock()
-        struct.pack_into("dd", self.mem, 0, time.monotonic(), 0.0)
+        self.sem = multiprocessing.get_context("fork").Lock()
+        super().__init__(rate)
+        self.lock = self  # TokenBucket's `with self.lock`: __enter__/__exit__ below
 
-    def take(self, n: int) -> None:
-        held = self.lock.acquire(timeout=1.0)
-        try:
-            then, debt = struct.unpack_from("dd", self.mem, 0)
-            now = time.monotonic()
-            debt = max(0.0, debt - (now - then) * self.rate) + n
-            struct.pack_into("dd", self.mem, 0, now, debt)
-        finally:
-            if held:
-                self.lock.release()
-        wait = debt / self.rate - 0.05  # a 50 ms burst, as TokenBucket
-        if wait > 0:
-            time.sleep(wait)
+    def __enter__(self):
+        self.held = self.sem.acquire(timeout=1.0)
+
+    def __exit__(self, *exc) -> None:
+        if self.held:
+            self.sem.release()
+
+    t = property(
+        lambda self: struct.unpack_from("d", self.mem, 0)[0], lambda self, v: struct.pack_into("d", self.mem, 0, v)
+    )
+    debt = property(
+        lambda self: struct.unpack_from("d", self.mem, 8)[0], lambda self, v: struct.pack_into("d", self.mem, 8, v)
+    )
 
 
 class _Child:
@@ -428,23 +425,6 @@ def copy_in_processes(todo: list, source, sink: Sink, bwlimit, run, n: int) -> b
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _grow_pipe(fd: int, size: int) -> None:
-    """Ask for a pipe buffer of `size` bytes (F_SETPIPE_SZ); refused past the user's limits, silently."""
-    import fcntl
-
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
-
-
-def _pipe_size(fd: int) -> int:
-    import fcntl
-
-    try:
-        return fcntl.fcntl(fd, getattr(fcntl, "F_GETPIPE_SZ", 1032))
-    except OSError:
-        return 4096  # the least a pipe holds (one page)
-
-
 def _work_pipe(todo: list, n: int) -> tuple[int, list]:
     """(read end of a pipe holding every unit's index, closed for writing; the units). All of it is written
     before any child exists, so it must fit: the pipe is grown (F_SETPIPE_SZ), its real size read back (a user
@@ -453,9 +433,9 @@ def _work_pipe(todo: list, n: int) -> tuple[int, list]:
     units = chunks(todo, n)
     r, w = os.pipe()
     try:
-        if 4 * len(units) > _pipe_size(w):
-            _grow_pipe(w, 4 * len(units))
-        room = _pipe_size(w) // 4
+        if 4 * len(units) > pipe_size(w):
+            widen_pipe(w, 4 * len(units))
+        room = pipe_size(w) // 4
         if len(units) > room:
             per = -(-len(todo) // room)
             units = [todo[i : i + per] for i in range(0, len(todo), per)]

@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 from hpcscale.data.manifest import Manifest, manifest_text
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.portable.errors import StageError
-from hpcscale.portable.hashing import BLOCK, blocks
+from hpcscale.portable.hashing import BLOCK
 from hpcscale.portable.sink import TMPFILE_MAX, Sink
 from hpcscale.portable.source import Source
-from hpcscale.portable.wire import TokenBucket, recv, send
+from hpcscale.portable.wire import TokenBucket, pump, recv, send
 from hpcscale.util.progress import Progress
 from hpcscale.xsite import DEFAULT_JOBS, copiers
 from hpcscale.xsite.channel import Channel, Endpoint, error_for, parse_endpoint
@@ -259,19 +259,6 @@ def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> li
     return todo
 
 
-def _pump(fd: int, offset: int, size: int, write, run: _Run) -> int:
-    """Bytes [offset, size) of fd to `write`, under the bandwidth limit, counted; returns where it stopped
-    (short of size if the file shrank)."""
-    pos = offset
-    for data in blocks(fd, offset, size):
-        if run.bucket is not None:
-            run.bucket.take(len(data))
-        write(data)
-        pos += len(data)
-        run.sent_bytes(len(data))
-    return pos
-
-
 def _complete(run: _Run, todo: int) -> bool:
     """Whether every listed file is proven in place: up to date by the plan, or acknowledged as verified and
     placed, one by one (`todo` of them), and nothing failed. Anything else, including a worker that ended
@@ -483,7 +470,7 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
                 inflight[path] = offset
                 hdr = {"op": "put", "path": path, "size": size, "mtime_ns": mtime, "hash": digest, "mode": mode}
                 send(ch.w, {**hdr, "offset": offset, "n": size - offset})
-                pos = _pump(fd, offset, size, ch.w.write, run)
+                pos = pump(fd, offset, size, ch.w.write, run.bucket, run.sent_bytes)
                 if pos < size:  # the file shrank: pad to keep the stream in step; the agent's hash check rejects it
                     ch.w.write(bytes(size - pos))
             finally:
