@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -256,6 +257,63 @@ def test_unchanged_tensors_are_neither_copied_nor_hashed(tmp_path):
         assert stats.new_bytes == 4000 and stats.referenced_bytes == 4000
     finally:
         dist.destroy_process_group()
+
+
+def test_load_reads_across_padding_in_few_preadvs_and_shared_chunks_once(tmp_path, monkeypatch):
+    """Small tensors make chunks padded to ALIGN in an O_DIRECT data file. The load reads through the padding
+    (one preadv for the lot, not one per 2 KiB bias), never trusts or checks what the padding holds, reads a
+    chunk two tensors share once, and still names the tensor whose bytes were damaged mid-run."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcscale.ckpt import reader
+    from hpcscale.ckpt.format import INDEX, read_index, step_dir_name
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.ckpt.shards import local_shards
+    from hpcscale.ckpt.writer import ALIGN
+    from hpcscale.errors import VerificationFailure
+    from hpcscale.layout import ParallelDims
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"bias{i:02d}": torch.randn(512, generator=g) for i in range(40)}  # 2 KiB each: padded
+    tensors["weight"] = torch.randn(256, 256, generator=g)
+    tensors["ones_a"], tensors["ones_b"] = torch.ones(300), torch.ones(300)  # one chunk, referenced twice
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, direct_io=True)
+        m.save(1, tensors, {}, asynchronous=False)
+    finally:
+        dist.destroy_process_group()
+    index = read_index(tmp_path / step_dir_name(1) / INDEX)
+    refs = sorted({c for t in index.tensors.values() for s in t.shards for c in s.chunks}, key=lambda c: c.offset)
+    assert len({c.file for c in refs}) == 1
+    data = tmp_path / refs[0].file
+    gaps = [(a.offset + a.length, b.offset) for a, b in itertools.pairwise(refs) if b.offset > a.offset + a.length]
+    assert len(gaps) >= 40 and all(0 < b - a < ALIGN for a, b in gaps)  # the direct path padded the biases
+    with open(data, "r+b") as f:  # garbage in every gap: nothing references it, so nothing may refuse it
+        for a, b in gaps:
+            f.seek(a)
+            f.write(b"\xff" * (b - a))
+
+    calls = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(reader.os, "preadv", lambda fd, bufs, at: calls.append(len(bufs)) or real_preadv(fd, bufs, at))
+    out = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    nbytes = reader.load_shards(index, tmp_path, local_shards(out))
+    for k, v in tensors.items():
+        assert torch.equal(out[k], v), k
+    assert len(calls) == 1  # under RUN_BYTES, no gap over GAP_BYTES: one run
+    assert nbytes == refs[-1].offset + refs[-1].length - refs[0].offset  # padding read, the shared chunk once
+
+    victim = index.tensors["bias17"].shards[0].chunks[0]
+    with open(data, "r+b") as f:
+        f.seek(victim.offset + 100)
+        byte = f.read(1)
+        f.seek(victim.offset + 100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(VerificationFailure, match=r"bias17.*hash mismatch"):
+        reader.load_shards(index, tmp_path, local_shards({k: torch.zeros_like(v) for k, v in tensors.items()}))
 
 
 @pytest.mark.parametrize("direct", [True, False])
