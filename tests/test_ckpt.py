@@ -176,6 +176,79 @@ def test_flipped_byte_fails_verify_with_exit_3_and_load_falls_back(saved):
     }
 
 
+def _damage_last_chunk(step_dir: Path) -> str:
+    """Flip a byte of the chunk a load reads last (file order), so the load has written the rest first."""
+    from hpcscale.ckpt.format import INDEX, read_index
+
+    index = read_index(step_dir / INDEX)
+    chunks = [(n, c) for n, t in index.tensors.items() for s in t.shards for c in s.chunks]
+    name, chunk = max(chunks, key=lambda x: (x[1].file, x[1].offset))
+    path = step_dir.parent / chunk.file
+    with open(path, "r+b") as f:
+        f.seek(chunk.offset)
+        byte = f.read(1)
+        f.seek(chunk.offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return name
+
+
+def test_every_checkpoint_refused_after_partial_reads_starts_truly_from_scratch(mpi, tmp_path):
+    """Chunks are read straight into the model and hashed there: a checkpoint refused at its last chunk has
+    overwritten everything else. With no older one left, the built-in trainer must build its model again, or
+    its "fresh start" trains on from the refused checkpoint's weights."""
+    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=2, steps=10, checkpoint={"every_steps": 5})
+    _run(job, tmp_path / "ref")
+    reference = _losses(tmp_path / "ref")
+    run = tmp_path / "run"
+    _run(job, run)
+    steps = sorted(p for p in (run / "checkpoints").glob("step-*"))
+    assert [p.name for p in steps] == ["step-00000005", "step-00000010"]
+    for step_dir in steps:
+        _damage_last_chunk(step_dir)
+    again = _run(job, run, "--reuse")
+    assert "refusing checkpoint step-00000010" in again.stdout + again.stderr
+    assert "built again from the seed" in again.stdout + again.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in rows if "loss" in r and r.get("attempt") == 2} == reference
+
+
+def test_load_latest_says_when_a_refused_load_touched_the_tensors(tmp_path):
+    """tensors_dirty: set when no checkpoint loaded after a refused one wrote into the tensors; not when the
+    refusal came before any read (a damaged index), nor when an older checkpoint loaded over everything."""
+    import torch
+    import torch.distributed as dist
+
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.layout import ParallelDims
+
+    g = torch.Generator().manual_seed(5)
+    saved = {f"w{i}": torch.randn(64, 64, generator=g) for i in range(6)}
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0)
+        m.save(1, saved, {}, asynchronous=False)
+        first = {k: v.clone() for k, v in saved.items()}
+        for t in saved.values():
+            t.add_(1)
+        m.save(2, saved, {}, asynchronous=False)
+        _damage_last_chunk(tmp_path / "step-00000002")
+        fresh = {k: torch.full_like(v, -3.0) for k, v in saved.items()}
+        assert m.load_latest(fresh).step == 1 and not m.tensors_dirty  # step 1 overwrote every element
+        assert all(torch.equal(fresh[k], first[k]) for k in saved)
+        _damage_last_chunk(tmp_path / "step-00000001")
+        fresh = {k: torch.full_like(v, -3.0) for k, v in saved.items()}
+        assert m.load_latest(fresh) is None and m.tensors_dirty
+        assert any(not torch.equal(v, torch.full_like(v, -3.0)) for v in fresh.values())  # what the flag is for
+        for step in (1, 2):  # an index that fails its digest is refused before any chunk is read
+            (tmp_path / f"step-0000000{step}" / "DIGEST").write_text("0" * 32 + "\n")
+        fresh = {k: torch.full_like(v, -3.0) for k, v in saved.items()}
+        assert m.load_latest(fresh) is None and not m.tensors_dirty
+        assert all(torch.equal(v, torch.full_like(v, -3.0)) for v in fresh.values())
+    finally:
+        dist.destroy_process_group()
+
+
 def test_truncated_data_file_fails_verify(saved):
     _, chunk = _first_chunk(saved / "step-00000002")
     path = saved / chunk.file

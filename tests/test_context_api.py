@@ -133,6 +133,37 @@ def test_doc_example_resumes_exactly_after_kill_9_and_on_another_layout(referenc
     assert_matches(moved, reference, rel=2e-4)
 
 
+def test_restore_refuses_to_start_from_a_model_a_refused_checkpoint_was_partly_read_into(mpi, tmp_path):
+    """Every checkpoint damaged in the chunk a load reads last: each refusal comes after the rest of it was read
+    into the user's model. hpcscale cannot build the user's model again, so restore() raises
+    VerificationFailure (the job fails) and says what to do, instead of training on from those weights as if
+    from scratch."""
+    from hpcscale.ckpt.format import INDEX, read_index
+
+    job = doc_example(tmp_path / "code")
+    run = tmp_path / "run"
+    r = run_local(job, run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    step_dirs = sorted((run / "checkpoints").glob("step-*"))
+    assert step_dirs
+    for step_dir in step_dirs:
+        index = read_index(step_dir / INDEX)
+        last = max(
+            (c for t in index.tensors.values() for s in t.shards for c in s.chunks), key=lambda c: (c.file, c.offset)
+        )
+        with open(step_dir.parent / last.file, "r+b") as f:
+            f.seek(last.offset)
+            byte = f.read(1)
+            f.seek(last.offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    r = run_local(job, run, "--reuse")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "refusing checkpoint" in out and "VerificationFailure" in out
+    assert "cannot start from scratch either" in out and "Move the refused checkpoints" in out
+    assert not [x for x in rows(run) if "loss" in x and x.get("attempt") == 2]  # nothing trained from them
+
+
 def test_doc_example_stop_signal_checkpoints_then_resumes_exactly(reference, tmp_path):
     job = doc_example(tmp_path / "code", checkpoint={"every_steps": 0})  # only the stop's save
     run = tmp_path / "run"

@@ -86,6 +86,9 @@ class CheckpointManager:
         self.writer = ShardWriter(root, rank=rank, group=self.group, direct_io=direct_io)
         self.last_step: int | None = None
         self._refused: set[int] = set()  # steps load_latest refused: set aside if a save reaches one
+        # load_latest returned None after a refused checkpoint had been partly read into the caller's tensors
+        # (chunks are read straight into them and hashed there): they are no longer the fresh start's values
+        self.tensors_dirty = False
         self._adopt_newest()
         self.last_stats: SaveStats | None = None
         # One thread for every async save, started at the first
@@ -264,7 +267,14 @@ class CheckpointManager:
         `check_state(trainer_state)` returns what is wrong with a checkpoint's trainer state for the caller
         (None when it is usable): a problem, or an exception it raises, refuses that checkpoint on every rank
         together, like a hash mismatch. The RNG states restored (same layout) are checked against what this
-        process's torch accepts, likewise."""
+        process's torch accepts, likewise.
+
+        Chunks are read straight into `tensors` and hashed there, so a checkpoint refused during its reads
+        leaves them partly overwritten. The next checkpoint that loads overwrites every element; when none is
+        left, `tensors_dirty` says so (on every rank alike) and the caller must not train from them as a fresh
+        start: the built-in trainer builds its model again, `ctx.checkpoint.restore` refuses to go on."""
+        self.tensors_dirty = False
+        dirty = False
         listing: list = [None]
         if self.rank == 0:
             try:
@@ -278,7 +288,7 @@ class CheckpointManager:
         refused: list[int] = []
         for step in listing[0]:
             path = self.root / step_dir_name(step) / INDEX
-            problem, index = None, None
+            problem, index, wrote = None, None, False
             try:
                 index = read_index(path)  # root digest, DIGEST and structure: nothing below follows a bad index
                 same_layout = index.layout == self.dims.as_dict()
@@ -288,6 +298,7 @@ class CheckpointManager:
                 if problem is not None:
                     problem = f"{path.parent}: {problem}"
                 else:
+                    wrote = True
                     load_shards(index, self.root, targets)
             except VerificationFailure as e:
                 problem = str(e)
@@ -297,9 +308,10 @@ class CheckpointManager:
                 # alone would leave the others waiting on it forever. The type is kept in the message.
                 problem = f"{path.parent}: unexpected {type(e).__name__}: {e}"
             problems = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem, group=self.group)
-            bad = [p for p in problems if p]
+            dist.all_gather_object(problems, (problem, wrote), group=self.group)
+            bad = [p for p, _ in problems if p]
             if bad:
+                dirty = dirty or any(w for _, w in problems)
                 if self.rank == 0:
                     self.log(
                         f"hpcscale: refusing checkpoint {step_dir_name(step)}: {bad[0]}; "
@@ -312,6 +324,12 @@ class CheckpointManager:
             self.last_step = step
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
         self._refused = set(refused)
+        self.tensors_dirty = dirty
+        if dirty and self.rank == 0:
+            self.log(
+                "hpcscale: no checkpoint left to load, and a refused one had already been partly read into the "
+                "model and optimizer state"
+            )
         return None
 
     def _set_aside(self, steps: list[int]) -> None:

@@ -18,7 +18,7 @@ from hpcscale.errors import VerificationFailure
 
 RUN_BYTES = 16 << 20  # adjacent chunks read with one preadv, up to about this many bytes...
 RUN_CHUNKS = 500  # ...and this many chunks (with a gap's buffer between each two: below IOV_MAX, 1024 on Linux)
-GAP_BYTES = 64 << 10  # a run reads through a gap up to this long between two chunks (a chunk's O_DIRECT padding)
+GAP_BYTES = 4096  # a run reads through a gap this long at most: a chunk's padding (under writer.ALIGN), no chunk
 
 
 class ChunkReader:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcscale.errors import BadInput
+from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.launch.signals import StopRequested
 from hpcscale.launch.watchdog import NoWatchdog
 
@@ -104,6 +104,14 @@ class Checkpointer:
         dist.barrier()  # restore_s is the load alone, not a peer's slower start-up
         t0 = time.perf_counter()
         restored = manager.load_latest(tensors, check_state=self._state_problem)
+        if restored is None and manager.tensors_dirty:  # every rank alike: load_latest agreed on it
+            raise VerificationFailure(
+                f"every checkpoint in {manager.root} was refused (the lines above say why), and one was refused "
+                "only after part of it had been read into your model, so it cannot start from scratch either: "
+                "your code built the model, hpcscale cannot build it again. Move the refused checkpoints out of "
+                f"{manager.root} (`hpcscale ckpt verify` on each says what is wrong; keep them for inspection) and "
+                "start again: with none left, the run starts from scratch"
+            )
         if restored is None:
             for opt in self._optimizers:  # drop the lazy state get_state_dict created: see the module docstring
                 opt.state.clear()

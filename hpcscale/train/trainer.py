@@ -148,20 +148,27 @@ def train(ctx: Context) -> None:
         seed=cfg.seed,
         val_fraction=cfg.val_fraction,
     )
-    model = build_model(cfg, ctx, loader.vocab_size)
-    params = [p for p in model.parameters() if p.requires_grad]
     n_micro = cfg.global_batch // (dims.dp * cfg.micro_batch)
     dp_group = ctx.mesh["dp"].get_group() if dims.dp > 1 else None
-    sync = GradSync(model, dp_group)
-    opt = build_optimizer(model, cfg)
     first, last = ctx.pp_rank == 0, ctx.pp_rank == dims.pp - 1
-    schedule = None
-    if dims.pp > 1:
-        schedule = build_schedule(
-            model, pp_mesh=ctx.mesh["pp"], n_microbatches=n_micro, kind=cfg.schedule, loss_fn=lm_loss, device=ctx.device
-        )
+
+    def build():
+        """The model, its gradient sync, optimizer (state made) and pipeline schedule, as a fresh start has them:
+        the model's initialisation is seeded, so building again gives the same values."""
+        model = build_model(cfg, ctx, loader.vocab_size)
+        sync = GradSync(model, dp_group)
+        opt = build_optimizer(model, cfg)
+        schedule = None
+        if dims.pp > 1:
+            schedule = build_schedule(
+                model, pp_mesh=ctx.mesh["pp"], n_microbatches=n_micro, kind=cfg.schedule, loss_fn=lm_loss,
+                device=ctx.device,
+            )  # fmt: skip
+        init_optimizer_state(opt)
+        return model, sync, opt, schedule
+
+    model, sync, opt, schedule = build()
     policy = ctx.job.checkpoint
-    init_optimizer_state(opt)
     from hpcscale.ckpt import lineage
     from hpcscale.ckpt.manager import CheckpointManager
 
@@ -182,6 +189,10 @@ def train(ctx: Context) -> None:
     dist.barrier()
     t_restore = time.perf_counter()
     restored = ckpt.load_latest(state_tensors(model, opt), check_state=trainer_state_problem)
+    if restored is None and ckpt.tensors_dirty:  # a refused checkpoint was partly read into them: build afresh
+        model, sync, opt, schedule = build()
+        ctx.metrics.print("hpcscale: no checkpoint loaded; the model and optimizer were built again from the seed")
+    params = [p for p in model.parameters() if p.requires_grad]
     if restored is not None:
         start = restored.step
         ctx.metrics.log(step=start - 1, restored_from=start, restore_s=round(time.perf_counter() - t_restore, 4))
