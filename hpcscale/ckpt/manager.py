@@ -64,8 +64,12 @@ class CheckpointManager:
         log=None,
         lineage: dict | None = None,
         background_nice: int = 0,
+        read_only: bool = False,
     ):
+        """read_only: only `load_latest` (another run's checkpoints: xsite.start_from). Nothing under `root` is
+        created, cleaned or set aside, and `save` refuses."""
         self.root, self.dims, self.rank = root, dims, rank
+        self.read_only = read_only
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
         self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -73,7 +77,7 @@ class CheckpointManager:
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
         # collectives on the default group.
         self.group = dist.new_group(backend="gloo")
-        if rank == 0:
+        if rank == 0 and not read_only:
             root.mkdir(parents=True, exist_ok=True)
             leftovers = list(root.glob(".tmp-*"))
             if leftovers:
@@ -127,6 +131,8 @@ class CheckpointManager:
         `defer_staging` even the copy runs in the background, and the caller must call wait_staged() before it
         next changes any of `tensors` in place (the trainer: before the optimizer step; on an accelerator the
         copy then overlaps the forward and backward passes, which leave the tensors alone)."""
+        if self.read_only:
+            raise RuntimeError(f"checkpoints in {self.root} are opened read-only: nothing is saved there")
         self.wait()
         if step == self.last_step:
             return self.last_stats or SaveStats(step, 0.0, 0, 0)

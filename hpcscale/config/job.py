@@ -105,6 +105,14 @@ class XsiteJob:
         "`wait_seconds` set this trainer's rounds.",
     )
     site: str = setting("This job's site in that config.", check=check_name)
+    start_from: str | None = setting(
+        "A checkpoints directory (another run's `checkpoints/`, e.g. a pretraining run's, copied to this site) "
+        "whose newest checkpoint that loads this job starts from when its own run has none: the model, the "
+        "optimizer state and the step (the learning-rate schedule goes on from there), not the data position "
+        "(each site reads its own data). The rounds start at that step. Give every site the same checkpoint: "
+        "DiLoCo starts from a pretrained model (docs/cross-site.md). Only read, never written.",
+        default=None,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -112,6 +112,12 @@ class Checkpointer:
                 f"{manager.root} (`hpcscale ckpt verify` on each says what is wrong; keep them for inspection) and "
                 "start again: with none left, the run starts from scratch"
             )
+        pretrained = False  # xsite.start_from: a fresh site starts from that checkpoint (not its data or RNG)
+        if restored is None and self._ctx.job.xsite is not None and self._ctx.job.xsite.start_from:
+            from hpcscale.launch.rounds import load_start_from
+
+            restored = load_start_from(self._ctx, self._ctx.dims, tensors, check_state=self._state_problem)
+            pretrained = True
         if restored is None:
             for opt in self._optimizers:  # drop the lazy state get_state_dict created: see the module docstring
                 opt.state.clear()
@@ -156,6 +162,13 @@ class Checkpointer:
                     f"checkpoint step {restored.step}: {name}.load_state_dict refused the saved state: "
                     f"{type(e).__name__}: {e}"
                 ) from e
+        if pretrained:  # rounds start here: the start checkpoint (the aggregator's is round 0), then adopt θ(0)
+            self.restored_step = self._done = restored.step
+            self._start_rounds(None)
+            self._rounds.begin_at(restored.step)
+            self._round_boundary(restored.step)
+            self._start_clock(restored.step)
+            return restored.step
         if restored.rng is not None:
             torch.set_rng_state(torch.from_numpy(restored.rng["cpu"]))
             if "cuda" in restored.rng and torch.cuda.is_available():

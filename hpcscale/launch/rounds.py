@@ -2,12 +2,15 @@
 
 A job with `xsite: {config, site}` trains in rounds of H = `round_steps` inner steps. At step 0 of a fresh run
 it saves a *start checkpoint* (tag base_round −1: the aggregator publishes round 0 from its own), then waits
-for θ(0). At every round boundary it saves a *round checkpoint* tagged with the global round its weights
-started from (base_round), the steps and the tokens since, which the site's `hpcscale sync` tick turns into a
-contribution Δ = θ(base) − θ_site; then it waits up to `wait_seconds` for the next global round and adopts it:
-the model's parameters become θ(r), the inner optimizer's state stays (DiLoCo). A wait that times out trains
-on from the local weights and adopts the newest round at a later boundary (its next contribution is then for
-the same base round, which the tick does not send twice: those steps count toward the base's next round).
+for θ(0). With `xsite.start_from` a fresh run first loads the newest checkpoint there (a pretrained model: its
+weights, optimizer state and step, not its data position) and its rounds start at that step S: the start
+checkpoint is saved at S, and boundaries fall at S + kH (every tag carries `start` = S). At every round
+boundary it saves a *round checkpoint* tagged with the global round its weights started from (base_round), the
+steps and the tokens since, which the site's `hpcscale sync` tick turns into a contribution Δ = θ(base) −
+θ_site; then it waits up to `wait_seconds` for the next global round and adopts it: the model's parameters
+become θ(r), the inner optimizer's state stays (DiLoCo). A wait that times out trains on from the local
+weights and adopts the newest round at a later boundary (its next contribution is then for the same base
+round, which the tick does not send twice: those steps count toward the base's next round).
 
 With `adopt: overlap` the trainer does not wait at a boundary: it keeps a copy of its weights there and keeps
 training; when θ(r) lands (rank 0 looks every `poll_every` steps) it adopts θ(r) plus the progress made since
@@ -47,6 +50,8 @@ class Rounds:
         self.run: Path = ctx.run_dir
         self.base = -1  # the global round the current weights started from (-1: none adopted yet)
         self.since = 0  # the step at which they were adopted
+        self.start = 0  # the step the rounds started at: 0, or the step of xsite.start_from's checkpoint
+        self.start_from = expand_path(spec.start_from) if spec.start_from else None
         self.overlap = self.cfg.adopt == "overlap"
         self.poll_every = max(1, self.H // 10)
         self.snapshot: dict[str, torch.Tensor] | None = None  # overlap: the weights at the boundary (local shards)
@@ -54,9 +59,11 @@ class Rounds:
 
     # ---- state carried in checkpoints ------------------------------------------------------------------------
     def tag(self, step: int) -> dict:
-        """The `xsite` entry of a checkpoint's trainer state; at step 0 the start checkpoint's (base −1)."""
-        if step == 0:
-            return {"base_round": -1, "site": self.site}
+        """The `xsite` entry of a checkpoint's trainer state; at the start step the start checkpoint's (base −1).
+        `start` only when the rounds did not start at 0 (what older checkpoints lack means 0)."""
+        where = {"start": self.start} if self.start else {}
+        if step == self.start and self.base == -1:
+            return {"base_round": -1, "site": self.site, **where}
         steps = step - self.since
         return {
             "base_round": self.base,
@@ -64,6 +71,7 @@ class Rounds:
             "steps": steps,
             "tokens": steps * self.tokens_per_step,
             "site": self.site,
+            **where,
         }
 
     def restore(self, state: dict) -> None:
@@ -71,14 +79,19 @@ class Rounds:
         if isinstance(tag, dict) and type(tag.get("base_round")) is int:
             self.base = tag["base_round"]
             self.since = int(tag.get("since", 0)) if type(tag.get("since")) is int else 0
+            self.start = tag["start"] if type(tag.get("start")) is int and tag["start"] >= 0 else 0
+
+    def begin_at(self, step: int) -> None:
+        """The rounds start at `step` (xsite.start_from's checkpoint), not at 0."""
+        self.start, self.since = step, step
 
     def is_boundary(self, done_steps: int) -> bool:
-        return done_steps % self.H == 0
+        return done_steps >= self.start and (done_steps - self.start) % self.H == 0
 
     # ---- the boundary, as the trainer calls it ------------------------------------------------------------------
     def boundary(self, done_steps: int, save_and_wait) -> None:
-        """At a round boundary (or the start, 0): the round in flight first (overlap), then the round checkpoint
-        the sync tick exports (`save_and_wait()`: saved synchronously and committed), then wait for the next
+        """At a round boundary (or the start, `self.start`): the round in flight first (overlap), then the round
+        checkpoint the sync tick exports (`save_and_wait()`: saved synchronously and committed), then wait for the next
         round, or keep the boundary's weights and train on (overlap)."""
         self.before_round_checkpoint(done_steps)
         save_and_wait()
@@ -87,13 +100,13 @@ class Rounds:
     def before_round_checkpoint(self, done_steps: int) -> None:
         """overlap: the round that was in flight since the last boundary is adopted (waited for) first, so the
         round checkpoint names the newest base. wait: nothing."""
-        if self.overlap and self.snapshot is not None and done_steps > 0:
+        if self.overlap and self.snapshot is not None and done_steps > self.start:
             self.wait_and_adopt(done_steps)
 
     def after_round_checkpoint(self, done_steps: int) -> None:
-        """wait (and the start, step 0): wait for the next round and adopt it. overlap: keep the boundary's
-        weights and train on."""
-        if not self.overlap or done_steps == 0:
+        """wait (and the start): wait for the next round and adopt it. overlap: keep the boundary's weights and
+        train on."""
+        if not self.overlap or (done_steps == self.start and self.base == -1):
             self.wait_and_adopt(done_steps)
         elif self.snapshot is None:  # in host memory: an extra copy of the weights must not cost device memory
             self.snapshot = {n: _local(p).detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
@@ -110,9 +123,9 @@ class Rounds:
         boundary): the boundary's weights, kept in host memory, died with the process; they are the boundary's
         round checkpoint's model, so read them back. Each rank reads its own part; all or none (one all-reduce).
         False when there is nothing in flight, or that checkpoint is gone or unreadable (said in the log)."""
-        if not self.overlap or done_steps % self.H == 0 or self.snapshot is not None:
+        if not self.overlap or self.is_boundary(done_steps) or self.snapshot is not None:
             return False
-        boundary = done_steps - done_steps % self.H
+        boundary = done_steps - (done_steps - self.start) % self.H
         if self.since >= boundary:  # a round was adopted after the boundary: nothing in flight
             return False
         from hpcscale.ckpt.format import INDEX, read_index, step_dir_name
@@ -195,6 +208,36 @@ class Rounds:
                 if snapshot is not None:  # the steps taken since the boundary, kept
                     new = new + (local - snapshot[name].to(local.device))
                 local.copy_(new)
+
+
+def load_start_from(ctx, dims, tensors: dict[str, torch.Tensor], *, check_state=None):
+    """xsite.start_from: load the newest checkpoint there that every rank can read and verify into `tensors`
+    (the caller's model and optimizer state; another layout is resharded), never writing under it. Returns it
+    (hpcscale.ckpt.manager.Restored: the step and the trainer state); the caller takes neither the data position
+    nor the RNG from it. Refused (VerificationFailure) when none loads: a site must not start from anything else.
+    Collective."""
+    from hpcscale.ckpt.format import step_dir_name
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.errors import BadInput, VerificationFailure
+
+    root = expand_path(ctx.job.xsite.start_from)
+    if not root.is_dir():
+        raise BadInput(f"xsite.start_from: {root} is not a directory (give a run's checkpoints/ directory)")
+    manager = CheckpointManager(root, dims=dims, rank=ctx.rank, log=ctx.metrics.print, read_only=True)
+    try:
+        got = manager.load_latest(tensors, check_state=check_state)
+    finally:
+        manager.close()
+    if got is None:
+        raise VerificationFailure(
+            f"xsite.start_from: no checkpoint in {root} loads (the lines above say why, if it has any): this site "
+            "cannot start from it, and starting from anything else would not be the same start as the other sites'"
+        )
+    ctx.metrics.print(
+        f"hpcscale: started from {root / step_dir_name(got.step)} (xsite.start_from): the rounds start at step "
+        f"{got.step}"
+    )
+    return got
 
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")

@@ -204,6 +204,13 @@ def train(ctx: Context) -> None:
             + ("" if restored.rng is not None else " (new layout: resharded)")
         )
 
+    pretrained = None  # xsite.start_from: a fresh site starts from that checkpoint (weights, optimizer, step)
+    if restored is None and ctx.job.xsite is not None and ctx.job.xsite.start_from:
+        from hpcscale.launch.rounds import load_start_from
+
+        pretrained = load_start_from(ctx, dims, state_tensors(model, opt), check_state=trainer_state_problem)
+        start = pretrained.step
+
     wd = ctx.hooks.get("watchdog") or NoWatchdog()  # launch's progress watchdog; none without launch
     times = ctx.hooks.get("timing") or NoStepTimes()  # per-rank breakdown into RUN/timing.jsonl
     saves = SaveSchedule(
@@ -217,6 +224,8 @@ def train(ctx: Context) -> None:
         rounds = Rounds(ctx, model, tokens_per_step=cfg.global_batch * cfg.seq_len)
         if restored is not None:
             rounds.restore(restored.trainer_state)
+        elif pretrained is not None:
+            rounds.begin_at(start)
 
     def save(done_steps: int, *, asynchronous: bool) -> tuple[float, float | None]:
         """Save; returns the seconds the loop was blocked (the wait for the save before included) and how long
@@ -244,8 +253,8 @@ def train(ctx: Context) -> None:
         with wd.paused("cross-site round"):
             rounds.boundary(done_steps, lambda: (save(done_steps, asynchronous=False), ckpt.wait()))
 
-    if rounds is not None and start == 0:
-        round_boundary(0)  # the start checkpoint (the aggregator's becomes round 0), then adopt θ(0)
+    if rounds is not None and restored is None:
+        round_boundary(start)  # the start checkpoint (the aggregator's becomes round 0), then adopt θ(0)
     elif rounds is not None and rounds.is_boundary(start):
         with wd.paused("cross-site round"):  # resumed from a round checkpoint: the wait it was killed in
             rounds.wait_and_adopt(start)

@@ -17,7 +17,8 @@ Files only, pushed by the side that owns them (a site never needs to list a remo
 
 A tick, in order; each step is idempotent, every file is written whole under a temporary name and renamed
 (its JSON last), so a tick killed anywhere leaves a state the next one completes:
-1. (aggregator) publish round 0 from its own run's start checkpoint, if not yet published;
+1. (aggregator) publish round 0 from its own run's start checkpoint (step 0, or the step its rounds started at:
+   xsite.start_from), if not yet published;
 2. export: each round checkpoint of this site's run (trainer state `xsite.base_round` = b, at a round
    boundary) whose contribution for b is not in the outbox becomes one: Δ = θ(b) − θ_site (this sign),
    encoded, hashed, signed; θ(b) is the verified round in the inbox;
@@ -141,6 +142,12 @@ def _round_checkpoints(run: Path) -> list[tuple[int, dict]]:
         if isinstance(tag, dict) and type(tag.get("base_round")) is int:
             out.append((step, tag))
     return out
+
+
+def _start(tag: dict) -> int:
+    """The step a run's rounds started at: 0, or (xsite.start_from) the step of the checkpoint it started from."""
+    start = tag.get("start", 0)
+    return start if type(start) is int and start >= 0 else 0
 
 
 def _consolidated(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -276,7 +283,7 @@ def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) ->
     state = _state(me)
     if _published(state):
         return
-    start = [step for step, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and step == 0]
+    start = [step for step, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and step == _start(tag)]
     if not start:
         return  # the aggregator's trainer has not saved its start yet
     import torch  # here, not above: a tick with nothing to publish needs no torch
@@ -317,7 +324,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
     state = _state(me)
     newest: dict[int, tuple[int, dict]] = {}
     for step, tag in _round_checkpoints(_run(me)):
-        if tag["base_round"] >= 0 and step > 0 and step % cfg.round_steps == 0:  # round checkpoints only
+        if tag["base_round"] >= 0 and step > _start(tag) and (step - _start(tag)) % cfg.round_steps == 0:
             newest[tag["base_round"]] = (step, tag)  # the newest checkpoint of each base round
     oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
     for base, (step, tag) in sorted(newest.items()):
