@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import run_cli
+from hypothesis import given
+from hypothesis import strategies as st
 from test_xsite_sync import H, _metrics, _run_sites, _setup
 
 PRE, STEPS = 10, 30  # pretraining steps; the sites' rounds run from PRE to STEPS: two rounds of H
@@ -124,3 +126,94 @@ def test_start_from_another_models_checkpoint_is_refused_naming_why(mpi, tmp_pat
     assert "refusing checkpoint step-00000010" in said, said[-3000:]
     assert f"xsite.start_from: no checkpoint in {pre} loads" in said, said[-3000:]
     assert _tree(pre) == before
+
+
+def test_start_from_at_or_past_the_last_step_is_refused(mpi, tmp_path):
+    _, jobs = _setup(tmp_path, steps=PRE)  # the training would end where the pretrained checkpoint is
+    pre = _pretrain(tmp_path, jobs["a"], "builtin")
+    spec = yaml.safe_load(jobs["a"].read_text())
+    spec["xsite"]["start_from"] = str(pre)
+    jobs["a"].write_text(yaml.safe_dump(spec))
+    r = run_cli("run", str(jobs["a"]), "--local", "--run-dir", str(tmp_path / "run-a"), timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    said = (
+        r.stdout
+        + r.stderr
+        + "".join(p.read_text(errors="replace") for p in (tmp_path / "run-a" / "logs").rglob("*") if p.is_file())
+    )
+    assert f"is at step {PRE}, and this training ends at step {PRE}" in said, said[-3000:]
+
+
+@pytest.mark.timeout(600)
+def test_a_site_refuses_a_round_0_that_is_not_its_start(mpi, tmp_path):
+    """Site b starts from the pretrained checkpoint, the aggregator a from scratch (its job lacks start_from):
+    b refuses θ(0) instead of silently dropping the pretrained weights."""
+    from test_xsite_sync import _start, _tick, _until
+
+    config, jobs = _setup(tmp_path, steps=STEPS, wait=60)
+    pre = _pretrain(tmp_path, jobs["a"], "builtin")
+    spec = yaml.safe_load(jobs["b"].read_text())
+    spec["xsite"]["start_from"] = str(pre)
+    jobs["b"].write_text(yaml.safe_dump(spec))
+    procs = {s: _start(tmp_path, jobs, s) for s in ("a", "b")}
+    try:
+        _until("a's start checkpoint", lambda: (tmp_path / "run-a" / "checkpoints" / "step-00000000").is_dir())
+        _until("b's start checkpoint", lambda: (tmp_path / "run-b" / "checkpoints" / f"step-{PRE:08d}").is_dir())
+        assert _tick(config, "a").returncode in (0, 1)  # publishes round 0 from a's random start
+        assert _tick(config, "b").returncode in (0, 1)  # hands θ(0) to b
+        out, _ = procs["b"].communicate(timeout=300)
+        assert procs["b"].returncode == 1, out[-3000:]
+        assert "xsite.start_from: global round 0 is not the checkpoint this site started from" in out, out[-3000:]
+        assert not any((tmp_path / "run-b" / "checkpoints").glob(f"step-{PRE + H:08d}"))  # no round was trained
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_retention_keeps_a_pinned_step():
+    from hpcscale.ckpt.retention import plan
+
+    kept, removed = plan([1005, 1010, 1020, 1030, 2000], keep_last=2, keep_every=1000, keep=frozenset({1005}))
+    assert kept == [2000, 1030, 1005] and removed == [1020, 1010]
+
+
+def test_the_start_checkpoint_is_pinned_until_round_0_is_adopted():
+    from types import SimpleNamespace
+
+    from hpcscale.launch.rounds import Rounds
+
+    manager = SimpleNamespace(pinned=set())
+    r = object.__new__(Rounds)
+    r.ctx = SimpleNamespace(hooks={"checkpoint": manager})
+    r.site, r.tokens_per_step, r.base, r.since, r.start = "a", 4, -1, 0, 0
+    r.begin_at(1005)
+    assert r.tag(1005) == {"base_round": -1, "site": "a", "start": 1005} and manager.pinned == {1005}
+    assert r.tag(1010)["base_round"] == -1 and manager.pinned == {1005}  # a wait that timed out: still pinned
+    r.base, r.since = 0, 1005
+    assert r.tag(1015) == {"base_round": 0, "since": 1005, "steps": 10, "tokens": 40, "site": "a", "start": 1005}
+    assert manager.pinned == set()
+
+
+@given(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=5), st.lists(st.none())
+    )
+)
+def test_a_hand_edited_start_reads_as_a_step_or_as_0(value):
+    """The tick and the trainer read a checkpoint tag's `start` alike: a non-negative int is the start step,
+    anything else (absent, bool, float, negative, text) is 0, as tags written before `start` existed."""
+    from types import SimpleNamespace
+
+    from hpcscale.launch.rounds import Rounds
+    from hpcscale.xsite.rounds import TAG, _start
+
+    tag = {"base_round": 3} if value is None else {"base_round": 3, "start": value}
+    expected = value if type(value) is int and value >= 0 else 0
+    assert _start(tag) == expected
+    r = object.__new__(Rounds)
+    r.ctx = SimpleNamespace(hooks={})
+    r.start = 0
+    r.restore({TAG: tag})
+    assert r.start == expected and r.base == 3

@@ -73,6 +73,9 @@ class CheckpointManager:
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
         self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
         self.keep_last, self.keep_every = keep_last, keep_every
+        # steps retention keeps whatever keep_last/keep_every say (rank 0's set counts): a cross-site start
+        # checkpoint until round 0 is adopted (hpcscale.launch.rounds)
+        self.pinned: set[int] = set()
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
         # collectives on the default group.
@@ -224,6 +227,7 @@ class CheckpointManager:
                         trainer_state=trainer_state,
                         keep_last=self.keep_last,
                         keep_every=self.keep_every,
+                        keep=frozenset(self.pinned),
                     )
                     outcome = [("ok", removed)]
                 except Exception as e:
@@ -267,13 +271,14 @@ class CheckpointManager:
         tensors: dict[str, torch.Tensor],
         *,
         check_state: Callable[[dict], str | None] | None = None,
+        check_rng: bool = True,
     ) -> Restored | None:
         """Load the newest checkpoint every rank can read and verify; fall back past damaged ones, saying so.
 
         `check_state(trainer_state)` returns what is wrong with a checkpoint's trainer state for the caller
         (None when it is usable): a problem, or an exception it raises, refuses that checkpoint on every rank
         together, like a hash mismatch. The RNG states restored (same layout) are checked against what this
-        process's torch accepts, likewise.
+        process's torch accepts, likewise (unless `check_rng` is False: a caller that does not take them).
 
         Chunks are read straight into `tensors` and hashed there, so a checkpoint refused during its reads
         leaves them partly overwritten. The next checkpoint that loads overwrites every element; when none is
@@ -299,7 +304,7 @@ class CheckpointManager:
                 index = read_index(path)  # root digest, DIGEST and structure: nothing below follows a bad index
                 same_layout = index.layout == self.dims.as_dict()
                 problem = _state_problem(index.trainer_state, check_state) or (
-                    _rng_problem(index.rng.get(self.rank)) if same_layout else None
+                    _rng_problem(index.rng.get(self.rank)) if same_layout and check_rng else None
                 )
                 if problem is not None:
                     problem = f"{path.parent}: {problem}"

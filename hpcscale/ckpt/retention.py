@@ -19,10 +19,13 @@ from hpcscale.ckpt.format import DIGEST, INDEX, committed_steps, read_index, ste
 from hpcscale.errors import VerificationFailure
 
 
-def plan(steps: list[int], *, keep_last: int, keep_every: int) -> tuple[list[int], list[int]]:
-    """(kept, removed) steps, newest first."""
+def plan(
+    steps: list[int], *, keep_last: int, keep_every: int, keep: frozenset[int] = frozenset()
+) -> tuple[list[int], list[int]]:
+    """(kept, removed) steps, newest first. `keep`: steps kept whatever the policy says (a cross-site start
+    checkpoint the aggregator has not published yet)."""
     newest = sorted(steps, reverse=True)
-    kept = [s for i, s in enumerate(newest) if i < keep_last or (keep_every > 0 and s % keep_every == 0)]
+    kept = [s for i, s in enumerate(newest) if i < keep_last or (keep_every > 0 and s % keep_every == 0) or s in keep]
     return kept, [s for s in newest if s not in kept]
 
 
@@ -33,9 +36,11 @@ def referenced_files(root: Path, steps: list[int]) -> set[str]:
     return out
 
 
-def apply_retention(root: Path, *, keep_last: int, keep_every: int, dry_run: bool = False) -> list[str]:
+def apply_retention(
+    root: Path, *, keep_last: int, keep_every: int, dry_run: bool = False, keep: frozenset[int] = frozenset()
+) -> list[str]:
     """Remove what the policy does not keep; returns removed data files (relative to root)."""
-    kept, removed = plan(committed_steps(root), keep_last=keep_last, keep_every=keep_every)
+    kept, removed = plan(committed_steps(root), keep_last=keep_last, keep_every=keep_every, keep=keep)
     orphans = [p for p in root.iterdir() if step_of(p.name) is not None and not (p / INDEX).exists()]
     if not removed and not orphans:
         if not dry_run:

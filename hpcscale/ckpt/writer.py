@@ -404,8 +404,10 @@ def commit(
     trainer_state: dict,
     keep_last: int,
     keep_every: int,
+    keep: frozenset[int] = frozenset(),
 ) -> list[str]:
-    """Rank 0: build and write the index, rename everything into place, apply retention.
+    """Rank 0: build and write the index, rename everything into place, apply retention (`keep`: steps it keeps
+    whatever the policy says).
     Returns the data files retention removed."""
     tensors: dict[str, TensorRecord] = {}
     rng = {}
@@ -436,7 +438,7 @@ def commit(
     fsync_dir(root)
     from hpcscale.ckpt.retention import apply_retention
 
-    return apply_retention(root, keep_last=keep_last, keep_every=keep_every)
+    return apply_retention(root, keep_last=keep_last, keep_every=keep_every, keep=keep)
 
 
 def rng_state() -> dict[str, np.ndarray]:

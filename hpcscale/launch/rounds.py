@@ -52,6 +52,7 @@ class Rounds:
         self.since = 0  # the step at which they were adopted
         self.start = 0  # the step the rounds started at: 0, or the step of xsite.start_from's checkpoint
         self.start_from = expand_path(spec.start_from) if spec.start_from else None
+        self.check_start = False  # begin_at: θ(0) must equal the weights xsite.start_from gave this site
         self.overlap = self.cfg.adopt == "overlap"
         self.poll_every = max(1, self.H // 10)
         self.snapshot: dict[str, torch.Tensor] | None = None  # overlap: the weights at the boundary (local shards)
@@ -60,7 +61,17 @@ class Rounds:
     # ---- state carried in checkpoints ------------------------------------------------------------------------
     def tag(self, step: int) -> dict:
         """The `xsite` entry of a checkpoint's trainer state; at the start step the start checkpoint's (base −1).
-        `start` only when the rounds did not start at 0 (what older checkpoints lack means 0)."""
+        `start` only when the rounds did not start at 0 (what older checkpoints lack means 0).
+
+        Called before every save, it also pins the start checkpoint against retention until θ(0) is adopted:
+        the aggregator's tick publishes round 0 from it, and a trainer whose wait for θ(0) timed out trains on
+        and saves, which keep_last alone would let delete it (round 0 would never come)."""
+        manager = self.ctx.hooks.get("checkpoint")
+        if manager is not None and hasattr(manager, "pinned"):
+            if self.base == -1:
+                manager.pinned.add(self.start)
+            else:
+                manager.pinned.discard(self.start)
         where = {"start": self.start} if self.start else {}
         if step == self.start and self.base == -1:
             return {"base_round": -1, "site": self.site, **where}
@@ -82,8 +93,10 @@ class Rounds:
             self.start = tag["start"] if type(tag.get("start")) is int and tag["start"] >= 0 else 0
 
     def begin_at(self, step: int) -> None:
-        """The rounds start at `step` (xsite.start_from's checkpoint), not at 0."""
+        """The rounds start at `step` (xsite.start_from's checkpoint), not at 0; θ(0), when it comes, must be
+        the weights loaded from there (checked once, in wait_and_adopt)."""
         self.start, self.since = step, step
+        self.check_start = True
 
     def is_boundary(self, done_steps: int) -> bool:
         return done_steps >= self.start and (done_steps - self.start) % self.H == 0
@@ -177,7 +190,12 @@ class Rounds:
                 self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=None)
             return None
         snapshot = self.snapshot
-        self._load(load_global(self.run, found), snapshot)
+        theta = load_global(self.run, found)
+        if self.check_start:
+            self.check_start = False
+            if found == 0:
+                self._same_start(theta)
+        self._load(theta, snapshot)
         self.base, self.since = found, (self.snapshot_step if snapshot is not None else done_steps)
         self.snapshot = None
         extra = {} if snapshot is None else {"xsite_kept_steps": done_steps - self.snapshot_step}
@@ -188,50 +206,84 @@ class Rounds:
         )
         return found
 
+    def _same_start(self, theta: dict[str, torch.Tensor]) -> None:
+        """xsite.start_from: θ(0) is the aggregator's start checkpoint, so it must be, bit for bit, what this site
+        loaded. If not, the sites did not start from one checkpoint (the aggregator's job has no start_from,
+        names another one, or its run had checkpoints of its own): refused on every rank, before adopting it
+        would silently drop the pretrained weights. Collective."""
+        try:
+            with torch.no_grad():
+                same = all(
+                    torch.equal(self._shard(name, p, theta), _local(p)) for name, p in self.model.named_parameters()
+                )
+        except RuntimeError:  # a tensor missing or shaped otherwise: not that checkpoint either; every rank must
+            same = False  # reach the all-reduce below
+        ok = torch.tensor([1.0 if same else 0.0], device=self.ctx.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() < 1:
+            from hpcscale.errors import BadInput
+
+            raise BadInput(
+                f"xsite.start_from: global round 0 is not the checkpoint this site started from ({self.start_from}):"
+                " the aggregator's site started from other weights (its job has no xsite.start_from, names another "
+                "checkpoint, or its run had checkpoints of its own). Give every site the same start_from and start "
+                "the cross-site training again with empty state directories (docs/cross-site.md)"
+            )
+
+    def _shard(self, name: str, p: torch.Tensor, theta: dict[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's part of θ's tensor for parameter `name`, in p's dtype, on p's device."""
+        key = canonical_name(name)
+        if key not in theta:
+            raise RuntimeError(f"global round has no tensor {key}: not this model's weights")
+        full = theta[key].to(dtype=p.dtype)
+        if hasattr(p, "to_local"):  # a DTensor: this rank's shard of the full tensor
+            from torch.distributed.tensor import distribute_tensor
+
+            return distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local()
+        if tuple(full.shape) != tuple(p.shape):
+            raise RuntimeError(f"global round's {name} has shape {tuple(full.shape)}, not {tuple(p.shape)}")
+        return full.to(p.device)
+
     def _load(self, theta: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor] | None = None) -> None:
         """The parameters become θ(r); with a boundary snapshot, θ(r) + (current − snapshot)."""
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                key = canonical_name(name)
-                if key not in theta:
-                    raise RuntimeError(f"global round has no tensor {key}: not this model's weights")
-                full = theta[key].to(dtype=p.dtype)
-                if hasattr(p, "to_local"):  # a DTensor: this rank's shard of the full tensor
-                    from torch.distributed.tensor import distribute_tensor
-
-                    new = distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local()
-                else:
-                    if tuple(full.shape) != tuple(p.shape):
-                        raise RuntimeError(f"global round's {name} has shape {tuple(full.shape)}, not {tuple(p.shape)}")
-                    new = full.to(p.device)
+                new = self._shard(name, p, theta)
                 local = _local(p)
                 if snapshot is not None:  # the steps taken since the boundary, kept
                     new = new + (local - snapshot[name].to(local.device))
                 local.copy_(new)
 
 
-def load_start_from(ctx, dims, tensors: dict[str, torch.Tensor], *, check_state=None):
+def load_start_from(ctx, dims, tensors: dict[str, torch.Tensor], *, check_state=None, steps: int | None = None):
     """xsite.start_from: load the newest checkpoint there that every rank can read and verify into `tensors`
     (the caller's model and optimizer state; another layout is resharded), never writing under it. Returns it
     (hpcscale.ckpt.manager.Restored: the step and the trainer state); the caller takes neither the data position
-    nor the RNG from it. Refused (VerificationFailure) when none loads: a site must not start from anything else.
-    Collective."""
+    nor the RNG from it. Refused (VerificationFailure) when none loads: a site must not start from anything else;
+    BadInput when it is at or past `steps` (the training's last step), where no round could follow. Collective."""
     from hpcscale.ckpt.format import step_dir_name
     from hpcscale.ckpt.manager import CheckpointManager
     from hpcscale.errors import BadInput, VerificationFailure
 
     root = expand_path(ctx.job.xsite.start_from)
-    if not root.is_dir():
+    seen = [root.is_dir()]  # rank 0's answer for every rank: one rank raising alone would hang the others
+    dist.broadcast_object_list(seen, src=0)
+    if not seen[0]:
         raise BadInput(f"xsite.start_from: {root} is not a directory (give a run's checkpoints/ directory)")
     manager = CheckpointManager(root, dims=dims, rank=ctx.rank, log=ctx.metrics.print, read_only=True)
     try:
-        got = manager.load_latest(tensors, check_state=check_state)
+        got = manager.load_latest(tensors, check_state=check_state, check_rng=False)
     finally:
         manager.close()
     if got is None:
         raise VerificationFailure(
             f"xsite.start_from: no checkpoint in {root} loads (the lines above say why, if it has any): this site "
             "cannot start from it, and starting from anything else would not be the same start as the other sites'"
+        )
+    if steps is not None and got.step >= steps:
+        raise BadInput(
+            f"xsite.start_from: {root / step_dir_name(got.step)} is at step {got.step}, and this training ends at "
+            f"step {steps} (train.params.steps): no round would follow. Raise steps to the whole training's"
         )
     ctx.metrics.print(
         f"hpcscale: started from {root / step_dir_name(got.step)} (xsite.start_from): the rounds start at step "

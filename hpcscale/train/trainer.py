@@ -208,7 +208,9 @@ def train(ctx: Context) -> None:
     if restored is None and ctx.job.xsite is not None and ctx.job.xsite.start_from:
         from hpcscale.launch.rounds import load_start_from
 
-        pretrained = load_start_from(ctx, dims, state_tensors(model, opt), check_state=trainer_state_problem)
+        pretrained = load_start_from(
+            ctx, dims, state_tensors(model, opt), check_state=trainer_state_problem, steps=cfg.steps
+        )
         start = pretrained.step
 
     wd = ctx.hooks.get("watchdog") or NoWatchdog()  # launch's progress watchdog; none without launch
