@@ -550,3 +550,35 @@ def test_reference_rounds_with_int8_track_fp32():
         torch.testing.assert_close(int8[-1][n], exact[-1][n], rtol=0, atol=5e-3)
         torch.testing.assert_close(bf16[-1][n], exact[-1][n], rtol=0, atol=5e-3)
         assert not torch.equal(exact[-1][n], theta0[n])
+
+
+def test_the_experiment_counts_bytes_from_the_shared_start(tmp_path):
+    """scripts/experiments/diloco_vs_ddp.py --shared-start W, in small: every run shares the synchronous run's
+    first W steps, and only what each sends after W counts (the synchronous run: one fp32 gradient per step;
+    DiLoCo: one contribution per round of H)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "experiments" / "diloco_vs_ddp.py"), "--steps", "20", "--seeds", "1",
+         "--eval-every", "10", "--shared-start", "10", "--outer", "5:0.7:0.7", "--encodings", "fp32",
+         "--compression", "none", "--jobs", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads((tmp_path / "diloco_vs_ddp.json").read_text())
+    ddp, diloco = doc["runs"]
+    params = ddp["params"]
+    assert ddp["bytes_sent_per_site"] == 10 * 4 * params  # steps 10..19, not the shared 0..9
+    rounds = 2  # boundaries at steps 15 and 20
+    # one uncompressed fp32 payload per round: 4 bytes per parameter plus the safetensors header
+    assert rounds * 4 * params < diloco["bytes_sent_per_site"] < rounds * (4 * params + 65536)
+    first = ddp["curve"][0]
+    # the shared start: the same training, up to float summation order (two half-batch means vs one mean)
+    shared = diloco["curve"][0]
+    assert first["step"] == shared["step"] == 10 and first["bytes"] == shared["bytes"] == 0
+    assert shared["val_loss"] == pytest.approx(first["val_loss"], rel=1e-6)
+    assert (tmp_path / "loss_vs_tokens.png").stat().st_size > 0 and (tmp_path / "loss_vs_bytes.png").exists()

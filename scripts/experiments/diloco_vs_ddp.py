@@ -19,12 +19,15 @@ tokens and against bytes sent), under --out.
 
     python scripts/experiments/diloco_vs_ddp.py [--steps 2000] [--seeds 3] [--out docs/experiments] [--jobs 2]
         [--outer 10:0.7:0.5,50:0.7:0.7] [--overlap 50:10] [--sync-warmup 200] [--no-sync] [--compression zstd]
+        [--shared-start 500] [--lr 3e-3] [--wd 0.1] [--match-wd] [--mu-ramp 10:0.5]
 
 --outer sets the outer step per H (η, μ; the paper's 0.7, 0.9 was tuned for H = 500 over ~180 rounds; with
 40-200 rounds a shorter momentum horizon does better here: docs/cross-site.md has the sweep). --overlap H:D adds,
 for that H, the overlapped variant: θ(r) lands D steps after the boundary and is adopted on top of the steps taken
 meanwhile (hpcscale.launch.rounds). --sync-warmup W trains W synchronous steps first (their gradients count as
-bytes sent).
+bytes sent). --shared-start W is the paper's protocol: every run, the synchronous one too, starts from the
+synchronous run's weights and optimizer state at step W (what `xsite.start_from` gives the sites), and bytes are
+counted from W on, for every run.
 
 Needs matplotlib (pip install matplotlib). Runs configurations in --jobs processes (single-threaded torch each).
 """
@@ -70,6 +73,10 @@ def run_config(
     delay: int = 0,
     compression: str = "zstd",
     lr: float = LR,
+    mu_ramp: int = 0,
+    mu_start: float = 0.0,
+    wd: float = WD,
+    shared_start: int = 0,
 ) -> dict:
     import numpy as np
     import torch
@@ -106,7 +113,7 @@ def run_config(
         return sum(losses) / len(losses)
 
     def opt_for(model):
-        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=WD)
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=wd)
 
     curve = []
     sent = 0  # bytes one site sent
@@ -124,7 +131,8 @@ def run_config(
             lm_loss(model(x), y).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            sent += 4 * params
+            if step >= shared_start:  # the shared start's exchanges are not this comparison's
+                sent += 4 * params
             if (step + 1) % eval_every == 0 or step == steps - 1:
                 curve.append({"step": step + 1, "tokens": (step + 1) * tokens_per_step, "bytes": sent,
                               "val_loss": evaluate(model)})  # fmt: skip
@@ -153,8 +161,9 @@ def run_config(
                         mean = sum(p.grad for p in ps) / len(ps)
                         for p in ps:
                             p.grad.copy_(mean)
-                sent += 4 * params
-                sent_uncompressed += 4 * params
+                if step >= shared_start:
+                    sent += 4 * params
+                    sent_uncompressed += 4 * params
             for model, opt in zip(sites, opts, strict=True):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -172,6 +181,10 @@ def run_config(
                     deltas.append((1.0, decode(encoded, encoding, shapes)))
                 sent += max(n for n, _ in sizes)  # each site sends one contribution per round; count the larger
                 sent_uncompressed += max(raw for _, raw in sizes)
+                if mu_ramp:  # μ rises linearly from mu_start to outer_momentum over the first mu_ramp rounds
+                    done = (step + 1 - sync_warmup - 1) // H  # rounds applied before this one
+                    mu = mu_start + (outer_momentum - mu_start) * min(1.0, done / mu_ramp)
+                    outer._optimizer.param_groups[0]["momentum"] = mu
                 outer.apply(aggregate(deltas, rule="mean"))
                 global_theta = outer.state().theta
                 if delay:  # adopt: overlap: θ(r) lands `delay` steps later; the steps taken meanwhile are kept
@@ -208,6 +221,10 @@ def run_config(
         "final_val_loss": curve[-1]["val_loss"],
         "compression": compression,
         "lr": lr,
+        "mu_ramp": mu_ramp,
+        "mu_start": mu_start,
+        "wd": wd,
+        "shared_start": shared_start,
         "bytes_sent_per_site": sent,
         "bytes_sent_per_site_uncompressed": sent_uncompressed if kind != "ddp" else sent,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -219,10 +236,16 @@ def label(r: dict) -> str:
     if r["kind"] == "ddp":
         return "synchronous DP"
     out = f"DiLoCo H={r['H']} {r['encoding']} η={r['outer_lr']:g} μ={r['outer_momentum']:g}"
-    if r.get("sync_warmup"):
+    if r.get("shared_start"):
+        out += f" from step {r['shared_start']}"
+    elif r.get("sync_warmup"):
         out += f" +{r['sync_warmup']} sync steps"
     if r.get("delay"):
         out += f" overlap {r['delay']}"
+    if r.get("wd", WD) != WD:
+        out += f" wd={r['wd']:.3g}"
+    if r.get("mu_ramp"):
+        out += f" (μ from {r['mu_start']:g} over {r['mu_ramp']} rounds)"
     return out
 
 
@@ -248,7 +271,16 @@ def main() -> int:
                     help="H:D,...: also run H in fp32 with adopt: overlap, θ(r) landing D steps late")  # fmt: skip
     ap.add_argument("--sync-warmup", type=int, default=0,
                     help="synchronous steps before round 0 (their gradients count as bytes sent)")  # fmt: skip
+    ap.add_argument("--shared-start", type=int, default=0,
+                    help="the paper's protocol: every run starts from one checkpoint, the synchronous run's weights "
+                         "at this step; bytes are counted from there on, for every run")  # fmt: skip
     ap.add_argument("--no-sync", action="store_true", help="skip the synchronous baseline (exploration only)")
+    ap.add_argument("--mu-ramp", default="",
+                    help="R:μ0: the outer momentum rises from μ0 to --outer's μ over the first R rounds")  # fmt: skip
+    ap.add_argument("--wd", type=float, default=WD, help="the inner AdamW's weight decay, for every run")
+    ap.add_argument("--match-wd", action="store_true",
+                    help="DiLoCo runs decay by wd·(1−μ)/η: the outer step amplifies every steady part "
+                         "of Δ (weight decay is one) by η/(1−μ); so they decay as the synchronous run")  # fmt: skip
     ap.add_argument("--lr", type=float, default=LR, help="peak inner learning rate, for every run (AdamW)")
     ap.add_argument("--compression", default="zstd", choices=["zstd", "none"],
                     help="how contributions are stored and sent (the cross-site config's compression)")  # fmt: skip
@@ -262,12 +294,14 @@ def main() -> int:
     outer = parse_outer(a.outer)
     configs = [] if a.no_sync else [("ddp", 1, "fp32", 0.0, 0.0, 0, 0)]
     for h, (lr, mu) in outer.items():
-        configs += [("diloco", h, e, lr, mu, a.sync_warmup, 0) for e in a.encodings.split(",")]
+        configs += [("diloco", h, e, lr, mu, a.shared_start or a.sync_warmup, 0) for e in a.encodings.split(",")]
     for part in filter(None, a.overlap.split(",")):
         h, d = (int(x) for x in part.split(":"))
         lr, mu = outer[h]
-        configs.append(("diloco", h, "fp32", lr, mu, a.sync_warmup, d))
-    jobs = [(k, h, e, seed, a.steps, a.eval_every, manifest, lr, mu, wu, d, a.compression, a.lr)
+        configs.append(("diloco", h, "fp32", lr, mu, a.shared_start or a.sync_warmup, d))
+    ramp, mu0 = (int(a.mu_ramp.split(":")[0]), float(a.mu_ramp.split(":")[1])) if a.mu_ramp else (0, 0.0)
+    jobs = [(k, h, e, seed, a.steps, a.eval_every, manifest, lr, mu, wu, d, a.compression, a.lr, ramp, mu0,
+             a.wd * (1 - mu) / lr if a.match_wd and k == "diloco" else a.wd, a.shared_start)
             for seed in range(a.seeds) for k, h, e, lr, mu, wu, d in configs]  # fmt: skip
     with ProcessPoolExecutor(a.jobs) as pool:
         results = list(pool.map(run_config, *zip(*jobs, strict=True)))
@@ -315,17 +349,22 @@ def plot(results: list[dict], out: Path) -> None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for lab in dict.fromkeys(label(r) for r in results):
             rs = [r for r in results if label(r) == lab]
-            steps = [p[x] for p in rs[0]["curve"]]
-            mean = [statistics.mean(r["curve"][i]["val_loss"] for r in rs) for i in range(len(steps))]
-            lo = [min(r["curve"][i]["val_loss"] for r in rs) for i in range(len(steps))]
-            hi = [max(r["curve"][i]["val_loss"] for r in rs) for i in range(len(steps))]
+            # on the bytes axis (log), only what follows the first byte sent (--shared-start: none before it)
+            keep = [i for i, p in enumerate(rs[0]["curve"]) if not log or p[x] > 0]
+            steps = [rs[0]["curve"][i][x] for i in keep]
+            mean = [statistics.mean(r["curve"][i]["val_loss"] for r in rs) for i in keep]
+            lo = [min(r["curve"][i]["val_loss"] for r in rs) for i in keep]
+            hi = [max(r["curve"][i]["val_loss"] for r in rs) for i in keep]
             (line,) = ax.plot(steps, mean, label=lab)
             ax.fill_between(steps, lo, hi, alpha=0.2, color=line.get_color())
         if log:
             ax.set_xscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
-        ax.set_title("DiLoCo across 2 sites vs synchronous data parallel (band: seeds' range)")
+        title = "DiLoCo across 2 sites vs synchronous data parallel (band: seeds' range)"
+        if results[0].get("shared_start"):
+            title += f"\nevery run from one checkpoint at step {results[0]['shared_start']}; bytes from there on"
+        ax.set_title(title)
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
