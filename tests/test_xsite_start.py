@@ -42,6 +42,25 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
 
 
+def _start_from(job: Path, start_from: Path, **params) -> None:
+    """Give the site's job spec `xsite.start_from` (and override train params)."""
+    spec = yaml.safe_load(job.read_text())
+    spec["xsite"]["start_from"] = str(start_from)
+    spec["train"]["params"].update(params)
+    job.write_text(yaml.safe_dump(spec))
+
+
+def _logs(run: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in (run / "logs").rglob("*") if p.is_file())
+
+
+def _site_a_fails(tmp: Path, jobs: dict) -> str:
+    """Site a's job alone: it must fail (exit 1); what it said, on the console and in its logs."""
+    r = run_cli("run", str(jobs["a"]), "--local", "--run-dir", str(tmp / "run-a"), timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    return r.stdout + r.stderr + _logs(tmp / "run-a")
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("entry", ["builtin", "user"])
 def test_sites_start_their_rounds_from_a_pretrained_checkpoint(mpi, tmp_path, entry):
@@ -54,17 +73,14 @@ def test_sites_start_their_rounds_from_a_pretrained_checkpoint(mpi, tmp_path, en
     pre = _pretrain(tmp_path, jobs["a"], entry)
     before = _tree(pre)
     for s in ("a", "b"):
-        spec = yaml.safe_load(jobs[s].read_text())
-        spec["xsite"]["start_from"] = str(pre)
-        jobs[s].write_text(yaml.safe_dump(spec))
+        _start_from(jobs[s], pre)
     _run_sites(tmp_path, config, jobs)
     assert _tree(pre) == before, "the pretrained checkpoints were written to"
 
     final = (STEPS - PRE) // H
     for s in ("a", "b"):
         run = tmp_path / f"run-{s}"
-        out = (run / "logs").rglob("*")
-        said = "\n".join(p.read_text(errors="replace") for p in out if p.is_file())
+        said = _logs(run)
         assert f"started from {pre / step_dir_name(PRE)} (xsite.start_from)" in said, (s, said[-2000:])
         steps = [m["step"] for m in _metrics(run) if "loss" in m]
         assert steps and min(steps) == PRE, (s, steps[:5])  # the step counter went on from the pretrained one
@@ -89,16 +105,8 @@ def test_start_from_that_does_not_load_fails_the_site_and_names_it(mpi, tmp_path
     _, jobs = _setup(tmp_path, steps=STEPS)
     empty = tmp_path / "empty-checkpoints"
     empty.mkdir()
-    spec = yaml.safe_load(jobs["a"].read_text())
-    spec["xsite"]["start_from"] = str(empty)
-    jobs["a"].write_text(yaml.safe_dump(spec))
-    r = run_cli("run", str(jobs["a"]), "--local", "--run-dir", str(tmp_path / "run-a"), timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr
-    said = (
-        r.stdout
-        + r.stderr
-        + "".join(p.read_text(errors="replace") for p in (tmp_path / "run-a" / "logs").rglob("*") if p.is_file())
-    )
+    _start_from(jobs["a"], empty)
+    said = _site_a_fails(tmp_path, jobs)
     assert f"xsite.start_from: no checkpoint in {empty} loads" in said, said[-3000:]
     assert list(empty.iterdir()) == []  # nothing written there
     assert not (tmp_path / "run-a" / "checkpoints").is_dir() or not any(
@@ -112,17 +120,8 @@ def test_start_from_another_models_checkpoint_is_refused_naming_why(mpi, tmp_pat
     _, jobs = _setup(tmp_path, steps=STEPS)
     pre = _pretrain(tmp_path, jobs["a"], "builtin")
     before = _tree(pre)
-    spec = yaml.safe_load(jobs["a"].read_text())
-    spec["xsite"]["start_from"] = str(pre)
-    spec["train"]["params"]["n_embd"] = 64  # the pretraining run's is 32
-    jobs["a"].write_text(yaml.safe_dump(spec))
-    r = run_cli("run", str(jobs["a"]), "--local", "--run-dir", str(tmp_path / "run-a"), timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr
-    said = (
-        r.stdout
-        + r.stderr
-        + "".join(p.read_text(errors="replace") for p in (tmp_path / "run-a" / "logs").rglob("*") if p.is_file())
-    )
+    _start_from(jobs["a"], pre, n_embd=64)  # the pretraining run's is 32
+    said = _site_a_fails(tmp_path, jobs)
     assert "refusing checkpoint step-00000010" in said, said[-3000:]
     assert f"xsite.start_from: no checkpoint in {pre} loads" in said, said[-3000:]
     assert _tree(pre) == before
@@ -131,16 +130,8 @@ def test_start_from_another_models_checkpoint_is_refused_naming_why(mpi, tmp_pat
 def test_start_from_at_or_past_the_last_step_is_refused(mpi, tmp_path):
     _, jobs = _setup(tmp_path, steps=PRE)  # the training would end where the pretrained checkpoint is
     pre = _pretrain(tmp_path, jobs["a"], "builtin")
-    spec = yaml.safe_load(jobs["a"].read_text())
-    spec["xsite"]["start_from"] = str(pre)
-    jobs["a"].write_text(yaml.safe_dump(spec))
-    r = run_cli("run", str(jobs["a"]), "--local", "--run-dir", str(tmp_path / "run-a"), timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr
-    said = (
-        r.stdout
-        + r.stderr
-        + "".join(p.read_text(errors="replace") for p in (tmp_path / "run-a" / "logs").rglob("*") if p.is_file())
-    )
+    _start_from(jobs["a"], pre)
+    said = _site_a_fails(tmp_path, jobs)
     assert f"is at step {PRE}, and this training ends at step {PRE}" in said, said[-3000:]
 
 
@@ -152,9 +143,7 @@ def test_a_site_refuses_a_round_0_that_is_not_its_start(mpi, tmp_path):
 
     config, jobs = _setup(tmp_path, steps=STEPS, wait=60)
     pre = _pretrain(tmp_path, jobs["a"], "builtin")
-    spec = yaml.safe_load(jobs["b"].read_text())
-    spec["xsite"]["start_from"] = str(pre)
-    jobs["b"].write_text(yaml.safe_dump(spec))
+    _start_from(jobs["b"], pre)
     procs = {s: _start(tmp_path, jobs, s) for s in ("a", "b")}
     try:
         _until("a's start checkpoint", lambda: (tmp_path / "run-a" / "checkpoints" / "step-00000000").is_dir())

@@ -51,7 +51,6 @@ class Rounds:
         self.base = -1  # the global round the current weights started from (-1: none adopted yet)
         self.since = 0  # the step at which they were adopted
         self.start = 0  # the step the rounds started at: 0, or the step of xsite.start_from's checkpoint
-        self.start_from = expand_path(spec.start_from) if spec.start_from else None
         self.check_start = False  # begin_at: θ(0) must equal the weights xsite.start_from gave this site
         self.overlap = self.cfg.adopt == "overlap"
         self.poll_every = max(1, self.H // 10)
@@ -67,7 +66,7 @@ class Rounds:
         the aggregator's tick publishes round 0 from it, and a trainer whose wait for θ(0) timed out trains on
         and saves, which keep_last alone would let delete it (round 0 would never come)."""
         manager = self.ctx.hooks.get("checkpoint")
-        if manager is not None and hasattr(manager, "pinned"):
+        if manager is not None:
             if self.base == -1:
                 manager.pinned.add(self.start)
             else:
@@ -224,7 +223,8 @@ class Rounds:
             from hpcscale.errors import BadInput
 
             raise BadInput(
-                f"xsite.start_from: global round 0 is not the checkpoint this site started from ({self.start_from}):"
+                f"xsite.start_from: global round 0 is not the checkpoint this site started from "
+                f"({self.ctx.job.xsite.start_from}):"
                 " the aggregator's site started from other weights (its job has no xsite.start_from, names another "
                 "checkpoint, or its run had checkpoints of its own). Give every site the same start_from and start "
                 "the cross-site training again with empty state directories (docs/cross-site.md)"
