@@ -212,7 +212,7 @@ def test_config_show_resolves_defaults():
     import json
 
     doc = json.loads(result.stdout)
-    assert doc["launcher"] == {"kind": "srun", "mpi": "pmix", "wait_seconds": 60, "extra_args": []}
+    assert doc["launcher"] == {"kind": "srun", "mpi": "pmix", "wait_seconds": 60, "cpu_bind": None, "extra_args": []}
     assert doc["staging"]["jobs"] == 8  # a default filled in
 
 

@@ -199,7 +199,7 @@ def test_render_cli_prints_script_for_the_local_cluster(local_cluster):
     result = run_cli("render", str(REPO / "docs" / "examples" / "hello-localcluster.yaml"), "--run-dir", "/runs/h")
     assert result.returncode == 0, result.stderr
     assert "#SBATCH --switches=1@00:01:00" in result.stdout
-    assert "\nsrun --kill-on-bad-exit=1 --wait=60 --mpi=pmix hostname &\n" in result.stdout
+    assert "\nsrun --kill-on-bad-exit=1 --wait=60 --mpi=pmix --cpus-per-task=1 hostname &\n" in result.stdout
 
 
 def test_bad_template_name_is_bad_input():

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +30,9 @@ from hpcscale.ckpt import faults
 from hpcscale.ckpt.format import INDEX, REFUSED, committed_steps, read_index, step_dir_name
 from hpcscale.ckpt.reader import load_shards
 from hpcscale.ckpt.retention import apply_retention
+from hpcscale.ckpt.rng import rng_problem, rng_state
 from hpcscale.ckpt.shards import local_shards, writer_of, writers
-from hpcscale.ckpt.writer import ShardWriter, commit, rng_state
+from hpcscale.ckpt.writer import ShardWriter, commit
 from hpcscale.errors import RuntimeFailure, VerificationFailure
 from hpcscale.layout import ParallelDims
 
@@ -65,9 +67,15 @@ class CheckpointManager:
         lineage: dict | None = None,
         background_nice: int = 0,
         read_only: bool = False,
+        device: torch.device | None = None,
+        timeout_s: float | None = None,
     ):
         """read_only: only `load_latest` (another run's checkpoints: xsite.start_from). Nothing under `root` is
-        created, cleaned or set aside, and `save` refuses."""
+        created, cleaned or set aside, and `save` refuses.
+
+        device: the rank's device (the training thread's current one). The writer thread makes it its own
+        current device before it touches CUDA, so its pinned buffers, copy stream and events are on the rank's
+        GPU, not GPU 0. timeout_s: the checkpoint group's collective timeout (the job's timeout_seconds)."""
         self.root, self.dims, self.rank = root, dims, rank
         self.read_only = read_only
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
@@ -79,7 +87,10 @@ class CheckpointManager:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
         # collectives on the default group.
-        self.group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None
+        )
+        self.device = device if device is not None else torch.device("cpu")
         if rank == 0 and not read_only:
             root.mkdir(parents=True, exist_ok=True)
             leftovers = list(root.glob(".tmp-*"))
@@ -99,7 +110,7 @@ class CheckpointManager:
         self._adopt_newest()
         self.last_stats: SaveStats | None = None
         # One thread for every async save, started at the first
-        self._bg = _Background(f"hpcscale-ckpt-{rank}", background_nice)
+        self._bg = _Background(f"hpcscale-ckpt-{rank}", background_nice, device=self.device)
         self._pending = False  # an async save was handed to it and not yet waited for
         self._staged: threading.Event | None = None  # a deferred save's copy taken (wait_staged)
 
@@ -148,6 +159,11 @@ class CheckpointManager:
         table = writers(shards, self.dims, pp_rank=self.coords.pp)
         mine = [s for s in shards if writer_of(s, table, tp_rank=self.coords.tp) == self.rank]
         rng = rng_state()
+        # On a GPU: what the copy must wait for is what this (training) thread queued before this call
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         parent = step_dir_name(self.last_step) if self.last_step is not None else None
         state = dict(trainer_state)
         if self.lineage is not None:
@@ -156,11 +172,11 @@ class CheckpointManager:
             state[TAG] = for_save(self.lineage, state, parent)
         if asynchronous and defer_staging:
             staged = threading.Event()
-            self._bg.submit(self._stage_and_write, mine, step, rng, state, parent, staged)
+            self._bg.submit(self._stage_and_write, mine, step, rng, state, parent, staged, ready)
             self._staged, self._pending = staged, True  # only once handed over: a refused save leaves none
             self.last_stats = SaveStats(step, time.perf_counter() - t0, 0, 0)
             return self.last_stats
-        pending = self.writer.snapshot(mine, copy=asynchronous)
+        pending = self.writer.snapshot(mine, copy=asynchronous, ready=ready)
         args = (step, pending, rng, state, parent)
         if asynchronous:
             self._bg.submit(self._background, *args)
@@ -172,10 +188,10 @@ class CheckpointManager:
             self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
         return self.last_stats
 
-    def _stage_and_write(self, mine, step, rng, state, parent, staged: threading.Event) -> None:
+    def _stage_and_write(self, mine, step, rng, state, parent, staged: threading.Event, ready) -> None:
         """On the writer thread: what it raises (nothing was written) is raised by the next wait()."""
         try:
-            pending = self.writer.snapshot(mine, copy=True)
+            pending = self.writer.snapshot(mine, copy=True, ready=ready)
         finally:
             staged.set()
         self._background(step, pending, rng, state, parent)
@@ -304,7 +320,7 @@ class CheckpointManager:
                 index = read_index(path)  # root digest, DIGEST and structure: nothing below follows a bad index
                 same_layout = index.layout == self.dims.as_dict()
                 problem = _state_problem(index.trainer_state, check_state) or (
-                    _rng_problem(index.rng.get(self.rank)) if same_layout and check_rng else None
+                    rng_problem(index.rng.get(self.rank)) if same_layout and check_rng else None
                 )
                 if problem is not None:
                     problem = f"{path.parent}: {problem}"
@@ -383,8 +399,8 @@ class _Background:
 
     POLL_S = 1.0  # how soon join() notices a thread that died with a job: a dead thread notifies no one
 
-    def __init__(self, name: str, nice: int):
-        self.name, self.nice = name, nice
+    def __init__(self, name: str, nice: int, *, device: torch.device):
+        self.name, self.nice, self.device = name, nice, device
         self._cv = threading.Condition()
         self._job: tuple | None = None
         self._busy = False
@@ -445,6 +461,8 @@ class _Background:
             raise
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # a new thread's current device is GPU 0: make it the rank's
+            torch.cuda.set_device(self.device)
         if self.nice:  # this thread only (Linux: a thread's id is a process id to setpriority)
             # Added to the nice value the thread was born with (the rank's: under `nice 5`, 5 + nice), never
             # raising its priority. Not Linux, or refused: the save still runs, at the loop's priority.
@@ -480,31 +498,6 @@ def _state_problem(state: dict, check: Callable[[dict], str | None] | None) -> s
     except Exception as e:
         return f"trainer state: unexpected {type(e).__name__} while checking it: {e}"
     return None if problem is None else f"trainer state: {problem}"
-
-
-def _rng_problem(states: dict[str, np.ndarray] | None) -> str | None:
-    """What is wrong with this rank's saved RNG states for this process's torch: the CPU state must be one
-    torch.set_rng_state accepts (tried, then undone); a CUDA state, when saved and a GPU is present, must have
-    the length torch.cuda.get_rng_state() has."""
-    if not states or "cpu" not in states:
-        return "no CPU RNG state for this rank"
-    cpu = np.asarray(states["cpu"])
-    want = torch.get_rng_state().numel()
-    if cpu.dtype != np.uint8 or cpu.shape != (want,):
-        return f"the CPU RNG state has shape {cpu.shape} of {cpu.dtype}; this torch expects ({want},) of uint8"
-    current = torch.get_rng_state()
-    try:
-        torch.set_rng_state(torch.from_numpy(cpu.copy()))
-    except Exception as e:  # RuntimeError: a state of the right length whose contents torch refuses
-        return f"the CPU RNG state is refused by torch: {str(e)[:200]}"
-    finally:
-        torch.set_rng_state(current)
-    if "cuda" in states and torch.cuda.is_available():
-        cuda = np.asarray(states["cuda"])
-        want = torch.cuda.get_rng_state().numel()
-        if cuda.dtype != np.uint8 or cuda.shape != (want,):
-            return f"the CUDA RNG state has shape {cuda.shape}; this torch expects ({want},)"
-    return None
 
 
 def _kept(error: BaseException) -> BaseException:

@@ -29,7 +29,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
@@ -49,6 +48,7 @@ from hpcscale.ckpt.format import (
     write_index,
 )
 from hpcscale.ckpt.integrity import DTYPE_SIZES
+from hpcscale.ckpt.rng import rng_state  # noqa: F401 - re-exported: tests build indexes with it
 from hpcscale.ckpt.shards import LocalShard
 
 ALIGN = 4096  # O_DIRECT's alignment for memory, file offsets and lengths (every device's logical block divides it)
@@ -261,6 +261,7 @@ class ShardWriter:
         self.group = group
         self.direct_io = direct_io
         self._bounce: torch.Tensor | None = None  # DataFile's aligned bounce buffer, kept across saves
+        self._stream: torch.cuda.Stream | None = None  # GPU tensors are copied to host on it (snapshot)
         self.known: dict[str, ChunkRef] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._versions: dict[str, tuple[int, int]] = {}  # name -> (id of tensor, version) at the last save
@@ -270,10 +271,19 @@ class ShardWriter:
         self._candidate: dict[str, list[ChunkRef]] = {}
         self._candidate_versions: dict[str, tuple[int, int]] = {}
 
-    def snapshot(self, shards: list[LocalShard], *, copy: bool) -> list[PendingShard]:
+    def snapshot(
+        self, shards: list[LocalShard], *, copy: bool, ready: torch.cuda.Event | None = None
+    ) -> list[PendingShard]:
         """Take what will be written. With `copy`, into reused CPU buffers, so training can go on; tensors not
-        modified since the last committed save (same object, same version counter) are not copied at all."""
+        modified since the last committed save (same object, same version counter) are not copied at all.
+
+        GPU tensors are copied into pinned buffers on this writer's own copy stream, which first waits for
+        `ready`: an event the training thread recorded on its stream when it asked for the save, so the copy
+        sees every update queued before that (the optimizer step), whichever thread runs this. The method
+        returns once those copies have landed (an event on the copy stream, not torch.cuda.synchronize(),
+        which would wait on the calling thread's current device: GPU 0 on a helper thread)."""
         out = []
+        stream = None
         if copy:  # CPU buffers first missing (or of another shape) get one new arena together
             missing = [s for s in shards if not self._has_buffer(s) and not s.tensor.is_cuda]
             if missing:
@@ -292,14 +302,34 @@ class ShardWriter:
                 if not self._has_buffer(s):  # a GPU tensor's: pinned, so the copy runs asynchronously
                     self._buffers[key] = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, pin_memory=True)
                 buf = self._buffers[key]
-                buf.copy_(s.tensor.detach(), non_blocking=s.tensor.is_cuda)
+                if s.tensor.is_cuda:
+                    if stream is None:
+                        stream = self._copy_stream(s.tensor.device, ready)
+                    with torch.cuda.stream(stream):
+                        buf.copy_(s.tensor.detach(), non_blocking=True)
+                    s.tensor.record_stream(stream)  # its memory is not reused before the copy has read it
+                else:
+                    buf.copy_(s.tensor.detach())
                 out.append(PendingShard(s, buf))
             else:
-                out.append(PendingShard(s, s.tensor.detach().cpu()))
+                out.append(PendingShard(s, s.tensor.detach().cpu()))  # the caller's stream, blocking
             self._candidate_versions[key] = version
-        if any(p.data is not None and p.shard.tensor.is_cuda for p in out):
-            torch.cuda.synchronize()
+        if stream is not None:
+            landed = torch.cuda.Event()
+            landed.record(stream)
+            landed.synchronize()
         return out
+
+    def _copy_stream(self, device: torch.device, ready: torch.cuda.Event | None) -> torch.cuda.Stream:
+        """This writer's side stream on `device`, made to wait for `ready` (or, without one, for the device's
+        current stream as this thread sees it: right only on the training thread)."""
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        if ready is not None:
+            self._stream.wait_event(ready)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        return self._stream
 
     def _has_buffer(self, s: LocalShard) -> bool:
         buf = self._buffers.get(_key(s))
@@ -439,10 +469,3 @@ def commit(
     from hpcscale.ckpt.retention import apply_retention
 
     return apply_retention(root, keep_last=keep_last, keep_every=keep_every, keep=keep)
-
-
-def rng_state() -> dict[str, np.ndarray]:
-    out = {"cpu": torch.get_rng_state().numpy().copy()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state().numpy().copy()
-    return out

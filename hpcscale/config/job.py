@@ -229,6 +229,12 @@ class JobSpec:
     nodes: int = setting("Nodes to allocate.", default=1, min=1)
     tasks_per_node: int = setting("Ranks per node (usually one per GPU).", default=1, min=1)
     gpus_per_node: int = setting("GPUs per node to request.", default=0, min=0)
+    device: Literal["auto", "cuda", "cpu"] = setting(
+        "Where the ranks compute. auto: a GPU (NCCL) when the rank sees one, the CPU (gloo) otherwise; a job "
+        "that requests GPUs (gpus_per_node) and whose ranks see none fails at launch instead of training on the "
+        "CPU. cuda: GPUs required. cpu: the CPU even where GPUs are present.",
+        default="auto",
+    )
     cpus_per_task: int = setting("CPU cores per rank; also sets OMP_NUM_THREADS.", default=1, min=1)
     time_limit: str = setting(
         "Slurm time limit (MM, HH:MM:SS, D-HH:MM:SS...).", default="01:00:00", check=check_duration

@@ -223,6 +223,17 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         dec.error(
             ("gpus_per_node",), f"{spec.gpus_per_node} GPUs per node requested but {where} has {part.gpus_per_node}"
         )
+    elif spec.gpus_per_node == 0 and part.gpus_per_node and spec.device != "cpu" and spec.command is None:
+        # Slurm hides the GPUs a job did not ask for (cgroup ConstrainDevices): its ranks would see none and
+        # train on the CPU with gloo, silently, on a GPU node
+        dec.error(
+            ("gpus_per_node",),
+            f"{where} has {part.gpus_per_node} GPUs per node and the job requests none: on partitions that "
+            "constrain devices the ranks would see no GPU and train on the CPU. Request them "
+            f"(gpus_per_node: {part.gpus_per_node}), or set device: cpu to train on the CPUs on purpose",
+        )
+    if spec.device == "cuda" and not part.gpus_per_node:
+        dec.error(("device",), f"device is cuda but {where} has no GPUs (its gpus_per_node is 0)")
     cores = spec.tasks_per_node * spec.cpus_per_task
     if cores > part.cpus_per_node:
         dec.error(

@@ -86,6 +86,13 @@ class Launcher:
     wait_seconds: int = setting(
         "`srun --wait`: after the first rank exits, seconds before the others are killed.", default=60, min=1
     )
+    cpu_bind: str | None = setting(
+        "`srun --cpu-bind=` for every rank, with `--distribution=block:block` so a node's ranks fill one socket "
+        "before the next (local rank i on the socket of GPU i, as on DGX-style nodes, where GPUs are numbered by "
+        "socket). null leaves binding to the site's defaults (clusters without task/affinity or task/cgroup).",
+        default="cores",
+        check=check_name,
+    )
     extra_args: list[str] = setting("Extra arguments for srun or mpirun, each passed as one argument.", factory=list)
 
 

@@ -46,6 +46,23 @@ class TrainConfig:
     val_fraction: float = setting("Share of samples held out for validation.", default=0.02, min=0, max=0.5)
     log_every: int = setting("Print progress every N steps (metrics.jsonl gets every step).", default=10, min=1)
     bf16: bool = setting("bf16 autocast on GPUs (ignored on CPU, where runs stay fp32).", default=False)
+    tf32: bool = setting(
+        "TF32 tensor cores for fp32 matmuls and convolutions on GPUs (Ampere and newer): several times faster "
+        "than full fp32, with a 10-bit mantissa in the products. Ignored on CPU.",
+        default=False,
+    )
+    fused_optimizer: bool = setting(
+        "On GPUs, one fused AdamW kernel over all parameters instead of one kernel chain per parameter: much "
+        "faster at scale. Off, each parameter is updated on its own, so results do not depend on how "
+        "parameters are grouped (the bitwise layout equivalence). Ignored on CPU.",
+        default=False,
+    )
+    deterministic: bool = setting(
+        "torch.use_deterministic_algorithms: the same inputs give bitwise the same results (resume reproduces "
+        "the uninterrupted run). On GPUs it picks slower deterministic kernels and hpcscale sets "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless set) as cuBLAS then requires; turn it off for speed.",
+        default=True,
+    )
 
 
 def train_checks(cfg: TrainConfig, *, dims: ParallelDims) -> list[tuple[str, str]]:

@@ -9,8 +9,18 @@
    host, otherwise its own routable address, never a loopback one. It binds torch's TCPStore there on a port
    the kernel chooses, then broadcasts address and port over MPI: jobs sharing nodes never collide, and no
    other process can take the port between choosing and binding it.
-4. torch.distributed starts with nccl when CUDA is present (device = local rank), gloo otherwise, with a
-   timeout, so a dead peer fails the job instead of hanging it until the time limit.
+4. The rank's device (choose_gpu): GPU `local rank` when the node's ranks each see every GPU, GPU 0 when
+   each sees only its own (srun --gpus-per-task / --gpu-bind), an error when ranks would share one; then the
+   GPUs' UUIDs are compared across each node's ranks, so two ranks on one GPU are named before NCCL refuses
+   them ("Duplicate GPU detected"). A job that requested GPUs and whose ranks see none fails here instead of
+   training on the CPU (job key `device`).
+5. torch.distributed starts with nccl on the GPU, gloo on the CPU, with the job's timeout, so a dead peer
+   fails the job instead of hanging it until the time limit. NCCL gets `device_id`: the communicator is made
+   at once (a broken fabric fails here, not at the first step) and the mesh's groups are split from it.
+   RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT are exported as torchrun
+   exports them, for user code and libraries that read them; GLOO_SOCKET_IFNAME follows NCCL_SOCKET_IFNAME
+   when only that is set, so the checkpoint's gloo group uses the interface the site chose for NCCL rather
+   than whatever the hostname resolves to.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from hpcscale.errors import RuntimeFailure
 
@@ -36,6 +47,59 @@ class RankInfo:
     master_addr: str
     master_port: int
     backend: str
+    device: Any = None  # torch.device: cuda:N or cpu
+
+
+class DeviceChoiceError(RuntimeFailure):
+    pass
+
+
+def choose_gpu(*, local_rank: int, local_size: int, visible: int, node: str) -> int | None:
+    """Which of the GPUs this process sees it trains on (None: it sees none).
+
+    Every rank of the node sees all GPUs: its local rank. Each sees exactly one (Slurm bound one GPU per task,
+    CUDA_VISIBLE_DEVICES differs per rank): that one. Otherwise ranks would share a GPU: refused, naming the
+    fix, because NCCL refuses two ranks on one GPU and would fail later with less to go on."""
+    if visible <= 0:
+        return None
+    if visible >= local_size:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise DeviceChoiceError(
+        f"node {node} runs {local_size} ranks but each sees {visible} GPUs: ranks would share a GPU (NCCL "
+        "refuses that: 'Duplicate GPU detected'). Run one rank per GPU (tasks_per_node = gpus_per_node), or bind "
+        "one GPU to each task (srun --gpus-per-task=1)"
+    )
+
+
+def duplicate_gpus(seen: list[tuple[str, int, str]]) -> str | None:
+    """seen: (node, rank, GPU UUID) of every rank. The first GPU two ranks of one node share, described."""
+    owner: dict[tuple[str, str], int] = {}
+    for node, rank, uuid in seen:
+        if not uuid:
+            continue
+        other = owner.setdefault((node, uuid), rank)
+        if other != rank:
+            return (
+                f"ranks {other} and {rank} on node {node} both use GPU {uuid}: NCCL refuses two ranks on one GPU. "
+                "Check CUDA_VISIBLE_DEVICES and the GPU binding (srun --gpus-per-task / --gpu-bind)"
+            )
+    return None
+
+
+def export_rank_environment(*, rank: int, world_size: int, local_rank: int, local_size: int, addr: str, port: int):
+    """The variables torchrun sets, for user code and libraries that read them (Hugging Face, Lightning)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        LOCAL_WORLD_SIZE=str(local_size),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+    )
+    if "NCCL_SOCKET_IFNAME" in os.environ and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"]
 
 
 def node_name() -> str:
@@ -64,9 +128,11 @@ def routable_address(peer: str | None) -> str:
     )
 
 
-def bootstrap(*, timeout_s: float, order_nodes: Callable[[list[str]], list[str]]) -> RankInfo:
+def bootstrap(
+    *, timeout_s: float, order_nodes: Callable[[list[str]], list[str]], device: str = "auto", gpus_requested: int = 0
+) -> RankInfo:
     """Start torch.distributed over MPI. `order_nodes(nodes)` returns the allocation's nodes in placement order
-    (called on MPI rank 0 only)."""
+    (called on MPI rank 0 only). `device` and `gpus_requested` are the job's `device` and `gpus_per_node`."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -103,9 +169,53 @@ def bootstrap(*, timeout_s: float, order_nodes: Callable[[list[str]], list[str]]
     if store is None:
         store = dist.TCPStore(addr, port, comm.size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda and dist.is_nccl_available() else "gloo"
-    if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    dist.init_process_group(backend, store=store, rank=rank, world_size=comm.size, timeout=timedelta(seconds=timeout_s))
-    return RankInfo(rank, comm.size, local_rank, me[0], comm.rank, order, addr, port, backend)
+    export_rank_environment(
+        rank=rank, world_size=comm.size, local_rank=local_rank, local_size=tasks_per_node, addr=addr, port=port
+    )
+    problem, gpu = None, None
+    try:
+        gpu = _rank_gpu(device, gpus_requested, local_rank=local_rank, local_size=tasks_per_node, node=me[0])
+    except DeviceChoiceError as e:
+        problem = str(e)
+    # every rank learns of any rank's problem together: one raising alone would leave the others waiting
+    seen = comm.allgather((me[0], rank, _gpu_uuid(gpu), problem))
+    problem = next((p for *_, p in seen if p), None) or duplicate_gpus([(n, r, u) for n, r, u, _ in seen])
+    if problem:
+        raise DeviceChoiceError(problem)
+    if gpu is not None:
+        torch.cuda.set_device(gpu)
+        where = torch.device("cuda", gpu)
+        backend, extra = "nccl", {"device_id": where}
+    else:
+        where, backend, extra = torch.device("cpu"), "gloo", {}
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=comm.size, timeout=timedelta(seconds=timeout_s), **extra
+    )
+    return RankInfo(rank, comm.size, local_rank, me[0], comm.rank, order, addr, port, backend, where)
+
+
+def _rank_gpu(device: str, gpus_requested: int, *, local_rank: int, local_size: int, node: str) -> int | None:
+    """The GPU index this rank trains on, or None for the CPU, as the job's `device` says."""
+    import torch
+    import torch.distributed as dist
+
+    if device == "cpu":
+        return None
+    visible = torch.cuda.device_count() if torch.cuda.is_available() and dist.is_nccl_available() else 0
+    if visible == 0 and (device == "cuda" or gpus_requested > 0):
+        asked = "asks for device cuda" if device == "cuda" else f"requests {gpus_requested} GPUs per node"
+        visible_env = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+        raise DeviceChoiceError(
+            f"node {node}: the job {asked} but this rank sees none (CUDA_VISIBLE_DEVICES={visible_env}):"
+            " it would train on the CPU. Check the allocation's GPUs (srun --gpus-per-node), the CUDA build of torch "
+            "(python -c 'import torch; print(torch.version.cuda)'), or set device: cpu"
+        )
+    return choose_gpu(local_rank=local_rank, local_size=local_size, visible=visible, node=node)
+
+
+def _gpu_uuid(gpu: int | None) -> str:
+    if gpu is None:
+        return ""
+    import torch
+
+    return str(torch.cuda.get_device_properties(gpu).uuid)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.launch.signals import StopRequested
 from hpcscale.launch.watchdog import NoWatchdog
+from hpcscale.parallel.device import settle
 
 FORMAT = 1  # the JSON state's layout ("hpcscale.context" in it)
 
@@ -170,9 +171,9 @@ class Checkpointer:
             self._start_clock(restored.step)
             return restored.step
         if restored.rng is not None:
-            torch.set_rng_state(torch.from_numpy(restored.rng["cpu"]))
-            if "cuda" in restored.rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(torch.from_numpy(restored.rng["cuda"]))
+            from hpcscale.ckpt.rng import restore_rng
+
+            restore_rng(restored.rng, self._ctx.device)
         self._ctx.metrics.log(
             step=restored.step - 1, restored_from=restored.step, restore_s=round(time.perf_counter() - t0, 4)
         )
@@ -198,6 +199,7 @@ class Checkpointer:
             raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
         self._watchdog.beat(step)
         self._done = step + 1
+        settle(self._ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
         t_sync = time.perf_counter()
         if self._ctx.should_stop():
             self.save(step + 1, asynchronous=False)
@@ -319,6 +321,8 @@ class Checkpointer:
                 background_nice=self.policy.background_nice,
                 log=ctx.metrics.print,
                 lineage=lineage.of_context(ctx),
+                device=ctx.device,
+                timeout_s=ctx.job.timeout_seconds,
             )
             ctx.hooks["checkpoint"] = self._manager
         return self._manager

@@ -185,7 +185,12 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     from hpcscale.launch.bootstrap import bootstrap, node_name
 
     try:
-        info = bootstrap(timeout_s=spec.timeout_seconds, order_nodes=_order_nodes(loaded))
+        info = bootstrap(
+            timeout_s=spec.timeout_seconds,
+            order_nodes=_order_nodes(loaded),
+            device=spec.device,
+            gpus_requested=spec.gpus_per_node,
+        )
         if info.rank == 0:  # every rank passed the bootstrap, so every rank's stop handler is installed
             print(RANKS_READY, flush=True)
         code = _run(loaded, info, run_dir, stop, sweep_index)
@@ -238,19 +243,18 @@ def _abort_job() -> None:
 
 
 def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: int | None) -> int:
-    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from hpcscale.launch.context import Context, MetricsLogger
     from hpcscale.launch.watchdog import Watchdog
     from hpcscale.layout import ParallelDims
+    from hpcscale.parallel.mesh import build_mesh
 
     os.environ["HPCSCALE_RANK"] = str(info.rank)
     spec = loaded.spec
     dims = ParallelDims.for_world(world_size=info.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp)
-    device = torch.device("cuda", torch.cuda.current_device()) if info.backend == "nccl" else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    device = info.device
+    mesh = build_mesh(device_type=device.type, backend=info.backend, dims=dims, timeout_s=spec.timeout_seconds)
     coords = dims.coords(info.rank)
     params = dict(spec.train.params)
     point: dict = {}

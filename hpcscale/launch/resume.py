@@ -41,7 +41,9 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
 RESUME_LOG = "resume.jsonl"
-_SRUN_TASK = re.compile(r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Exited with exit code \d+|Terminated)")
+_SRUN_TASK = re.compile(
+    r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Exited with exit code \d+|Terminated|Aborted|Segmentation fault)"
+)
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 
@@ -154,7 +156,22 @@ def _last_attempt(lines: list[str]) -> list[str]:
     return lines
 
 
-def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
+def rank_nodes(events: list[dict], job_id: str | None) -> tuple[int | None, list[str] | None]:
+    """(world size, the node of each global rank) of the job's last attempt, from its begin record (nodes in
+    placement order, ranks filling each node in turn); (None, None) when it has none usable."""
+    begins = [e for e in events if e.get("event") == "begin" and (job_id is None or e.get("job_id") == job_id)]
+    if not begins:
+        return None, None
+    nodes, world = begins[-1].get("nodes"), begins[-1].get("world_size")
+    if not isinstance(nodes, list) or type(world) is not int or not nodes or world % len(nodes):
+        return None, None
+    per_node = world // len(nodes)
+    return world, [str(nodes[r // per_node]) for r in range(world)]
+
+
+def rank_failure(
+    lines: list[str], *, world_size: int | None = None, placement: list[str] | None = None
+) -> tuple[str | None, list[str]]:
     """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines.
 
     The ranks' own failure lines come first (hpcscale.launch.local.describe_failure): the first rank that failed
@@ -163,6 +180,7 @@ def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
     Otherwise a task srun saw killed without a word (the OOM killer, kill -9, its node gone) is the cause, and
     its node is blamed."""
     from hpcscale.launch.local import describe_failure
+    from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
     from hpcscale.launch.watchdog import FailureLine, hung_ranks, stalled_nodes
 
     tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
@@ -170,11 +188,16 @@ def rank_failure(lines: list[str]) -> tuple[str | None, list[str]]:
     own = [f for line in lines for f in FailureLine.parse_all(line) if not f.peer_lost and not f.hang and f.node]
     if own:  # srun terminates the others after a rank's own failure: their "Terminated" blames nobody
         return summary, [own[0].node]
+    nccl = describe_nccl_timeouts(nccl_timeouts(lines), world_size=world_size, rank_nodes=placement)
+    if nccl is not None:  # NCCL's watchdog aborted the ranks that waited: no line of ours, srun says "Aborted"
+        return nccl.line, nccl.blamed_nodes
     hung = hung_ranks(lines)
     if hung is not None and hung.stuck:  # the stuck rank's node, from its own line once it was continued
         where = stalled_nodes(lines)
         return summary, list(dict.fromkeys(where[r] for r in hung.stuck if r in where))
-    signalled = [m for m in tasks if m.group(3) == "Killed"] or [m for m in tasks if m.group(3) == "Terminated"]
+    signalled = [m for m in tasks if m.group(3) in ("Killed", "Aborted", "Segmentation fault")] or [
+        m for m in tasks if m.group(3) == "Terminated"
+    ]
     if signalled:  # killed without a word: the OOM killer, kill -9, its node gone
         m = signalled[0]
         return f"MPI task {m.group(2)} on node {m.group(1)} was {m.group(3).lower()} (srun)", [m.group(1)]
@@ -218,7 +241,8 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
     if end is not None and end.get("cause") in ("preempted", "time_limit"):
         blamed = []  # the ranks stopped on a signal: srun's lines about their exits blame nobody
     else:
-        d.rank_failure, blamed = rank_failure(lines)
+        world, placement = rank_nodes(events, job_id)
+        d.rank_failure, blamed = rank_failure(lines, world_size=world, placement=placement)
     d.failed_nodes = list(dict.fromkeys([*blamed, *down]))
     if (
         state == "COMPLETED"

@@ -212,9 +212,13 @@ class Rounds:
         would silently drop the pretrained weights. Collective."""
         try:
             with torch.no_grad():
-                same = all(
+                # every parameter compared on every rank, never stopping at the first difference: a rank that
+                # stopped early while its peers go on would leave them in a collective (none is made here since
+                # _shard slices locally, but the comparison must not depend on that)
+                checks = [
                     torch.equal(self._shard(name, p, theta), _local(p)) for name, p in self.model.named_parameters()
-                )
+                ]
+            same = all(checks)
         except RuntimeError:  # a tensor missing or shaped otherwise: not that checkpoint either; every rank must
             same = False  # reach the all-reduce below
         ok = torch.tensor([1.0 if same else 0.0], device=self.ctx.device)
@@ -239,7 +243,9 @@ class Rounds:
         if hasattr(p, "to_local"):  # a DTensor: this rank's shard of the full tensor
             from torch.distributed.tensor import distribute_tensor
 
-            return distribute_tensor(full.to(p.device), p.device_mesh, p.placements).to_local()
+            # src_data_rank=None: every rank holds the whole θ, so each takes its slice locally; no collective
+            # (the default would broadcast from the mesh's first rank, a tp-group collective per parameter)
+            return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
         if tuple(full.shape) != tuple(p.shape):
             raise RuntimeError(f"global round's {name} has shape {tuple(full.shape)}, not {tuple(p.shape)}")
         return full.to(p.device)
@@ -270,7 +276,15 @@ def load_start_from(ctx, dims, tensors: dict[str, torch.Tensor], *, check_state=
     dist.broadcast_object_list(seen, src=0)
     if not seen[0]:
         raise BadInput(f"xsite.start_from: {root} is not a directory (give a run's checkpoints/ directory)")
-    manager = CheckpointManager(root, dims=dims, rank=ctx.rank, log=ctx.metrics.print, read_only=True)
+    manager = CheckpointManager(
+        root,
+        dims=dims,
+        rank=ctx.rank,
+        log=ctx.metrics.print,
+        read_only=True,
+        device=ctx.device,
+        timeout_s=ctx.job.timeout_seconds,
+    )
     try:
         got = manager.load_latest(tensors, check_state=check_state, check_rng=False)
     finally:

@@ -3,6 +3,12 @@
 The global norm is over the whole model: each pp stage holds different parameters (sum over pp), a
 tensor-parallel Shard holds a slice (sum over tp), a Replicate parameter is the same on every tp rank
 (count once). dp replicas hold identical, already averaged gradients, so nothing is summed over dp.
+
+Where the sums live: on the gradients' device. NCCL reduces only tensors on the rank's own GPU, and adding a
+CUDA norm into a CPU accumulator raises ("Expected all tensors to be on the same device"), so the two
+float64 accumulators are made on `device` (the rank's device; the first gradient's when not given). float64:
+the squares of millions of fp32 (or bf16) elements are added without losing the small ones; CUDA and NCCL
+both take float64. The one host sync is the norm's `float()`, after both all-reduces.
 """
 
 from __future__ import annotations
@@ -12,27 +18,32 @@ import torch.distributed as dist
 from torch import nn
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def clip_grad_norm(
     params: list[nn.Parameter],
     max_norm: float,
     *,
     tp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
 ) -> float:
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad
-        if hasattr(g, "to_local"):
-            local = g.to_local().double()
-            if any(pl.is_shard() for pl in g.placements):
-                sharded += local.pow(2).sum()
-                continue
-            replicated += local.pow(2).sum()
+    """Clip the gradients of `params` in place to a global norm of `max_norm` (0: measure only) and return the
+    global norm before clipping. A collective over `tp_group` and `pp_group` (None: that degree is 1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if device is None:
+        device = _local(grads[0]).device if grads else torch.device("cpu")
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        local = _local(g)
+        square = local.detach().double().pow(2).sum().to(device)
+        if hasattr(g, "placements") and any(pl.is_shard() for pl in g.placements):
+            sharded += square
         else:
-            replicated += g.double().pow(2).sum()
+            replicated += square
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sharded, group=tp_group)
     total = sharded + replicated
@@ -41,8 +52,6 @@ def clip_grad_norm(
     norm = float(total.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                g = p.grad
-                (g.to_local() if hasattr(g, "to_local") else g).mul_(scale)
+        for g in grads:
+            _local(g).mul_(scale)
     return norm

@@ -7,6 +7,10 @@ in reverse registration order (roughly the order backward produces them), and a 
 asynchronously as soon as its last gradient is accumulated, overlapping communication with the rest of
 backward. DTensor gradients are reduced through their local shards, so tp groups never see dp traffic.
 
+A gradient must be final when its hook fires: the bucket copies it then. Anything that rescales gradients
+after backward (torch's pipeline schedules with scale_grads=True) would be undone by finish(), which writes
+the average of the copies back; hpcscale.parallel.pipeline scales the loss instead.
+
 Gradient accumulation: a parameter's hook fires once per micro-batch backward; the bucket is reduced on the
 `accumulation_steps`-th firing, i.e. after the last micro-batch, as DDP's no_sync() would arrange.
 
@@ -27,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hpcscale.parallel.device import settle
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -134,6 +140,11 @@ class GradSync:
         """Wait for every bucket and write the averaged gradients back."""
         if self.size == 1:
             return
+        device = self.buckets[0].buffer.device
+        # On a GPU, work.wait() only makes the current stream wait: the clock is read once backward's queued
+        # kernels are done and again once the reductions are, so comm_wait_s is the wait for the network alone
+        # (hpcscale.parallel.device).
+        settle(device)
         t = time.perf_counter()
         for bucket in self.buckets:
             if bucket.work is None:  # some parameter got no gradient this step: reduce what there is
@@ -142,6 +153,7 @@ class GradSync:
                         p.grad = torch.zeros_like(p)
                 self._launch(bucket)
             bucket.work.wait()
+        settle(device)
         self.comm_wait_s = time.perf_counter() - t
         self.comm_wait_total_s += self.comm_wait_s
         for bucket in self.buckets:

@@ -57,6 +57,18 @@ def build_schedule(
     loss_fn: Callable,
     device: torch.device,
 ):
+    """The pipeline schedule for this stage. Each micro-batch's loss is `loss_fn(output, target) /
+    n_microbatches`, so the losses the last stage gets back add up to the step's mean loss and the gradients
+    are already the mean over micro-batches when backward ends, exactly as plain accumulation at pp = 1 makes
+    them (`(loss / n).backward()` per micro-batch).
+
+    Why not torch's `scale_grads=True`: it divides the gradients after the schedule's last backward, in
+    place. A data-parallel gradient hook (grad_sync.GradSync) has by then copied the undivided gradients into
+    its buckets and started their all-reduce, and its finish() writes the undivided average back: gradients
+    n_microbatches times too large. Scaling the loss keeps every gradient final when its hook fires."""
+
+    def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / n_microbatches
+
     stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
-    # scale_grads: gradients are the mean over micro-batches, as with plain accumulation at pp=1.
-    return SCHEDULES[kind](stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return SCHEDULES[kind](stage, n_microbatches=n_microbatches, loss_fn=scaled, scale_grads=False)

@@ -37,11 +37,16 @@ def choose_template(job: ResolvedJob, template: str | None) -> str:
 def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
     spec, site, run_dir = job.spec, job.site, job.run_dir
     launcher = site.launcher
+    # --cpus-per-task again: Slurm 22.05-23.02 steps do not inherit it from the allocation (one core per rank
+    # while OMP_NUM_THREADS says cpus_per_task); binding keeps each rank on its cores, on its GPU's socket
+    binding = [f"--cpu-bind={launcher.cpu_bind}", "--distribution=block:block"] if launcher.cpu_bind else []
     srun = [
         "srun",
         "--kill-on-bad-exit=1",
         f"--wait={launcher.wait_seconds}",
         f"--mpi={launcher.mpi}",
+        f"--cpus-per-task={spec.cpus_per_task}",
+        *binding,
         *launcher.extra_args,
     ]
     program = list(spec.command) if spec.command is not None else ["hpcscale", "launch", "--run-dir", str(run_dir)]

@@ -19,6 +19,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from hpcscale.ckpt.rng import restore_rng
 from hpcscale.config.decode import Decoder
 from hpcscale.config.train import TrainConfig, train_checks
 from hpcscale.config.yamlsrc import YamlSource
@@ -29,6 +30,7 @@ from hpcscale.launch.signals import StopRequested
 from hpcscale.launch.timing import NoStepTimes, SaveSchedule
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.clip import clip_grad_norm
+from hpcscale.parallel.device import settle
 from hpcscale.parallel.grad_sync import GradSync
 from hpcscale.parallel.pipeline import build_schedule, cut_stage
 from hpcscale.parallel.tensor_parallel import apply_tp
@@ -73,13 +75,29 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
     return model
 
 
-def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "emb" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.fused_optimizer and device.type == "cuda":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
     # foreach=False: the per-parameter kernels are bitwise independent of how parameters are grouped, which
     # the layout-equivalence guarantee relies on.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, foreach=False)
+
+
+def set_numerics(cfg: TrainConfig, device: torch.device) -> None:
+    """Determinism and TF32 as the job asks, before the first matmul. cuBLAS refuses to run deterministically
+    without CUBLAS_WORKSPACE_CONFIG, and reads it when its first handle is made: set here, it is in time."""
+    import os
+
+    if cfg.deterministic and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(cfg.deterministic)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
 def dataset_manifest(ctx: Context, cfg: TrainConfig):
@@ -138,7 +156,7 @@ def trainer_state_problem(state: dict) -> str | None:
 def train(ctx: Context) -> None:
     cfg = load_config(ctx)
     dims = ctx.dims
-    torch.use_deterministic_algorithms(True)
+    set_numerics(cfg, ctx.device)
     loader = TokenLoader(
         dataset_manifest(ctx, cfg),
         seq_len=cfg.seq_len,
@@ -157,7 +175,7 @@ def train(ctx: Context) -> None:
         the model's initialisation is seeded, so building again gives the same values."""
         model = build_model(cfg, ctx, loader.vocab_size)
         sync = GradSync(model, dp_group)
-        opt = build_optimizer(model, cfg)
+        opt = build_optimizer(model, cfg, ctx.device)
         schedule = None
         if dims.pp > 1:
             schedule = build_schedule(
@@ -182,6 +200,8 @@ def train(ctx: Context) -> None:
         background_nice=policy.background_nice,
         log=ctx.metrics.print,
         lineage=lineage.of_context(ctx),
+        device=ctx.device,
+        timeout_s=ctx.job.timeout_seconds,
     )
     ctx.hooks["checkpoint"] = ckpt
     start = 0
@@ -198,7 +218,7 @@ def train(ctx: Context) -> None:
         ctx.metrics.log(step=start - 1, restored_from=start, restore_s=round(time.perf_counter() - t_restore, 4))
         loader.load_state_dict(restored.trainer_state["loader"])
         if restored.rng is not None:
-            torch.set_rng_state(torch.from_numpy(restored.rng["cpu"]))
+            restore_rng(restored.rng, ctx.device)
         ctx.metrics.print(
             f"hpcscale: resumed from checkpoint step {start}"
             + ("" if restored.rng is not None else " (new layout: resharded)")
@@ -293,7 +313,8 @@ def train(ctx: Context) -> None:
                 run(target=targets, losses=losses)
             else:
                 run()
-            return torch.stack(losses).mean().detach() if last else torch.zeros((), device=ctx.device)
+            # each micro-batch's loss is already divided by n_micro (build_schedule): their sum is the mean
+            return torch.stack(losses).sum().detach() if last else torch.zeros((), device=ctx.device)
 
     def agree(loss: torch.Tensor, extra: float = 0.0) -> tuple[float, float]:
         """One all-reduce per step: the global mean loss (last stage, tp rank 0 of each dp replica) and a flag."""
@@ -334,9 +355,11 @@ def train(ctx: Context) -> None:
             cfg.grad_clip,
             tp_group=ctx.mesh["tp"].get_group() if dims.tp > 1 else None,
             pp_group=ctx.mesh["pp"].get_group() if dims.pp > 1 else None,
+            device=ctx.device,
         )
         ckpt.wait_staged()  # a save's copy of the weights and optimizer state is taken before they change
         opt.step()
+        settle(ctx.device)  # the step's queued kernels are done: what agree() waits for from here is its peers
         t_comm = time.perf_counter()
         loss_value, stop = agree(loss, 1.0 if ctx.stop.requested else 0.0)
         t_end = time.perf_counter()
