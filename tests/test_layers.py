@@ -31,6 +31,7 @@ LAYERS = [
     "parallel",  # torch-native TP / PP / DP applied to a model
     "launch",  # rank bootstrap, signals, the Context handed to entry points
     "train",  # the reference GPT and its trainer: an entry point like a user's
+    "smoke",  # `hpcscale smoke`: real jobs that check new nodes, judged from their run directories
     "doctor",  # checks every layer below
     "cli",  # click commands: parse, call the library, render
     "__main__",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_cli, wait_for_job
-from trainjobs import PARAMS, job_spec, losses
+from trainjobs import PARAMS, grad_norms, job_spec, losses
 
 
 def _run_local(tmp: Path, *, tp: int, pp: int, ranks: int, **params) -> Path:
@@ -32,9 +32,15 @@ def _run_local(tmp: Path, *, tp: int, pp: int, ranks: int, **params) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(mpi, tmp_path_factory) -> list[float]:
-    """One process, no parallelism: the losses every layout must reproduce."""
-    ref = list_losses(_run_local(tmp_path_factory.mktemp("ref"), tp=1, pp=1, ranks=1))
+def reference_run(mpi, tmp_path_factory) -> Path:
+    """One process, no parallelism: the run every layout must reproduce."""
+    return _run_local(tmp_path_factory.mktemp("ref"), tp=1, pp=1, ranks=1)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> list[float]:
+    """The single process's losses."""
+    ref = list_losses(reference_run)
     assert len(ref) == PARAMS["steps"]
     assert ref[-1] < ref[0] - 0.5  # it learns
     return ref
@@ -55,8 +61,12 @@ def _assert_same(losses: list[float], reference: list[float]) -> None:
     [(2, 2, 8, "1f1b"), (2, 1, 4, "1f1b"), (1, 2, 4, "1f1b"), (1, 2, 4, "gpipe"), (1, 4, 4, "1f1b"), (1, 1, 4, "1f1b")],
     ids=["tp2-pp2-dp2", "tp2-dp2", "pp2-dp2", "pp2-dp2-gpipe", "pp4", "dp4"],
 )
-def test_layout_reproduces_single_process_losses(reference, tmp_path, tp, pp, ranks, schedule):
-    _assert_same(list_losses(_run_local(tmp_path, tp=tp, pp=pp, ranks=ranks, schedule=schedule)), reference)
+def test_layout_reproduces_single_process_losses(reference, reference_run, tmp_path, tp, pp, ranks, schedule):
+    run = _run_local(tmp_path, tp=tp, pp=pp, ranks=ranks, schedule=schedule)
+    _assert_same(list_losses(run), reference)
+    # the gradients themselves, not only what AdamW and clipping make of them (both hide a constant factor:
+    # pp x dp once averaged undivided micro-batch gradients, n_micro times too large)
+    _assert_same(grad_norms(run), grad_norms(reference_run))
 
 
 def test_srun_on_the_local_cluster_reproduces_the_losses(reference, local_cluster, tmp_path):
@@ -142,7 +152,8 @@ def test_user_entry_point_gets_a_context(mpi, tmp_path):
         "site": "local",
         "tasks_per_node": 4,
         "parallel": {"tp": 2},
-        "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers")},
+        "timeout_seconds": 77,
+        "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers"), "NCCL_SOCKET_IFNAME": "lo"},
         "train": {"entry": "user_entry:main", "params": {"anything": [1, 2]}},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
@@ -155,3 +166,13 @@ def test_user_entry_point_gets_a_context(mpi, tmp_path):
     assert all(r["backend"] == "gloo" and r["device"] == "cpu" and r["stop"] is False for r in ranks)
     assert ranks[0]["params"] == {"anything": [1, 2]}
     assert [r["local_rank"] for r in ranks] == [0, 1, 2, 3]
+    # every group the mesh and the checkpoints use has the job's timeout, not the backend's default (30 min)
+    assert all(r["group_timeouts"] == {"pp": 77.0, "dp": 77.0, "tp": 77.0} for r in ranks)
+    assert all(r["ckpt_group_timeout"] == 77.0 for r in ranks)
+    # torchrun's variables for user code; gloo follows the interface the site chose for NCCL
+    for r in ranks:
+        env = r["env"]
+        assert (env["RANK"], env["WORLD_SIZE"]) == (str(r["rank"]), "4")
+        assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(r["local_rank"]), "4")
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert env["GLOO_SOCKET_IFNAME"] == "lo"

@@ -52,3 +52,9 @@ def losses(run: Path) -> dict[int, float]:
     """step -> training loss, from RUN/metrics.jsonl."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def grad_norms(run: Path) -> list[float]:
+    """Each step's global gradient norm before clipping, from RUN/metrics.jsonl."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["grad_norm"] for r in rows if "grad_norm" in r]

@@ -14,6 +14,7 @@ from hpcscale import __version__
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "config": ("hpcscale.cli.config_cmd", "config", "Validate site configs and job specs; show a site."),
     "doctor": ("hpcscale.cli.doctor_cmd", "doctor", "Check Slurm, MPI, torch and the filesystem; say how to fix."),
+    "smoke": ("hpcscale.cli.smoke_cmd", "smoke", "Check new GPU nodes with real jobs: devices, NCCL, train, resume."),
     "render": ("hpcscale.cli.slurm_cmd", "render", "Print the sbatch script for a job; submit nothing."),
     "submit": ("hpcscale.cli.slurm_cmd", "submit", "Render, create the run directory and sbatch a job."),
     "status": ("hpcscale.cli.slurm_cmd", "status", "A run's submissions and their Slurm states."),

@@ -72,7 +72,7 @@ class Context:
     dp_rank: int
     tp_rank: int
     mesh: Any  # torch.distributed.device_mesh.DeviceMesh with dims ("pp", "dp", "tp")
-    device: Any  # torch.device: cuda:<local_rank> with GPUs, cpu otherwise
+    device: Any  # torch.device: the rank's GPU (launch.bootstrap.choose_gpu), or cpu
     backend: str  # "nccl" or "gloo"
     run_dir: Path
     job: JobSpec

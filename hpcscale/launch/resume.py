@@ -270,6 +270,7 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
 
 def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     from hpcscale.launch.local import describe_failure
+    from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
 
     events = rd.attempt_events()
     begins = [e for e in events if e.get("event") == "begin"]
@@ -282,7 +283,10 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
             return d
     lines = _read_logs(rd, [Path(sub.script).name]) if sub.script else []
     stops = [e for e in events if e.get("event") == "stop" and begins and e.get("attempt") == begins[-1].get("attempt")]
-    d.rank_failure = describe_failure([line + "\n" for line in lines])
+    world, placement = rank_nodes(events, None)
+    nccl = describe_nccl_timeouts(nccl_timeouts(lines), world_size=world, rank_nodes=placement)
+    # NCCL's watchdog aborts the ranks that waited (mpirun: "exited on signal 6"): its lines name the late rank
+    d.rank_failure = nccl.line if nccl is not None else describe_failure([line + "\n" for line in lines])
     if stops:
         d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
     elif d.rank_failure:

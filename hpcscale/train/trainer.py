@@ -117,10 +117,12 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """AdamW's state as its first step would create it (zeros), so a checkpoint has somewhere to load into.
     Bitwise the same as letting AdamW create it lazily."""
     for group in opt.param_groups:
+        # the fused kernel keeps its step counts on the parameters' device (torch's own lazy init does too)
+        on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             if p not in opt.state or not opt.state[p]:
                 opt.state[p] = {
-                    "step": torch.tensor(0.0),
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
                     "exp_avg": torch.zeros_like(p),
                     "exp_avg_sq": torch.zeros_like(p),
                 }

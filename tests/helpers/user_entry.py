@@ -1,9 +1,14 @@
 """A user entry point (`train.entry: user_entry:main`) for tests: checks what the Context hands over."""
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
+
+from hpcscale.parallel.mesh import AXES, group_timeout_s
+
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 
 
 def main(ctx):
@@ -29,6 +34,9 @@ def main(ctx):
                 "backend": ctx.backend,
                 "params": ctx.params,
                 "stop": ctx.should_stop(),
+                "env": {k: os.environ.get(k) for k in ENV},
+                "group_timeouts": {axis: group_timeout_s(ctx.mesh[axis].get_group(), "cpu") for axis in AXES},
+                "ckpt_group_timeout": group_timeout_s(ctx.checkpoint.manager.group, "cpu"),
             }
         )
     )

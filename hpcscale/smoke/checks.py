@@ -1,0 +1,423 @@
+"""`hpcscale smoke`: the first thing a site runs on new GPU nodes. Each check is a real job of its own, run the
+way users run theirs (sbatch and srun on a Slurm site, mpirun with --local), and judged from what it left in its
+run directory:
+
+1. devices: each rank's device, GPU UUID, CPUs and NUMA nodes (a rank whose CPUs are not on its GPU's NUMA node
+   fails `binding`), and an all-reduce over every rank, checked and timed (bus bandwidth);
+2. layout: the reference GPT at tp x pp x dp for a few steps (bf16 on GPUs), its losses and gradient norms
+   against the same job at tp = pp = 1 (every rank data-parallel): equal to 1e-5 in fp32 on the CPU; within
+   BF16_TOLERANCE on GPUs, where bf16 rounds differently per layout. A wrong gradient scale or a missing
+   reduction moves the gradient norm by a factor, far outside either;
+3. checkpoint: the layout run's mid-run save, asynchronous (copied out of GPU memory on the writer thread's own
+   stream), verified chunk by chunk (`hpcscale ckpt verify`);
+4. resume: the same job stopped at that step and resumed gives the uninterrupted run's losses bit for bit
+   (deterministic kernels);
+5. nccl-timeout: one rank never joins a collective; NCCL's watchdog aborts the others after timeout_seconds,
+   and the diagnosis `hpcscale resume --dry-run` shows names the late rank and its node. NCCL only: on the CPU
+   (gloo) it is skipped, and the report says so.
+
+Everything here is torch-free: the checks read JSON the ranks wrote (hpcscale.smoke.probe, RUN/metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hpcscale.errors import BadInput
+from hpcscale.layout import JobLayout
+
+BF16_TOLERANCE = 0.03  # relative, per step: bf16 layouts agree to about 1e-2 over a short run
+FP32_TOLERANCE = 1e-5  # relative, per step: the layout guarantee (tests/test_train_layouts.py)
+TIMEOUT_S = 20  # the forced timeout's collective timeout (the job spec's minimum is 10)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    status: Literal["pass", "fail", "skip"]
+    detail: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SmokeReport:
+    where: str  # "local" or the site's name
+    device: str  # "cuda" or "cpu", as the ranks found it
+    layout: dict[str, int]
+    run_dir: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.status != "fail" for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    """How one smoke job ended: its exit code (or Slurm state) and where its output is."""
+
+    run_dir: Path
+    ok: bool
+    how: str  # "exit 0", "COMPLETED", "FAILED 1:0", ...
+
+
+@dataclass(frozen=True, slots=True)
+class SmokePlan:
+    """What the smoke jobs ask for: the site (a name or a file), the allocation and the layout."""
+
+    site: str
+    local: bool
+    layout: JobLayout  # nodes x tasks per node, tp and pp (validated by hpcscale.layout)
+    gpus_per_node: int
+    cpus_per_task: int
+    partition: str | None
+    steps: int
+    gpu: bool  # whether the ranks are expected on GPUs (sizes the model and the all-reduce)
+
+    def spec(self, name: str, *, entry: str, params: dict, tp: int = 1, pp: int = 1, **extra: Any) -> dict:
+        """A job spec for one smoke job."""
+        spec: dict[str, Any] = {
+            "name": f"smoke-{name}",
+            "site": self.site,
+            "nodes": self.layout.nodes,
+            "tasks_per_node": self.layout.tasks_per_node,
+            "parallel": {"tp": tp, "pp": pp},
+            "timeout_seconds": 120,
+            "hang_timeout_seconds": 60,
+            "signals": {"requeue": False},
+            "train": {"entry": entry, "params": params},
+            **extra,
+        }
+        if not self.local:
+            spec |= {"gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task, "time_limit": "00:20:00"}
+            if self.partition:
+                spec["partition"] = self.partition
+        return spec
+
+    def trainer_params(self) -> dict:
+        """The reference GPT, small: a fixed global batch every layout divides (world x 2 samples), enough
+        micro-batches for every pipeline stage, and heads for any tp up to 8."""
+        base = {"steps": self.steps, "global_batch": self.layout.world * 2, "micro_batch": 2, "log_every": 1}
+        base |= {"eval_every": 0, "seed": 11, "warmup_steps": 2, "deterministic": True}
+        if self.gpu:
+            return base | {"seq_len": 128, "n_layer": 2 * self.layout.pp, "n_embd": 512, "n_head": 8, "bf16": True}
+        return base | {"seq_len": 32, "n_layer": max(4, self.layout.pp), "n_embd": 32, "n_head": 4}
+
+
+def check_steps(steps: int) -> None:
+    if steps < 4 or steps % 2:
+        raise BadInput(f"--steps {steps}: an even number of at least 4 (the resume check stops halfway)")
+
+
+Runner = Callable[[str, dict, Path, bool], JobOutcome]  # (name, spec, run_dir, reuse) -> outcome
+
+
+def run_smoke(plan: SmokePlan, root: Path, run: Runner, *, say: Callable[[str], None] = print) -> SmokeReport:
+    """Every check in order; a check whose job failed fails, and the ones that need its output say why."""
+    check_steps(plan.steps)
+    lay = plan.layout
+    root.mkdir(parents=True, exist_ok=True)
+    report = SmokeReport(
+        "local" if plan.local else plan.site,
+        "?",
+        {"nodes": lay.nodes, "tasks_per_node": lay.tasks_per_node, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp},
+        str(root),
+    )
+
+    def job(name: str, spec: dict, *, reuse: bool = False, where: str | None = None) -> JobOutcome:
+        say(f"hpcscale smoke: {name} ...")
+        return run(name, spec, root / (where or name), reuse)
+
+    devices = job("devices", plan.spec("devices", entry="hpcscale.smoke.probe:devices", params={}))
+    report.checks += device_checks(devices, plan)
+    report.device = "cuda" if any(c.figures.get("gpu") for c in report.checks if c.name == "devices") else "cpu"
+    gpu = report.device == "cuda"
+
+    params = plan.trainer_params()
+    half = plan.steps // 2
+    ckpt = {"every_steps": half, "async": True, "keep_last": 5}
+    reference = job("reference", plan.spec("reference", entry="builtin", params=params))
+    layout = job(
+        "layout",
+        plan.spec("layout", entry="builtin", params=params, tp=lay.tp, pp=lay.pp, checkpoint=ckpt),
+    )
+    report.checks.append(compare_layout(reference, layout, gpu=gpu))
+    report.checks.append(verify_checkpoint(layout, half))
+    resumed = None
+    if layout.ok:  # the layout run as if it had stopped after its mid-run (asynchronous) save
+        stopped_at(layout.run_dir, root / "resume", half)
+        resumed = job(
+            "resume",
+            plan.spec("layout", entry="builtin", params=params, tp=lay.tp, pp=lay.pp, checkpoint=ckpt),
+            reuse=True,
+        )
+    report.checks.append(compare_resume(layout, resumed, half))
+    if gpu:
+        spec = plan.spec("timeout", entry="hpcscale.smoke.probe:stall", params={})
+        spec |= {"timeout_seconds": TIMEOUT_S, "hang_timeout_seconds": 3600}
+        report.checks.append(diagnose_timeout(job("nccl-timeout", spec, where="timeout"), plan))
+    else:
+        report.checks.append(
+            Check("nccl-timeout", "skip", "needs NCCL: on gloo a timed-out collective raises in Python instead")
+        )
+    return report
+
+
+# ---- judging each job -----------------------------------------------------------------------------------------
+
+
+def _rank_reports(run_dir: Path) -> list[dict]:
+    from hpcscale.smoke.probe import SMOKE_DIR
+
+    out = []
+    for path in sorted((run_dir / SMOKE_DIR).glob("rank-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def device_checks(outcome: JobOutcome, plan: SmokePlan) -> list[Check]:
+    """devices, binding and allreduce, from each rank's report."""
+    ranks = _rank_reports(outcome.run_dir)
+    if not outcome.ok or len(ranks) != plan.layout.world:
+        why = (
+            f"the probe job ended {outcome.how}; {len(ranks)} of {plan.layout.world} ranks reported ({outcome.run_dir})"
+        )
+        return [Check("devices", "fail", why), Check("binding", "skip", "no report"), Check("allreduce", "skip", why)]
+    gpus = [r["gpu"] for r in ranks if r.get("gpu")]
+    devices = sorted({f"{r['node']}:{r['device']}" for r in ranks})
+    if gpus:
+        names = sorted({g["name"] for g in gpus})
+        dev = Check(
+            "devices",
+            "pass",
+            f"{len(ranks)} ranks on {len(devices)} GPUs ({', '.join(names)}), backend {ranks[0]['backend']}, "
+            f"CUDA {ranks[0]['cuda']}, NCCL {ranks[0]['nccl']}",
+            {"gpu": True, "ranks": ranks},
+        )
+    else:
+        dev = Check(
+            "devices",
+            "pass",
+            f"{len(ranks)} ranks on the CPU, backend {ranks[0]['backend']}",
+            {"gpu": False, "ranks": ranks},
+        )
+    far = [
+        f"rank {r['rank']} (CPUs on NUMA {r['cpu_numa_nodes']}, GPU {r['gpu']['index']} "
+        f"on NUMA {r['gpu']['numa_node']})"
+        for r in ranks
+        if r.get("gpu") and r["gpu"].get("numa_node") is not None and r["cpu_numa_nodes"]
+        and r["gpu"]["numa_node"] not in r["cpu_numa_nodes"]
+    ]  # fmt: skip
+    threads = ", ".join(sorted({str(r.get("omp_num_threads")) for r in ranks}))
+    if far:
+        binding = Check("binding", "fail", "not on their GPU's NUMA node: " + "; ".join(far[:4]))
+    elif gpus and all(g.get("numa_node") is not None for g in gpus):
+        binding = Check("binding", "pass", f"every rank's CPUs on its GPU's NUMA node; OMP_NUM_THREADS {threads}")
+    else:
+        binding = Check("binding", "skip", f"NUMA placement not known here; OMP_NUM_THREADS {threads}")
+    ar = [r["allreduce"] for r in ranks]
+    if not all(a["correct"] for a in ar):
+        wrong = [r["rank"] for r in ranks if not r["allreduce"]["correct"]]
+        allreduce = Check("allreduce", "fail", f"wrong sums on rank(s) {wrong}")
+    else:
+        slowest = max(a["seconds"] for a in ar)
+        bus = min(a["busbw_gbps"] for a in ar)
+        allreduce = Check(
+            "allreduce",
+            "pass",
+            f"{ar[0]['bytes'] / 2**20:.0f} MiB over {len(ranks)} ranks: {slowest * 1000:.2f} ms, bus bandwidth "
+            f"{bus:.2f} GB/s",
+            {"bytes": ar[0]["bytes"], "seconds": slowest, "busbw_gbps": bus},
+        )
+    return [dev, binding, allreduce]
+
+
+def _metric(run_dir: Path, key: str) -> dict[int, float]:
+    """step -> value of `key` in RUN/metrics.jsonl (the last line per step wins: a resumed run repeats none)."""
+    out: dict[int, float] = {}
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and key in row and isinstance(row.get("step"), int):
+            out[row["step"]] = row[key]
+    return out
+
+
+def _worst(a: dict[int, float], b: dict[int, float]) -> float:
+    if set(a) != set(b) or not a:
+        return math.inf
+    return max(abs(a[k] - b[k]) / max(abs(b[k]), 1e-12) for k in b)
+
+
+def compare_layout(reference: JobOutcome, layout: JobOutcome, *, gpu: bool) -> Check:
+    if not (reference.ok and layout.ok):
+        return Check("layout", "fail", f"reference run {reference.how}, layout run {layout.how} ({layout.run_dir})")
+    tolerance = BF16_TOLERANCE if gpu else FP32_TOLERANCE
+    losses = _worst(_metric(layout.run_dir, "loss"), _metric(reference.run_dir, "loss"))
+    norms = _worst(_metric(layout.run_dir, "grad_norm"), _metric(reference.run_dir, "grad_norm"))
+    loss = _metric(layout.run_dir, "loss")
+    learns = bool(loss) and all(math.isfinite(v) for v in loss.values()) and loss[max(loss)] < loss[min(loss)]
+    figures = {"loss_rel_diff": losses, "grad_norm_rel_diff": norms, "tolerance": tolerance}
+    detail = (
+        f"losses within {losses:.1e} and gradient norms within {norms:.1e} of tp=pp=1 (tolerance {tolerance:g}"
+        + (", bf16" if gpu else ", fp32")
+        + ")"
+    )
+    if losses > tolerance or norms > tolerance:
+        return Check("layout", "fail", detail, figures)
+    if not learns:
+        return Check("layout", "fail", detail + "; but the loss did not fall (or is not finite)", figures)
+    return Check("layout", "pass", detail, figures)
+
+
+def verify_checkpoint(layout: JobOutcome, step: int) -> Check:
+    from hpcscale.ckpt.format import step_dir_name
+    from hpcscale.ckpt.ops import verify
+
+    step_dir = layout.run_dir / "checkpoints" / step_dir_name(step)
+    if not (step_dir / "index.h5").is_file():
+        return Check("checkpoint", "fail", f"no committed checkpoint at {step_dir} (layout run {layout.how})")
+    try:
+        report = verify(step_dir)
+    except Exception as e:  # a refused index: VerificationFailure, BadInput
+        return Check("checkpoint", "fail", f"{step_dir}: {type(e).__name__}: {e}")
+    if not report.passed:
+        first = report.problems[0]
+        return Check("checkpoint", "fail", f"{step_dir}: {len(report.problems)} problem(s), first: {first}")
+    return Check(
+        "checkpoint",
+        "pass",
+        f"step {step} (saved asynchronously) verified: {report.ok} chunks, {report.bytes / 2**20:.1f} MiB",
+        {"chunks": report.ok, "bytes": report.bytes},
+    )
+
+
+def stopped_at(src: Path, dst: Path, step: int) -> None:
+    """A copy of run directory `src` in `dst` as the run was after `step` steps: its recorded spec and
+    submissions, and its checkpoints up to that step (copied out of a separate checkpoint root if the site has
+    one: never shared), without its metrics, logs or run id (a copy is a run of its own)."""
+    from hpcscale.ckpt.format import LATEST, step_of
+    from hpcscale.rundir import ATTEMPTS, CHECKPOINTS, LOGS, METRICS, RUN_ID, TIMING
+
+    skip = {RUN_ID, METRICS, TIMING, ATTEMPTS, LOGS, CHECKPOINTS}
+    dst.mkdir(parents=True)
+    for item in src.iterdir():
+        if item.name in skip:
+            continue
+        (shutil.copytree if item.is_dir() else shutil.copy2)(item, dst / item.name)
+    shutil.copytree(src / CHECKPOINTS, dst / CHECKPOINTS, symlinks=False)  # dereferenced: a copy of its own
+    for item in (dst / CHECKPOINTS).iterdir():
+        later = (s := step_of(item.name)) is not None and s > step
+        if later or item.name == LATEST:
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+
+
+def compare_resume(layout: JobOutcome, resumed: JobOutcome | None, half: int) -> Check:
+    if not layout.ok:
+        return Check("resume", "fail", f"the uninterrupted run {layout.how}")
+    if resumed is None or not resumed.ok:
+        return Check("resume", "fail", f"the resumed run {resumed.how if resumed else 'did not start'}")
+    want = {k: v for k, v in _metric(layout.run_dir, "loss").items() if k >= half}
+    got = {k: v for k, v in _metric(resumed.run_dir, "loss").items() if k >= half}
+    if got != want:
+        diff = _worst(got, want)
+        return Check("resume", "fail", f"steps {half}+ after the resume differ from the uninterrupted run ({diff:.1e})")
+    return Check("resume", "pass", f"resumed at step {half}: {len(got)} losses bit for bit the uninterrupted run's")
+
+
+def diagnose_timeout(outcome: JobOutcome, plan: SmokePlan) -> Check:
+    """What `resume --dry-run` would say of the forced timeout."""
+    from hpcscale.launch.resume import plan_resume
+    from hpcscale.rundir import RunDir
+
+    late = plan.layout.world - 1
+    try:
+        resume_plan, _ = plan_resume(RunDir(outcome.run_dir))
+    except Exception as e:
+        return Check("nccl-timeout", "fail", f"resume --dry-run refused: {type(e).__name__}: {e}")
+    said = resume_plan.diagnosis.rank_failure or resume_plan.diagnosis.explanation
+    figures = {"rank_failure": said, "blamed_nodes": resume_plan.diagnosis.failed_nodes}
+    if said and said.startswith("NCCL collective timeout") and f"rank(s) {late}" in said:
+        return Check("nccl-timeout", "pass", said, figures)
+    return Check("nccl-timeout", "fail", f"the diagnosis does not name rank {late}: {said!r}", figures)
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this machine shows (/dev/nvidiaN), without importing torch (the front end stays light)."""
+    import re
+
+    dev = Path("/dev")
+    return sum(1 for p in dev.iterdir() if re.fullmatch(r"nvidia\d+", p.name)) if dev.is_dir() else 0
+
+
+def make_plan(
+    *,
+    site: str | None,
+    local: bool,
+    ranks: int | None,
+    nodes: int | None,
+    partition: str | None,
+    tp: int | None,
+    pp: int | None,
+    steps: int,
+) -> SmokePlan:
+    """The smoke jobs' allocation and layout. --local: one node, `ranks` ranks (default: one per GPU this
+    machine shows, else 4). A Slurm site: `nodes` nodes (default 2) of the partition (default: the site's),
+    one rank per GPU (2 per node on CPU partitions), all of each node's cores. tp and pp default to 2 where the
+    ranks allow, so all three axes are exercised on 8 ranks or more."""
+    from hpcscale.config.load import resolve_site
+
+    if local:
+        if nodes not in (None, 1):
+            raise BadInput("--nodes: --local runs on this machine, one node")
+        gpus = visible_gpus()
+        world = ranks or gpus or 4
+        n, per_node, gpn, cpt, part, name, gpu = 1, world, 0, 1, None, "local", gpus > 0
+    else:
+        if ranks is not None:
+            raise BadInput("-n: on a Slurm site the ranks are --nodes x the partition's GPUs (or 2 per node)")
+        if site is None:
+            raise BadInput("--site SITE (a Slurm site), or --local to run on this machine")
+        loaded = resolve_site(site)
+        config = loaded.config
+        if config.scheduler != "slurm":
+            raise BadInput(f"site '{config.name}' is not a Slurm site: use --local for this machine")
+        chosen = config.partition(partition)
+        if chosen is None:
+            raise BadInput(f"site '{config.name}' has no partition {partition!r} and no default partition")
+        gpn = chosen.gpus_per_node
+        per_node = gpn or 2
+        n = nodes or 2
+        cpt = max(1, chosen.cpus_per_node // per_node)
+        part, name, gpu = chosen.name, site, gpn > 0
+    world = n * per_node
+    tp = tp or (2 if per_node % 2 == 0 else 1)
+    pp = pp or (2 if world % (2 * tp) == 0 and world >= 4 else 1)
+    check_steps(steps)
+    return SmokePlan(
+        site=name,
+        local=local,
+        layout=JobLayout(nodes=n, tasks_per_node=per_node, tp=tp, pp=pp),
+        gpus_per_node=gpn,
+        cpus_per_task=cpt,
+        partition=part,
+        steps=steps,
+        gpu=gpu,
+    )
