@@ -96,6 +96,14 @@ class ParallelDims:
             raise BadInput(f"rank {rank} is outside a world of {self.world_size}")
         return RankCoords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp)
 
+    def group(self, rank: int, axis: str) -> list[int]:
+        """The ranks of `rank`'s process group along mesh `axis` ("pp", "dp" or "tp"): those that share its
+        coordinates on the other two axes, in group order."""
+        c = self.coords(rank)
+        at = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
+        size = {"pp": self.pp, "dp": self.dp, "tp": self.tp}[axis]
+        return [self.rank(**(at | {axis: i})) for i in range(size)]
+
     def rank(self, *, pp: int, dp: int, tp: int) -> int:
         """The global rank at these coordinates (the inverse of `coords`)."""
         return (pp * self.dp + dp) * self.tp + tp

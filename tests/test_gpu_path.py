@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hpcscale.launch.bootstrap import DeviceChoiceError, choose_gpu, duplicate_gpus
 from hpcscale.launch.nccl_failure import NcclTimeout, describe_nccl_timeouts, nccl_timeouts
 from hpcscale.launch.resume import rank_failure, rank_nodes
+from hpcscale.layout import ParallelDims
 
 # ---- which GPU a rank takes -------------------------------------------------------------------------------
 
@@ -45,6 +46,25 @@ def test_two_ranks_on_one_gpu_uuid_are_named():
     problem = duplicate_gpus(seen)
     assert problem is not None and "ranks 2 and 3 on node n2 both use GPU GPU-a" in problem
     assert duplicate_gpus([("n1", 0, "GPU-a"), ("n2", 1, "GPU-a"), ("n1", 2, "")]) is None  # other nodes; CPU
+
+
+def test_ranks_split_between_gpus_and_the_cpu_are_refused():
+    from hpcscale.launch.bootstrap import mixed_devices
+
+    problem = mixed_devices([("n1", 0, "GPU-a"), ("n1", 1, "GPU-b"), ("n2", 2, ""), ("n2", 3, "")])
+    assert problem is not None and "2 rank(s) found a GPU and 2 did not: rank(s) 2 (n2), 3 (n2) see none" in problem
+    assert mixed_devices([("n1", 0, ""), ("n2", 1, "")]) is None
+    assert mixed_devices([("n1", 0, "GPU-a"), ("n2", 1, "GPU-a")]) is None
+
+
+def test_gloo_takes_nccls_interface_only_when_it_names_interfaces_that_exist():
+    from hpcscale.launch.bootstrap import gloo_interfaces
+
+    present = {"lo", "eth0", "ib0"}
+    assert gloo_interfaces("eth0", present) == "eth0"
+    assert gloo_interfaces("=ib0,eth0", present) == "ib0,eth0"
+    for nccl in ("^lo,docker0", "ib", "eth1", ""):  # an exclusion, a prefix, an absent name: gloo would fail
+        assert gloo_interfaces(nccl, present) is None
 
 
 @given(st.lists(st.tuples(st.sampled_from(["n1", "n2"]), st.integers(0, 7), st.sampled_from(["", "u1", "u2"]))))
@@ -116,27 +136,47 @@ def test_nccl_timeout_lines_parse_in_both_formats():
 
 
 def test_the_rank_that_never_reached_the_collective_is_blamed_with_its_node():
-    # 4 ranks on n1, n2 (2 each, placement order n2 then n1): ranks 0, 1, 3 timed out, rank 2 never arrived
+    # 4 ranks on n1, n2 (2 each, placement order n2 then n1), dp = 4: ranks 0, 1, 3 timed out, rank 2 never arrived
     lines = [
         "=== hpcscale: job 7 attempt (restart 0) on n[1-2] at 2026-11-25T10:00:00Z ===",
-        *(NCCL_LINE.format(g=g, r=g % 2) for g in (0, 1, 3)),
+        *(NCCL_LINE.format(g=g, r=g) for g in (0, 1, 3)),
         "srun: error: n2: tasks 0-1: Aborted (core dumped)",
         "srun: error: n1: task 3: Aborted (core dumped)",
         "srun: error: n1: task 2: Terminated",
     ]
-    events = [{"event": "begin", "job_id": "7", "nodes": ["n2", "n1"], "world_size": 4}]
-    world, placement = rank_nodes(events, "7")
-    assert (world, placement) == (4, ["n2", "n2", "n1", "n1"])
-    line, nodes = rank_failure(lines, world_size=world, placement=placement)
+    events = [
+        {"event": "begin", "job_id": "7", "nodes": ["n2", "n1"], "world_size": 4, "layout": {"pp": 1, "dp": 4, "tp": 1}}
+    ]
+    dims, placement = rank_nodes(events, "7")
+    assert (dims.as_dict(), placement) == ({"pp": 1, "dp": 4, "tp": 1}, ["n2", "n2", "n1", "n1"])
+    line, nodes = rank_failure(lines, dims=dims, placement=placement)
     assert nodes == ["n1"]
     assert line.startswith("NCCL collective timeout: rank(s) 0, 1, 3 gave up on ALLREDUCE #12 on mesh_dp after 300 s")
     assert "rank(s) 2 on node(s) n1 never reached it" in line
 
 
+def test_a_timeout_in_one_tp_group_blames_only_that_groups_missing_rank():
+    # 16 ranks, 2 nodes x 8, tp = 8 inside each node, dp = 2: rank 13 (node b) is stuck; its 7 tp peers time out
+    # on mesh_tp and the first SIGABRT makes srun kill everything before node a's ranks write anything
+    tp_line = NCCL_LINE.replace("mesh_dp", "mesh_tp")
+    lines = [tp_line.format(g=g, r=g - 8) for g in (8, 9, 10, 11, 12, 14, 15)]
+    dims = ParallelDims(pp=1, dp=2, tp=8)
+    line, nodes = rank_failure(lines, dims=dims, placement=["a"] * 8 + ["b"] * 8)
+    assert nodes == ["b"] and "rank(s) 13 on node(s) b never reached it" in line
+
+
 def test_every_rank_timing_out_blames_the_network_not_a_node():
     lines = [NCCL_LINE.format(g=g, r=g) for g in range(2)]
-    line, nodes = rank_failure(lines, world_size=2, placement=["n1", "n2"])
+    line, nodes = rank_failure(lines, dims=ParallelDims(pp=1, dp=2, tp=1), placement=["n1", "n2"])
     assert nodes == [] and "suspect the network between them" in line
+
+
+def test_without_the_layout_or_with_an_unknown_group_no_node_is_blamed():
+    lines = [NCCL_LINE.format(g=0, r=0)]
+    assert rank_failure(lines, dims=None, placement=None)[1] == []
+    odd = [NCCL_LINE.replace("mesh_dp", "my_group").format(g=0, r=0)]
+    line, nodes = rank_failure(odd, dims=ParallelDims(pp=1, dp=2, tp=1), placement=["n1", "n2"])
+    assert nodes == [] and "which rank they waited for is not in the logs" in line
 
 
 def test_aborted_tasks_without_nccl_lines_are_named_and_blamed():
@@ -150,7 +190,7 @@ def test_aborted_tasks_without_nccl_lines_are_named_and_blamed():
 @given(st.lists(st.text(max_size=300), max_size=20))
 def test_the_nccl_reader_takes_any_text(lines):
     timeouts = nccl_timeouts(lines)
-    report = describe_nccl_timeouts(timeouts, world_size=4, rank_nodes=["a", "b", "c", "d"])
+    report = describe_nccl_timeouts(timeouts, dims=ParallelDims(pp=1, dp=2, tp=2), rank_nodes=["a", "b", "c", "d"])
     assert (report is None) == (not timeouts)
 
 
@@ -304,3 +344,18 @@ def test_a_round_zero_mismatch_in_one_tp_shard_is_refused_by_every_rank_together
     assert all(
         r["raised"] and r["raised"].startswith("BadInput: xsite.start_from: global round 0 is not") for r in lines
     )
+
+
+def test_gpu_ranks_that_do_not_fill_the_node_are_warned_about_their_binding(tmp_path):
+    from conftest import run_cli
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"name: j\nsite: {_site(tmp_path, 8)}\ntasks_per_node: 8\ngpus_per_node: 8\n"
+        "train: {entry: builtin, params: {global_batch: 32}}\n"
+    )
+    result = run_cli("config", "validate", str(job))
+    assert result.returncode == 0, result.stderr
+    assert "the ranks take 8 of the 64 cores" in result.stderr and "set cpus_per_task: 8" in result.stderr
+    job.write_text(job.read_text() + "cpus_per_task: 8\n")
+    assert "cores" not in run_cli("config", "validate", str(job)).stderr

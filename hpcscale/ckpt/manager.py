@@ -36,6 +36,8 @@ from hpcscale.ckpt.writer import ShardWriter, commit
 from hpcscale.errors import RuntimeFailure, VerificationFailure
 from hpcscale.layout import ParallelDims
 
+CKPT_GROUP_MIN_TIMEOUT_S = 1800  # gloo's own default: a save may wait this long for a slow filesystem
+
 
 @dataclass(frozen=True, slots=True)
 class Restored:
@@ -75,7 +77,8 @@ class CheckpointManager:
 
         device: the rank's device (the training thread's current one). The writer thread makes it its own
         current device before it touches CUDA, so its pinned buffers, copy stream and events are on the rank's
-        GPU, not GPU 0. timeout_s: the checkpoint group's collective timeout (the job's timeout_seconds)."""
+        GPU, not GPU 0. timeout_s: the job's timeout_seconds; the checkpoint group's collective timeout is that
+        or CKPT_GROUP_MIN_TIMEOUT_S, whichever is longer."""
         self.root, self.dims, self.rank = root, dims, rank
         self.read_only = read_only
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
@@ -87,8 +90,10 @@ class CheckpointManager:
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
         # collectives on the default group.
+        # A save's collectives wait for the slowest rank's writes and rank 0's commit, which on a busy parallel
+        # filesystem can outlast the training's collective timeout: never less than gloo's default 30 minutes
         self.group = dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s is not None else None
+            backend="gloo", timeout=timedelta(seconds=max(timeout_s, CKPT_GROUP_MIN_TIMEOUT_S)) if timeout_s else None
         )
         self.device = device if device is not None else torch.device("cpu")
         if rank == 0 and not read_only:
@@ -158,7 +163,7 @@ class CheckpointManager:
         shards = local_shards(tensors)
         table = writers(shards, self.dims, pp_rank=self.coords.pp)
         mine = [s for s in shards if writer_of(s, table, tp_rank=self.coords.tp) == self.rank]
-        rng = rng_state()
+        rng = rng_state(self.device)
         # On a GPU: what the copy must wait for is what this (training) thread queued before this call
         ready = None
         if self.device.type == "cuda":
@@ -320,7 +325,7 @@ class CheckpointManager:
                 index = read_index(path)  # root digest, DIGEST and structure: nothing below follows a bad index
                 same_layout = index.layout == self.dims.as_dict()
                 problem = _state_problem(index.trainer_state, check_state) or (
-                    rng_problem(index.rng.get(self.rank)) if same_layout and check_rng else None
+                    rng_problem(index.rng.get(self.rank), self.device) if same_layout and check_rng else None
                 )
                 if problem is not None:
                     problem = f"{path.parent}: {problem}"

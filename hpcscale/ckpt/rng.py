@@ -1,10 +1,10 @@
 """Each rank's random number generator states: taken at a save, checked and put back at a load.
 
-A rank has a CPU generator and, on a GPU, one per device; the rank's own device is the current device of the
-thread that trains (launch sets it before anything else touches CUDA), so `torch.cuda.get_rng_state()` there
-names the right one. Both are saved; both are restored, so dropout and any sampling on the GPU continue where
-the uninterrupted run would. A checkpoint saved on CPU restores on a GPU rank with the CUDA generator as
-seeded (said once, by the caller), and one saved on a GPU restores on CPU with its CUDA state unused.
+A rank has a CPU generator and, on a GPU, one per device: the rank's own device is named explicitly, never
+taken from torch's notion of the current device, and a rank on the CPU (device: cpu on a GPU node) never touches
+CUDA (that would open a context on GPU 0). Both are saved; both are restored, so dropout and any sampling on
+the GPU continue where the uninterrupted run would. A checkpoint saved on CPU restores on a GPU rank with the
+CUDA generator as seeded, and one saved on a GPU restores on CPU with its CUDA state unused.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 
-def rng_state() -> dict[str, np.ndarray]:
-    """This rank's generator states: "cpu", and "cuda" (the current device's) where CUDA is present."""
+def rng_state(device: torch.device | None = None) -> dict[str, np.ndarray]:
+    """This rank's generator states: "cpu", and "cuda" (that of `device`) when the rank trains on a GPU."""
     out = {"cpu": torch.get_rng_state().numpy().copy()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state().numpy().copy()
+    if device is not None and device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device).numpy().copy()
     return out
 
 
@@ -29,10 +29,10 @@ def restore_rng(states: dict[str, np.ndarray], device: torch.device) -> None:
         torch.cuda.set_rng_state(torch.from_numpy(np.array(states["cuda"], dtype=np.uint8)), device=device)
 
 
-def rng_problem(states: dict[str, np.ndarray] | None) -> str | None:
+def rng_problem(states: dict[str, np.ndarray] | None, device: torch.device | None = None) -> str | None:
     """What is wrong with this rank's saved RNG states for this process's torch: the CPU state must be one
-    torch.set_rng_state accepts (tried, then undone); a CUDA state, when saved and a GPU is present, must have
-    the length torch.cuda.get_rng_state() has."""
+    torch.set_rng_state accepts (tried, then undone); a CUDA state, when saved and the rank is on a GPU, must
+    have the length torch.cuda.get_rng_state(device) has."""
     if not states or "cpu" not in states:
         return "no CPU RNG state for this rank"
     cpu = np.asarray(states["cpu"])
@@ -46,9 +46,9 @@ def rng_problem(states: dict[str, np.ndarray] | None) -> str | None:
         return f"the CPU RNG state is refused by torch: {str(e)[:200]}"
     finally:
         torch.set_rng_state(current)
-    if "cuda" in states and torch.cuda.is_available():
+    if "cuda" in states and device is not None and device.type == "cuda":
         cuda = np.asarray(states["cuda"])
-        want = torch.cuda.get_rng_state().numel()
+        want = torch.cuda.get_rng_state(device).numel()
         if cuda.dtype != np.uint8 or cuda.shape != (want,):
             return f"the CUDA RNG state has shape {cuda.shape}; this torch expects ({want},)"
     return None

@@ -315,7 +315,7 @@ class ShardWriter:
                 out.append(PendingShard(s, s.tensor.detach().cpu()))  # the caller's stream, blocking
             self._candidate_versions[key] = version
         if stream is not None:
-            landed = torch.cuda.Event()
+            landed = torch.cuda.Event(blocking=True)  # the writer thread sleeps, not spins, on a bound core
             landed.record(stream)
             landed.synchronize()
         return out

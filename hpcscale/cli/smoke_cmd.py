@@ -40,13 +40,20 @@ def format_smoke(report):
 @click.option("--pp", type=click.IntRange(1), default=None, help="Pipeline degree (default 2 where it divides).")
 @click.option("--steps", type=click.IntRange(4), default=8, show_default=True, help="Training steps of each run.")
 @click.option(
+    "--min-busbw",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="GB/S",
+    help="Fail the all-reduce check below this bus bandwidth (e.g. what your fabric gives; default: report only).",
+)
+@click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Where the smoke jobs' run directories go (default: <run_root>/smoke-<UTC time>).",
 )
 @json_option
-def smoke(site, local, ranks, nodes, partition, tp, pp, steps, run_dir, as_json) -> None:
+def smoke(site, local, ranks, nodes, partition, tp, pp, steps, min_busbw, run_dir, as_json) -> None:
     """Check new GPU nodes before the first real job: devices and binding, an all-reduce and its bandwidth, a
     short bf16 run at tp x pp x dp against tp=pp=1, an asynchronous checkpoint verified and resumed bit for
     bit, and an NCCL timeout diagnosed as `resume` would. Each check is a real job (sbatch, or mpirun with
@@ -66,7 +73,17 @@ def smoke(site, local, ranks, nodes, partition, tp, pp, steps, run_dir, as_json)
     from hpcscale.smoke.runners import LocalRunner, SlurmRunner
     from hpcscale.util.paths import expand_path
 
-    plan = make_plan(site=site, local=local, ranks=ranks, nodes=nodes, partition=partition, tp=tp, pp=pp, steps=steps)
+    plan = make_plan(
+        site=site,
+        local=local,
+        ranks=ranks,
+        nodes=nodes,
+        partition=partition,
+        tp=tp,
+        pp=pp,
+        steps=steps,
+        min_busbw_gbps=min_busbw,
+    )
     if run_dir is None:
         run_root = expand_path(resolve_site(plan.site).config.filesystems.run_root)
         run_dir = default_run_dir(run_root, f"smoke-{datetime.now(timezone.utc):%Y%m%d}")

@@ -241,6 +241,15 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
             f"tasks_per_node({spec.tasks_per_node}) * cpus_per_task"
             f"({spec.cpus_per_task}) = {cores} cores, but {where} nodes have {part.cpus_per_node}",
         )
+    if spec.gpus_per_node and site.launcher.cpu_bind and cores < part.cpus_per_node:
+        # srun --distribution=block:block packs the ranks' cores from the first socket: only ranks that fill
+        # the node are spread over the sockets the way GPUs are numbered
+        dec.warn(
+            ("cpus_per_task",),
+            f"the ranks take {cores} of the {part.cpus_per_node} cores of {where}'s nodes: bound with "
+            f"--cpu-bind={site.launcher.cpu_bind} --distribution=block:block they sit on the first socket(s), far from "
+            f"the other sockets' GPUs; set cpus_per_task: {part.cpus_per_node // spec.tasks_per_node}",
+        )
     if part.max_time is not None and parse_duration(spec.time_limit) > parse_duration(part.max_time):
         dec.error(("time_limit",), f"{spec.time_limit} is over {where}'s limit of {part.max_time}")
 

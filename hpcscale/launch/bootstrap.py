@@ -19,8 +19,8 @@
    at once (a broken fabric fails here, not at the first step) and the mesh's groups are split from it.
    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT are exported as torchrun
    exports them, for user code and libraries that read them; GLOO_SOCKET_IFNAME follows NCCL_SOCKET_IFNAME
-   when only that is set, so the checkpoint's gloo group uses the interface the site chose for NCCL rather
-   than whatever the hostname resolves to.
+   when only that is set and it names interfaces present here (gloo_interfaces), so the checkpoint's gloo
+   group uses the interface the site chose for NCCL rather than whatever the hostname resolves to.
 """
 
 from __future__ import annotations
@@ -88,6 +88,19 @@ def duplicate_gpus(seen: list[tuple[str, int, str]]) -> str | None:
     return None
 
 
+def mixed_devices(seen: list[tuple[str, int, str]]) -> str | None:
+    """seen: (node, rank, GPU UUID or "" on the CPU). Some ranks on GPUs and some not, described: NCCL and gloo
+    ranks cannot form one process group (a hang or an obscure error later)."""
+    cpu = sorted((rank, node) for node, rank, uuid in seen if not uuid)
+    if not cpu or len(cpu) == len(seen):
+        return None
+    shown = ", ".join(f"{rank} ({node})" for rank, node in cpu[:8]) + (" ..." if len(cpu) > 8 else "")
+    return (
+        f"{len(seen) - len(cpu)} rank(s) found a GPU and {len(cpu)} did not: rank(s) {shown} see none. Every rank "
+        "must train on the same kind of device: give every node GPUs (gpus_per_node), or set device: cpu"
+    )
+
+
 def export_rank_environment(*, rank: int, world_size: int, local_rank: int, local_size: int, addr: str, port: int):
     """The variables torchrun sets, for user code and libraries that read them (Hugging Face, Lightning)."""
     os.environ.update(
@@ -98,8 +111,26 @@ def export_rank_environment(*, rank: int, world_size: int, local_rank: int, loca
         MASTER_ADDR=addr,
         MASTER_PORT=str(port),
     )
-    if "NCCL_SOCKET_IFNAME" in os.environ and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"]
+    gloo = gloo_interfaces(os.environ.get("NCCL_SOCKET_IFNAME", ""), _interfaces())
+    if gloo and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = gloo
+
+
+def _interfaces() -> set[str]:
+    try:
+        return {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return set()
+
+
+def gloo_interfaces(nccl_ifname: str, present: set[str]) -> str | None:
+    """NCCL_SOCKET_IFNAME as gloo can take it, or None. NCCL reads prefixes (`ib`), exclusions (`^lo,docker`)
+    and exact matches (`=eth0`); gloo wants exact names of interfaces that exist (it fails at start-up with
+    "Unable to find address for: ^lo" otherwise). Only a plain list of names present here is passed on."""
+    names = [n.strip().removeprefix("=") for n in nccl_ifname.split(",") if n.strip()]
+    if not names or nccl_ifname.lstrip().startswith("^") or any(n not in present for n in names):
+        return None
+    return ",".join(names)
 
 
 def node_name() -> str:
@@ -179,7 +210,11 @@ def bootstrap(
         problem = str(e)
     # every rank learns of any rank's problem together: one raising alone would leave the others waiting
     seen = comm.allgather((me[0], rank, _gpu_uuid(gpu), problem))
-    problem = next((p for *_, p in seen if p), None) or duplicate_gpus([(n, r, u) for n, r, u, _ in seen])
+    problem = (
+        next((p for *_, p in seen if p), None)
+        or mixed_devices([(n, r, u) for n, r, u, _ in seen])
+        or duplicate_gpus([(n, r, u) for n, r, u, _ in seen])
+    )
     if problem:
         raise DeviceChoiceError(problem)
     if gpu is not None:

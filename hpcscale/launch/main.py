@@ -97,7 +97,7 @@ def _attempt_event(work_dir: Path, event: str, attempt: int | None, **fields) ->
         print(f"hpcscale launch: cannot record the attempt's {event} in {work_dir}: {e}", file=sys.stderr, flush=True)
 
 
-def _begin_attempt(work_dir: Path, info) -> int:
+def _begin_attempt(work_dir: Path, info, dims) -> int:
     """Number this start of the job's ranks (1, 2, ...) and record where and under which Slurm job it runs:
     every metrics line then names its attempt, so steps repeated after a requeue or resume are told apart."""
     try:
@@ -112,6 +112,7 @@ def _begin_attempt(work_dir: Path, info) -> int:
         restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         nodes=info.nodes,
         world_size=info.world_size,
+        layout=dims.as_dict(),  # with nodes: which rank sat where, in which groups (NCCL timeout diagnosis)
         host=socket.gethostname(),
         pid=os.getpid(),
         pid_start=process_start_time(os.getpid()),  # with the pid: a reused pid is not taken for this rank
@@ -273,7 +274,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         if sweep_index is not None:
             target = target / "sweep" / work_dir.name
         link_checkpoints(work_dir, target, run_id=run_id)
-    attempt = _begin_attempt(work_dir, info) if info.rank == 0 else None
+    attempt = _begin_attempt(work_dir, info, dims) if info.rank == 0 else None
     tensorboard = work_dir / TENSORBOARD / f"attempt-{attempt}" if spec.metrics.tensorboard else None
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)
     ctx = Context(

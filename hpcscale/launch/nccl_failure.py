@@ -10,17 +10,23 @@ rank, the collective and how far the rank had got:
         Timeout(ms)=300000) ran for 300012 milliseconds before timing out.
 
 The `[rankN]:` prefix is the global rank (torch's log prefix); `Rank M` inside the brackets is the rank within
-the group. In a collective every member waits for the last one to arrive, so the ranks that time out are the
-ones that arrived; a rank that never reached the collective (stuck in Python or in other GPU work, or dead)
-writes no such line. The ranks of the job that did not report a timeout are the ones the others waited for,
-and their nodes are blamed. When every rank timed out, no rank was late: the fabric between them is the
-suspect, and no single node is blamed.
+the group, and the group's description names the mesh axis (`mesh_tp`, `mesh_dp`, `mesh_pp`) or the default
+group (`default_pg`). In a collective every member of the group waits for the last one to arrive, so the ranks
+that time out are the ones that arrived; a member that never reached it (stuck in Python or in other GPU work,
+or dead) writes no such line. The late ranks are therefore the members of the reporters' groups that did not
+report, worked out from the attempt's layout (its begin record: nodes in placement order and the (pp, dp, tp)
+degrees), and their nodes are blamed. Only those groups: the first SIGABRT makes srun kill every rank, so ranks
+of other groups may never get to write their own timeout, and must not be taken for late ones. When every
+member timed out, no rank was late: the fabric between them is the suspect, and no node is blamed; nor is one
+when the group cannot be worked out (no layout recorded, a group hpcscale did not make).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+
+from hpcscale.layout import ParallelDims
 
 _TIMEOUT = re.compile(
     r"(?:\[rank(?P<global>\d+)\]:)?.*?\[(?:PG ID \d+ PG GUID \S+?(?:\((?P<group>[^)]*)\))? )?Rank (?P<rank>\d+)\] "
@@ -77,31 +83,44 @@ def nccl_timeouts(lines: list[str]) -> list[NcclTimeout]:
     return list(seen.values())
 
 
+def _members(t: NcclTimeout, dims: ParallelDims | None) -> list[int] | None:
+    """The global ranks of the group `t` timed out in (None: cannot be worked out)."""
+    if not t.global_rank or dims is None or not 0 <= t.rank < dims.world_size:
+        return None
+    if t.group in (None, "default_pg"):
+        return list(range(dims.world_size)) if t.group == "default_pg" else None
+    axis = t.group.removeprefix("mesh_")
+    return dims.group(t.rank, axis) if axis in ("pp", "dp", "tp") else None
+
+
 def describe_nccl_timeouts(
-    timeouts: list[NcclTimeout], *, world_size: int | None, rank_nodes: list[str] | None
+    timeouts: list[NcclTimeout], *, dims: ParallelDims | None, rank_nodes: list[str] | None
 ) -> NcclTimeoutReport | None:
-    """The report for these timeouts (None when there are none). `world_size` and `rank_nodes` (the node of
-    each global rank, in rank order) come from the attempt's begin record; without them no rank is blamed."""
+    """The report for these timeouts (None when there are none). `dims` and `rank_nodes` (the node of each
+    global rank, in rank order) come from the attempt's begin record; without them no rank is blamed."""
     if not timeouts:
         return None
     first = timeouts[0]
     where = f"{first.op} #{first.seq}" + (f" on {first.group}" if first.group else "")
-    reported = sorted(t.rank for t in timeouts)
+    reported = sorted({t.rank for t in timeouts})
     head = (
         f"NCCL collective timeout: rank(s) {_ranks(reported)} gave up on {where} after {first.timeout_s:.0f} s "
         "(NCCL's watchdog aborted them: SIGABRT)"
     )
-    if world_size is None or not all(t.global_rank for t in timeouts):
+    groups = [_members(t, dims) for t in timeouts]
+    if any(g is None for g in groups):
         return NcclTimeoutReport(head + "; which rank they waited for is not in the logs", [], [])
-    late = sorted(set(range(world_size)) - set(reported))
+    members = {r for g in groups for r in g or ()}
+    late = sorted(members - set(reported))
     if not late:
         return NcclTimeoutReport(
-            head + "; every rank timed out, so none was late: suspect the network between them, not one node",
+            head + "; every rank of that group timed out, so none was late: suspect the network between them, "
+            "not one node",
             [],
             [],
         )
     nodes = []
-    if rank_nodes is not None and len(rank_nodes) == world_size:
+    if rank_nodes is not None and dims is not None and len(rank_nodes) == dims.world_size:
         nodes = list(dict.fromkeys(rank_nodes[r] for r in late))
     on = f" on node(s) {', '.join(nodes)}" if nodes else ""
     return NcclTimeoutReport(

@@ -29,6 +29,7 @@ from pathlib import Path
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.requeue import grace_advice
+from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
 from hpcscale.portable.errors import StageError
@@ -156,21 +157,29 @@ def _last_attempt(lines: list[str]) -> list[str]:
     return lines
 
 
-def rank_nodes(events: list[dict], job_id: str | None) -> tuple[int | None, list[str] | None]:
-    """(world size, the node of each global rank) of the job's last attempt, from its begin record (nodes in
-    placement order, ranks filling each node in turn); (None, None) when it has none usable."""
+def rank_nodes(events: list[dict], job_id: str | None) -> tuple[ParallelDims | None, list[str] | None]:
+    """(the layout, the node of each global rank) of the job's last attempt, from its begin record (nodes in
+    placement order, ranks filling each node in turn); None for what it does not record usably."""
     begins = [e for e in events if e.get("event") == "begin" and (job_id is None or e.get("job_id") == job_id)]
     if not begins:
         return None, None
-    nodes, world = begins[-1].get("nodes"), begins[-1].get("world_size")
+    nodes, world, layout = begins[-1].get("nodes"), begins[-1].get("world_size"), begins[-1].get("layout")
+    dims = None
+    if isinstance(layout, dict) and all(type(layout.get(k)) is int for k in ("pp", "dp", "tp")):
+        try:
+            dims = ParallelDims(pp=layout["pp"], dp=layout["dp"], tp=layout["tp"])
+        except BadInput:
+            dims = None
+    if dims is not None and dims.world_size != world:
+        dims = None
     if not isinstance(nodes, list) or type(world) is not int or not nodes or world % len(nodes):
-        return None, None
+        return dims, None
     per_node = world // len(nodes)
-    return world, [str(nodes[r // per_node]) for r in range(world)]
+    return dims, [str(nodes[r // per_node]) for r in range(world)]
 
 
 def rank_failure(
-    lines: list[str], *, world_size: int | None = None, placement: list[str] | None = None
+    lines: list[str], *, dims: ParallelDims | None = None, placement: list[str] | None = None
 ) -> tuple[str | None, list[str]]:
     """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines.
 
@@ -188,7 +197,7 @@ def rank_failure(
     own = [f for line in lines for f in FailureLine.parse_all(line) if not f.peer_lost and not f.hang and f.node]
     if own:  # srun terminates the others after a rank's own failure: their "Terminated" blames nobody
         return summary, [own[0].node]
-    nccl = describe_nccl_timeouts(nccl_timeouts(lines), world_size=world_size, rank_nodes=placement)
+    nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
     if nccl is not None:  # NCCL's watchdog aborted the ranks that waited: no line of ours, srun says "Aborted"
         return nccl.line, nccl.blamed_nodes
     hung = hung_ranks(lines)
@@ -241,8 +250,8 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
     if end is not None and end.get("cause") in ("preempted", "time_limit"):
         blamed = []  # the ranks stopped on a signal: srun's lines about their exits blame nobody
     else:
-        world, placement = rank_nodes(events, job_id)
-        d.rank_failure, blamed = rank_failure(lines, world_size=world, placement=placement)
+        dims, placement = rank_nodes(events, job_id)
+        d.rank_failure, blamed = rank_failure(lines, dims=dims, placement=placement)
     d.failed_nodes = list(dict.fromkeys([*blamed, *down]))
     if (
         state == "COMPLETED"
@@ -283,8 +292,8 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
             return d
     lines = _read_logs(rd, [Path(sub.script).name]) if sub.script else []
     stops = [e for e in events if e.get("event") == "stop" and begins and e.get("attempt") == begins[-1].get("attempt")]
-    world, placement = rank_nodes(events, None)
-    nccl = describe_nccl_timeouts(nccl_timeouts(lines), world_size=world, rank_nodes=placement)
+    dims, placement = rank_nodes(events, None)
+    nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
     # NCCL's watchdog aborts the ranks that waited (mpirun: "exited on signal 6"): its lines name the late rank
     d.rank_failure = nccl.line if nccl is not None else describe_failure([line + "\n" for line in lines])
     if stops:

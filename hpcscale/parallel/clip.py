@@ -6,9 +6,11 @@ tensor-parallel Shard holds a slice (sum over tp), a Replicate parameter is the 
 
 Where the sums live: on the gradients' device. NCCL reduces only tensors on the rank's own GPU, and adding a
 CUDA norm into a CPU accumulator raises ("Expected all tensors to be on the same device"), so the two
-float64 accumulators are made on `device` (the rank's device; the first gradient's when not given). float64:
-the squares of millions of fp32 (or bf16) elements are added without losing the small ones; CUDA and NCCL
-both take float64. The one host sync is the norm's `float()`, after both all-reduces.
+accumulators are made on `device` (the rank's device; the first gradient's when not given). Each gradient's
+norm is taken in fp32 by torch's own reduction (no fp64 copy of a gradient: a 400 M-element embedding shard
+would need 6 GB, and some GPUs are slow at fp64), then squared and added in fp64, so many tensors' sums lose
+nothing to each other; CUDA and NCCL both take fp64 scalars. The one host sync is the norm's `float()`, after
+both all-reduces.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def clip_grad_norm(
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         local = _local(g)
-        square = local.detach().double().pow(2).sum().to(device)
+        square = torch.linalg.vector_norm(local.detach(), 2, dtype=torch.float32).double().square().to(device)
         if hasattr(g, "placements") and any(pl.is_shard() for pl in g.placements):
             sharded += square
         else:

@@ -82,6 +82,7 @@ class SmokePlan:
     partition: str | None
     steps: int
     gpu: bool  # whether the ranks are expected on GPUs (sizes the model and the all-reduce)
+    min_busbw_gbps: float | None = None  # the all-reduce fails below this bus bandwidth (None: reported only)
 
     def spec(self, name: str, *, entry: str, params: dict, tp: int = 1, pp: int = 1, **extra: Any) -> dict:
         """A job spec for one smoke job."""
@@ -97,6 +98,8 @@ class SmokePlan:
             "train": {"entry": entry, "params": params},
             **extra,
         }
+        if self.gpu:  # never a silent CPU run on a GPU machine (a CPU build of torch, a hidden GPU)
+            spec["device"] = "cuda"
         if not self.local:
             spec |= {"gpus_per_node": self.gpus_per_node, "cpus_per_task": self.cpus_per_task, "time_limit": "00:20:00"}
             if self.partition:
@@ -197,6 +200,10 @@ def device_checks(outcome: JobOutcome, plan: SmokePlan) -> list[Check]:
         return [Check("devices", "fail", why), Check("binding", "skip", "no report"), Check("allreduce", "skip", why)]
     gpus = [r["gpu"] for r in ranks if r.get("gpu")]
     devices = sorted({f"{r['node']}:{r['device']}" for r in ranks})
+    if plan.gpu and len(gpus) != len(ranks):
+        cpu = [r["rank"] for r in ranks if not r.get("gpu")]
+        why = f"GPUs expected, but rank(s) {cpu[:8]} run on the CPU"
+        return [Check("devices", "fail", why), Check("binding", "skip", why), Check("allreduce", "skip", why)]
     if gpus:
         names = sorted({g["name"] for g in gpus})
         dev = Check(
@@ -218,13 +225,13 @@ def device_checks(outcome: JobOutcome, plan: SmokePlan) -> list[Check]:
         f"on NUMA {r['gpu']['numa_node']})"
         for r in ranks
         if r.get("gpu") and r["gpu"].get("numa_node") is not None and r["cpu_numa_nodes"]
-        and r["gpu"]["numa_node"] not in r["cpu_numa_nodes"]
+        and r["cpu_numa_nodes"] != [r["gpu"]["numa_node"]]
     ]  # fmt: skip
     threads = ", ".join(sorted({str(r.get("omp_num_threads")) for r in ranks}))
-    if far:
-        binding = Check("binding", "fail", "not on their GPU's NUMA node: " + "; ".join(far[:4]))
+    if far:  # an unbound rank's CPUs span every NUMA node: that fails too
+        binding = Check("binding", "fail", "not bound to their GPU's NUMA node alone: " + "; ".join(far[:4]))
     elif gpus and all(g.get("numa_node") is not None for g in gpus):
-        binding = Check("binding", "pass", f"every rank's CPUs on its GPU's NUMA node; OMP_NUM_THREADS {threads}")
+        binding = Check("binding", "pass", f"every rank's CPUs on its GPU's NUMA node alone; OMP_NUM_THREADS {threads}")
     else:
         binding = Check("binding", "skip", f"NUMA placement not known here; OMP_NUM_THREADS {threads}")
     ar = [r["allreduce"] for r in ranks]
@@ -234,11 +241,15 @@ def device_checks(outcome: JobOutcome, plan: SmokePlan) -> list[Check]:
     else:
         slowest = max(a["seconds"] for a in ar)
         bus = min(a["busbw_gbps"] for a in ar)
+        detail = (
+            f"{ar[0]['bytes'] / 2**20:.0f} MiB over {len(ranks)} ranks: {slowest * 1000:.2f} ms, bus bandwidth "
+            f"{bus:.2f} GB/s"
+        )
+        low = plan.min_busbw_gbps is not None and bus < plan.min_busbw_gbps
         allreduce = Check(
             "allreduce",
-            "pass",
-            f"{ar[0]['bytes'] / 2**20:.0f} MiB over {len(ranks)} ranks: {slowest * 1000:.2f} ms, bus bandwidth "
-            f"{bus:.2f} GB/s",
+            "fail" if low else "pass",
+            detail + (f", below --min-busbw {plan.min_busbw_gbps:g}" if low else ""),
             {"bytes": ar[0]["bytes"], "seconds": slowest, "busbw_gbps": bus},
         )
     return [dev, binding, allreduce]
@@ -334,8 +345,14 @@ def compare_resume(layout: JobOutcome, resumed: JobOutcome | None, half: int) ->
         return Check("resume", "fail", f"the uninterrupted run {layout.how}")
     if resumed is None or not resumed.ok:
         return Check("resume", "fail", f"the resumed run {resumed.how if resumed else 'did not start'}")
+    restored = _metric(resumed.run_dir, "restored_from")
+    losses = _metric(resumed.run_dir, "loss")
+    if list(restored.values()) != [half] or not losses or min(losses) != half:
+        # a run that refused the checkpoint and started again from step 0 logs the same losses (deterministic):
+        # only a load of the mid-run save counts
+        return Check("resume", "fail", f"the copy did not resume from step {half} (restored_from: {restored})")
     want = {k: v for k, v in _metric(layout.run_dir, "loss").items() if k >= half}
-    got = {k: v for k, v in _metric(resumed.run_dir, "loss").items() if k >= half}
+    got = {k: v for k, v in losses.items() if k >= half}
     if got != want:
         diff = _worst(got, want)
         return Check("resume", "fail", f"steps {half}+ after the resume differ from the uninterrupted run ({diff:.1e})")
@@ -377,6 +394,7 @@ def make_plan(
     tp: int | None,
     pp: int | None,
     steps: int,
+    min_busbw_gbps: float | None = None,
 ) -> SmokePlan:
     """The smoke jobs' allocation and layout. --local: one node, `ranks` ranks (default: one per GPU this
     machine shows, else 4). A Slurm site: `nodes` nodes (default 2) of the partition (default: the site's),
@@ -408,6 +426,8 @@ def make_plan(
         cpt = max(1, chosen.cpus_per_node // per_node)
         part, name, gpu = chosen.name, site, gpn > 0
     world = n * per_node
+    if world < 2:
+        raise BadInput("the smoke test needs at least 2 ranks: a collective, a layout and a timeout need peers")
     tp = tp or (2 if per_node % 2 == 0 else 1)
     pp = pp or (2 if world % (2 * tp) == 0 and world >= 4 else 1)
     check_steps(steps)
@@ -420,4 +440,5 @@ def make_plan(
         partition=part,
         steps=steps,
         gpu=gpu,
+        min_busbw_gbps=min_busbw_gbps,
     )
