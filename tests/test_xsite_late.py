@@ -32,6 +32,7 @@ def _setup(tmp: Path, late_rounds: int) -> tuple:
         "round_steps": 10,
         "keys": str(keys),
         "quorum": {"min_sites": 2, "timeout_seconds": 3600, "late_rounds": late_rounds},
+        "outer": {"rule": "mean"},  # the reference below is the weighted mean (the default, auto, is robust)
         "sites": [
             {
                 "name": s,

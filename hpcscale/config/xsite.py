@@ -63,15 +63,30 @@ class Outer:
 
     lr: float = setting("Outer learning rate η (1.0 with momentum 0: federated averaging).", default=0.7, min=0)
     momentum: float = setting("Outer Nesterov momentum μ.", default=0.9, min=0, max=0.999)
-    rule: Literal["mean", "median", "trimmed_mean"] = setting(
-        "How contributions are combined: weighted `mean`, or the robust coordinate-wise `median` or "
-        "`trimmed_mean` (these ignore weights).",
-        default="mean",
+    rule: Literal["auto", "mean", "median", "trimmed_mean"] = setting(
+        "How contributions are combined. `auto`: as robust as the number of sites allows (1: as it is; 2: equal "
+        "mean with each Δ clipped to the smaller norm; 3 or more: coordinate-wise median), weights ignored. "
+        "`mean`: weighted mean (not robust: docs/cross-site.md's threat model). `median`, `trimmed_mean`: "
+        "coordinate-wise, weights ignored.",
+        default="auto",
     )
     trim: float = setting("trimmed_mean: the share cut at each end.", default=0.2, min=0, max=0.49)
     outlier_factor: float = setting(
-        "Reject a contribution whose norm exceeds this many times the median of the others' (3 sites or more).",
+        "Reject a contribution whose norm exceeds this many times the median of the others' (3 sites or more; "
+        "2 sites: its square), or of the norms accepted in the last 5 rounds.",
         default=10.0,
+        min=1,
+    )
+    max_delta_ratio: float = setting(
+        "Reject a contribution whose norm exceeds this many times max(‖θ(base)‖, 1): no round of inner steps "
+        "moves the weights that far (the bound that holds in the first round, and for one site alone).",
+        default=100.0,
+        min=1,
+    )
+    max_weight_ratio: float = setting(
+        "`mean` with `weighting: tokens`: a site's weight is at most this many times the median of the other "
+        "sites' token counts (a token count is the site's own claim).",
+        default=2.0,
         min=1,
     )
 

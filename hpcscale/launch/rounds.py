@@ -56,6 +56,7 @@ class Rounds:
         self.poll_every = max(1, self.H // 10)
         self.snapshot: dict[str, torch.Tensor] | None = None  # overlap: the weights at the boundary (local shards)
         self.snapshot_step = 0
+        self.refused: set[int] = set()  # global rounds found unfit to adopt (_unfit): never taken, never waited for
 
     # ---- state carried in checkpoints ------------------------------------------------------------------------
     def tag(self, step: int) -> dict:
@@ -174,7 +175,7 @@ class Rounds:
             decision = [None, False]
             if self.ctx.rank == 0:
                 newest = latest_global(self.run)
-                if newest is not None and newest > self.base:
+                if newest is not None and newest > self.base and newest not in self.refused:
                     decision = [newest, True]
                 elif time.monotonic() - t0 >= limit or self.ctx.stop.requested:
                     decision = [None, True]
@@ -190,6 +191,15 @@ class Rounds:
             return None
         snapshot = self.snapshot
         theta = load_global(self.run, found)
+        problem = self._unfit(theta)  # every rank reads the same file: every rank decides alike
+        if problem is not None:
+            self.refused.add(found)
+            self.ctx.metrics.log(step=done_steps - 1, xsite_refused_round=found, reason=problem)
+            self.ctx.metrics.print(
+                f"hpcscale: not adopting global round {found}: {problem}; training on from this site's weights "
+                "until a later round arrives"
+            )
+            return None
         if self.check_start:
             self.check_start = False
             if found == 0:
@@ -204,6 +214,22 @@ class Rounds:
             f"hpcscale: adopted global round {found} at step {done_steps} (waited {waited:.1f} s{kept})"
         )
         return found
+
+    def _unfit(self, theta: dict[str, torch.Tensor]) -> str | None:
+        """Why θ(r) must not become this model's weights (None: it may): a tensor missing, extra or of another
+        shape than the parameter it replaces, or a value that is not finite. The sync tick refuses such rounds
+        already; a file planted in the run directory must not reach the weights either."""
+        from hpcscale.xsite.outer import check_finite
+
+        params = {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()}  # global shapes
+        got = {k: tuple(v.shape) for k, v in theta.items()}
+        missing, extra = sorted(params.keys() - got.keys()), sorted(got.keys() - params.keys())
+        if missing or extra:
+            return f"its tensors are not this model's (missing {missing[:3]}, unexpected {extra[:3]})"
+        wrong = [k for k in params if params[k] != got[k]]
+        if wrong:
+            return f"{wrong[0]} has shape {got[wrong[0]]}, the model's is {params[wrong[0]]}"
+        return check_finite(theta)
 
     def _same_start(self, theta: dict[str, torch.Tensor]) -> None:
         """xsite.start_from: θ(0) is the aggregator's start checkpoint, so it must be, bit for bit, what this site

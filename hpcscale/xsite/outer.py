@@ -71,7 +71,11 @@ INT8_SIGMAS = 6.0  # int8: the range is the chunk mean ± this many standard dev
 _BLOCK = 256 * CHUNK  # int8 works through a tensor this many elements at a time (float64 temporaries)
 _FP32_MAX = torch.finfo(torch.float32).max
 
-AGGREGATION_RULES = ("mean", "median", "trimmed_mean")
+AGGREGATION_RULES = ("auto", "mean", "median", "trimmed_mean")
+DEFAULT_MAX_DELTA_RATIO = 100.0  # screen: ‖Δ‖ above this × max(‖θ(base)‖, 1) is no site's honest work
+DEFAULT_MAX_WEIGHT_RATIO = 2.0  # capped_weights: a site's weight at most this × the median of the others'
+HISTORY_ROUNDS = 5  # screen: the recent rounds whose accepted norms bound a new contribution's
+MAX_PUBLISHED_ABS = 1e9  # check_outer_result: no element of θ or the momentum a round publishes is larger
 _LISTED = 5  # mismatches named in an error message; the rest are counted
 
 
@@ -342,6 +346,81 @@ def norm_outliers(norms: Mapping[str, float], factor: float = DEFAULT_OUTLIER_FA
     return flagged
 
 
+def screen(
+    norms: Mapping[str, float],
+    *,
+    theta_norm: float,
+    history: Sequence[float],
+    factor: float = DEFAULT_OUTLIER_FACTOR,
+    max_delta_ratio: float = DEFAULT_MAX_DELTA_RATIO,
+) -> dict[str, str]:
+    """site -> reason, for every contribution whose ‖Δ‖ no honest site's round could produce. Three bounds, each
+    a site cannot raise by itself:
+    - absolute: ‖Δ‖ ≤ max_delta_ratio × max(‖θ(base)‖, 1). H inner steps move weights far (from a random start
+      several times their own norm), never 100 times: this catches what would overflow or dwarf the model in
+      the first round, when nothing else is known (one site alone included);
+    - history: ‖Δ‖ ≤ factor × the median of the norms accepted in the last HISTORY_ROUNDS rounds (when there
+      are any). An honest site's Δ keeps its scale from round to round (the same H steps, a learning rate that
+      only decays after warmup); a scaled-up Δ does not;
+    - the other sites: `norm_outliers` (3 sites or more: factor × the median of the others; 2: factor²).
+    """
+    flagged = norm_outliers(norms, factor=factor)
+    limit = max_delta_ratio * max(float(theta_norm), 1.0)
+    recent = [float(v) for v in history if math.isfinite(float(v)) and float(v) > 0]
+    typical = statistics.median(recent) if recent else None
+    for site, value in norms.items():
+        if site in flagged:
+            continue
+        if value > limit:
+            flagged[site] = (
+                f"‖Δ‖ = {value:.6g} > {max_delta_ratio:g} × max(‖θ(base)‖ = {theta_norm:.6g}, 1): no round of "
+                "inner steps moves the weights that far"
+            )
+        elif typical is not None and value > factor * typical:
+            flagged[site] = (
+                f"‖Δ‖ = {value:.6g} > {factor:g} × {typical:.6g}, the median norm accepted in the last "
+                f"{len(recent)} contribution(s) of recent rounds"
+            )
+    return flagged
+
+
+def capped_weights(tokens: Mapping[str, int], *, ratio: float = DEFAULT_MAX_WEIGHT_RATIO) -> dict[str, float]:
+    """site -> weight for the `mean` rule with tokens weighting. A token count is the site's own claim: each is
+    capped at `ratio` × the median of the other sites' counts, so no site can buy more than that share of the
+    average by claiming 2^62 tokens. 0 (not reported) counts as 1. One site alone: 1."""
+    counts = {s: float(t) if t > 0 else 1.0 for s, t in tokens.items()}
+    if len(counts) < 2:
+        return dict.fromkeys(counts, 1.0)
+    return {s: min(c, ratio * statistics.median(v for o, v in counts.items() if o != s)) for s, c in counts.items()}
+
+
+def clipped_to_smallest(contributions: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:
+    """Each Δ scaled down (never up) to the smallest ‖Δ‖ among them. The `auto` rule with two sites: their
+    equal-weight mean then never points against the honest site's Δ (⟨(Δ_h + x)/2, Δ_h⟩ ≥ 0 when ‖x‖ ≤ ‖Δ_h‖),
+    so one dishonest site can slow or stall a round, not reverse it or move θ further than an honest round."""
+    norms = [l2_norm(d) for d in contributions]
+    smallest = min(norms)
+    out = []
+    for d, n in zip(contributions, norms, strict=True):
+        scale = smallest / n if n > smallest else 1.0
+        out.append({k: (v.detach().to(torch.float32) * scale) for k, v in d.items()} if scale != 1.0 else dict(d))
+    return out
+
+
+def check_outer_result(theta: Mapping[str, Tensor], momentum: Mapping[str, Tensor]) -> str | None:
+    """None when what a round would publish is finite and bounded (every element within MAX_PUBLISHED_ABS);
+    otherwise why not. Checked before anything is signed: a finite Δ of 3e38 overflows θ to inf."""
+    for what, tensors in (("θ", theta), ("momentum", momentum)):
+        problem = check_finite(tensors)
+        if problem:
+            return f"the outer step's {what} is not finite: {problem}"
+        for name in sorted(tensors):
+            t = tensors[name]
+            if t.numel() and float(t.detach().abs().max()) > MAX_PUBLISHED_ABS:
+                return f"the outer step's {what}: {name} has elements beyond ±{MAX_PUBLISHED_ABS:g}"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Aggregation
 
@@ -350,7 +429,10 @@ def aggregate(
     contributions: Sequence[tuple[float, Mapping[str, Tensor]]], rule: str = "mean", trim: float = 0.2
 ) -> dict[str, Tensor]:
     """Δ̄ (fp32, by name) from (weight, Δ_i) pairs, in the order given. Contributions are assumed checked already
-    (`decode`, `check_finite`, `norm_outliers`); `OuterStep.apply` refuses a non-finite result.
+    (`decode`, `check_finite`, `screen`); `OuterStep.apply` refuses a non-finite result.
+    - "auto" (the default): as robust as the number of sites allows, weights ignored: one contribution is taken
+      as it is; two are averaged equally after `clipped_to_smallest`; three or more take the coordinate-wise
+      median;
     - "mean": Σ w_i Δ_i / Σ w_i, accumulated in float64; weights (tokens seen, or all equal) must be finite,
       ≥ 0, and not all 0;
     - "median": the coordinate-wise median; for an even count, the mean of the two middle values (as numpy);
@@ -374,6 +456,11 @@ def aggregate(
     for i, (_, d) in enumerate(contributions):
         _require_same_shapes(first, d, f"aggregate: contribution {i} against contribution 0")
     n = len(contributions)
+    if rule == "auto":
+        deltas = [d for _, d in contributions]
+        if n >= 3:
+            return aggregate([(1.0, d) for d in deltas], rule="median")
+        return aggregate([(1.0, d) for d in (clipped_to_smallest(deltas) if n == 2 else deltas)], rule="mean")
     total = sum(weights)
     out = {}
     for name in first:

@@ -66,6 +66,7 @@ MAX_DIM = 1 << 48
 MAX_INT = (1 << 63) - 1
 MAX_LISTED_SITES = 10_000  # entries in a round's accepted and rejected lists
 MAX_REASON_CHARS = 4096
+_FP32_MAX = 3.4028234663852886e38  # a norm stored in a round: any finite fp32 value
 
 # safetensors dtype -> (torch's name for it, bytes per element). Only what the formats use. Names, not torch
 # dtypes: torch is imported where tensors are handled, not here (an idle `hpcscale sync` tick needs none of it).
@@ -157,6 +158,7 @@ class AcceptedContribution:
     tokens: int
     steps: int
     base_round: int | None = None  # the round its Δ was computed against (older than parent: folded in late)
+    norm: float | None = None  # ‖Δ‖ as decoded: later rounds bound new contributions by recent ones (outer.screen)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -351,9 +353,13 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
                 tokens=_int(a["tokens"], "accepted.tokens"),
                 steps=_int(a["steps"], "accepted.steps"),
                 base_round=_int(a["base_round"], "accepted.base_round") if "base_round" in a else None,
+                norm=_float(a["norm"], "accepted.norm", 0.0, _FP32_MAX) if "norm" in a else None,
             )
             for a in _list(
-                doc["accepted"], "accepted", {"site", "payload_sha256", "tokens", "steps"}, frozenset({"base_round"})
+                doc["accepted"],
+                "accepted",
+                {"site", "payload_sha256", "tokens", "steps"},
+                frozenset({"base_round", "norm"}),
             )
         ),
         rejected=tuple(
@@ -851,13 +857,14 @@ def write_round(
 
 
 def _accepted_json(a: AcceptedContribution | Mapping[str, Any]) -> dict[str, Any]:
-    return _without_none(_as_dict(a, ("site", "payload_sha256", "tokens", "steps", "base_round")))
+    return _without_none(_as_dict(a, ("site", "payload_sha256", "tokens", "steps", "base_round", "norm")))
 
 
 def _without_none(entry: dict[str, Any]) -> dict[str, Any]:
-    """An optional field left out rather than written as null (base_round of an entry)."""
-    if entry.get("base_round") is None:
-        entry.pop("base_round", None)
+    """Optional fields left out rather than written as null (an entry's base_round, norm)."""
+    for key in ("base_round", "norm"):
+        if key in entry and entry[key] is None:
+            entry.pop(key)
     return entry
 
 

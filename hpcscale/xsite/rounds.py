@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -176,7 +177,8 @@ def _endpoint(site: XsiteSite, me: XsiteSite, sub: str) -> str:
 
 
 # ---- the tick ---------------------------------------------------------------------------------------------------
-def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None) -> TickReport:
+def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None, clock: TickClock | None = None) -> TickReport:
+    """One tick for `site_name`. `now` or `clock` (tests) stand for this host's clocks."""
     me = cfg.site(site_name)
     if me is None:
         raise BadInput(f"--site {site_name}: not a site of {cfg.name} ({', '.join(s.name for s in cfg.sites)})")
@@ -194,7 +196,7 @@ def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None) -> TickR
             return report
         try:
             try:
-                _tick_locked(cfg, me, report, now if now is not None else time.time())
+                _tick_locked(cfg, me, report, clock or TickClock.read(now))
             finally:  # under the lock: the log's rotation cannot drop another tick's lines
                 _append_log(state, report.events)
         finally:
@@ -221,7 +223,7 @@ def _append_log(state: Path, events: list[dict[str, Any]]) -> None:
         _atomic_bytes(path, tail[tail.find(b"\n") + 1 :])  # from the first whole line
 
 
-def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, now: float) -> None:
+def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, clock: TickClock) -> None:
     from hpcscale.xsite.signing import load_keyring, load_private
 
     key = load_private(expand_path(me.key))
@@ -234,7 +236,7 @@ def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, now: float
     _step("export", report, lambda: _export(cfg, me, key, keyring, report))
     _step("push contribution", report, lambda: _push_contribution(cfg, me, aggregator, report))
     if is_agg:
-        _step("aggregate", report, lambda: _aggregate(cfg, me, key, keyring, report, now))
+        _step("aggregate", report, lambda: _aggregate(cfg, me, key, keyring, report, clock))
         for site in cfg.sites:
             push = lambda site=site: _push_round(cfg, me, site, key, keyring, report)  # noqa: E731
             _step(f"push round to {site.name}", report, push)
@@ -334,10 +336,18 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
         if published is None:
             report.add("waiting", reason=f"round {base} (the base of step {step}) is not in the inbox yet")
             continue
-        from hpcscale.xsite.outer import delta, encode  # torch: only once there is a contribution to write
+        from hpcscale.xsite.outer import check_finite, delta, encode  # torch: only once there is one to write
         from hpcscale.xsite.roundfile import write_contribution
 
-        d = delta(published.theta, _consolidated(_run(me), step))
+        try:
+            d = delta(published.theta, _consolidated(_run(me), step))
+            problem = check_finite(d)
+            if problem:
+                raise BadInput(problem)
+            tensors = encode(d, cfg.encoding)
+        except BadInput as e:  # this round's Δ cannot be sent; the tick goes on (a later round's can)
+            report.add("skipped", base_round=base, step=step, reason=f"no contribution for round {base + 1}: {e}")
+            continue
         path = write_contribution(
             state / OUTBOX,
             site=me.name,
@@ -345,7 +355,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
             steps=int(tag.get("steps", 0)),
             tokens=int(tag.get("tokens", 0)),
             encoding=cfg.encoding,
-            tensors=encode(d, cfg.encoding),
+            tensors=tensors,
             key=key,
             compression=cfg.compression,
         )
@@ -377,83 +387,112 @@ def _push_contribution(cfg: XsiteConfig, me: XsiteSite, aggregator: XsiteSite, r
 
 
 # ---- 4. aggregate ------------------------------------------------------------------------------------------------
-def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport, now: float) -> None:
+@dataclass(frozen=True, slots=True)
+class TickClock:
+    """When a tick runs: the wall clock (recorded, shown), and the time since boot with the boot's id, which
+    no clock step moves. A quorum's wait is measured on the boot clock when the round's first contribution
+    came in this boot; across a reboot only the wall clock is left, and a start it puts in the future (the
+    clock stepped back) restarts the wait from now, so a timeout is late by at most one timeout."""
+
+    wall: float
+    boot: str
+    uptime: float
+
+    @classmethod
+    def read(cls, now: float | None = None) -> TickClock:
+        """This host's clocks; `now` (tests) stands for both the wall clock and the boot clock."""
+        if now is not None:
+            return cls(now, "given", now)
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            uptime = time.clock_gettime(time.CLOCK_BOOTTIME)
+        except (OSError, AttributeError):
+            boot, uptime = "", 0.0
+        return cls(time.time(), boot, uptime)
+
+    def stamp(self) -> dict[str, Any]:
+        return {"wall": self.wall, "boot": self.boot, "uptime": self.uptime}
+
+    def waited(self, stamp: Any) -> float | None:
+        """Seconds since `stamp` (a quorum.json entry: this class's stamp, or an older bare wall time); None
+        when the stamp is in the future on the wall clock and no boot clock can say (restart the wait)."""
+        if isinstance(stamp, dict) and stamp.get("boot") and stamp.get("boot") == self.boot:
+            up = stamp.get("uptime")
+            if isinstance(up, int | float) and math.isfinite(up):
+                return max(0.0, self.uptime - float(up))
+        wall = stamp.get("wall") if isinstance(stamp, dict) else stamp
+        if not isinstance(wall, int | float) or isinstance(wall, bool) or not math.isfinite(wall):
+            return None
+        return None if wall > self.wall else self.wall - float(wall)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A site's newest contribution file for this round (or, late, an older base) not decided yet."""
+
+    site: XsiteSite
+    base: int
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A contribution that verified (signature, base, shapes, finite values), decoded to fp32, with ‖Δ‖."""
+
+    contribution: Any  # roundfile.Contribution
+    tensors: dict[str, torch.Tensor]
+    norm: float
+
+    @property
+    def site(self) -> str:
+        return self.contribution.site
+
+
+def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport, clock: TickClock) -> None:
+    """Round r = the newest published + 1, in steps that each own one rule: what arrived (_arrivals), what
+    verifies (_check), whether the quorum is in (_quorum), what no honest site could send (_screen), how the
+    rest combine (_combine), and that what the outer step gives is finite and bounded before it is signed."""
     state = _state(me)
     published = _published(state)
     if not published:
         return
     r = published[-1] + 1
     oldest = max(0, r - 1 - cfg.quorum.late_rounds)
-    used = _decided(state, range(oldest + 1, r))  # (site, base) a round applied or refused: never tried again
-    arrived = []
-    for site in cfg.sites:  # each site's newest contribution with a base in [oldest, r - 1] not decided yet
-        for b in range(r - 1, oldest - 1, -1):
-            path = state / INCOMING / site.name / f"{contrib_stem(site.name, b)}.json"
-            if (site.name, b) in used:
-                break  # a newer one was decided already: an older one is superseded
-            if path.exists() and path.with_suffix(".safetensors").exists():
-                arrived.append((site, b, path))
-                break
-    if not any(b == r - 1 for _, b, _ in arrived):
+    arrived = _arrivals(cfg, state, r, oldest)
+    if not any(a.base == r - 1 for a in arrived):
         return  # the usual cron tick: do not read and verify the whole base round for nothing (late ones wait)
-    import torch  # here, not above: the usual tick returned already, without torch
-
-    from hpcscale.xsite.outer import OuterStep, aggregate, check_finite, contribution_bound, decode, norm_outliers
-    from hpcscale.xsite.roundfile import Rejected, read_contribution, write_round
+    from hpcscale.xsite.outer import OuterStep, check_outer_result
+    from hpcscale.xsite.roundfile import RejectedContribution, write_round
 
     base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS, need_momentum=True)
-    shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
-    bound = contribution_bound(shapes)
-    valid: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
-    rejected: list[dict[str, Any]] = []
-    for site, b, path in arrived:
-        try:
-            c = read_contribution(path, keyring=keyring, known_sites={s.name for s in cfg.sites},
-                                  expected_base_round=r - 1, oldest_base_round=oldest, max_bytes=bound)  # fmt: skip
-            if c.site != site.name:
-                raise Rejected(f"signed as {c.site} but pushed to {site.name}'s incoming directory")
-            tensors = decode(c.tensors, c.encoding, shapes)
-            problem = check_finite(tensors)
-            if problem:
-                raise Rejected(problem)
-            valid[site.name] = (c, tensors)
-        except Rejected as e:
-            rejected.append({"site": site.name, "reason": str(e), "base_round": b})
-        except BadInput as e:  # decode's refusal of a payload that does not fit the model
-            rejected.append({"site": site.name, "reason": str(e), "base_round": b})
-    seen = _read_json(state / REJECTED)
-    fresh = [x for x in rejected if seen.get(f"{r}/{x['site']}") != x["reason"]]  # (base_round: in the round)
-    for x in fresh:  # each rejection reported once (every tick re-reads the incoming files)
-        seen[f"{r}/{x['site']}"] = x["reason"]
-        report.add("rejected", round=r, site=x["site"], reason=x["reason"])
-    if fresh:
-        _atomic_bytes(state / REJECTED, json.dumps(seen).encode())
-    on_time = sorted(s for s, (c, _) in valid.items() if c.base_round == r - 1)  # a late one joins, never decides
-    quorum = _read_json(state / QUORUM)
-    first = quorum.get(str(r))
-    if on_time and first is None:
-        first = now
-        quorum[str(r)] = now
-        _atomic_bytes(state / QUORUM, json.dumps(quorum).encode())
-    waited = 0.0 if first is None else now - first
-    ready = len(on_time) >= cfg.quorum.min_sites or (on_time and waited >= cfg.quorum.timeout_seconds)
+    valid, rejected = _check(cfg, arrived, base, keyring, r, oldest)
+    _report_rejections(state, r, rejected, report)
+    on_time = sorted(c.site for c in valid if c.contribution.base_round == r - 1)  # a late one never decides
+    ready, waited = _quorum(cfg, state, r, on_time, clock)
     if not ready:
         if valid:  # nothing in yet is not news
             report.add("quorum", round=r, have=on_time, need=cfg.quorum.min_sites, waited_s=round(waited, 1))
         return
-    norms = {s: float(torch.sqrt(sum((t.double() ** 2).sum() for t in ts.values()))) for s, (_, ts) in valid.items()}
-    for s, reason in norm_outliers(norms, factor=cfg.outer.outlier_factor).items():
-        rejected.append({"site": s, "reason": reason, "base_round": valid[s][0].base_round})
-        valid.pop(s)
-    if not any(c.base_round == r - 1 for c, _ in valid.values()):  # late ones alone never make a round
-        report.add("quorum", round=r, have=[], rejected=rejected)
+    flagged = _screen(cfg, state, r, base, valid)
+    screened = [
+        RejectedContribution(site=c.site, reason=flagged[c.site], base_round=c.contribution.base_round)
+        for c in valid
+        if c.site in flagged
+    ]
+    fresh = _report_rejections(state, r, screened, report)
+    rejected += screened
+    valid = [c for c in valid if c.site not in flagged]
+    if not any(c.contribution.base_round == r - 1 for c in valid):  # late ones alone never make a round
+        if fresh:  # said once, not at every tick while the round waits for contributions it can use
+            report.add("quorum", round=r, have=[], rejected=[_rejected_json(x) for x in rejected])
         return
-    weights = [float(c.tokens) if cfg.weighting == "tokens" and c.tokens > 0 else 1.0 for c, _ in valid.values()]
-    mean = aggregate(list(zip(weights, [t for _, t in valid.values()], strict=True)), rule=cfg.outer.rule,
-                     trim=cfg.outer.trim)  # fmt: skip
     outer = OuterStep.from_state(base.theta, base.momentum, lr=cfg.outer.lr, momentum=cfg.outer.momentum)
-    outer.apply(mean)
+    outer.apply(_combine(cfg, valid))
     theta, momentum = outer.state()
+    problem = check_outer_result(theta, momentum)
+    if problem:  # never signed: the round waits (every contribution passed its bounds, so this is a bug's mark)
+        report.add("not published", round=r, reason=problem, accepted=sorted(c.site for c in valid))
+        return
     write_round(
         state / ROUNDS,
         round=r,
@@ -461,13 +500,14 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         outer=_outer(cfg),
         accepted=[
             {
-                "site": s,
-                "payload_sha256": c.payload_sha256,
-                "tokens": c.tokens,
-                "steps": c.steps,
-                "base_round": c.base_round,
+                "site": c.site,
+                "payload_sha256": c.contribution.payload_sha256,
+                "tokens": c.contribution.tokens,
+                "steps": c.contribution.steps,
+                "base_round": c.contribution.base_round,
+                "norm": c.norm,
             }
-            for s, (c, _) in valid.items()
+            for c in valid
         ],
         rejected=rejected,
         theta=theta,
@@ -475,9 +515,111 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         key=key,
     )
     _fault("published")
-    late = {s: c.base_round for s, (c, _) in valid.items() if c.base_round != r - 1}
-    report.add("published", round=r, accepted=sorted(valid), rejected=rejected, waited_s=round(waited, 1),
+    late = {c.site: c.contribution.base_round for c in valid if c.contribution.base_round != r - 1}
+    report.add("published", round=r, accepted=sorted(c.site for c in valid),
+               rejected=[_rejected_json(x) for x in rejected], waited_s=round(waited, 1),
                **({"late": late} if late else {}))  # fmt: skip
+
+
+def _rejected_json(x) -> dict[str, Any]:
+    return {"site": x.site, "reason": x.reason, "base_round": x.base_round}
+
+
+def _arrivals(cfg: XsiteConfig, state: Path, r: int, oldest: int) -> list[Arrival]:
+    """Each site's newest contribution with a base in [oldest, r − 1] that no published round decided yet."""
+    used = _decided(state, range(oldest + 1, r))  # (site, base) a round applied or refused: never tried again
+    arrived = []
+    for site in cfg.sites:
+        for b in range(r - 1, oldest - 1, -1):
+            path = state / INCOMING / site.name / f"{contrib_stem(site.name, b)}.json"
+            if (site.name, b) in used:
+                break  # a newer one was decided already: an older one is superseded
+            if path.exists() and path.with_suffix(".safetensors").exists():
+                arrived.append(Arrival(site, b, path))
+                break
+    return arrived
+
+
+def _check(cfg: XsiteConfig, arrived: list[Arrival], base, keyring, r: int, oldest: int):
+    """(what verifies, decoded and measured; what does not, with the reason) of the arrivals."""
+    from hpcscale.xsite.outer import check_finite, contribution_bound, decode, l2_norm
+    from hpcscale.xsite.roundfile import Rejected, RejectedContribution, read_contribution
+
+    shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
+    bound = contribution_bound(shapes)
+    valid: list[Checked] = []
+    rejected: list[RejectedContribution] = []
+    for a in arrived:
+        try:
+            c = read_contribution(a.path, keyring=keyring, known_sites={s.name for s in cfg.sites},
+                                  expected_base_round=r - 1, oldest_base_round=oldest, max_bytes=bound)  # fmt: skip
+            if c.site != a.site.name:
+                raise Rejected(f"signed as {c.site} but pushed to {a.site.name}'s incoming directory")
+            tensors = decode(c.tensors, c.encoding, shapes)
+            problem = check_finite(tensors)
+            if problem:
+                raise Rejected(problem)
+            valid.append(Checked(c, tensors, l2_norm(tensors)))
+        except (Rejected, BadInput) as e:  # BadInput: decode's refusal of a payload that does not fit the model
+            reason = e.reason if isinstance(e, Rejected) else str(e)
+            rejected.append(RejectedContribution(site=a.site.name, reason=reason, base_round=a.base))
+    return valid, rejected
+
+
+def _report_rejections(state: Path, r: int, rejected: list, report: TickReport) -> list:
+    """Each rejection reported once (every tick re-reads the incoming files); returns the ones new now."""
+    seen = _read_json(state / REJECTED)
+    fresh = [x for x in rejected if seen.get(f"{r}/{x.site}") != x.reason]
+    for x in fresh:
+        seen[f"{r}/{x.site}"] = x.reason
+        report.add("rejected", round=r, site=x.site, reason=x.reason)
+    if fresh:
+        _atomic_bytes(state / REJECTED, json.dumps(seen).encode())
+    return fresh
+
+
+def _quorum(cfg: XsiteConfig, state: Path, r: int, on_time: list[str], clock: TickClock) -> tuple[bool, float]:
+    """(whether round r is applied now, seconds waited since its first on-time contribution)."""
+    quorum = _read_json(state / QUORUM)
+    stamp = quorum.get(str(r))
+    waited = clock.waited(stamp) if stamp is not None else None
+    if on_time and waited is None:  # the first contribution, or a start the clock put in the future: from now
+        quorum[str(r)] = clock.stamp()
+        _atomic_bytes(state / QUORUM, json.dumps(quorum).encode())
+        waited = 0.0
+    waited = waited or 0.0
+    ready = len(on_time) >= cfg.quorum.min_sites or (bool(on_time) and waited >= cfg.quorum.timeout_seconds)
+    return ready, waited
+
+
+def _screen(cfg: XsiteConfig, state: Path, r: int, base, valid: list[Checked]) -> dict[str, str]:
+    """site -> reason for the contributions whose norm no honest site's round could have (outer.screen)."""
+    from hpcscale.xsite.outer import HISTORY_ROUNDS, l2_norm, screen
+
+    history = []
+    for past in range(max(1, r - HISTORY_ROUNDS), r):
+        doc = _read_json(state / ROUNDS / f"{round_stem(past)}.json")
+        for a in doc.get("accepted", []) if isinstance(doc.get("accepted"), list) else []:
+            if isinstance(a, dict) and isinstance(a.get("norm"), int | float) and not isinstance(a["norm"], bool):
+                history.append(float(a["norm"]))
+    return screen(
+        {c.site: c.norm for c in valid},
+        theta_norm=l2_norm(base.theta),
+        history=history,
+        factor=cfg.outer.outlier_factor,
+        max_delta_ratio=cfg.outer.max_delta_ratio,
+    )
+
+
+def _combine(cfg: XsiteConfig, valid: list[Checked]) -> dict[str, torch.Tensor]:
+    """Δ̄ by the configured rule; token weights (the `mean` rule's) capped relative to the other sites'."""
+    from hpcscale.xsite.outer import aggregate, capped_weights
+
+    if cfg.outer.rule == "mean" and cfg.weighting == "tokens":
+        weights = capped_weights({c.site: c.contribution.tokens for c in valid}, ratio=cfg.outer.max_weight_ratio)
+    else:
+        weights = {c.site: 1.0 for c in valid}
+    return aggregate([(weights[c.site], c.tensors) for c in valid], rule=cfg.outer.rule, trim=cfg.outer.trim)
 
 
 def _decided(state: Path, rounds: range) -> set[tuple[str, int]]:
@@ -560,11 +702,43 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
             return
         try:
             published = _verified_round(cfg, state, keyring, r)
+            problem = _unfit_round(run, published)
+            if problem:
+                raise Rejected(problem)
         except Rejected as e:
             report.add("rejected", file=f"{INBOX}/{round_stem(r)}.json", reason=e.reason)
             continue
         _write_global(run, r, published, report)
         return
+
+
+def _unfit_round(run: Path, published) -> str | None:
+    """Why a verified round must not be handed to the run (None: it may): θ not finite or beyond the bound a
+    published round keeps (outer.check_outer_result), or names and shapes other than the run's model's (its
+    newest checkpoint's, where it has one). A site that refuses a round goes on to the next valid one."""
+    from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name
+    from hpcscale.xsite.outer import check_outer_result
+
+    problem = check_outer_result(published.theta, {})
+    if problem:
+        return problem
+    root = run / "checkpoints"
+    try:
+        steps = committed_steps(root)
+        index = read_index(root / step_dir_name(steps[0]) / INDEX) if steps else None
+    except Exception:  # an unreadable checkpoint says nothing about the round: the trainer checks again
+        index = None
+    if index is None:
+        return None
+    model = {
+        n.removeprefix("model/"): tuple(rec.global_shape) for n, rec in index.tensors.items() if n.startswith("model/")
+    }
+    got = {k: tuple(v.shape) for k, v in published.theta.items()}
+    if model.keys() != got.keys():
+        missing, extra = sorted(model.keys() - got.keys()), sorted(got.keys() - model.keys())
+        return f"its tensors are not this run's model's (missing {missing[:3]}, unexpected {extra[:3]})"
+    wrong = [k for k in model if model[k] != got[k]]
+    return f"{wrong[0]} has shape {got[wrong[0]]}, this run's model has {model[wrong[0]]}" if wrong else None
 
 
 def _write_global(run: Path, r: int, published, report: TickReport) -> None:

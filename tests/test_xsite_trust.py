@@ -1,0 +1,267 @@
+"""Cross-site rounds against a dishonest or broken partner, through real ticks on real signed files (no
+trainers): what one site can and cannot do to the published weights under each rule (the threat model in
+docs/cross-site.md, a test per row), finite contributions that would overflow the outer step, a poisoned round
+a site must refuse and recover from, and quorum timeouts across clock steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hpcscale.config.xsite import load_xsite
+from hpcscale.xsite import roundfile as rf
+from hpcscale.xsite import rounds
+from hpcscale.xsite.outer import decode, encode
+from hpcscale.xsite.signing import generate_key, load_keyring, load_private
+
+SHAPES = {"w": (6, 4), "b": (5,)}
+
+
+def _setup(tmp: Path, sites: tuple[str, ...], **outer) -> tuple:
+    keys = tmp / "keys"
+    keys.mkdir()
+    for s in sites:
+        generate_key(keys, s)
+    cfg = {
+        "name": "trust",
+        "aggregator": sites[0],
+        "round_steps": 10,
+        "keys": str(keys),
+        "quorum": {"min_sites": len(sites), "timeout_seconds": 3600},
+        "outer": outer,
+        "sites": [
+            {
+                "name": s,
+                "run": str(tmp / f"run-{s}"),
+                "state": str(tmp / f"state-{s}"),
+                "reach": str(tmp / f"state-{s}"),
+                "key": str(keys / f"{s}.key"),
+            }
+            for s in sites
+        ],
+    }
+    path = tmp / "xsite.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    config = load_xsite(path)
+    g = torch.Generator().manual_seed(1)
+    theta0 = {k: torch.randn(*shape, generator=g) for k, shape in SHAPES.items()}
+    state = tmp / f"state-{sites[0]}"
+    (state / rounds.ROUNDS).mkdir(parents=True)
+    rf.write_round(state / rounds.ROUNDS, round=0, parent=None, outer=rounds._outer(config), accepted=[],
+                   rejected=[], theta=theta0, momentum={k: torch.zeros_like(v) for k, v in theta0.items()},
+                   key=load_private(keys / f"{sites[0]}.key"))  # fmt: skip
+    return config, keys, tmp / f"state-{sites[0]}"
+
+
+def _honest(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(*shape, generator=g) * 0.05 for k, shape in SHAPES.items()}
+
+
+def _send(tmp: Path, keys: Path, agg_state: Path, site: str, base: int, delta: dict, tokens: int = 1000) -> None:
+    incoming = agg_state / rounds.INCOMING / site
+    incoming.mkdir(parents=True, exist_ok=True)
+    rf.write_contribution(incoming, site=site, base_round=base, steps=10, tokens=tokens, encoding="fp32",
+                          tensors=encode(delta, "fp32"), key=load_private(keys / f"{site}.key"))  # fmt: skip
+
+
+def _round(agg_state: Path, keys: Path, r: int, aggregator: str) -> rf.PublishedRound | None:
+    path = agg_state / rounds.ROUNDS / f"round-{r:06d}.json"
+    if not path.exists():
+        return None
+    return rf.read_round(path, keyring=load_keyring(keys), aggregator=aggregator, need_momentum=True)
+
+
+def _events(report: rounds.TickReport, kind: str) -> list[dict]:
+    return [e for e in report.events if e["event"] == kind]
+
+
+def _step(agg_state: Path, keys: Path, r: int, aggregator: str) -> dict[str, torch.Tensor]:
+    """θ(r) − θ(r − 1)."""
+    new, old = _round(agg_state, keys, r, aggregator), _round(agg_state, keys, r - 1, aggregator)
+    return {k: new.theta[k] - old.theta[k] for k in new.theta}
+
+
+def _along(step: dict[str, torch.Tensor], delta: dict[str, torch.Tensor]) -> float:
+    """How far the published step went the way the honest site's Δ asks (θ moves along −Δ): > 0 forward."""
+    return float(sum((-step[k].double() * delta[k].double()).sum() for k in step))
+
+
+# ---- finite contributions that would overflow -------------------------------------------------------------------
+
+
+def test_a_finite_contribution_that_would_overflow_is_refused_and_the_round_waits_for_honest_ones(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a", "b"), rule="mean")
+    huge = {k: torch.full(shape, 3e38) for k, shape in SHAPES.items()}  # finite in fp32: θ − 1.33·Δ is -inf
+    _send(tmp_path, keys, agg, "b", 0, huge)
+    report = rounds.tick(config, "a", now=1000.0)  # quorum 2: b alone waits
+    assert _round(agg, keys, 1, "a") is None
+    report = rounds.tick(config, "a", now=1000.0 + 3601)  # the quorum timeout passes: b is screened, not applied
+    assert _round(agg, keys, 1, "a") is None and not _events(report, "published")
+    [rejected] = _events(report, "rejected")
+    assert rejected["site"] == "b" and "> 100 × max(‖θ(base)‖" in rejected["reason"]
+    assert not _events(rounds.tick(config, "a", now=1000.0 + 3602), "rejected")  # said once
+    honest = _honest(2)
+    _send(tmp_path, keys, agg, "a", 0, honest)
+    [published] = _events(rounds.tick(config, "a", now=1000.0 + 3603), "published")
+    assert published["accepted"] == ["a"] and published["rejected"][0]["site"] == "b"
+    r1 = _round(agg, keys, 1, "a")
+    assert all(torch.isfinite(t).all() for t in (*r1.theta.values(), *r1.momentum.values()))
+    assert {a.site: a.norm is not None for a in r1.accepted} == {"a": True}
+
+
+def test_one_site_alone_is_bounded_by_the_model_then_by_its_own_history(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a",))
+    for r, scale in ((1, 1.0), (2, 1.0)):
+        _send(tmp_path, keys, agg, "a", r - 1, {k: v * scale for k, v in _honest(r).items()})
+        assert _events(rounds.tick(config, "a"), "published")
+    _send(tmp_path, keys, agg, "a", 2, {k: v * 50 for k, v in _honest(3).items()})  # 50× its usual norm
+    report = rounds.tick(config, "a", now=0.0)
+    [rejected] = _events(report, "rejected")
+    assert "the median norm accepted in the last 2 contribution(s)" in rejected["reason"]
+    assert _round(agg, keys, 3, "a") is None
+
+
+# ---- steering: what one dishonest site can do under each rule (docs/cross-site.md threat model) ----------------
+
+
+def test_two_sites_auto_one_sends_a_reversed_and_scaled_delta_the_round_does_not_reverse(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a", "b"))  # rule: auto (the default)
+    honest = _honest(2)
+    _send(tmp_path, keys, agg, "a", 0, honest)
+    _send(tmp_path, keys, agg, "b", 0, {k: -50 * v for k, v in honest.items()})
+    rounds.tick(config, "a")
+    assert _along(_step(agg, keys, 1, "a"), honest) >= -1e-6  # stalled at worst, never reversed
+
+
+def test_two_sites_auto_a_huge_token_claim_buys_nothing(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    honest = _honest(2)
+    _send(tmp_path, keys, agg, "a", 0, honest)
+    _send(tmp_path, keys, agg, "b", 0, {k: -v for k, v in honest.items()}, tokens=2**62)
+    rounds.tick(config, "a")
+    assert _along(_step(agg, keys, 1, "a"), honest) >= -1e-6
+
+
+def test_two_sites_mean_the_token_claim_is_capped_but_one_site_can_reverse_the_mean(tmp_path):
+    """The row that says why `mean` is not the default: capped at 2× the other's tokens, a reversed Δ still
+    outweighs the honest one."""
+    config, keys, agg = _setup(tmp_path, ("a", "b"), rule="mean")
+    honest = _honest(2)
+    _send(tmp_path, keys, agg, "a", 0, honest)
+    _send(tmp_path, keys, agg, "b", 0, {k: -v for k, v in honest.items()}, tokens=2**62)
+    rounds.tick(config, "a")
+    step = _step(agg, keys, 1, "a")
+    theta0 = _round(agg, keys, 0, "a").theta
+    # weights capped to 2000 : 1000, so Δ̄ = (2·(−Δ_a) + Δ_a)/3 = −Δ_a/3 (not −Δ_a·2^62/(2^62+1000))
+    want = {k: -(1.0 + 0.9) * 0.7 * (-honest[k] / 3) for k in honest}
+    assert all(torch.allclose(step[k], want[k], atol=1e-6) for k in step), (step, theta0)
+    assert _along(step, honest) < 0
+
+
+def test_three_sites_auto_one_outlier_cannot_move_a_coordinate_beyond_the_honest_values(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a", "b", "c"))
+    da, db = _honest(2), _honest(3)
+    _send(tmp_path, keys, agg, "a", 0, da)
+    _send(tmp_path, keys, agg, "b", 0, db)
+    _send(tmp_path, keys, agg, "c", 0, {k: -5 * v for k, v in da.items()})  # under the norm bounds
+    rounds.tick(config, "a")
+    r1, r0 = _round(agg, keys, 1, "a"), _round(agg, keys, 0, "a")
+    for k in da:  # Δ̄ is the median: inside [min, max] of the honest values per coordinate
+        mean = -(r1.theta[k] - r0.theta[k]) / (0.7 * 1.9)
+        lo, hi = torch.minimum(da[k], db[k]), torch.maximum(da[k], db[k])
+        assert bool(((mean >= lo - 1e-6) & (mean <= hi + 1e-6)).all())
+
+
+@pytest.mark.parametrize("sites", [("a", "b"), ("a", "b", "c")])
+def test_a_scaled_up_delta_after_the_first_round_is_refused_at_any_count(tmp_path, sites):
+    config, keys, agg = _setup(tmp_path, sites)
+    for s, seed in zip(sites, range(10, 20), strict=False):
+        _send(tmp_path, keys, agg, s, 0, _honest(seed))
+    assert _events(rounds.tick(config, "a"), "published")
+    for s, seed in zip(sites[:-1], range(20, 30), strict=False):
+        _send(tmp_path, keys, agg, s, 1, _honest(seed))
+    _send(tmp_path, keys, agg, sites[-1], 1, {k: 50 * v for k, v in _honest(99).items()})
+    [published] = _events(rounds.tick(config, "a"), "published")
+    assert sites[-1] not in published["accepted"]
+    [refused] = published["rejected"]  # by its own history at 2 sites; at 3 the others' median says it first
+    assert refused["site"] == sites[-1] and "> 10 × " in refused["reason"] and "median" in refused["reason"]
+
+
+# ---- a poisoned round at a site: refused, and the next valid one taken ------------------------------------------
+
+
+def test_a_site_refuses_a_non_finite_round_and_takes_the_next_valid_one(tmp_path):
+    config, keys, _ = _setup(tmp_path, ("a", "b"))
+    run_b, inbox = tmp_path / "run-b", tmp_path / "state-b" / rounds.INBOX
+    run_b.mkdir()
+    (run_b / "job.yaml").write_text("name: b\n")
+    inbox.mkdir(parents=True)
+    akey = load_private(keys / "a.key")
+    theta = {k: torch.zeros(shape) for k, shape in SHAPES.items()}
+    bad = {k: torch.full(shape, float("inf")) for k, shape in SHAPES.items()}  # signed by the aggregator's key
+    rf.write_round(inbox, round=1, parent=0, outer=rounds._outer(config), accepted=[], rejected=[], theta=bad,
+                   momentum=None, key=akey)  # fmt: skip
+    report = rounds.tick(config, "b")
+    assert rounds.latest_global(run_b) is None
+    assert any("not finite" in e["reason"] for e in _events(report, "rejected"))
+    rf.write_round(inbox, round=2, parent=1, outer=rounds._outer(config), accepted=[], rejected=[], theta=theta,
+                   momentum=None, key=akey)  # fmt: skip
+    rounds.tick(config, "b")
+    assert rounds.latest_global(run_b) == 2
+
+
+def test_the_trainer_never_adopts_weights_that_are_not_its_models_or_not_finite():
+    import types
+
+    from hpcscale.launch.rounds import Rounds
+
+    model = torch.nn.Linear(3, 2)
+    fake = types.SimpleNamespace(model=model)
+    good = {"weight": torch.zeros(2, 3), "bias": torch.zeros(2)}
+    assert Rounds._unfit(fake, good) is None
+    assert "non-finite" in Rounds._unfit(fake, good | {"bias": torch.tensor([1.0, float("nan")])})
+    assert "shape (3, 2)" in Rounds._unfit(fake, good | {"weight": torch.zeros(3, 2)})
+    assert "not this model's" in Rounds._unfit(fake, {"weight": torch.zeros(2, 3)})
+
+
+# ---- quorum timeouts across clock steps ------------------------------------------------------------------------
+
+
+def test_the_quorum_timeout_survives_the_wall_clock_stepping_back_a_day(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    _send(tmp_path, keys, agg, "a", 0, _honest(2))
+    t0 = rounds.TickClock(wall=1_000_000.0, boot="boot-1", uptime=500.0)
+    assert not _events(rounds.tick(config, "a", clock=t0), "published")
+    stepped = rounds.TickClock(wall=t0.wall - 86400, boot="boot-1", uptime=t0.uptime + 3601)
+    [published] = _events(rounds.tick(config, "a", clock=stepped), "published")
+    assert published["waited_s"] == pytest.approx(3601, abs=1)
+
+
+def test_the_quorum_timeout_is_not_fired_early_by_the_wall_clock_jumping_forward(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    _send(tmp_path, keys, agg, "a", 0, _honest(2))
+    t0 = rounds.TickClock(wall=1_000_000.0, boot="boot-1", uptime=500.0)
+    rounds.tick(config, "a", clock=t0)
+    jumped = rounds.TickClock(wall=t0.wall + 86400, boot="boot-1", uptime=t0.uptime + 10)
+    assert not _events(rounds.tick(config, "a", clock=jumped), "published")
+
+
+def test_after_a_reboot_a_start_in_the_future_restarts_the_wait_instead_of_blocking_it(tmp_path):
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    _send(tmp_path, keys, agg, "a", 0, _honest(2))
+    rounds.tick(config, "a", clock=rounds.TickClock(wall=2_000_000.0, boot="boot-1", uptime=500.0))
+    back = rounds.TickClock(wall=2_000_000.0 - 86400, boot="boot-2", uptime=20.0)  # rebooted, clock a day back
+    report = rounds.tick(config, "a", clock=back)
+    assert not _events(report, "published")
+    assert [e["waited_s"] for e in _events(report, "quorum")] == [0.0]  # never negative
+    later = rounds.TickClock(wall=back.wall + 3601, boot="boot-2", uptime=back.uptime + 3601)
+    assert _events(rounds.tick(config, "a", clock=later), "published")
+
+
+def test_decoded_contributions_equal_what_was_sent():
+    d = _honest(5)
+    assert all(torch.equal(decode(encode(d, "fp32"), "fp32", SHAPES)[k], d[k]) for k in d)
