@@ -517,3 +517,29 @@ def test_an_unreadable_data_file_fails_verify_without_a_traceback(tmp_path):
     result = run_cli("ckpt", "verify", str(root / "step-00000001"))
     assert result.returncode == 3 and "Traceback" not in result.stderr, result.stderr
     assert "cannot be opened (Permission denied)" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("gzip", "table shard_offset is stored chunked or compressed"),
+        ("fill", "table shard_offset claims 400000000 bytes but stores 0"),
+    ],
+)
+def test_an_index_whose_tables_would_cost_more_than_its_file_is_refused_before_reading_them(saved, how, said):
+    """A 2 MB index can hold gzip'd gigabytes, or claim a table it never stored (read back as a fill value):
+    refused from the metadata, before a table is read or expanded (the digest cannot be checked without
+    reading them)."""
+    import h5py
+
+    def craft(f: h5py.File) -> None:
+        del f["shard_offset"]
+        if how == "gzip":  # 200 MB of zeros in about 200 KB
+            f.create_dataset("shard_offset", data=np.zeros((25_000_000, 1), np.int64), compression="gzip")
+        else:  # declared, never written: every element would be the fill value
+            f.create_dataset("shard_offset", shape=(50_000_000, 1), dtype=np.int64)
+
+    edit_index(saved / STEP2, craft)
+    result = run_cli("ckpt", "verify", str(saved / STEP2), "--json")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert said in result.stdout + result.stderr

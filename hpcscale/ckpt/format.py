@@ -233,8 +233,11 @@ def _attr(f, name: str, kind: type):
 
 
 def _dataset(f, name: str):
-    """The table `name`, refusing links, virtual or external storage (they would make h5py read other files)
-    and sizes no index has (a compressed dataset can claim terabytes in a few bytes)."""
+    """The table `name`, refusing links, virtual or external storage (they would make h5py read other files),
+    and any table whose reading could cost more than the file's own bytes: hpcscale writes every table
+    uncompressed in one piece, so a chunked (compressed, filtered) table, or one that stores fewer bytes than it
+    claims (its elements would come from a fill value), is not an index's, and is refused from its metadata,
+    before a byte of it is read or expanded. The sum over tables is bounded by the file's size (_read_tables)."""
     import h5py
 
     link = f.get(name, getlink=True)
@@ -247,6 +250,12 @@ def _dataset(f, name: str):
         raise _Damaged(f"table {name} refers to data outside the index")
     if ds.shape is None or ds.size * ds.dtype.itemsize > MAX_TABLE_BYTES:
         raise _Damaged(f"table {name} is {ds.shape} of {ds.dtype}: not a size an index has")
+    if ds.chunks is not None or ds.compression is not None or ds.id.get_create_plist().get_nfilters():
+        raise _Damaged(f"table {name} is stored chunked or compressed: an index's tables are stored whole")
+    if ds.id.get_storage_size() < ds.size * ds.dtype.itemsize:
+        raise _Damaged(
+            f"table {name} claims {ds.size * ds.dtype.itemsize} bytes but stores {ds.id.get_storage_size()}"
+        )
     return ds
 
 
@@ -254,6 +263,11 @@ def _read_tables(f) -> Tables:
     import h5py
 
     attrs = {name: _attr(f, name, kind) for name, kind in ATTRS}
+    names = [*STRING_TABLES, *INT_TABLES, "rng_rank", "chunks", *sorted(k for k in f if k.startswith("rng_"))]
+    claimed = sum(_dataset(f, n).size * _dataset(f, n).dtype.itemsize for n in dict.fromkeys(names))
+    size = f.id.get_filesize()
+    if claimed > size:  # every table is stored whole in the file: together they cannot exceed it
+        raise _Damaged(f"its tables claim {claimed} bytes, more than the {size}-byte file holds")
     strings = {}
     for name in STRING_TABLES:
         ds = _dataset(f, name)
