@@ -290,3 +290,44 @@ def test_the_valid_manifest_stages_with_its_modes():
         assert code == 0, out
         for rel, mode in {**MODES, **DIR_MODES}.items():
             assert stat.S_IMODE(os.lstat(top / "dst" / rel).st_mode) == mode, rel
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.from_regex(r"[A-Za-z0-9_.-]{1,8}", fullmatch=True).filter(lambda s: s not in (".", "..")),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(1, 3),
+)
+def test_a_path_under_a_listed_file_is_refused_when_read(parts, depth):
+    """'Data.bin' and 'Data.bin/x' cannot both exist: refused at read time (exit 2), not at the copy."""
+    from hpcscale.data.manifest import parse_manifest
+
+    file = "/".join(parts)
+    below = file + "".join(f"/n{i}" for i in range(depth))
+    digest = "0" * 32
+    doc = {"format": "hpcscale-manifest", "version": 1, "hash_algorithm": "xxh128",
+           "files": [{"path": p, "size": 0, "hash": digest} for p in (below, file)]}  # fmt: skip
+    try:
+        parse_manifest(doc, "m.json")
+    except BadInput as e:
+        assert f"'{below}' lies under '{file}', which is listed as a file" in str(e)
+    else:
+        raise AssertionError("accepted a path under a listed file")
+
+
+def test_stage_of_a_manifest_listing_a_file_and_a_path_under_it_is_exit_2(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "Data.bin").mkdir(parents=True)
+    (src / "Data.bin" / "x").write_bytes(b"x")
+    digest = xxhash.xxh3_128_hexdigest(b"x")
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps({"format": "hpcscale-manifest", "version": 1, "hash_algorithm": "xxh128",
+                                    "files": [{"path": "Data.bin", "size": 1, "hash": digest},
+                                              {"path": "Data.bin/x", "size": 1, "hash": digest}]}))  # fmt: skip
+    result = run_cli("stage", str(manifest), "--from", str(src), "--to", str(dst))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "'Data.bin/x' lies under 'Data.bin', which is listed as a file" in result.stderr
+    assert not dst.exists()

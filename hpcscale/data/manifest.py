@@ -216,6 +216,9 @@ def parse_manifest(doc: Any, where: str) -> Manifest:
             _refuse_entry(entry, algorithm, f"{where}: files[{i}] ({rel})")
         files.append(FileEntry(rel, size, mtime_ns, digest, mode))
     dirs = _read_dirs(doc.get("dirs", []), where, seen)
+    nested = paths.under_a_file(seen, [d.path for d in dirs])
+    if nested:
+        raise BadInput(f"{where}: '{nested[0]}' lies under '{nested[1]}', which is listed as a file")
     dataset = None
     if "dataset" in doc:
         dataset = _read_dataset(doc["dataset"], where, seen)

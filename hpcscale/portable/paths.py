@@ -104,6 +104,20 @@ def check_entry(entry, algorithm):
     return problem
 
 
+def under_a_file(files, dirs=()):
+    """(path, file) for the first listed path that lies under a listed file ('Data.bin/x' beside 'Data.bin'), or
+    None. No filesystem can hold both: a stage would fail at the copy, where retrying cannot help, so a
+    manifest that lists both is refused when it is read."""
+    listed = set(files)
+    for path in list(files) + list(dirs):
+        parts = path.split("/")
+        for n in range(1, len(parts)):
+            parent = "/".join(parts[:n])
+            if parent in listed:
+                return path, parent
+    return None
+
+
 def within(path, root):
     """Whether the resolved `path` is `root` or lies under it."""
     return path == root or path.startswith(root + os.sep)
