@@ -253,9 +253,7 @@ def _dataset(f, name: str):
     if ds.chunks is not None or ds.compression is not None or ds.id.get_create_plist().get_nfilters():
         raise _Damaged(f"table {name} is stored chunked or compressed: an index's tables are stored whole")
     if ds.id.get_storage_size() < ds.size * ds.dtype.itemsize:
-        raise _Damaged(
-            f"table {name} claims {ds.size * ds.dtype.itemsize} bytes but stores {ds.id.get_storage_size()}"
-        )
+        raise _Damaged(f"table {name} claims {ds.size * ds.dtype.itemsize} bytes but stores {ds.id.get_storage_size()}")
     return ds
 
 

@@ -404,8 +404,9 @@ class _Background:
 
     POLL_S = 1.0  # how soon join() notices a thread that died with a job: a dead thread notifies no one
 
-    def __init__(self, name: str, nice: int, *, device: torch.device):
-        self.name, self.nice, self.device = name, nice, device
+    def __init__(self, name: str, nice: int, *, device: torch.device | None = None):
+        self.name, self.nice = name, nice
+        self.device = device if device is not None else torch.device("cpu")  # the rank's: made current on the thread
         self._cv = threading.Condition()
         self._job: tuple | None = None
         self._busy = False
