@@ -5,6 +5,7 @@ a site must refuse and recover from, and quorum timeouts across clock steps."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,88 @@ def test_after_a_reboot_a_start_in_the_future_restarts_the_wait_instead_of_block
 def test_decoded_contributions_equal_what_was_sent():
     d = _honest(5)
     assert all(torch.equal(decode(encode(d, "fp32"), "fp32", SHAPES)[k], d[k]) for k in d)
+
+
+# ---- nothing a tick deletes or leaves behind is outside its own state -----------------------------------------
+
+
+def test_retention_never_follows_a_symlinked_incoming_directory(tmp_path):
+    """A partner that can write incoming/ swaps its directory for a link to somewhere else: the tick's
+    retention must not delete files there that look like old rounds'."""
+    import yaml as _yaml
+
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    doc = _yaml.safe_load((tmp_path / "xsite.yaml").read_text())
+    doc["quorum"]["min_sites"], doc["keep_rounds"] = 1, 2
+    (tmp_path / "xsite.yaml").write_text(_yaml.safe_dump(doc))
+    config = load_xsite(tmp_path / "xsite.yaml")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "contrib-b-r000000.json").write_text("precious")
+    (victim / "round-000000.json").write_text("precious")
+    (agg / rounds.INCOMING).mkdir(parents=True, exist_ok=True)
+    (agg / rounds.INCOMING / "b").symlink_to(victim, target_is_directory=True)
+    for r in range(1, 5):
+        _send(tmp_path, keys, agg, "a", r - 1, _honest(r))
+        assert _events(rounds.tick(config, "a"), "published")
+    assert not (agg / rounds.ROUNDS / "round-000001.json").exists()  # retention did run
+    assert sorted(p.name for p in victim.iterdir()) == ["contrib-b-r000000.json", "round-000000.json"]
+    assert (victim / "round-000000.json").read_text() == "precious"
+
+
+@pytest.fixture
+def full_state_disk(tmp_path):
+    """The aggregator's state directory on a 256 KiB tmpfs (needs root to mount)."""
+    import subprocess
+
+    from conftest import need
+
+    state = tmp_path / "state-a"
+    state.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state)], capture_output=True)
+    need(mounted.returncode == 0, f"mounting a tmpfs (root): {mounted.stderr.decode().strip()}")
+    try:
+        yield state
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=False)
+
+
+def test_a_full_disk_leaves_no_temporary_file_and_no_holderless_lock(tmp_path, full_state_disk):
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    _send(tmp_path, keys, agg, "a", 0, _honest(2))
+    filler = agg / "filler"
+    with open(filler, "wb", buffering=0) as f:  # fill the disk to the last byte
+        for block in (4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * block)
+            except OSError:
+                pass
+    report = rounds.tick(config, "a", now=100.0)  # not even the lock can be written
+    lock = agg / rounds.LOCK_DIR / "lock"
+    assert "cannot write the lock (No space left on device)" in str(report.locked_out)
+    assert not lock.exists(), "a lock file naming no holder was left behind"
+    os.truncate(filler, os.path.getsize(filler) - 4096)  # one page: the lock fits, the quorum record does not
+    report = rounds.tick(config, "a", now=101.0)
+    assert not report.locked_out and any("No space left" in e for e in report.errors), report.errors
+    leftovers = [p.name for p in agg.rglob("*") if ".tmp-" in p.name]
+    assert leftovers == [], leftovers
+    filler.unlink()  # space again: the next tick works, no one had to remove anything by hand
+    assert not rounds.tick(config, "a", now=102.0).locked_out
+
+
+def test_a_lock_file_that_names_no_holder_says_it_clears_itself(tmp_path):
+    from hpcscale.portable import lock
+    from hpcscale.portable.errors import StageError
+
+    d = tmp_path / "state"
+    d.mkdir()
+    (d / "lock").write_bytes(b"")  # cut short
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(StageError) as e:
+            lock.acquire(fd, str(d))
+    finally:
+        os.close(fd)
+    assert "names no holder" in str(e.value) and "taken over by itself 60 s after it was made" in str(e.value)
+    assert "by hand" not in str(e.value)

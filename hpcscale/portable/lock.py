@@ -103,7 +103,15 @@ def _stale(doc, st):
     return not _alive(pid, doc.get("start"))
 
 
-def _held(where, doc):
+def _held(where, doc, st=None):
+    if not doc:  # a lock file that names no holder: one being created right now, or cut short
+        made = "" if st is None else time.strftime(" at %Y-%m-%d %H:%M:%S", time.localtime(st.st_mtime))
+        return StageError(
+            f"{where} is locked by a stage whose lock file names no holder yet (made{made}: one starting now, or "
+            f"cut short by a crash or a full disk); it is taken over by itself {UNREADABLE_STALE_S} s after it "
+            "was made: retry then",
+            "runtime",
+        )
     since = doc.get("since")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if type(since) is int else "?"
     return StageError(
@@ -135,13 +143,21 @@ def acquire(state_fd, where):
             if st is None:
                 continue  # given back between our two calls: try again
             if not _stale(doc, st):
-                raise _held(where, doc) from None
+                raise _held(where, doc, st) from None
             _break(state_fd, st, where, doc)
             continue
         try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
+            try:
+                if os.write(fd, data) != len(data):  # cut short (a disk filling up): a holder no one could read
+                    raise OSError(28, "No space left on device")
+            finally:
+                os.close(fd)
+        except OSError as e:  # a full disk: a lock file naming no holder must not be left behind
+            with contextlib.suppress(OSError):
+                os.unlink(LOCK, dir_fd=state_fd)
+            raise StageError(
+                f"{where}/{LOCK}: cannot write the lock ({e.strerror}); nothing was done", "runtime"
+            ) from None
         return token
     raise StageError(f"{where}/{LOCK}: could not take the lock (another stage keeps taking it)", "runtime")
 

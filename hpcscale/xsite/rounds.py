@@ -43,7 +43,9 @@ import math
 import os
 import re
 import signal
+import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,12 +120,20 @@ def _fault(point: str) -> None:
 
 
 def _atomic_bytes(path: Path, data: bytes) -> None:
+    """`path` replaced whole by `data`, durably; on any failure (a full disk) the old file stays and no
+    temporary file is left behind."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _round_checkpoints(run: Path) -> list[tuple[int, dict]]:
@@ -198,7 +208,10 @@ def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None, clock: T
             try:
                 _tick_locked(cfg, me, report, clock or TickClock.read(now))
             finally:  # under the lock: the log's rotation cannot drop another tick's lines
-                _append_log(state, report.events)
+                try:
+                    _append_log(state, report.events)
+                except OSError as e:  # a full disk loses the log's lines, not the tick (its events are printed)
+                    report.errors.append(f"log: cannot append to {state / LOG}: {e.strerror}")
         finally:
             tick_lock.release(fd, token)
     finally:
@@ -747,11 +760,16 @@ def _write_global(run: Path, r: int, published, report: TickReport) -> None:
     target = global_path(run, r)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in published.theta.items()}, str(tmp), metadata={"round": str(r)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    _fault("handed")
-    os.replace(tmp, target)
+    try:
+        save_file({k: v.contiguous() for k, v in published.theta.items()}, str(tmp), metadata={"round": str(r)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        _fault("handed")
+        os.replace(tmp, target)
+    except Exception:  # a full disk: nothing half-written is left in the run's xsite/ (a SIGKILL may leave it)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     report.add("handed over", round=r, run=str(run))
 
 
@@ -775,20 +793,13 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
     oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
     if oldest == 0:
         return
-    dirs = [state / INBOX, state / OUTBOX, _run(me) / GLOBAL_DIR]
+    dirs = [(state, (INBOX,)), (state, (OUTBOX,)), (_run(me), (GLOBAL_DIR,))]
     if me.name == cfg.aggregator:
-        dirs += [state / ROUNDS, state / OUTGOING] + [state / INCOMING / s.name for s in cfg.sites]
+        dirs += [(state, (ROUNDS,)), (state, (OUTGOING,))] + [(state, (INCOMING, s.name)) for s in cfg.sites]
     removed = records = 0
-    for d in dirs:
-        if not d.is_dir():
-            continue
-        for p in d.iterdir():
-            r = _round_of(p.name.removeprefix(".pushed-"))
-            if r is None or not p.is_file():
-                continue
-            if r < oldest:
-                p.unlink(missing_ok=True)
-                removed += 1
+    for base, parts in dirs:
+        removed += _prune_dir(base, parts, lambda name: (r := _round_of(name.removeprefix(".pushed-"))) is not None
+                              and r < oldest)  # fmt: skip
     if me.name == cfg.aggregator:  # the aggregator's per-round records: quorum times, rejections reported
         for name in (QUORUM, REJECTED):
             record = _read_json(state / name)
@@ -798,6 +809,33 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
                 records += len(record) - len(kept)
     if removed or records:
         report.add("pruned", before_round=oldest, files=removed, records=records)
+
+
+def _prune_dir(base: Path, parts: tuple[str, ...], old: Callable[[str], bool]) -> int:
+    """Unlink the regular files `old(name)` picks in base/parts..., never following a symlink below `base`: a
+    partner that can write its incoming/ directory may swap it for a link to anywhere, and retention must not
+    delete there (every component is opened relative to its parent with O_NOFOLLOW; files are unlinked by name
+    in that directory). A component that is missing, or not a directory, has nothing to prune."""
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(base, os.O_RDONLY | os.O_DIRECTORY))
+            for part in parts:
+                fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+        except OSError:  # missing, a symlink (ELOOP), not a directory: nothing of ours to prune there
+            return 0
+        removed = 0
+        for name in os.listdir(fds[-1]):
+            if not old(name):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISREG(os.lstat(name, dir_fd=fds[-1]).st_mode):
+                    os.unlink(name, dir_fd=fds[-1])
+                    removed += 1
+        return removed
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
 
 
 def _record_round(key: str) -> int | None:
