@@ -40,7 +40,7 @@ from hpcscale.config.render import to_plain
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput
-from hpcscale.util.bounded import loads_json
+from hpcscale.util.bounded import loads_json, read_bounded
 from hpcscale.util.paths import expand_path
 
 JOB = "job.yaml"
@@ -123,6 +123,39 @@ def link_checkpoints(work_dir: Path, target: Path, *, run_id: str) -> Path:
                 "since the run started); point the link where the checkpoints are, or start a new run"
             ) from None
     return link
+
+
+def claim_checkpoints(root: Path, run_id: str) -> str | None:
+    """Mark the checkpoint directory `root` (RUN/checkpoints) as run `run_id`'s, or say why this run must not
+    use it (None: it may). A directory carries its owner's id in OWNER from its first use on; one marked by
+    another run is refused, whatever the route to it (a symlink, a copied run directory), so no run writes
+    into another's checkpoints or lets its retention delete them. An unmarked directory reached through a
+    symlink is refused too: hpcscale links a run's checkpoints elsewhere only under a checkpoint_root, and
+    marks them there first (link_checkpoints). An unmarked real directory is claimed (checkpoints from before
+    the mark). Safe when every rank calls it at once."""
+    marker = root / OWNER
+    if not os.path.lexists(marker):
+        owner = None
+    else:
+        try:
+            owner = read_bounded(marker, max_bytes=256, what="owner mark").decode(errors="replace").strip()
+        except BadInput as e:
+            return f"{e}: refusing a checkpoint directory whose owner is unknown"
+    if owner is None:
+        if root.is_symlink():
+            return (
+                f"{root} leads to {os.readlink(root)}, which no run has marked as its own ({OWNER}): hpcscale "
+                "links checkpoints elsewhere only under filesystems.checkpoint_root, marked first. Refusing to "
+                f"write into (or delete in) another directory; make {root} a directory of this run's"
+            )
+        owner = _create_once(marker, run_id)
+    if owner != run_id:
+        return (
+            f"{root} holds the checkpoints of another run (run id {owner}, this run is {run_id}); refusing to "
+            "share them: this run's retention would delete the other's. A copied run directory: delete its "
+            f"run-id and give it its own checkpoints/ (or remove {marker} to adopt them on purpose)"
+        )
+    return None
 
 
 def site_checkpoint_root(site: SiteConfig) -> Path | None:

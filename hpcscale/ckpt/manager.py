@@ -33,7 +33,7 @@ from hpcscale.ckpt.retention import apply_retention
 from hpcscale.ckpt.rng import rng_problem, rng_state
 from hpcscale.ckpt.shards import local_shards, writer_of, writers
 from hpcscale.ckpt.writer import ShardWriter, commit
-from hpcscale.errors import RuntimeFailure, VerificationFailure
+from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.layout import ParallelDims
 
 CKPT_GROUP_MIN_TIMEOUT_S = 1800  # gloo's own default: a save may wait this long for a slow filesystem
@@ -71,6 +71,7 @@ class CheckpointManager:
         read_only: bool = False,
         device: torch.device | None = None,
         timeout_s: float | None = None,
+        owner: str | None = None,
     ):
         """read_only: only `load_latest` (another run's checkpoints: xsite.start_from). Nothing under `root` is
         created, cleaned or set aside, and `save` refuses.
@@ -78,7 +79,9 @@ class CheckpointManager:
         device: the rank's device (the training thread's current one). The writer thread makes it its own
         current device before it touches CUDA, so its pinned buffers, copy stream and events are on the rank's
         GPU, not GPU 0. timeout_s: the job's timeout_seconds; the checkpoint group's collective timeout is that
-        or CKPT_GROUP_MIN_TIMEOUT_S, whichever is longer."""
+        or CKPT_GROUP_MIN_TIMEOUT_S, whichever is longer. owner: the run's id; the directory is claimed for it
+        (hpcscale.rundir.claim_checkpoints) before anything in it is written or removed, and a directory another
+        run owns is refused on every rank (BadInput)."""
         self.root, self.dims, self.rank = root, dims, rank
         self.read_only = read_only
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
@@ -96,8 +99,21 @@ class CheckpointManager:
             backend="gloo", timeout=timedelta(seconds=max(timeout_s, CKPT_GROUP_MIN_TIMEOUT_S)) if timeout_s else None
         )
         self.device = device if device is not None else torch.device("cpu")
+        refusal: list = [None]
         if rank == 0 and not read_only:
             root.mkdir(parents=True, exist_ok=True)
+            if owner is not None:
+                from hpcscale.rundir import claim_checkpoints
+
+                try:
+                    refusal = [claim_checkpoints(root, owner)]
+                except Exception as e:  # rank 0 raising alone would leave the others in the broadcast
+                    refusal = [f"{root}: cannot mark it as this run's: {type(e).__name__}: {e}"]
+        if owner is not None and not read_only:  # every rank refuses together: one raising alone would hang
+            dist.broadcast_object_list(refusal, src=0, group=self.group)
+            if refusal[0] is not None:
+                raise BadInput(refusal[0])
+        if rank == 0 and not read_only:
             leftovers = list(root.glob(".tmp-*"))
             if leftovers:
                 try:

@@ -323,6 +323,7 @@ class Checkpointer:
                 lineage=lineage.of_context(ctx),
                 device=ctx.device,
                 timeout_s=ctx.job.timeout_seconds,
+                owner=ctx.run_id,
             )
             ctx.hooks["checkpoint"] = self._manager
         return self._manager

@@ -81,6 +81,7 @@ class Context:
     stop: StopFlag
     sweep_point: dict[str, Any] = field(default_factory=dict)
     scratch: Path | None = None  # the site's scratch directory
+    run_id: str | None = None  # the run directory's id (RUN/run-id): its checkpoints carry it as their owner
     hooks: dict[str, Any] = field(default_factory=dict)  # filled by the checkpoint and data layers
     _syncs: list[Any] = field(default_factory=list, repr=False)
     _checkpoint: Any = field(default=None, repr=False)

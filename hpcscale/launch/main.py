@@ -268,8 +268,8 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         work_dir = run_dir / "sweep" / f"{sweep_index:04d}"
         work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_root = site_checkpoint_root(loaded.site.config)
+    run_id = RunDir(run_dir).run_id()  # every checkpoint directory is marked with it (rundir.claim_checkpoints)
     if checkpoint_root is not None:  # checkpoints on their own filesystem, under the run's name and id
-        run_id = RunDir(run_dir).run_id()
         target = checkpoint_root / f"{run_dir.name}-{run_id}"
         if sweep_index is not None:
             target = target / "sweep" / work_dir.name
@@ -296,6 +296,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         stop=stop,
         sweep_point=point,
         scratch=expand_path(loaded.site.config.filesystems.scratch),
+        run_id=run_id,
     )
     watchdog = Watchdog(
         rank=info.rank,

@@ -325,7 +325,7 @@ def stopped_at(src: Path, dst: Path, step: int) -> None:
     submissions, and its checkpoints up to that step (copied out of a separate checkpoint root if the site has
     one: never shared), without its metrics, logs or run id (a copy is a run of its own)."""
     from hpcscale.ckpt.format import LATEST, step_of
-    from hpcscale.rundir import ATTEMPTS, CHECKPOINTS, LOGS, METRICS, RUN_ID, TIMING
+    from hpcscale.rundir import ATTEMPTS, CHECKPOINTS, LOGS, METRICS, OWNER, RUN_ID, TIMING
 
     skip = {RUN_ID, METRICS, TIMING, ATTEMPTS, LOGS, CHECKPOINTS}
     dst.mkdir(parents=True)
@@ -333,7 +333,8 @@ def stopped_at(src: Path, dst: Path, step: int) -> None:
         if item.name in skip:
             continue
         (shutil.copytree if item.is_dir() else shutil.copy2)(item, dst / item.name)
-    shutil.copytree(src / CHECKPOINTS, dst / CHECKPOINTS, symlinks=False)  # dereferenced: a copy of its own
+    # dereferenced, without the source run's owner mark: a copy of its own, which the resumed run claims
+    shutil.copytree(src / CHECKPOINTS, dst / CHECKPOINTS, symlinks=False, ignore=shutil.ignore_patterns(OWNER))
     for item in (dst / CHECKPOINTS).iterdir():
         later = (s := step_of(item.name)) is not None and s > step
         if later or item.name == LATEST:

@@ -204,6 +204,7 @@ def train(ctx: Context) -> None:
         lineage=lineage.of_context(ctx),
         device=ctx.device,
         timeout_s=ctx.job.timeout_seconds,
+        owner=ctx.run_id,
     )
     ctx.hooks["checkpoint"] = ckpt
     start = 0
