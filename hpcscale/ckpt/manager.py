@@ -87,8 +87,8 @@ class CheckpointManager:
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
         self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
         self.keep_last, self.keep_every = keep_last, keep_every
-        # steps retention keeps whatever keep_last/keep_every say (rank 0's set counts): a cross-site start
-        # checkpoint until round 0 is adopted (hpcscale.launch.rounds)
+        # steps retention keeps whatever keep_last/keep_every say (rank 0's set counts, written to PINNED so
+        # `ckpt gc` honours it too): a cross-site start checkpoint until round 0 is adopted (launch.rounds)
         self.pinned: set[int] = set()
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
@@ -134,6 +134,28 @@ class CheckpointManager:
         self._bg = _Background(f"hpcscale-ckpt-{rank}", background_nice, device=self.device)
         self._pending = False  # an async save was handed to it and not yet waited for
         self._staged: threading.Event | None = None  # a deferred save's copy taken (wait_staged)
+
+    def pin(self, step: int, why: str) -> None:
+        """Keep `step` whatever the retention policy says, until unpin(step); on disk (PINNED) from rank 0."""
+        if step not in self.pinned:
+            self.pinned.add(step)
+            self._write_pins({step: why})
+
+    def unpin(self, step: int) -> None:
+        if step in self.pinned:
+            self.pinned.discard(step)
+            self._write_pins({})
+
+    def _write_pins(self, new: dict[int, str]) -> None:
+        if self.rank != 0 or self.read_only:
+            return
+        from hpcscale.ckpt.retention import read_pins, write_pins
+
+        try:
+            pins = {s: w for s, w in read_pins(self.root).items() if s in self.pinned} | new
+            write_pins(self.root, {s: w for s, w in pins.items() if s in self.pinned})
+        except OSError as e:  # the pin still holds for this job's own retention (self.pinned)
+            self.log(f"hpcscale: cannot record pinned checkpoints in {self.root}: {e}")
 
     def _adopt_newest(self) -> None:
         """Dedup new saves against the newest committed checkpoint already on disk (a fresh process, a resumed

@@ -24,7 +24,7 @@ from hpcscale.ckpt.format import (
     step_dir_name,
     step_of,
 )
-from hpcscale.ckpt.retention import apply_retention, plan
+from hpcscale.ckpt.retention import apply_retention, plan, read_pins, remove_unfinished
 from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.rundir import CHECKPOINTS
 from hpcscale.util.verify import VerifyProblem, VerifyReport
@@ -265,7 +265,18 @@ def inspect(step_dir: Path) -> dict:
 
 
 def gc(path: Path, *, keep: int, every: int, dry_run: bool) -> dict:
+    """Retention by hand: what `keep`/`every` do not keep goes, except pinned steps (PINNED, a running job's)
+    and saves in progress (a .tmp-* whose writer may be running: listed in `unfinished_left`)."""
     root = checkpoints_root(path)
-    kept, removed = plan(committed_steps(root), keep_last=keep, keep_every=every)
+    pins = read_pins(root)
+    kept, removed = plan(committed_steps(root), keep_last=keep, keep_every=every, keep=frozenset(pins))
     files = apply_retention(root, keep_last=keep, keep_every=every, dry_run=dry_run)
-    return {"root": str(root), "kept": kept, "removed": removed, "removed_files": files, "dry_run": dry_run}
+    return {
+        "root": str(root),
+        "kept": kept,
+        "removed": removed,
+        "removed_files": files,
+        "pinned": {str(k): v for k, v in sorted(pins.items())},
+        "unfinished_left": remove_unfinished(root, dry_run=True),
+        "dry_run": dry_run,
+    }

@@ -6,12 +6,23 @@ Kept: the newest `keep_last` committed checkpoints, and every checkpoint whose s
 2. its data files that no kept checkpoint references are deleted; files a kept checkpoint references stay
    where they are (incremental checkpoints point into older directories);
 3. the directory goes once it holds nothing.
-Leftover `.tmp-*` directories of crashed saves are removed too.
+Leftover `.tmp-*` directories of crashed saves are removed too, but never one whose writer may still be
+writing it: rank 0 of a save marks its `.tmp-*` directory with WRITER (host, pid, process start, boot), and
+such a directory is removed only when that process is provably gone (this host, and another boot or no such
+process); a writer on another host cannot be checked from here, so its directory stays (`ckpt gc` says so).
+
+Pinned steps are kept whatever the policy says. Pins live on disk, in PINNED beside the checkpoints (a JSON
+object: step -> why), so an operator's `hpcscale ckpt gc` honours the pins of a job that is running, not only
+the job's own retention (a cross-site start checkpoint round 0 is published from, until round 0 is adopted).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 from hpcscale.ckpt.faults import fault
@@ -29,6 +40,78 @@ def plan(
     return kept, [s for s in newest if s not in kept]
 
 
+PINNED = "PINNED"
+WRITER = "WRITER"
+UNMARKED_STALE_S = 3600  # a .tmp-* without WRITER (from before the mark) is a crashed save's after an hour
+
+
+def read_pins(root: Path) -> dict[int, str]:
+    """step -> why, from root/PINNED ({} when there is none or it cannot be read: nothing pinned)."""
+    from hpcscale.util.bounded import load_json
+
+    if not (root / PINNED).is_file():
+        return {}
+    try:
+        doc = load_json(root / PINNED, max_bytes=1 << 20, what="pin list")
+    except Exception:
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    return {int(k): str(v)[:200] for k, v in doc.items() if isinstance(k, str) and k.isdigit()}
+
+
+def write_pins(root: Path, pins: dict[int, str]) -> None:
+    """root/PINNED replaced whole (temporary file, fsync, rename); removed when nothing is pinned."""
+    path = root / PINNED
+    if not pins:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    tmp = root / f".{PINNED}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({str(k): v for k, v in sorted(pins.items())}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def mark_writer(tmp_dir: Path) -> None:
+    """WRITER in a save's .tmp-* directory: who is writing it (this process), so gc leaves it alone."""
+    from hpcscale.portable.lock import _boot_id, process_start_time
+
+    doc = {"host": os.uname().nodename, "pid": os.getpid(), "start": process_start_time(os.getpid()),
+           "boot": _boot_id(), "since": int(time.time())}  # fmt: skip
+    (tmp_dir / WRITER).write_text(json.dumps(doc))
+
+
+def writer_alive(tmp_dir: Path) -> str | None:
+    """Why `tmp_dir` (a .tmp-* save directory) may still be being written (None: its writer is gone)."""
+    from hpcscale.portable.lock import _boot_id, process_alive
+
+    try:
+        doc = json.loads((tmp_dir / WRITER).read_text())
+    except FileNotFoundError:
+        age = time.time() - tmp_dir.stat().st_mtime
+        return None if age > UNMARKED_STALE_S else f"unmarked and {age:.0f} s old: maybe a save starting now"
+    except (OSError, ValueError):
+        return "its WRITER mark cannot be read"
+    if not isinstance(doc, dict):
+        return "its WRITER mark is not an object"
+    if doc.get("host") != os.uname().nodename:
+        return f"written from host {doc.get('host')} (pid {doc.get('pid')}), which cannot be checked from here"
+    if doc.get("boot") != _boot_id():
+        return None
+    pid = doc.get("pid")
+    if type(pid) is int and pid > 0 and process_alive(pid, doc.get("start")):
+        return f"its writer, pid {pid}, is running"
+    return None
+
+
 def referenced_files(root: Path, steps: list[int]) -> set[str]:
     out: set[str] = set()
     for s in steps:
@@ -36,16 +119,30 @@ def referenced_files(root: Path, steps: list[int]) -> set[str]:
     return out
 
 
+def remove_unfinished(root: Path, *, dry_run: bool = False) -> list[str]:
+    """Remove the .tmp-* save directories whose writer is provably gone; returns those left, with why."""
+    left = []
+    for tmp in sorted(root.glob(".tmp-*")):
+        if not tmp.is_dir() or tmp.is_symlink():
+            continue
+        why = writer_alive(tmp)
+        if why is not None:
+            left.append(f"{tmp.name}: {why}")
+        elif not dry_run:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return left
+
+
 def apply_retention(
     root: Path, *, keep_last: int, keep_every: int, dry_run: bool = False, keep: frozenset[int] = frozenset()
 ) -> list[str]:
-    """Remove what the policy does not keep; returns removed data files (relative to root)."""
+    """Remove what the policy does not keep (never a pinned step, root/PINNED's or `keep`); returns removed
+    data files (relative to root)."""
+    keep = keep | frozenset(read_pins(root))
     kept, removed = plan(committed_steps(root), keep_last=keep_last, keep_every=keep_every, keep=keep)
     orphans = [p for p in root.iterdir() if step_of(p.name) is not None and not (p / INDEX).exists()]
     if not removed and not orphans:
-        if not dry_run:
-            for tmp in root.glob(".tmp-*"):
-                shutil.rmtree(tmp, ignore_errors=True)
+        remove_unfinished(root, dry_run=dry_run)
         return []
     try:
         needed = referenced_files(root, kept)
@@ -69,7 +166,5 @@ def apply_retention(
                 fault("gc", 0)
         if not any((d / "data").glob("*")):
             shutil.rmtree(d, ignore_errors=True)
-    if not dry_run:
-        for tmp in root.glob(".tmp-*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+    remove_unfinished(root, dry_run=dry_run)
     return gone

@@ -348,6 +348,10 @@ class ShardWriter:
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         final_rel = f"{step_dir_name(step)}/data/rank-{self.rank:05d}.bin"
         (tmp / "data").mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:  # who writes this save: gc leaves a .tmp-* alone while its writer runs
+            from hpcscale.ckpt.retention import mark_writer
+
+            mark_writer(tmp)
         rows = []
         out: DataFile | None = None
         new_here: dict[str, ChunkRef] = {}
@@ -454,6 +458,9 @@ def commit(
     digest = write_index(tmp / f"{INDEX}.tmp", index)
     write_digest_file(tmp, digest)  # inside the directory the rename below commits, with the index
     os.replace(tmp / f"{INDEX}.tmp", tmp / INDEX)
+    from hpcscale.ckpt.retention import WRITER
+
+    (tmp / WRITER).unlink(missing_ok=True)  # an unfinished save's mark: a committed one needs none
     fsync_dir(tmp)
     fault("index_written", 0)
     final = root / name

@@ -202,7 +202,9 @@ def _lineage_lines(lineage: object) -> list[str]:
 @json_option
 def gc(path: Path, keep: int, every: int, dry_run: bool, as_json: bool) -> None:
     """Remove checkpoints the policy does not keep. Data a kept checkpoint references is never removed, and an
-    interrupted gc never breaks a kept checkpoint. Leftovers of crashed saves go too.
+    interrupted gc never breaks a kept checkpoint. Pinned checkpoints (PINNED: a running job's cross-site start
+    checkpoint) are kept. Leftovers of crashed saves go too, but never a save in progress: a .tmp-* whose writer
+    may still run (on another host, or alive here) is left and listed.
 
     \b
     Example:
@@ -219,6 +221,10 @@ def gc(path: Path, keep: int, every: int, dry_run: bool, as_json: bool) -> None:
     else:
         verb = "would remove" if dry_run else "removed"
         click.echo(f"kept steps {doc['kept']}; {verb} steps {doc['removed']} ({len(doc['removed_files'])} data files)")
+        for step, why in doc["pinned"].items():
+            click.echo(f"pinned: step {step}: {why}")
+        for left in doc["unfinished_left"]:
+            click.echo(f"left a save in progress: {left}")
 
 
 @ckpt.command()

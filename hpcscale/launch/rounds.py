@@ -69,9 +69,9 @@ class Rounds:
         manager = self.ctx.hooks.get("checkpoint")
         if manager is not None:
             if self.base == -1:
-                manager.pinned.add(self.start)
+                manager.pin(self.start, "cross-site start checkpoint: round 0 is published from it")
             else:
-                manager.pinned.discard(self.start)
+                manager.unpin(self.start)
         where = {"start": self.start} if self.start else {}
         if step == self.start and self.base == -1:
             return {"base_round": -1, "site": self.site, **where}
