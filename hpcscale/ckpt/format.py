@@ -48,6 +48,7 @@ VERSION = 2  # 2: root digest, DIGEST file, chunk_bytes; version 1 is refused (d
 HASH_ALGORITHM = XXH128  # the same name manifests use (hpcscale.portable.hashing owns the names)
 INDEX = "index.h5"
 DIGEST = "DIGEST"  # beside index.h5: the root digest as one line of text, for a signature to cover
+STRING_SLICE = 16  # elements of a string table read at once (the text budget is checked between slices)
 MAX_TABLE_BYTES = 1 << 30  # no index table is this large; a crafted one that claims more is refused unread
 LATEST = "LATEST"
 CHUNK_BYTES = 16 << 20
@@ -267,11 +268,19 @@ def _read_tables(f) -> Tables:
     if claimed > size:  # every table is stored whole in the file: together they cannot exceed it
         raise _Damaged(f"its tables claim {claimed} bytes, more than the {size}-byte file holds")
     strings = {}
-    for name in STRING_TABLES:
+    budget = size  # what the string tables' text may add up to: variable-length strings live in the file too,
+    for name in STRING_TABLES:  # but many elements can name one large heap object: read a few at a time
         ds = _dataset(f, name)
         if ds.ndim != 1 or (h5py.check_string_dtype(ds.dtype) is None and ds.dtype.kind != "S"):
             raise _Damaged(f"table {name} is not a list of strings")
-        strings[name] = [x.encode() if isinstance(x, str) else bytes(x) for x in ds[()]]
+        values: list[bytes] = []
+        for start in range(0, ds.shape[0], STRING_SLICE):
+            part = [x.encode() if isinstance(x, str) else bytes(x) for x in ds[start : start + STRING_SLICE]]
+            budget -= sum(len(x) for x in part)
+            if budget < 0:
+                raise _Damaged(f"its string tables hold more text than the {size}-byte file: not an index")
+            values += part
+        strings[name] = values
     ints = {}
     for name in (*INT_TABLES, "rng_rank"):
         ds = _dataset(f, name)

@@ -82,6 +82,14 @@ def status_cmd(config_path: Path, site: str, as_json: bool) -> None:
         f"site {doc['site']} (aggregator: {doc['aggregator']}); "
         f"bytes sent {doc['bytes_sent']}, received {doc['bytes_received']}"
     )
+    pending = doc.get("pending")
+    if pending is not None:
+        since = "" if pending["waiting_since"] is None else f", first contribution at {pending['waiting_since']:.0f}"
+        click.echo(f"  round {pending['round']:4d}  pending{since}")
+        if pending["blocked"]:
+            click.echo(f"              blocked: {pending['blocked']}")
+        for site, reason in sorted(pending["rejected"].items()):
+            click.echo(f"              rejected {site}: {reason}")
     for r in doc["rounds"]:
         acc = ", ".join(f"{a['site']} ({a['tokens']} tokens, {a['steps']} steps)" for a in r["accepted"]) or "-"
         wait = "" if r.get("quorum_wait_s") is None else f"  (quorum after {r['quorum_wait_s']} s)"

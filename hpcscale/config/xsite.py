@@ -72,8 +72,8 @@ class Outer:
     )
     trim: float = setting("trimmed_mean: the share cut at each end.", default=0.2, min=0, max=0.49)
     outlier_factor: float = setting(
-        "Reject a contribution whose norm exceeds this many times the median of the others' (3 sites or more; "
-        "2 sites: its square), or of the norms accepted in the last 5 rounds.",
+        "Refuse a contribution whose norm exceeds this many times the median of the others' (3 contributions "
+        "or more), and cut one above this many times the median norm applied in the last 5 rounds down to it.",
         default=10.0,
         min=1,
     )

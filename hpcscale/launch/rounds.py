@@ -221,15 +221,17 @@ class Rounds:
         already; a file planted in the run directory must not reach the weights either."""
         from hpcscale.xsite.outer import check_finite
 
-        params = {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()}  # global shapes
+        # every parameter this rank holds must be there with its global shape; θ may hold more (buffers, which
+        # stay the site's own, and a pipeline's other stages)
+        params = {canonical_name(n): tuple(p.shape) for n, p in self.model.named_parameters()}
         got = {k: tuple(v.shape) for k, v in theta.items()}
-        missing, extra = sorted(params.keys() - got.keys()), sorted(got.keys() - params.keys())
-        if missing or extra:
-            return f"its tensors are not this model's (missing {missing[:3]}, unexpected {extra[:3]})"
+        missing = sorted(params.keys() - got.keys())
+        if missing:
+            return f"its tensors are not this model's (no {missing[:3]}{' ...' if len(missing) > 3 else ''})"
         wrong = [k for k in params if params[k] != got[k]]
         if wrong:
             return f"{wrong[0]} has shape {got[wrong[0]]}, the model's is {params[wrong[0]]}"
-        return check_finite(theta)
+        return check_finite({k: theta[k] for k in params})
 
     def _same_start(self, theta: dict[str, torch.Tensor]) -> None:
         """xsite.start_from: θ(0) is the aggregator's start checkpoint, so it must be, bit for bit, what this site

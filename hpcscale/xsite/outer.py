@@ -346,6 +346,14 @@ def norm_outliers(norms: Mapping[str, float], factor: float = DEFAULT_OUTLIER_FA
     return flagged
 
 
+class Screen(NamedTuple):
+    """What `screen` decided: contributions refused (site -> reason), and those scaled down to the history
+    bound (site -> (factor ≤ 1, reason))."""
+
+    rejected: dict[str, str]
+    clipped: dict[str, tuple[float, str]]
+
+
 def screen(
     norms: Mapping[str, float],
     *,
@@ -353,35 +361,45 @@ def screen(
     history: Sequence[float],
     factor: float = DEFAULT_OUTLIER_FACTOR,
     max_delta_ratio: float = DEFAULT_MAX_DELTA_RATIO,
-) -> dict[str, str]:
-    """site -> reason, for every contribution whose ‖Δ‖ no honest site's round could produce. Three bounds, each
-    a site cannot raise by itself:
-    - absolute: ‖Δ‖ ≤ max_delta_ratio × max(‖θ(base)‖, 1). H inner steps move weights far (from a random start
-      several times their own norm), never 100 times: this catches what would overflow or dwarf the model in
-      the first round, when nothing else is known (one site alone included);
-    - history: ‖Δ‖ ≤ factor × the median of the norms accepted in the last HISTORY_ROUNDS rounds (when there
-      are any). An honest site's Δ keeps its scale from round to round (the same H steps, a learning rate that
-      only decays after warmup); a scaled-up Δ does not;
-    - the other sites: `norm_outliers` (3 sites or more: factor × the median of the others; 2: factor²).
+) -> Screen:
+    """The norm bounds a contribution must keep (each one a site cannot raise by itself):
+    - refused, absolute: ‖Δ‖ > max_delta_ratio × max(‖θ(base)‖, 1). H inner steps move weights far (from a
+      random start several times their own norm), never 100 times: this catches what would overflow or dwarf
+      the model in the first round, when nothing else is known (one site alone included);
+    - refused, with 3 or more contributions: `norm_outliers` (factor × the median of the others'). With 2,
+      neither can outvote the other, and flagging the larger would let a site that sends a tiny Δ have the
+      honest one refused: the `auto` rule clips both to the smaller instead;
+    - clipped (scaled down, never refused), history: ‖Δ‖ above factor × the median norm applied in the last
+      HISTORY_ROUNDS rounds is scaled down to it. An honest site's Δ keeps its scale from round to round, so a
+      scaled-up Δ is cut to the usual size; and since nothing is refused for it, no site can shrink the history
+      to have honest contributions refused (at worst they are cut, and the history recovers in a few rounds).
     """
-    flagged = norm_outliers(norms, factor=factor)
+    rejected: dict[str, str] = {}
     limit = max_delta_ratio * max(float(theta_norm), 1.0)
-    recent = [float(v) for v in history if math.isfinite(float(v)) and float(v) > 0]
-    typical = statistics.median(recent) if recent else None
     for site, value in norms.items():
-        if site in flagged:
-            continue
-        if value > limit:
-            flagged[site] = (
+        value = float(value)
+        if not (math.isfinite(value) and value >= 0):
+            rejected[site] = f"‖Δ‖ = {value} is not a finite non-negative number"
+        elif value > limit:
+            rejected[site] = (
                 f"‖Δ‖ = {value:.6g} > {max_delta_ratio:g} × max(‖θ(base)‖ = {theta_norm:.6g}, 1): no round of "
                 "inner steps moves the weights that far"
             )
-        elif typical is not None and value > factor * typical:
-            flagged[site] = (
-                f"‖Δ‖ = {value:.6g} > {factor:g} × {typical:.6g}, the median norm accepted in the last "
-                f"{len(recent)} contribution(s) of recent rounds"
-            )
-    return flagged
+    rest = {s: v for s, v in norms.items() if s not in rejected}
+    if len(rest) >= 3:
+        rejected |= norm_outliers(rest, factor=factor)
+    recent = [float(v) for v in history if math.isfinite(float(v)) and float(v) > 0]
+    clipped: dict[str, tuple[float, str]] = {}
+    if recent:
+        bound = factor * statistics.median(recent)
+        for site, value in norms.items():
+            if site not in rejected and value > bound:
+                why = (
+                    f"‖Δ‖ = {value:.6g} cut to {bound:.6g}: {factor:g} × {bound / factor:.6g}, the median norm "
+                    f"applied in the last {len(recent)} contribution(s) of recent rounds"
+                )
+                clipped[site] = (bound / value, why)
+    return Screen(rejected, clipped)
 
 
 def capped_weights(tokens: Mapping[str, int], *, ratio: float = DEFAULT_MAX_WEIGHT_RATIO) -> dict[str, float]:

@@ -343,8 +343,13 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
             newest[tag["base_round"]] = (step, tag)  # the newest checkpoint of each base round
     oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
     for base, (step, tag) in sorted(newest.items()):
-        if base < oldest or (state / OUTBOX / f"{contrib_stem(me.name, base)}.json").exists():
-            continue  # contributed already, or its base round is no longer kept (the trainer adopts a newer one)
+        stem = contrib_stem(me.name, base)
+        if (
+            base < oldest
+            or (state / OUTBOX / f"{stem}.json").exists()
+            or (state / OUTBOX / f".skipped-{stem}").exists()
+        ):
+            continue  # contributed (or found it cannot) already, or its base round is no longer kept
         published = _verified_round(cfg, state, keyring, base)
         if published is None:
             report.add("waiting", reason=f"round {base} (the base of step {step}) is not in the inbox yet")
@@ -359,7 +364,9 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
                 raise BadInput(problem)
             tensors = encode(d, cfg.encoding)
         except BadInput as e:  # this round's Δ cannot be sent; the tick goes on (a later round's can)
-            report.add("skipped", base_round=base, step=step, reason=f"no contribution for round {base + 1}: {e}")
+            reason = f"no contribution for round {base + 1}: {e}"
+            _atomic_bytes(state / OUTBOX / f".skipped-{stem}", reason.encode())  # decided once, not every tick
+            report.add("skipped", base_round=base, step=step, reason=reason)
             continue
         path = write_contribution(
             state / OUTBOX,
@@ -463,8 +470,9 @@ class Checked:
 
 def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport, clock: TickClock) -> None:
     """Round r = the newest published + 1, in steps that each own one rule: what arrived (_arrivals), what
-    verifies (_check), whether the quorum is in (_quorum), what no honest site could send (_screen), how the
-    rest combine (_combine), and that what the outer step gives is finite and bounded before it is signed."""
+    verifies (_check), what no honest site could send (_screen: refused, or cut to the usual size), whether the
+    quorum of what is left is in (_quorum: refused contributions neither count nor start its clock), how they
+    combine (_combine), and that what the outer step gives is finite and bounded before it is signed."""
     state = _state(me)
     published = _published(state)
     if not published:
@@ -479,6 +487,14 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
 
     base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS, need_momentum=True)
     valid, rejected = _check(cfg, arrived, base, keyring, r, oldest)
+    screened = _screen(cfg, state, r, base, valid)
+    rejected += [
+        RejectedContribution(site=c.site, reason=screened.rejected[c.site], base_round=c.contribution.base_round)
+        for c in valid
+        if c.site in screened.rejected
+    ]
+    valid = [_clip(c, *screened.clipped[c.site]) if c.site in screened.clipped else c for c in valid]
+    valid = [c for c in valid if c.site not in screened.rejected]
     _report_rejections(state, r, rejected, report)
     on_time = sorted(c.site for c in valid if c.contribution.base_round == r - 1)  # a late one never decides
     ready, waited = _quorum(cfg, state, r, on_time, clock)
@@ -486,25 +502,16 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         if valid:  # nothing in yet is not news
             report.add("quorum", round=r, have=on_time, need=cfg.quorum.min_sites, waited_s=round(waited, 1))
         return
-    flagged = _screen(cfg, state, r, base, valid)
-    screened = [
-        RejectedContribution(site=c.site, reason=flagged[c.site], base_round=c.contribution.base_round)
-        for c in valid
-        if c.site in flagged
-    ]
-    fresh = _report_rejections(state, r, screened, report)
-    rejected += screened
-    valid = [c for c in valid if c.site not in flagged]
-    if not any(c.contribution.base_round == r - 1 for c in valid):  # late ones alone never make a round
-        if fresh:  # said once, not at every tick while the round waits for contributions it can use
-            report.add("quorum", round=r, have=[], rejected=[_rejected_json(x) for x in rejected])
-        return
     outer = OuterStep.from_state(base.theta, base.momentum, lr=cfg.outer.lr, momentum=cfg.outer.momentum)
     outer.apply(_combine(cfg, valid))
     theta, momentum = outer.state()
     problem = check_outer_result(theta, momentum)
-    if problem:  # never signed: the round waits (every contribution passed its bounds, so this is a bug's mark)
-        report.add("not published", round=r, reason=problem, accepted=sorted(c.site for c in valid))
+    if problem:  # never signed: the round waits (every contribution kept its bounds, so this is a bug's mark)
+        seen = _read_json(state / REJECTED)
+        if seen.get(f"{r}/!outer") != problem:  # said once, like a rejection
+            seen[f"{r}/!outer"] = problem
+            _atomic_bytes(state / REJECTED, json.dumps(seen).encode())
+            report.add("not published", round=r, reason=problem, accepted=sorted(c.site for c in valid))
         return
     write_round(
         state / ROUNDS,
@@ -518,7 +525,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
                 "tokens": c.contribution.tokens,
                 "steps": c.contribution.steps,
                 "base_round": c.contribution.base_round,
-                "norm": c.norm,
+                "norm": c.norm,  # as applied (after a cut): what the next rounds' history bound is made of
             }
             for c in valid
         ],
@@ -529,9 +536,15 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
     )
     _fault("published")
     late = {c.site: c.contribution.base_round for c in valid if c.contribution.base_round != r - 1}
+    clipped = {s: round(f, 6) for s, (f, _) in screened.clipped.items() if s in {c.site for c in valid}}
     report.add("published", round=r, accepted=sorted(c.site for c in valid),
                rejected=[_rejected_json(x) for x in rejected], waited_s=round(waited, 1),
-               **({"late": late} if late else {}))  # fmt: skip
+               **({"late": late} if late else {}), **({"clipped": clipped} if clipped else {}))  # fmt: skip
+
+
+def _clip(c: Checked, factor: float, why: str) -> Checked:
+    """A contribution scaled down to the history bound (outer.screen)."""
+    return Checked(c.contribution, {k: v * factor for k, v in c.tensors.items()}, c.norm * factor)
 
 
 def _rejected_json(x) -> dict[str, Any]:
@@ -605,8 +618,9 @@ def _quorum(cfg: XsiteConfig, state: Path, r: int, on_time: list[str], clock: Ti
     return ready, waited
 
 
-def _screen(cfg: XsiteConfig, state: Path, r: int, base, valid: list[Checked]) -> dict[str, str]:
-    """site -> reason for the contributions whose norm no honest site's round could have (outer.screen)."""
+def _screen(cfg: XsiteConfig, state: Path, r: int, base, valid: list[Checked]):
+    """outer.screen over these contributions: refused (no honest round could have their norm) and cut to the
+    usual size (history: the norms applied in the last HISTORY_ROUNDS published rounds)."""
     from hpcscale.xsite.outer import HISTORY_ROUNDS, l2_norm, screen
 
     history = []
@@ -669,12 +683,16 @@ def _site_copy(cfg: XsiteConfig, state: Path, key, keyring, r: int) -> Path:
     if path.exists():
         return path
     full = _verified_round(cfg, state, keyring, r, where=ROUNDS)
+    from dataclasses import replace
+
     return write_round(
         state / OUTGOING,
         round=r,
         parent=full.parent,
         outer=full.outer,
-        accepted=full.accepted,
+        # without the norms (the aggregator's own history): a site still on a release that does not know the
+        # field would refuse the whole round
+        accepted=[replace(a, norm=None) for a in full.accepted],
         rejected=full.rejected,
         theta=full.theta,
         momentum=None,
@@ -713,12 +731,16 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
     for r in reversed(found):  # the newest round that verifies: a stray or forged name must not block the rest
         if handed is not None and r <= handed:
             return
+        refused = state / INBOX / f".refused-{round_stem(r)}"
+        if refused.exists():  # refused at an earlier tick: not verified (nor reported) again
+            continue
         try:
             published = _verified_round(cfg, state, keyring, r)
             problem = _unfit_round(run, published)
             if problem:
                 raise Rejected(problem)
         except Rejected as e:
+            _atomic_bytes(refused, e.reason.encode())
             report.add("rejected", file=f"{INBOX}/{round_stem(r)}.json", reason=e.reason)
             continue
         _write_global(run, r, published, report)
@@ -747,10 +769,11 @@ def _unfit_round(run: Path, published) -> str | None:
         n.removeprefix("model/"): tuple(rec.global_shape) for n, rec in index.tensors.items() if n.startswith("model/")
     }
     got = {k: tuple(v.shape) for k, v in published.theta.items()}
-    if model.keys() != got.keys():
-        missing, extra = sorted(model.keys() - got.keys()), sorted(got.keys() - model.keys())
-        return f"its tensors are not this run's model's (missing {missing[:3]}, unexpected {extra[:3]})"
-    wrong = [k for k in model if model[k] != got[k]]
+    common = model.keys() & got.keys()
+    # names may differ a little (persistent buffers of another library version); another model's would not
+    if len(common) * 2 < len(got):
+        return f"its tensors are not this run's model's ({len(common)} of its {len(got)} names are the model's)"
+    wrong = sorted(k for k in common if model[k] != got[k])
     return f"{wrong[0]} has shape {got[wrong[0]]}, this run's model has {model[wrong[0]]}" if wrong else None
 
 
@@ -798,8 +821,7 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
         dirs += [(state, (ROUNDS,)), (state, (OUTGOING,))] + [(state, (INCOMING, s.name)) for s in cfg.sites]
     removed = records = 0
     for base, parts in dirs:
-        removed += _prune_dir(base, parts, lambda name: (r := _round_of(name.removeprefix(".pushed-"))) is not None
-                              and r < oldest)  # fmt: skip
+        removed += _prune_dir(base, parts, lambda name: (r := _round_of(_unmarked(name))) is not None and r < oldest)
     if me.name == cfg.aggregator:  # the aggregator's per-round records: quorum times, rejections reported
         for name in (QUORUM, REJECTED):
             record = _read_json(state / name)
@@ -809,6 +831,14 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
                 records += len(record) - len(kept)
     if removed or records:
         report.add("pruned", before_round=oldest, files=removed, records=records)
+
+
+def _unmarked(name: str) -> str:
+    """A record's name under its marker's (.pushed-, .skipped-, .refused-): the round it is about."""
+    for prefix in (".pushed-", ".skipped-", ".refused-"):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
 
 
 def _prune_dir(base: Path, parts: tuple[str, ...], old: Callable[[str], bool]) -> int:
@@ -836,6 +866,33 @@ def _prune_dir(base: Path, parts: tuple[str, ...], old: Callable[[str], bool]) -
     finally:
         for fd in reversed(fds):
             os.close(fd)
+
+
+def _pending(cfg: XsiteConfig, me: XsiteSite, state: Path) -> dict[str, Any]:
+    """(aggregator) the round being built and what holds it: round 0 without a start checkpoint to publish it
+    from, or the next round's wait, its refused contributions and a result that was not published."""
+    published = _published(state)
+    r = published[-1] + 1 if published else 0
+    out: dict[str, Any] = {"round": r, "blocked": None, "waiting_since": None, "rejected": {}}
+    if r == 0:
+        starts = [s for s, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and s == _start(tag)]
+        if not starts:
+            out["blocked"] = (
+                f"round 0 is published from the aggregator's start checkpoint (a checkpoint of {_run(me)} tagged "
+                "xsite.base_round -1 at the rounds' start step), and there is none: its job has not saved it yet, "
+                "or it was deleted. Start (or restart) the aggregator site's job: it saves the start checkpoint first"
+            )
+        return out
+    stamp = _read_json(state / QUORUM).get(str(r))
+    wall = stamp.get("wall") if isinstance(stamp, dict) else stamp
+    out["waiting_since"] = wall if isinstance(wall, int | float) and not isinstance(wall, bool) else None
+    for key, reason in _read_json(state / REJECTED).items():
+        head, _, site = key.partition("/")
+        if head == str(r) and site == "!outer":
+            out["blocked"] = f"the outer step's result was not published: {reason}"
+        elif head == str(r):
+            out["rejected"][site] = reason
+    return out
 
 
 def _record_round(key: str) -> int | None:
@@ -884,6 +941,7 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
     return {
         "site": me.name,
         "aggregator": cfg.aggregator,
+        "pending": _pending(cfg, me, state) if me.name == cfg.aggregator else None,
         "contributions": sorted(p.name for p in (state / OUTBOX).glob("contrib-*.json")),
         "inbox": sorted(p.name for p in (state / INBOX).glob("round-*.json")),
         "rounds": [rounds[r] for r in sorted(rounds)],
