@@ -56,8 +56,17 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 
 def _contrib(
-    directory: Path, key, *, site: str = "a", base: int = 3, encoding: str = "fp32", tensors=None, compression="none"
+    directory: Path,
+    key,
+    *,
+    site: str = "a",
+    base: int = 3,
+    encoding: str = "fp32",
+    tensors=None,
+    compression="none",
+    bound: bool = False,
 ) -> Path:
+    binding = {"training": "fmt:" + "ab" * 16, "base_theta_sha256": rf.theta_digest(_tensors())} if bound else {}
     return rf.write_contribution(
         directory,
         site=site,
@@ -68,6 +77,7 @@ def _contrib(
         tensors=_tensors() if tensors is None else tensors,
         key=key,
         compression=compression,
+        **binding,
     )
 
 
@@ -731,10 +741,12 @@ def test_the_writer_refuses_an_inconsistent_round(tmp_path, keys):
 # ---- fuzzing: anything from outside is Rejected, never another exception, quickly ----
 
 
-@pytest.fixture(scope="module", params=["none", "zstd"])
+@pytest.fixture(scope="module", params=["none", "zstd", "bound"])
 def valid_pair(tmp_path_factory, keys, request) -> tuple[bytes, bytes]:
+    """A valid contribution: uncompressed, compressed, and bound to a training and its base weights."""
     d = tmp_path_factory.mktemp("valid")
-    path = _contrib(d, keys["a"], compression=request.param)
+    path = _contrib(d, keys["a"], compression="none" if request.param == "bound" else request.param,
+                    bound=request.param == "bound")  # fmt: skip
     return path.read_bytes(), path.with_suffix(".safetensors").read_bytes()
 
 
@@ -800,7 +812,10 @@ _JSON = st.recursive(
 
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    field=st.sampled_from(sorted((rf.CONTRIBUTION_FIELDS | COMPRESSED_FIELDS) - {"signature", "key_id"})), value=_JSON
+    field=st.sampled_from(
+        sorted((rf.CONTRIBUTION_FIELDS | COMPRESSED_FIELDS | rf.CONTRIBUTION_BINDING) - {"signature", "key_id"})
+    ),
+    value=_JSON,
 )
 def test_any_field_value_signed_by_the_right_key_is_read_or_rejected(keys, keyring, valid_pair, field, value):
     """Field checks against hostile values from a key holder: a clean Rejected, or (when the value happens to be
@@ -915,3 +930,37 @@ def test_rotation_an_old_listed_key_is_accepted_a_removed_one_is_rejected(tmp_pa
     ring = signing.load_keyring(keydir)
     assert "which the keyring does not list for site 'a'" in _rejected(by_old, ring)
     assert _read(by_new, ring).base_round == 2
+
+
+def test_a_bound_contribution_reads_back_its_training_and_base_digest(tmp_path, keys, keyring):
+    c = _read(_contrib(tmp_path, keys["a"], bound=True), keyring)
+    assert c.training == "fmt:" + "ab" * 16 and c.base_theta_sha256 == rf.theta_digest(_tensors())
+    (tmp_path / "u").mkdir()
+    assert _read(_contrib(tmp_path / "u", keys["a"]), keyring).training is None  # written before binding: None
+
+
+@pytest.mark.parametrize(
+    ("binding", "says"),
+    [
+        ({"training": "fmt:" + "ab" * 16}, "fields differ"),  # half a binding
+        ({"training": "no colon", "base_theta_sha256": "0" * 64}, "field 'training'"),
+        ({"training": "fmt:" + "ab" * 16, "base_theta_sha256": "XYZ"}, "field 'base_theta_sha256'"),
+    ],
+)
+def test_a_malformed_binding_is_rejected_by_name(tmp_path, keys, keyring, binding, says):
+    path = _contrib(tmp_path, keys["a"])
+    doc = json.loads(path.read_text())
+    del doc["signature"]
+    doc.update(binding)
+    doc["signature"] = signing.sign(keys["a"], rf.canonical_json(doc))
+    path.write_bytes(rf.canonical_json(doc) + b"\n")
+    with pytest.raises(rf.Rejected) as e:
+        _read(path, keyring)
+    assert says in e.value.reason
+
+
+def test_theta_digest_names_the_weights_not_the_dict():
+    t = _tensors()
+    assert rf.theta_digest(t) == rf.theta_digest(dict(reversed(list(t.items()))))
+    assert rf.theta_digest(t) != rf.theta_digest({k: v + 1e-7 for k, v in t.items()})
+    assert rf.theta_digest(t) != rf.theta_digest({k: v.reshape(-1) for k, v in t.items()})

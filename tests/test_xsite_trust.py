@@ -399,3 +399,97 @@ def test_a_lock_file_that_names_no_holder_says_it_clears_itself(tmp_path):
         os.close(fd)
     assert "names no holder" in str(e.value) and "taken over by itself 60 s after it was made" in str(e.value)
     assert "by hand" not in str(e.value)
+
+
+# ---- records bound to one training and to the weights they build on --------------------------------------------
+
+
+def _bound_round0(tmp: Path, sites: tuple[str, ...]) -> tuple:
+    """_setup, with round 0 naming its training as the tick's own round 0 does."""
+    config, keys, agg = _setup(tmp, sites)
+    r0 = _round(agg, keys, 0, sites[0])
+    for p in (agg / rounds.ROUNDS).iterdir():
+        p.unlink()
+    training = rf.training_id(config.name, r0.theta)
+    rf.write_round(agg / rounds.ROUNDS, round=0, parent=None, outer=rounds._outer(config), accepted=[], rejected=[],
+                   theta=r0.theta, momentum=r0.momentum, key=load_private(keys / f"{sites[0]}.key"),
+                   training=training)  # fmt: skip
+    return config, keys, agg, r0.theta, training
+
+
+def _send_bound(agg: Path, keys: Path, site: str, base: int, delta: dict, *, training: str, base_theta: dict) -> None:
+    incoming = agg / rounds.INCOMING / site
+    incoming.mkdir(parents=True, exist_ok=True)
+    rf.write_contribution(incoming, site=site, base_round=base, steps=10, tokens=1000, encoding="fp32",
+                          tensors=encode(delta, "fp32"), key=load_private(keys / f"{site}.key"), training=training,
+                          base_theta_sha256=rf.theta_digest(base_theta))  # fmt: skip
+
+
+def test_a_contribution_from_another_training_or_other_base_weights_is_refused(tmp_path):
+    config, keys, agg, theta0, training = _bound_round0(tmp_path, ("a", "b", "c"))
+    other = {k: v + 1 for k, v in theta0.items()}
+    _send_bound(agg, keys, "a", 0, _honest(2), training=training, base_theta=theta0)
+    _send_bound(agg, keys, "b", 0, _honest(3), training="third:" + "0" * 32, base_theta=theta0)  # same keys
+    _send_bound(agg, keys, "c", 0, _honest(4), training=training, base_theta=other)  # against other weights
+    report = rounds.tick(config, "a", now=1.0)
+    reasons = {e["site"]: e["reason"] for e in _events(report, "rejected")}
+    assert "from another cross-site training (third:" in reasons["b"]
+    assert "computed against other weights than round 0's" in reasons["c"]
+    [published] = _events(rounds.tick(config, "a", now=1.0 + 3601), "published")
+    assert published["accepted"] == ["a"]
+    assert _round(agg, keys, 1, "a").training == training  # every round names the training
+
+
+def test_an_unbound_contribution_into_a_bound_training_is_refused_with_the_fix(tmp_path):
+    config, keys, agg, _, _ = _bound_round0(tmp_path, ("a", "b"))
+    _send(tmp_path, keys, agg, "b", 0, _honest(3))  # no training, no base digest: an older hpcscale's
+    [rejected] = _events(rounds.tick(config, "a", now=1.0), "rejected")
+    assert "names no training or base weights" in rejected["reason"] and "upgrade that site" in rejected["reason"]
+
+
+def test_a_site_refuses_rounds_of_another_training_and_takes_the_genuine_one(tmp_path):
+    config, keys, _, theta0, training = _bound_round0(tmp_path, ("a", "b"))
+    run_b, state_b = tmp_path / "run-b", tmp_path / "state-b"
+    run_b.mkdir()
+    (run_b / "job.yaml").write_text("name: b\n")
+    (state_b / rounds.INBOX).mkdir(parents=True)
+    akey = load_private(keys / "a.key")
+
+    def deliver(r: int, training_name: str) -> None:
+        rf.write_round(state_b / rounds.INBOX, round=r, parent=r - 1, outer=rounds._outer(config), accepted=[],
+                       rejected=[], theta=theta0, momentum=None, key=akey, training=training_name)  # fmt: skip
+
+    deliver(1, "third:" + "1" * 32)  # another training's round, same keys, copied into the inbox
+    report = rounds.tick(config, "b")
+    assert rounds.latest_global(run_b) is None
+    assert any("not one of 'trust'" in e["reason"] for e in _events(report, "rejected"))
+    deliver(2, training)
+    rounds.tick(config, "b")
+    assert rounds.latest_global(run_b) == 2 and (state_b / rounds.TRAINING).read_text() == training
+    deliver(3, "trust:" + "2" * 32)  # the same config name, another θ(0): another training
+    report = rounds.tick(config, "b")
+    assert rounds.latest_global(run_b) == 2
+    assert any(f"this site follows {training}" in e["reason"] for e in _events(report, "rejected"))
+
+
+def test_a_round_of_another_models_shapes_is_not_handed_over(tmp_path):
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from ckpt_tamper import save_in_process
+
+    config, keys, _ = _setup(tmp_path, ("a", "b"))
+    run_b, inbox = tmp_path / "run-b", tmp_path / "state-b" / rounds.INBOX
+    run_b.mkdir()
+    (run_b / "job.yaml").write_text("name: b\n")
+    inbox.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    save_in_process(run_b / "checkpoints", 1, {"model/w": torch.randn(6, 4, generator=g), "model/b": torch.randn(5)})
+    wrong = {"w": torch.zeros(4, 6), "b": torch.zeros(5)}
+    rf.write_round(inbox, round=1, parent=0, outer=rounds._outer(config), accepted=[], rejected=[], theta=wrong,
+                   momentum=None, key=load_private(keys / "a.key"))  # fmt: skip
+    report = rounds.tick(config, "b")
+    assert rounds.latest_global(run_b) is None
+    assert any("w has shape (4, 6), this run's model has (6, 4)" in e["reason"] for e in _events(report, "rejected"))

@@ -94,6 +94,12 @@ ZSTD_LEVEL = 1  # the same size as levels 3 and 9 on Δ (fp32 0.924, int8 codes 
 MAX_ZSTD_WINDOW = 1 << 27  # refuse frames that would need more decoder memory than zstd's own default limit
 CONTRIBUTION_FIELDS = frozenset((*_COMMON, "signature", "site", "base_round", "steps", "tokens", "encoding"))
 ROUND_FIELDS = frozenset((*_COMMON, "signature", "round", "parent", "outer", "accepted", "rejected"))
+# What binds a record to one cross-site training and to the exact weights it builds on (all of a kind's, or none:
+# records written before them): `training` ("<config name>:<32 hex>", fixed at round 0 from the config's name and
+# θ(0)'s digest) in rounds and contributions, and a contribution's `base_theta_sha256` (theta_digest of θ(base)).
+CONTRIBUTION_BINDING = frozenset({"training", "base_theta_sha256"})
+ROUND_BINDING = frozenset({"training"})
+_TRAINING = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}:[0-9a-f]{32}")
 THETA, MOMENTUM = "theta/", "momentum/"
 _OUTER_KEYS = frozenset({"lr", "momentum", "nesterov", "rule", "encoding"})
 
@@ -136,6 +142,8 @@ class Contribution:
     key_id: str
     specs: dict[str, TensorSpec]  # name -> shape and dtype, as stored
     tensors: dict[str, torch.Tensor]  # the same names, verified against specs
+    training: str | None = None  # the cross-site training it belongs to (None: written before records named it)
+    base_theta_sha256: str | None = None  # theta_digest of the θ(base) this Δ was computed against
 
     @property
     def round(self) -> int:
@@ -183,6 +191,7 @@ class PublishedRound:
     specs: dict[str, TensorSpec]  # as stored: theta/<name> and momentum/<name> (or theta/<name> only)
     theta: dict[str, torch.Tensor]  # <name> -> fp32
     momentum: dict[str, torch.Tensor] | None  # <name> -> fp32, same shapes; None in a site's copy (θ only)
+    training: str | None = None  # the cross-site training it belongs to (None: written before records named it)
 
 
 def canonical_json(fields: Mapping[str, Any]) -> bytes:
@@ -303,6 +312,13 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
         "key_id": _text(doc["key_id"], "key_id", _KEY_ID, "16 lowercase hex digits"),
         "compression": "none",
     }
+    out["training"] = (
+        _text(doc["training"], "training", _TRAINING, "<name>:<32 hex digits>") if "training" in doc else None
+    )
+    if "base_theta_sha256" in doc:
+        out["base_theta_sha256"] = _text(doc["base_theta_sha256"], "base_theta_sha256", _SHA256, "a sha256")
+    else:
+        out["base_theta_sha256"] = None
     if "payload_compression" in doc:
         if doc["payload_compression"] != "zstd":
             raise Rejected(f"field 'payload_compression': {_show(doc['payload_compression'])}, expected \"zstd\"")
@@ -508,6 +524,9 @@ def _read_record(json_path: Path, kind: str) -> tuple[bytes, dict[str, Any], dic
     expected = CONTRIBUTION_FIELDS if kind == "contribution" else ROUND_FIELDS
     if COMPRESSION_FIELDS & set(doc):
         expected = expected | COMPRESSION_FIELDS
+    binding = CONTRIBUTION_BINDING if kind == "contribution" else ROUND_BINDING
+    if binding & set(doc):
+        expected = expected | binding
     if set(doc) != expected:
         missing, unknown = sorted(expected - set(doc)), sorted(set(doc) - expected)
         raise Rejected(f"fields differ from format {FORMAT_VERSION}: missing {missing}, unknown {unknown[:5]}")
@@ -635,6 +654,8 @@ def read_contribution(
         key_id=fields["key_id"],
         specs=fields["specs"],
         tensors=tensors,
+        training=fields["training"],
+        base_theta_sha256=fields["base_theta_sha256"],
     )
 
 
@@ -679,6 +700,7 @@ def read_round(
         specs=fields["specs"],
         theta={n: tensors[THETA + n] for n in names},
         momentum={n: tensors[MOMENTUM + n] for n in names} if has_momentum else None,
+        training=fields["training"],
     )
 
 
@@ -808,9 +830,15 @@ def write_contribution(
     tensors: Mapping[str, torch.Tensor],
     key: Ed25519PrivateKey,
     compression: str = "none",
+    training: str | None = None,
+    base_theta_sha256: str | None = None,
 ) -> Path:
     """Write `contrib-<site>-r<base_round>.{safetensors,json}` signed with `key`; returns the .json path.
-    compression="zstd" stores the payload as one zstd frame (lossless; int8 codes shrink to about 0.8)."""
+    compression="zstd" stores the payload as one zstd frame (lossless; int8 codes shrink to about 0.8).
+    `training` and `base_theta_sha256` bind it to one training and to the θ(base) it was computed against
+    (both or neither)."""
+    if (training is None) != (base_theta_sha256 is None):
+        raise BadInput("cannot write a contribution: training and base_theta_sha256 go together")
     if encoding not in ENCODINGS:
         raise BadInput(f"cannot write a contribution: encoding {encoding!r}, expected one of {', '.join(ENCODINGS)}")
     stored = _stored(tensors, ENCODINGS[encoding])
@@ -822,6 +850,8 @@ def write_contribution(
         "encoding": encoding,
         "tensors": _spec_json(stored),
     }
+    if training is not None:
+        fields |= {"training": training, "base_theta_sha256": base_theta_sha256}
     return _sign_and_publish(Path(directory), "contribution", fields, stored, key, compression)
 
 
@@ -837,6 +867,7 @@ def write_round(
     momentum: Mapping[str, torch.Tensor] | None,
     key: Ed25519PrivateKey,
     compression: str = "none",
+    training: str | None = None,
 ) -> Path:
     """Write `round-<round>.{safetensors,json}`: θ and momentum (fp32, the same names and shapes) in one payload,
     signed with `key` (the aggregator's); returns the .json path. momentum=None writes a site's copy: θ only,
@@ -853,7 +884,28 @@ def write_round(
         "rejected": [_without_none(_as_dict(r, ("site", "reason", "base_round"))) for r in rejected],
         "tensors": _spec_json(stored),
     }
+    if training is not None:
+        fields["training"] = training
     return _sign_and_publish(Path(directory), "round", fields, stored, key, compression)
+
+
+def theta_digest(theta: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over θ as fp32, by sorted name: each name, its shape and its bytes (little-endian). What a
+    contribution's base_theta_sha256 and a training's identity are made of: the same weights give the same
+    digest whichever record or file they came from."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(theta):
+        t = theta[name].detach().to("cpu", torch.float32).contiguous()
+        h.update(json.dumps([name, list(t.shape)]).encode() + b"\0")
+        h.update(t.numpy().astype("<f4", copy=False).tobytes())
+    return h.hexdigest()
+
+
+def training_id(name: str, theta0: Mapping[str, torch.Tensor]) -> str:
+    """A cross-site training's identity, fixed at round 0: its config's name and θ(0)'s digest."""
+    return f"{name}:{theta_digest(theta0)[:32]}"
 
 
 def _accepted_json(a: AcceptedContribution | Mapping[str, Any]) -> dict[str, Any]:

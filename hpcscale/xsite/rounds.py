@@ -6,6 +6,7 @@ Files only, pushed by the side that owns them (a site never needs to list a remo
       outbox/contrib-<site>-rNNNNNN.{json,safetensors}   this site's signed contributions
       inbox/round-NNNNNN.{json,safetensors}              rounds the aggregator pushed here
       log.jsonl                                          what each tick did (sync status reads it)
+      TRAINING                                           the training this site follows (first round handed over)
       .hpcscale-stage/lock                               the tick lock (hpcscale.portable.lock)
     AGGREGATOR.state/ also
       incoming/<site>/contrib-...                        contributions the sites pushed
@@ -66,6 +67,7 @@ OUTBOX, INBOX, INCOMING, ROUNDS, OUTGOING = "outbox", "inbox", "incoming", "roun
 LOG = "log.jsonl"
 QUORUM = "quorum.json"
 REJECTED = "rejected.json"  # (aggregator) what was rejected and why: reported once
+TRAINING = "TRAINING"  # (every site) the training this site follows, from the first round it handed over
 LOCK_DIR = ".hpcscale-stage"  # the same directory name the stage lock uses: one lock per state directory
 GLOBAL_DIR = "xsite"  # in the run directory
 TAG = "xsite"  # trainer_state key of a round checkpoint: {"base_round": b, "steps": n, "tokens": t}
@@ -303,7 +305,7 @@ def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) ->
         return  # the aggregator's trainer has not saved its start yet
     import torch  # here, not above: a tick with nothing to publish needs no torch
 
-    from hpcscale.xsite.roundfile import write_round
+    from hpcscale.xsite.roundfile import training_id, write_round
 
     theta = _consolidated(_run(me), start[0])
     write_round(
@@ -316,6 +318,7 @@ def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) ->
         theta=theta,
         momentum={k: torch.zeros_like(v) for k, v in theta.items()},
         key=key,
+        training=training_id(cfg.name, theta),  # every later record of this training names it
     )
     report.add("published", round=0, from_step=start[0])
 
@@ -354,8 +357,12 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
         if published is None:
             report.add("waiting", reason=f"round {base} (the base of step {step}) is not in the inbox yet")
             continue
+        foreign = _foreign(cfg, state, published)
+        if foreign:
+            report.add("waiting", reason=f"round {base} in the inbox cannot be a base: {foreign}")
+            continue
         from hpcscale.xsite.outer import check_finite, delta, encode  # torch: only once there is one to write
-        from hpcscale.xsite.roundfile import write_contribution
+        from hpcscale.xsite.roundfile import theta_digest, write_contribution
 
         try:
             d = delta(published.theta, _consolidated(_run(me), step))
@@ -378,6 +385,8 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
             tensors=tensors,
             key=key,
             compression=cfg.compression,
+            training=published.training,
+            base_theta_sha256=theta_digest(published.theta) if published.training else None,
         )
         report.add("exported", base_round=base, step=step, bytes=_pair_bytes(path))
         _fault("exported")
@@ -533,6 +542,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         theta=theta,
         momentum=momentum,
         key=key,
+        training=base.training,
     )
     _fault("published")
     late = {c.site: c.contribution.base_round for c in valid if c.contribution.base_round != r - 1}
@@ -575,12 +585,14 @@ def _check(cfg: XsiteConfig, arrived: list[Arrival], base, keyring, r: int, olde
     bound = contribution_bound(shapes)
     valid: list[Checked] = []
     rejected: list[RejectedContribution] = []
+    digests: dict[int, str] = {}
     for a in arrived:
         try:
             c = read_contribution(a.path, keyring=keyring, known_sites={s.name for s in cfg.sites},
                                   expected_base_round=r - 1, oldest_base_round=oldest, max_bytes=bound)  # fmt: skip
             if c.site != a.site.name:
                 raise Rejected(f"signed as {c.site} but pushed to {a.site.name}'s incoming directory")
+            _bound_to(cfg, c, base, digests, keyring)
             tensors = decode(c.tensors, c.encoding, shapes)
             problem = check_finite(tensors)
             if problem:
@@ -590,6 +602,47 @@ def _check(cfg: XsiteConfig, arrived: list[Arrival], base, keyring, r: int, olde
             reason = e.reason if isinstance(e, Rejected) else str(e)
             rejected.append(RejectedContribution(site=a.site.name, reason=reason, base_round=a.base))
     return valid, rejected
+
+
+def _bound_to(cfg: XsiteConfig, c, base, digests: dict[int, str], keyring) -> None:
+    """Rejected unless contribution `c` names this training and was computed against the very θ(base) it
+    names (a training that names itself: from its round 0 on; one whose rounds name none, from before records
+    did, takes unbound contributions). digests caches each base round's θ digest for this tick."""
+    from hpcscale.xsite.roundfile import Rejected, theta_digest
+
+    if base.training is None:
+        return
+    if c.training is None:
+        raise Rejected(
+            f"names no training or base weights (written by an hpcscale older than {base.training}'s rounds): "
+            "upgrade that site"
+        )
+    if c.training != base.training:
+        raise Rejected(f"from another cross-site training ({c.training}); this one is {base.training}")
+    b = c.base_round
+    if b not in digests:
+        theta = base.theta if b == base.round else _verified_round(cfg, _state(cfg.site(cfg.aggregator)), keyring,
+                                                                   b, where=ROUNDS).theta  # fmt: skip
+        digests[b] = theta_digest(theta)
+    if c.base_theta_sha256 != digests[b]:
+        raise Rejected(f"computed against other weights than round {b}'s (θ digest {c.base_theta_sha256[:16]}…)")
+
+
+def _foreign(cfg: XsiteConfig, state: Path, published) -> str | None:
+    """Why a verified round must not be used by this site (None: it may): it names another training than the
+    one this site follows (state/TRAINING, recorded at the first round handed over), or, before that, another
+    config's name; or it names none while this site follows one."""
+    known_path = state / TRAINING
+    known = known_path.read_text().strip() if known_path.is_file() else None
+    if published.training is None:
+        return None if known is None else f"names no training, and this site follows {known}"
+    if known is None:
+        if published.training.rsplit(":", 1)[0] != cfg.name:
+            return f"from cross-site training {published.training}, not one of {cfg.name!r}"
+        return None
+    if published.training != known:
+        return f"from another cross-site training ({published.training}); this site follows {known}"
+    return None
 
 
 def _report_rejections(state: Path, r: int, rejected: list, report: TickReport) -> list:
@@ -693,6 +746,7 @@ def _site_copy(cfg: XsiteConfig, state: Path, key, keyring, r: int) -> Path:
         # without the norms (the aggregator's own history): a site still on a release that does not know the
         # field would refuse the whole round
         accepted=[replace(a, norm=None) for a in full.accepted],
+        training=full.training,
         rejected=full.rejected,
         theta=full.theta,
         momentum=None,
@@ -736,7 +790,7 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
             continue
         try:
             published = _verified_round(cfg, state, keyring, r)
-            problem = _unfit_round(run, published)
+            problem = _foreign(cfg, state, published) or _unfit_round(run, published)
             if problem:
                 raise Rejected(problem)
         except Rejected as e:
@@ -744,6 +798,8 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
             report.add("rejected", file=f"{INBOX}/{round_stem(r)}.json", reason=e.reason)
             continue
         _write_global(run, r, published, report)
+        if published.training and not (state / TRAINING).is_file():  # the training this site follows from now on
+            _atomic_bytes(state / TRAINING, published.training.encode())
         return
 
 
