@@ -493,3 +493,36 @@ def test_a_round_of_another_models_shapes_is_not_handed_over(tmp_path):
     report = rounds.tick(config, "b")
     assert rounds.latest_global(run_b) is None
     assert any("w has shape (4, 6), this run's model has (6, 4)" in e["reason"] for e in _events(report, "rejected"))
+
+
+# ---- a record lost at the other end after its push is sent again -----------------------------------------------
+
+
+def test_a_contribution_or_round_lost_after_its_push_is_sent_again(tmp_path):
+    import time as _time
+
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    outbox_b = tmp_path / "state-b" / rounds.OUTBOX
+    outbox_b.mkdir(parents=True)
+    rf.write_contribution(outbox_b, site="b", base_round=0, steps=10, tokens=1000, encoding="fp32",
+                          tensors=encode(_honest(3), "fp32"), key=load_private(keys / "b.key"))  # fmt: skip
+    now = _time.time()
+    assert [e["to"] for e in _events(rounds.tick(config, "b", now=now), "pushed")] == ["a"]
+    landed = agg / rounds.INCOMING / "b" / "contrib-b-r000000.json"
+    assert landed.exists()
+    for p in landed.parent.glob("contrib-*"):  # lost at the aggregator (a restored backup, a cleanup by hand)
+        p.unlink()
+    assert not _events(rounds.tick(config, "b", now=now + 60), "pushed")  # not yet: it may merely be waiting
+    [again] = _events(rounds.tick(config, "b", now=now + 3700), "pushed")
+    assert "not answered: sending it again" in again["again"] and landed.exists()
+
+    # the aggregator's round push, lost at the site
+    _send(tmp_path, keys, agg, "a", 0, _honest(2))
+    report = rounds.tick(config, "a", now=now + 3800)
+    assert _events(report, "published")
+    inbox_b = tmp_path / "state-b" / rounds.INBOX / "round-000001.json"
+    assert inbox_b.exists()
+    inbox_b.unlink()
+    assert not [e for e in _events(rounds.tick(config, "a", now=now + 3900), "pushed") if e["to"] == "b"]
+    pushed = [e for e in _events(rounds.tick(config, "a", now=now + 3800 + 3700), "pushed") if e["to"] == "b"]
+    assert pushed and "sending it again" in pushed[0]["again"] and inbox_b.exists()

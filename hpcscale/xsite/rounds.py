@@ -68,6 +68,7 @@ LOG = "log.jsonl"
 QUORUM = "quorum.json"
 REJECTED = "rejected.json"  # (aggregator) what was rejected and why: reported once
 TRAINING = "TRAINING"  # (every site) the training this site follows, from the first round it handed over
+RESEND_MIN_S = 600.0  # a push unanswered this long (or the quorum timeout, if longer) is sent again
 LOCK_DIR = ".hpcscale-stage"  # the same directory name the stage lock uses: one lock per state directory
 GLOBAL_DIR = "xsite"  # in the run directory
 TAG = "xsite"  # trainer_state key of a round checkpoint: {"base_round": b, "steps": n, "tokens": t}
@@ -249,11 +250,11 @@ def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, clock: Tic
     if is_agg:
         _step("publish round 0", report, lambda: _publish_round0(cfg, me, key, report))
     _step("export", report, lambda: _export(cfg, me, key, keyring, report))
-    _step("push contribution", report, lambda: _push_contribution(cfg, me, aggregator, report))
+    _step("push contribution", report, lambda: _push_contribution(cfg, me, aggregator, report, clock))
     if is_agg:
         _step("aggregate", report, lambda: _aggregate(cfg, me, key, keyring, report, clock))
         for site in cfg.sites:
-            push = lambda site=site: _push_round(cfg, me, site, key, keyring, report)  # noqa: E731
+            push = lambda site=site: _push_round(cfg, me, site, key, keyring, report, clock)  # noqa: E731
             _step(f"push round to {site.name}", report, push)
     _step("hand over", report, lambda: _hand_over(cfg, me, keyring, report))
     _step("prune", report, lambda: _prune(cfg, me, report))
@@ -400,19 +401,54 @@ def _pair(json_path: Path) -> list[Path]:
     return [json_path.with_suffix(".safetensors"), json_path]  # the payload first, its JSON (the marker) last
 
 
-def _push_contribution(cfg: XsiteConfig, me: XsiteSite, aggregator: XsiteSite, report: TickReport) -> None:
-    outbox = _state(me) / OUTBOX
+def _resend_after(cfg: XsiteConfig) -> float:
+    """How long a push may go unanswered before it is sent again (RESEND_MIN_S, or the quorum timeout)."""
+    return max(float(cfg.quorum.timeout_seconds), RESEND_MIN_S)
+
+
+def _unanswered(marker: Path, answered: bool, cfg: XsiteConfig, clock: TickClock) -> str | None:
+    """Why a pushed record must be pushed again (None: it need not): its push marker says it went, but what the
+    other end does once it has it (the next round, the site's next contribution) has not come for longer than
+    _resend_after. A file lost at the other end after its push (deleted, a restored backup) is then sent again;
+    a push that merely waits on slow training costs one verified no-op stage."""
+    if answered:
+        return None
+    try:
+        text = marker.read_text()
+        mtime = marker.stat().st_mtime
+    except FileNotFoundError:
+        return "not pushed yet"
+    try:  # the tick's clock at the push; a marker from before it held only the bytes: its mtime then
+        at = float(json.loads(text)["at"])
+    except (ValueError, KeyError, TypeError):
+        at = mtime
+    age = clock.wall - at
+    if age < _resend_after(cfg):
+        return None
+    return f"pushed {age:.0f} s ago and not answered: sending it again (the other end may have lost it)"
+
+
+def _push_contribution(
+    cfg: XsiteConfig, me: XsiteSite, aggregator: XsiteSite, report: TickReport, clock: TickClock
+) -> None:
+    state = _state(me)
+    outbox = state / OUTBOX
     mine = sorted(p for p in outbox.glob("contrib-*.json") if _CONTRIB.match(p.name))
     if not mine:
         return
     newest = mine[-1]
+    base = int(_CONTRIB.match(newest.name).group("base"))
+    handed = latest_global(_run(me))
+    answered = any(r > base for r in _rounds_in(state / INBOX)) or (handed is not None and handed > base)
     sent_marker = outbox / f".pushed-{newest.stem}"
-    if sent_marker.exists():
+    why = _unanswered(sent_marker, answered, cfg, clock)
+    if why is None:
         return
     n = _push(cfg, _pair(newest), outbox, _endpoint(aggregator, me, f"{INCOMING}/{me.name}"))
     _fault("pushed")
-    sent_marker.write_text(str(n))
-    report.add("pushed", file=newest.name, to=aggregator.name, bytes=n)
+    sent_marker.write_text(json.dumps({"bytes": n, "at": clock.wall}))
+    again = {} if why == "not pushed yet" else {"again": why}
+    report.add("pushed", file=newest.name, to=aggregator.name, bytes=n, **again)
 
 
 # ---- 4. aggregate ------------------------------------------------------------------------------------------------
@@ -755,19 +791,30 @@ def _site_copy(cfg: XsiteConfig, state: Path, key, keyring, r: int) -> Path:
     )
 
 
-def _push_round(cfg: XsiteConfig, me: XsiteSite, site: XsiteSite, key, keyring, report: TickReport) -> None:
-    published = _published(_state(me))
+def _push_round(
+    cfg: XsiteConfig, me: XsiteSite, site: XsiteSite, key, keyring, report: TickReport, clock: TickClock
+) -> None:
+    state = _state(me)
+    published = _published(state)
     if not published:
         return
-    newest = _site_copy(cfg, _state(me), key, keyring, published[-1])
+    r = published[-1]
+    newest = _site_copy(cfg, state, key, keyring, r)
     outgoing = newest.parent
     marker = outgoing / f".pushed-{site.name}-{newest.stem}"
-    if marker.exists():
+    # answered: the site contributed from round r (or later), so it has it
+    incoming = state / INCOMING / site.name
+    answered = incoming.is_dir() and any(
+        (m := _CONTRIB.match(p.name)) and int(m.group("base")) >= r for p in incoming.glob("contrib-*.json")
+    )
+    why = _unanswered(marker, answered, cfg, clock)
+    if why is None:
         return
     n = _push(cfg, _pair(newest), outgoing, _endpoint(site, me, INBOX))
     _fault("round_pushed")
-    marker.write_text(str(n))
-    report.add("pushed", file=newest.name, to=site.name, bytes=n)
+    marker.write_text(json.dumps({"bytes": n, "at": clock.wall}))
+    again = {} if why == "not pushed yet" else {"again": why}
+    report.add("pushed", file=newest.name, to=site.name, bytes=n, **again)
 
 
 def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> None:
