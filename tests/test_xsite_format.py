@@ -412,6 +412,14 @@ def test_a_missing_field_is_rejected(tmp_path, keys, keyring):
         ("tensors", {"momentum/w": {"shape": [1], "dtype": "F32"}}, "pairs"),
         ("tensors", {}, "pairs"),
         ("tensors", {"theta/w": {"shape": [1], "dtype": "BF16"}}, "tensors.theta/w.dtype"),
+        ("training", "no-colon", "field 'training'"),
+        ("training", 7, "field 'training'"),
+        ("accepted", [{"site": "a", "payload_sha256": "0" * 64, "tokens": 1, "steps": 1, "norm": -1}], "accepted.norm"),
+        (
+            "accepted",
+            [{"site": "a", "payload_sha256": "0" * 64, "tokens": 1, "steps": 1, "norm": "1"}],
+            "accepted.norm",
+        ),
     ],
 )
 def test_round_fields_of_the_wrong_type_are_rejected_by_name(tmp_path, keys, keyring, field, value, says):
