@@ -166,8 +166,10 @@ def test_two_sites_mean_the_token_claim_is_capped_but_one_site_can_reverse_the_m
     assert _along(step, honest) < 0
 
 
-def test_three_sites_auto_one_outlier_cannot_move_a_coordinate_beyond_the_honest_values(tmp_path):
-    config, keys, agg = _setup(tmp_path, ("a", "b", "c"))
+@pytest.mark.parametrize("outer", [{}, {"rule": "median"}, {"rule": "trimmed_mean", "trim": 0.34}])
+def test_three_sites_auto_one_outlier_cannot_move_a_coordinate_beyond_the_honest_values(tmp_path, outer):
+    """auto (the default), median, and trimmed mean cutting ⌊0.34 · 3⌋ = 1 value at each end."""
+    config, keys, agg = _setup(tmp_path, ("a", "b", "c"), **outer)
     da, db = _honest(2), _honest(3)
     _send(tmp_path, keys, agg, "a", 0, da)
     _send(tmp_path, keys, agg, "b", 0, db)

@@ -117,7 +117,8 @@ class CheckpointManager:
             leftovers = list(root.glob(".tmp-*"))
             if leftovers:
                 try:
-                    apply_retention(root, keep_last=10**9, keep_every=0)  # removes .tmp-* only: keep everything
+                    # removes .tmp-* only (a crashed run's: this job has none in progress yet): keeps everything
+                    apply_retention(root, keep_last=10**9, keep_every=0, own_saves=True)
                     self.log(f"hpcscale: removed {len(leftovers)} unfinished save(s) in {root}")
                 except Exception as e:  # rank 0 raising alone would leave the others at the barrier
                     self.log(f"hpcscale: could not remove unfinished saves in {root}: {type(e).__name__}: {e}")

@@ -119,13 +119,15 @@ def referenced_files(root: Path, steps: list[int]) -> set[str]:
     return out
 
 
-def remove_unfinished(root: Path, *, dry_run: bool = False) -> list[str]:
-    """Remove the .tmp-* save directories whose writer is provably gone; returns those left, with why."""
+def remove_unfinished(root: Path, *, dry_run: bool = False, all_of_them: bool = False) -> list[str]:
+    """Remove the .tmp-* save directories whose writer is provably gone (`all_of_them`: every one, what the job
+    that owns them does: at its start, and after each commit, no save of its own is in progress); returns those
+    left, with why."""
     left = []
     for tmp in sorted(root.glob(".tmp-*")):
         if not tmp.is_dir() or tmp.is_symlink():
             continue
-        why = writer_alive(tmp)
+        why = None if all_of_them else writer_alive(tmp)
         if why is not None:
             left.append(f"{tmp.name}: {why}")
         elif not dry_run:
@@ -134,15 +136,22 @@ def remove_unfinished(root: Path, *, dry_run: bool = False) -> list[str]:
 
 
 def apply_retention(
-    root: Path, *, keep_last: int, keep_every: int, dry_run: bool = False, keep: frozenset[int] = frozenset()
+    root: Path,
+    *,
+    keep_last: int,
+    keep_every: int,
+    dry_run: bool = False,
+    keep: frozenset[int] = frozenset(),
+    own_saves: bool = False,
 ) -> list[str]:
     """Remove what the policy does not keep (never a pinned step, root/PINNED's or `keep`); returns removed
-    data files (relative to root)."""
+    data files (relative to root). own_saves: the caller is the job writing here, with no save in progress,
+    so every .tmp-* is a crashed save's; otherwise (`ckpt gc`) only those whose writer is provably gone go."""
     keep = keep | frozenset(read_pins(root))
     kept, removed = plan(committed_steps(root), keep_last=keep_last, keep_every=keep_every, keep=keep)
     orphans = [p for p in root.iterdir() if step_of(p.name) is not None and not (p / INDEX).exists()]
     if not removed and not orphans:
-        remove_unfinished(root, dry_run=dry_run)
+        remove_unfinished(root, dry_run=dry_run, all_of_them=own_saves)
         return []
     try:
         needed = referenced_files(root, kept)
@@ -166,5 +175,5 @@ def apply_retention(
                 fault("gc", 0)
         if not any((d / "data").glob("*")):
             shutil.rmtree(d, ignore_errors=True)
-    remove_unfinished(root, dry_run=dry_run)
+    remove_unfinished(root, dry_run=dry_run, all_of_them=own_saves)
     return gone

@@ -475,4 +475,5 @@ def commit(
     fsync_dir(root)
     from hpcscale.ckpt.retention import apply_retention
 
-    return apply_retention(root, keep_last=keep_last, keep_every=keep_every, keep=keep)
+    # own_saves: this save is committed and the job runs one at a time, so any .tmp-* left is a crashed one
+    return apply_retention(root, keep_last=keep_last, keep_every=keep_every, keep=keep, own_saves=True)

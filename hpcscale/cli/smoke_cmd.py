@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import click
@@ -86,7 +85,7 @@ def smoke(site, local, ranks, nodes, partition, tp, pp, steps, min_busbw, run_di
     )
     if run_dir is None:
         run_root = expand_path(resolve_site(plan.site).config.filesystems.run_root)
-        run_dir = default_run_dir(run_root, f"smoke-{datetime.now(timezone.utc):%Y%m%d}")
+        run_dir = default_run_dir(run_root, "smoke")  # <run_root>/smoke-<UTC time>
     root = run_dir.resolve()
     runner = LocalRunner(root) if local else SlurmRunner(root)
     say = (lambda line: click.echo(line, err=True)) if not as_json else (lambda _line: None)
