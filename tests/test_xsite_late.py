@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from xsite_harness import sites_with_round0
 
 from hpcscale.config.xsite import load_xsite
 from hpcscale.xsite import roundfile as rf
@@ -22,37 +23,10 @@ SITES = ("a", "b", "c")
 
 
 def _setup(tmp: Path, late_rounds: int) -> tuple:
-    keys = tmp / "keys"
-    keys.mkdir()
-    for s in SITES:
-        generate_key(keys, s)
-    cfg = {
-        "name": "late",
-        "aggregator": "a",
-        "round_steps": 10,
-        "keys": str(keys),
-        "quorum": {"min_sites": 2, "timeout_seconds": 3600, "late_rounds": late_rounds},
-        "outer": {"rule": "mean"},  # the reference below is the weighted mean (the default, auto, is robust)
-        "sites": [
-            {
-                "name": s,
-                "run": str(tmp / f"run-{s}"),
-                "state": str(tmp / f"state-{s}"),
-                "reach": str(tmp / f"state-{s}"),
-                "key": str(keys / f"{s}.key"),
-            }
-            for s in SITES
-        ],
-    }
-    path = tmp / "xsite.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    config = load_xsite(path)
     theta0 = {"w": torch.randn(4, 3, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(5)}
-    state = tmp / "state-a"
-    (state / rounds.ROUNDS).mkdir(parents=True)
-    rf.write_round(state / rounds.ROUNDS, round=0, parent=None, outer=rounds._outer(config), accepted=[],
-                   rejected=[], theta=theta0, momentum={k: torch.zeros_like(v) for k, v in theta0.items()},
-                   key=load_private(keys / "a.key"))  # fmt: skip
+    quorum = {"min_sites": 2, "timeout_seconds": 3600, "late_rounds": late_rounds}
+    # the reference below is the weighted mean (the default, auto, is robust)
+    config, keys = sites_with_round0(tmp, SITES, theta0, name="late", quorum=quorum, outer={"rule": "mean"})
     return config, keys, theta0
 
 

@@ -10,50 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from xsite_harness import sites_with_round0
 
 from hpcscale.config.xsite import load_xsite
 from hpcscale.xsite import roundfile as rf
 from hpcscale.xsite import rounds
 from hpcscale.xsite.outer import decode, encode
-from hpcscale.xsite.signing import generate_key, load_keyring, load_private
+from hpcscale.xsite.signing import load_keyring, load_private
 
 SHAPES = {"w": (6, 4), "b": (5,)}
 
 
 def _setup(tmp: Path, sites: tuple[str, ...], **outer) -> tuple:
-    keys = tmp / "keys"
-    keys.mkdir()
-    for s in sites:
-        generate_key(keys, s)
-    cfg = {
-        "name": "trust",
-        "aggregator": sites[0],
-        "round_steps": 10,
-        "keys": str(keys),
-        "quorum": {"min_sites": len(sites), "timeout_seconds": 3600},
-        "outer": outer,
-        "sites": [
-            {
-                "name": s,
-                "run": str(tmp / f"run-{s}"),
-                "state": str(tmp / f"state-{s}"),
-                "reach": str(tmp / f"state-{s}"),
-                "key": str(keys / f"{s}.key"),
-            }
-            for s in sites
-        ],
-    }
-    path = tmp / "xsite.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    config = load_xsite(path)
     g = torch.Generator().manual_seed(1)
     theta0 = {k: torch.randn(*shape, generator=g) for k, shape in SHAPES.items()}
-    state = tmp / f"state-{sites[0]}"
-    (state / rounds.ROUNDS).mkdir(parents=True)
-    rf.write_round(state / rounds.ROUNDS, round=0, parent=None, outer=rounds._outer(config), accepted=[],
-                   rejected=[], theta=theta0, momentum={k: torch.zeros_like(v) for k, v in theta0.items()},
-                   key=load_private(keys / f"{sites[0]}.key"))  # fmt: skip
+    quorum = {"min_sites": len(sites), "timeout_seconds": 3600}
+    config, keys = sites_with_round0(tmp, sites, theta0, name="trust", quorum=quorum, outer=outer)
     return config, keys, tmp / f"state-{sites[0]}"
 
 
