@@ -321,7 +321,7 @@ def test_smoke_refuses_a_layout_that_does_not_divide_the_ranks(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_a_round_zero_mismatch_in_one_tp_shard_is_refused_by_every_rank_together(mpi):
+def test_a_round_zero_mismatch_in_one_tp_shard_is_refused_by_every_rank_together(mpi, tmp_path):
     """One rank finds θ(0) differs (in its shard only), its peer does not: both refuse, neither hangs in a
     collective the other left (the comparison covers every parameter on every rank, then one all-reduce)."""
     import json
@@ -335,11 +335,11 @@ def test_a_round_zero_mismatch_in_one_tp_shard_is_refused_by_every_rank_together
            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # fmt: skip
     helper = REPO / "tests" / "helpers" / "same_start_rank.py"
     out = subprocess.run(
-        ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(helper)],
+        ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(helper), str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert sorted(r["rank"] for r in lines) == [0, 1]
     assert all(
         r["raised"] and r["raised"].startswith("BadInput: xsite.start_from: global round 0 is not") for r in lines

@@ -1,8 +1,10 @@
 """One rank of the test that a round-0 mismatch seen by one tensor-parallel rank only is refused by every
 rank together (hpcscale.launch.rounds.Rounds._same_start): 2 ranks, tp = 2, θ(0) differs from the weights in
-rank 0's shard alone. Prints one JSON line: what this rank raised."""
+rank 0's shard alone. Writes OUT/rank-N.json (OUT: the first argument): what this rank raised. A file, not
+stdout, where mpirun may glue two ranks' lines into one."""
 
 import json
+import sys
 import types
 from datetime import timedelta
 
@@ -36,5 +38,6 @@ try:
     raised = None
 except Exception as e:
     raised = f"{type(e).__name__}: {e}"
-print(json.dumps({"rank": comm.rank, "raised": raised}), flush=True)
+with open(f"{sys.argv[1]}/rank-{comm.rank}.json", "w") as f:
+    json.dump({"rank": comm.rank, "raised": raised}, f)
 dist.destroy_process_group()
