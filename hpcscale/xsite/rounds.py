@@ -657,9 +657,11 @@ def _bound_to(cfg: XsiteConfig, c, base, digests: dict[int, str], keyring) -> No
         raise Rejected(f"from another cross-site training ({c.training}); this one is {base.training}")
     b = c.base_round
     if b not in digests:
-        theta = base.theta if b == base.round else _verified_round(cfg, _state(cfg.site(cfg.aggregator)), keyring,
-                                                                   b, where=ROUNDS).theta  # fmt: skip
-        digests[b] = theta_digest(theta)
+        older = None if b == base.round else _verified_round(cfg, _state(cfg.site(cfg.aggregator)), keyring, b,
+                                                              where=ROUNDS)  # fmt: skip
+        if b != base.round and older is None:
+            raise Rejected(f"its base round {b} is no longer kept here: it cannot be checked, so it is not applied")
+        digests[b] = theta_digest(base.theta if older is None else older.theta)
     if c.base_theta_sha256 != digests[b]:
         raise Rejected(f"computed against other weights than round {b}'s (θ digest {c.base_theta_sha256[:16]}…)")
 
