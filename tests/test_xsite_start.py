@@ -173,7 +173,14 @@ def test_the_start_checkpoint_is_pinned_until_round_0_is_adopted():
 
     from hpcscale.launch.rounds import Rounds
 
-    manager = SimpleNamespace(pinned=set())
+    class Pins(SimpleNamespace):  # the CheckpointManager's pin calls (it also writes them to PINNED)
+        def pin(self, step: int, why: str) -> None:
+            self.pinned.add(step)
+
+        def unpin(self, step: int) -> None:
+            self.pinned.discard(step)
+
+    manager = Pins(pinned=set())
     r = object.__new__(Rounds)
     r.ctx = SimpleNamespace(hooks={"checkpoint": manager})
     r.site, r.tokens_per_step, r.base, r.since, r.start = "a", 4, -1, 0, 0
