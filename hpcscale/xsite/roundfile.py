@@ -899,7 +899,7 @@ def theta_digest(theta: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(theta):
         t = theta[name].detach().to("cpu", torch.float32).contiguous()
         h.update(json.dumps([name, list(t.shape)]).encode() + b"\0")
-        h.update(t.numpy().astype("<f4", copy=False).tobytes())
+        h.update(memoryview(t.numpy().astype("<f4", copy=False)).cast("B"))  # the tensor's own bytes, not a copy
     return h.hexdigest()
 
 
