@@ -538,7 +538,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         for c in valid
         if c.site in screened.rejected
     ]
-    valid = [_clip(c, *screened.clipped[c.site]) if c.site in screened.clipped else c for c in valid]
+    valid = [_clip(c, screened.clipped[c.site][0]) if c.site in screened.clipped else c for c in valid]
     valid = [c for c in valid if c.site not in screened.rejected]
     _report_rejections(state, r, rejected, report)
     on_time = sorted(c.site for c in valid if c.contribution.base_round == r - 1)  # a late one never decides
@@ -588,7 +588,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
                **({"late": late} if late else {}), **({"clipped": clipped} if clipped else {}))  # fmt: skip
 
 
-def _clip(c: Checked, factor: float, why: str) -> Checked:
+def _clip(c: Checked, factor: float) -> Checked:
     """A contribution scaled down to the history bound (outer.screen)."""
     return Checked(c.contribution, {k: v * factor for k, v in c.tensors.items()}, c.norm * factor)
 
