@@ -263,7 +263,7 @@ def _read_tables(f) -> Tables:
 
     attrs = {name: _attr(f, name, kind) for name, kind in ATTRS}
     names = [*STRING_TABLES, *INT_TABLES, "rng_rank", "chunks", *sorted(k for k in f if k.startswith("rng_"))]
-    claimed = sum(_dataset(f, n).size * _dataset(f, n).dtype.itemsize for n in dict.fromkeys(names))
+    claimed = sum(ds.size * ds.dtype.itemsize for ds in (_dataset(f, n) for n in dict.fromkeys(names)))
     size = f.id.get_filesize()
     if claimed > size:  # every table is stored whole in the file: together they cannot exceed it
         raise _Damaged(f"its tables claim {claimed} bytes, more than the {size}-byte file holds")
