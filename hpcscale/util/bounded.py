@@ -11,6 +11,10 @@ naming the source and the line, and in well under a second:
 - integers longer than 4,300 digits (Python refuses to convert them; we say so instead of a traceback);
 - text that is not UTF-8.
 A million-entry manifest (~100 MB) parses at nearly the C parser's speed: one hook runs on floats only.
+
+Files are read through `read_bounded` (a whole file up to a size) or `read_tail` (only the last bytes of a log
+or a JSON-lines file, however long it is): both open with O_NONBLOCK and check fstat on that descriptor, so a
+FIFO or a device planted in a run directory (a symlink to /dev/zero) is refused, never waited on or read.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import math
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +87,75 @@ def read_bounded(path: str | Path, *, max_bytes: int, what: str = "file") -> byt
         if st.st_size > max_bytes:
             raise BadInput(f"{p}: {st.st_size} bytes, over the limit of {max_bytes} for a {what}")
         with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(max_bytes + 1)
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:  # it grew since fstat
+            raise BadInput(f"{p}: over the limit of {max_bytes} bytes for a {what}")
+        return data
     except OSError as e:
         raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
     finally:
         os.close(fd)
+
+
+def _open_regular(p: Path, what: str) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file `p` (O_NONBLOCK: a FIFO is never waited on) and its fstat; BadInput
+    naming the file for anything else."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BadInput(f"{p}: not a regular file (a {what} must be one)")
+    return fd, st
+
+
+@dataclass(frozen=True, slots=True)
+class Tail:
+    data: bytes  # whole lines only when `cut` (the partial first line is dropped)
+    cut: int  # bytes before `data` that were not read (0: the whole file)
+
+
+def read_tail(path: str | Path, *, max_bytes: int, what: str = "file", missing_ok: bool = False) -> Tail | None:
+    """At most the last `max_bytes` of a regular file, read with pread from that offset (a file of any size,
+    growing or not, costs at most `max_bytes`). Opened with O_NONBLOCK and checked with fstat on that
+    descriptor: a FIFO or a device (a symlink to /dev/zero) is refused (BadInput), never waited on or read.
+    When the file is longer, the partial line the cut falls in is dropped. A missing file: None with
+    `missing_ok`, else BadInput."""
+    p = Path(path)
+    try:
+        fd, st = _open_regular(p, what)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise BadInput(f"{p}: no such {what}") from None
+    try:
+        size = st.st_size
+        start = max(0, size - max_bytes)
+        chunks, offset = [], start
+        while offset < size:
+            chunk = os.pread(fd, min(8 * MiB, size - offset), offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+        data = b"".join(chunks)
+    except OSError as e:
+        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if start:
+        newline = data.find(b"\n")
+        dropped = len(data) if newline < 0 else newline + 1
+        data, start = data[dropped:], start + dropped
+    return Tail(data, start)
 
 
 def load_json(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES, what: str = "file") -> Any:
