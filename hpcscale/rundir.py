@@ -11,6 +11,9 @@ RUN/
   attempts.jsonl        one JSON line per event of an attempt (a start of the job's ranks): begin (rank 0),
                         stop (rank 0, stopped on a signal), end (the batch script's decision: requeue or not)
   .resume/lock          held by `hpcscale resume` while it decides and submits (one resume at a time)
+  .submitted.json       mode 0600: the sha256 and text of job.yaml and site.yaml as last submitted (written with
+                        them by every submit, `run --local` and resume); `resume` refuses a run whose files
+                        changed since, showing the difference, unless told --accept-changes
   run-id                a random id, written once: names this run's checkpoint directory elsewhere
   checkpoints/          step-NNNNNNNN/ directories (hpcscale.ckpt); a symlink to
                         <filesystems.checkpoint_root>/<run name>-<run id> when the site sets a separate
@@ -18,15 +21,27 @@ RUN/
   sweep/NNNN/           an array task's own metrics.jsonl and checkpoints/
 
 This module owns these names; everything else asks it for the paths.
+
+Others may be able to write a run directory (a shared filesystem, group write access), so (hpcscale.util.trust):
+- job.yaml, site.yaml and .submitted.json are honoured only from files owned by the user or root that no one
+  else can write, checked on the descriptor they are read from (O_NOFOLLOW, fstat); hpcscale writes them mode
+  0644 (0600 for the record) whatever the umask;
+- every write replaces a file through a temporary of a random name created with O_CREAT|O_EXCL|O_NOFOLLOW
+  (a symlink planted anywhere is replaced, never followed), inside a subdirectory opened with O_NOFOLLOW;
+  JSON-lines logs are appended through O_NOFOLLOW and must be regular files;
+- every read is bounded in bytes and refuses FIFOs and devices (hpcscale.util.bounded).
 """
 
 from __future__ import annotations
 
+import difflib
+import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -35,13 +50,14 @@ from pathlib import Path
 import yaml
 
 from hpcscale.config.job import JobSpec
-from hpcscale.config.load import LoadedJob, load_job, parse_site
+from hpcscale.config.load import LoadedJob, LoadedSite, load_job_source, parse_site
 from hpcscale.config.render import to_plain
 from hpcscale.config.site import SiteConfig
-from hpcscale.config.yamlsrc import load_yaml
+from hpcscale.config.yamlsrc import YamlSource, parse_yaml
 from hpcscale.errors import BadInput
-from hpcscale.util.bounded import loads_json, read_bounded
+from hpcscale.util.bounded import MiB, loads_json, read_bounded
 from hpcscale.util.paths import expand_path
+from hpcscale.util.trust import clean, read_trusted
 
 JOB = "job.yaml"
 SITE = "site.yaml"
@@ -54,6 +70,9 @@ CHECKPOINTS = "checkpoints"
 RUN_ID = "run-id"
 ATTEMPTS = "attempts.jsonl"
 RESUME_STATE = ".resume"
+RECORD = ".submitted.json"  # what was submitted: job.yaml's and site.yaml's digests and texts (mode 0600)
+MAX_RECORD_LINES = 64 * MiB  # submissions.jsonl, attempts.jsonl: far more than any run writes
+MAX_DIFF_LINES = 200  # of the difference `resume` shows between what was submitted and the files now
 OWNER = ".hpcscale-run"  # in a checkpoint directory under checkpoint_root: the id of the run it belongs to
 OVERRIDE_LINE = "# -p "  # job.yaml's header: one override each, as a JSON string (ASCII: no line break ends it)
 OVERRIDES_HEADER = (
@@ -88,15 +107,19 @@ def default_run_dir(run_root: Path, job_name: str, now: datetime | None = None) 
 def _create_once(path: Path, text: str) -> str:
     """Write `text` to `path` unless it exists, atomically (a reader never sees it half written); return what
     the file holds. Safe when every rank of a job calls it at once."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    tmp.write_text(text)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        _write_all(fd, text.encode())
+    finally:
+        os.close(fd)
     try:
         os.link(tmp, path)
     except FileExistsError:
         pass
     finally:
         tmp.unlink()
-    return path.read_text().strip()
+    return read_bounded(path, max_bytes=4096, what=path.name).decode(errors="replace").strip()
 
 
 def link_checkpoints(work_dir: Path, target: Path, *, run_id: str) -> Path:
@@ -208,20 +231,103 @@ class RunDir:
         """This run's id, created on first use (run directories from before it get one then)."""
         return _create_once(self.path / RUN_ID, secrets.token_hex(6))
 
+    def _config_text(self, name: str) -> str:
+        """job.yaml or site.yaml as UTF-8 text, read only from a file the user may trust (hpcscale.util.trust:
+        owned by the user or root, writable by no one else, not a symlink, checked on the descriptor read)."""
+        path = self.path / name
+        data = read_trusted(path, what=f"run's {name}")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadInput(f"{path}: not UTF-8 text ({e.reason})") from None
+
+    def _site_source(self) -> YamlSource:
+        return parse_yaml(self._config_text(SITE), str(self.path / SITE))
+
     def load_job(self) -> LoadedJob:
-        """The job as recorded here (job.yaml with its recorded site.yaml): what every rank runs."""
-        if not (self.path / JOB).is_file():
+        """The job as recorded here (job.yaml with its recorded site.yaml): what every rank runs. Both files
+        must be trusted (UntrustedFile, exit 2, otherwise); what is parsed is what was checked."""
+        if not os.path.lexists(self.path / JOB):
             raise BadInput(f"{self.path} is not an hpcscale run directory (no {JOB})")
-        return load_job(self.path / JOB, site=str(self.path / SITE))
+        src = parse_yaml(self._config_text(JOB), str(self.path / JOB))
+        site = LoadedSite(parse_site(self._site_source()), self.path / SITE)
+        return load_job_source(src, self.path / JOB, site)
 
     def write_resolved(self, spec: JobSpec, site: SiteConfig, *, overrides: Sequence[str] = ()) -> None:
         """The job spec and site as they were run, every default filled in. `overrides` (the -p KEY=VALUE
         texts the spec was made with) head job.yaml as comments: the values are already in the spec, the
-        header says which of them came from the command line rather than the job file."""
+        header says which of them came from the command line rather than the job file. Both are written mode
+        0644 whatever the umask (a group-writable file is not trusted), and recorded in .submitted.json with
+        their digests: `resume` then runs what was submitted, or says what changed."""
         header = "".join(f"{OVERRIDE_LINE}{json.dumps(o)}\n" for o in overrides)
         header = OVERRIDES_HEADER + header if header else ""
-        _atomic_write(self.path / JOB, header + yaml.safe_dump(to_plain(spec), sort_keys=False))
-        _atomic_write(self.path / SITE, yaml.safe_dump(to_plain(site), sort_keys=False))
+        texts = {
+            JOB: header + yaml.safe_dump(to_plain(spec), sort_keys=False),
+            SITE: yaml.safe_dump(to_plain(site), sort_keys=False),
+        }
+        for name, text in texts.items():
+            _atomic_write(self.path / name, text)
+        self._write_record(texts)
+
+    # ---- what was submitted --------------------------------------------------------------------------------
+    def _write_record(self, texts: dict[str, str]) -> None:
+        doc = {
+            "version": 1,
+            "files": {n: {"sha256": hashlib.sha256(t.encode()).hexdigest(), "text": t} for n, t in texts.items()},
+        }
+        _atomic_write(self.path / RECORD, json.dumps(doc, indent=1) + "\n", mode=0o600)
+
+    def recorded(self) -> dict[str, str] | None:
+        """{name: text} of job.yaml and site.yaml as last submitted; None when nothing is recorded (a run
+        directory from before the record). The record must be trusted like the files it vouches for."""
+        path = self.path / RECORD
+        if not os.path.lexists(path):
+            return None
+        data = read_trusted(path, what="record of what was submitted", max_bytes=4 * MiB)
+        doc = loads_json(data, source=str(path), max_bytes=4 * MiB)
+        files = doc.get("files") if isinstance(doc, dict) else None
+        out = {}
+        for name in (JOB, SITE):
+            entry = files.get(name) if isinstance(files, dict) else None
+            if not (
+                isinstance(entry, dict) and isinstance(entry.get("text"), str) and isinstance(entry.get("sha256"), str)
+            ):
+                raise BadInput(f"{path}: damaged record (no {name} entry); check the files, then --accept-changes")
+            if hashlib.sha256(entry["text"].encode()).hexdigest() != entry["sha256"]:
+                raise BadInput(f"{path}: damaged record ({name}'s text does not match its digest)")
+            out[name] = entry["text"]
+        return out
+
+    def changes_since_submitted(self) -> list[str]:
+        """How job.yaml and site.yaml differ from what was last submitted: [] when they do not; otherwise the
+        lines of a unified diff per changed file (sanitized for a terminal, at most MAX_DIFF_LINES), or one
+        line saying there is no record. The current files are read as load_job reads them (trusted only)."""
+        before = self.recorded()
+        now = {name: self._config_text(name) for name in (JOB, SITE)}
+        if before is None:
+            return [
+                f"{self.path}: no record of what was submitted ({RECORD}: a run directory from before hpcscale "
+                f"recorded it); read {JOB} and {SITE} in it before trusting them"
+            ]
+        lines: list[str] = []
+        for name in (JOB, SITE):
+            if now[name] == before[name]:
+                continue
+            diff = difflib.unified_diff(
+                before[name].splitlines(),
+                now[name].splitlines(),
+                f"{name} (as submitted)",
+                f"{name} (now)",
+                lineterm="",
+            )
+            lines += [clean(line, limit=300) for line in diff]
+        if len(lines) > MAX_DIFF_LINES:
+            lines = [*lines[:MAX_DIFF_LINES], f"... {len(lines) - MAX_DIFF_LINES} more line(s) of difference"]
+        return lines
+
+    def accept_current(self) -> None:
+        """Record job.yaml and site.yaml as they are now as what was submitted (`resume --accept-changes`)."""
+        self._write_record({name: self._config_text(name) for name in (JOB, SITE)})
 
     def recorded_overrides(self) -> list[str]:
         """The -p texts job.yaml's header records (write_resolved); [] for none, or no job.yaml yet."""
@@ -229,7 +335,8 @@ class RunDir:
         if not path.is_file():
             return []
         out = []
-        for line in path.read_text(errors="replace").splitlines():
+        text = read_bounded(path, max_bytes=MiB, what=JOB).decode(errors="replace")
+        for line in text.splitlines():
             if not line.startswith("#"):
                 break
             if line.startswith(OVERRIDE_LINE):
@@ -245,9 +352,10 @@ class RunDir:
         return len(self.submissions()) + 1
 
     def write_script(self, index: int, text: str) -> Path:
+        """RUN/submissions/NNNN.sbatch, mode 0755 (set on the temporary before it takes the name: never a
+        chmod through a path someone could have swapped)."""
         path = self.path / "submissions" / f"{index:04d}.sbatch"
-        _atomic_write(path, text)
-        path.chmod(0o755)
+        _atomic_write(path, text, mode=0o755)
         return path
 
     def record(self, sub: Submission) -> None:
@@ -261,10 +369,11 @@ class RunDir:
     def attempt_events(self) -> list[dict]:
         """Every attempt event, oldest first; a line cut short by a crash is skipped."""
         path = self.path / ATTEMPTS
-        if not path.is_file():
+        if not os.path.lexists(path):
             return []
         out = []
-        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        text = read_bounded(path, max_bytes=MAX_RECORD_LINES, what="attempt log").decode(errors="replace")
+        for lineno, line in enumerate(text.splitlines(), 1):
             try:
                 row = loads_json(line, source=f"{path}:{lineno}", max_bytes=1 << 20)
             except BadInput:
@@ -279,40 +388,107 @@ class RunDir:
 
     def submissions(self) -> list[Submission]:
         path = self.path / SUBMISSIONS
-        if not path.exists():
+        if not os.path.lexists(path):
             return []
         out = []
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        text = read_bounded(path, max_bytes=MAX_RECORD_LINES, what="submission log").decode(errors="replace")
+        for lineno, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                out.append(Submission(**loads_json(line, source=f"{path}:{lineno}", max_bytes=1 << 20)))
+                row = loads_json(line, source=f"{path}:{lineno}", max_bytes=1 << 20)
+                if not isinstance(row, dict):
+                    raise TypeError("not a JSON object")
+                sub = Submission(**row)
             except BadInput as e:
-                raise BadInput(f"{path}:{lineno}: damaged submission record ({e})") from None
+                raise BadInput(f"{path}:{lineno}: damaged submission record ({clean(e, limit=300)})") from None
             except (ValueError, TypeError) as e:
-                raise BadInput(f"{path}:{lineno}: damaged submission record ({e})") from None
+                raise BadInput(f"{path}:{lineno}: damaged submission record ({clean(e, limit=300)})") from None
+            if not all(isinstance(v, str) or v is None for v in (sub.job_id, sub.cluster)) or not all(
+                isinstance(v, str) for v in (sub.time, sub.script, sub.template, sub.reason)
+            ):
+                raise BadInput(f"{path}:{lineno}: damaged submission record (a field of the wrong type)")
+            if type(sub.index) is not int or not (
+                isinstance(sub.excluded, list) and all(isinstance(n, str) for n in sub.excluded)
+            ):
+                raise BadInput(f"{path}:{lineno}: damaged submission record (a field of the wrong type)")
+            out.append(sub)
         return out
 
     def site_config(self) -> SiteConfig:
-        """The site this run was submitted to, as recorded (so status works without the site file)."""
-        return parse_site(load_yaml(self.path / SITE))
+        """The site this run was submitted to, as recorded (so status works without the site file); trusted
+        only as load_job trusts it (it names SLURM_CONF, the environment, the launcher)."""
+        return parse_site(self._site_source())
 
 
 def append_json_line(path: Path, doc: dict) -> None:
-    """One JSON line appended with one write(2) (O_APPEND: lines from two writers never interleave), fsynced."""
+    """One JSON line appended with one write(2) (O_APPEND: lines from two writers never interleave), fsynced.
+    Opened with O_NOFOLLOW and O_NONBLOCK: a symlink planted at `path` is refused, never appended through,
+    and so is anything but a regular file (BadInput)."""
     line = json.dumps(doc, sort_keys=True) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        os.write(fd, line.encode())
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise BadInput(f"{path}: a symbolic link; refusing to append through it (remove it)") from None
+        if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO with no reader: ENXIO
+            raise BadInput(f"{path}: not a regular file; refusing to append to it (remove it)") from None
+        raise BadInput(f"{path}: cannot append ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadInput(f"{path}: not a regular file; refusing to append to it (remove it)")
+        _write_all(fd, line.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _open_parent(path: Path, run_dir: Path | None = None) -> int:
+    """A descriptor of `path`'s directory. A run's subdirectory (submissions/) is opened with O_NOFOLLOW
+    relative to the run directory: one swapped for a symlink is refused, never written through."""
+    parent = path.parent
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    if run_dir is None or parent == run_dir:
+        return os.open(parent, flags)
+    base = os.open(run_dir, flags)
+    try:
+        return os.open(parent.relative_to(run_dir), flags | os.O_NOFOLLOW, dir_fd=base)
+    except OSError as e:
+        raise BadInput(f"{parent}: not a directory of the run ({e.strerror}); refusing to write into it") from None
+    finally:
+        os.close(base)
+
+
+def _atomic_write(path: Path, text: str, *, mode: int = 0o644, run_dir: Path | None = None) -> None:
+    """Replace `path` with `text`, atomically and durably, file mode `mode` whatever the umask. The temporary
+    has a random name and is created with O_CREAT|O_EXCL|O_NOFOLLOW in the directory's descriptor: a symlink
+    planted at any name is replaced (rename does not follow it), never written through."""
+    dfd = _open_parent(path, run_dir if run_dir is not None else _run_dir_of(path))
+    tmp = f".{path.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
+        try:
+            os.fchmod(fd, mode)
+            _write_all(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
+
+
+def _run_dir_of(path: Path) -> Path | None:
+    """The run directory above a file hpcscale writes in one of its subdirectories (submissions/NNNN.sbatch)."""
+    return path.parent.parent if path.parent.name == "submissions" else None

@@ -125,6 +125,17 @@ def load_job(path: str | Path, *, site: str | None = None, overrides: Sequence[s
     return LoadedJob(spec, p, loaded_site, tuple(dec.warnings), parsed, src)
 
 
+def load_job_source(src: YamlSource, path: Path, site: LoadedSite) -> LoadedJob:
+    """A validated job spec from YAML already read (and vetted) by the caller, with its site: a run directory's
+    job.yaml, parsed from the very bytes whose owner and mode were checked (hpcscale.rundir.RunDir.load_job)."""
+    dec = Decoder(src)
+    spec = dec.decode(JobSpec, src.data)
+    dec.raise_if_any()
+    check_job(spec, site.config, dec)
+    dec.raise_if_any()
+    return LoadedJob(spec, path, site, tuple(dec.warnings), (), src)
+
+
 def detect_kind(src: YamlSource) -> str:
     """'site', 'job' or 'xsite' (a cross-site config) for a file given to `config validate` without --kind."""
     data = src.data if isinstance(src.data, dict) else {}
