@@ -108,11 +108,31 @@ def submit(
         click.echo(f"run directory: {r.run_dir}", err=True)
 
 
+def _num(value, fmt: str) -> str:
+    """A figure from a run's files, formatted when it is a finite number; shown as found (cleaned) otherwise."""
+    import math
+
+    from hpcscale.util.trust import clean_markup
+
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        try:
+            return format(value, fmt)
+        except (ValueError, OverflowError):
+            pass
+    return clean_markup(repr(value), limit=60)
+
+
 def format_status(status):
-    """A rich Table of a run's submissions and Slurm jobs."""
+    """A rich Table of a run's submissions and Slurm jobs. Every string from the run directory or from Slurm
+    (job names, reasons, states, node lists) is shown through clean_markup: no escape sequence reaches the
+    terminal and no `[link=...]` becomes markup."""
     from rich.table import Table
 
-    table = Table(title=f"{status.job_name or 'run'} — {status.run_dir} (states from {status.source})")
+    from hpcscale.util.trust import clean_markup as c
+
+    table = Table(
+        title=f"{c(status.job_name or 'run', limit=200)} — {c(status.run_dir)} (states from {c(status.source)})"
+    )
     for col in ("#", "job id", "submitted", "reason", "state", "exit", "nodes", "elapsed"):
         table.add_column(col, overflow="fold")
     colors = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow"}
@@ -124,13 +144,13 @@ def format_status(status):
             color = colors.get(state.split()[0] if state else "", "red" if job else "")
             table.add_row(
                 str(sub.index),
-                job.job_id if job else (sub.job_id or "dry run"),
-                sub.time,
-                sub.reason + (f" (excluded {','.join(sub.excluded)})" if sub.excluded else ""),
-                f"[{color}]{state}[/{color}]" if color else state,
-                job.exit_code if job else "",
-                job.nodes if job else "",
-                job.elapsed if job else "",
+                c(job.job_id if job else (sub.job_id or "dry run")),
+                c(sub.time),
+                c(sub.reason + (f" (excluded {','.join(sub.excluded)})" if sub.excluded else ""), limit=500),
+                f"[{color}]{c(state)}[/{color}]" if color else c(state),
+                c(job.exit_code if job else ""),
+                c(job.nodes if job else ""),
+                c(job.elapsed if job else ""),
             )
     return table
 
@@ -146,6 +166,7 @@ def status(run: Path, as_json: bool) -> None:
       hpcscale status /scratch/me/runs/gpt-20261121-101500 --json
     """
     from hpcscale.slurm.status import run_status
+    from hpcscale.util.trust import clean_markup as cm
 
     st = run_status(run)
     if as_json:
@@ -155,16 +176,26 @@ def status(run: Path, as_json: bool) -> None:
     out.print(format_status(st))
     if st.latest_checkpoint:
         c = st.latest_checkpoint
-        out.print(f"latest checkpoint: step {c['step']} ({c['path']}), layout {c['layout']}, {c['verified']}")
+        out.print(
+            f"latest checkpoint: step {cm(c['step'])} ({cm(c['path'])}), layout {cm(c['layout'])}, {cm(c['verified'])}"
+        )
     if st.last_metrics:
         m = st.last_metrics
-        out.print(f"last step {m['step']}: loss {m['loss']:.4f}, {m.get('tokens_per_s', 0):.0f} tokens/s")
+        out.print(
+            f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}, "
+            f"{_num(m.get('tokens_per_s', 0), '.0f')} tokens/s"
+        )
     if st.timing:
         for line in format_timing(st.timing, run):
             out.print(line)
     if st.checkpoint_interval:
         c = st.checkpoint_interval
-        out.print(f"checkpoint interval (auto): {c['steps']} steps, next save at step {c['next_at']}: {c['why']}")
+        out.print(
+            f"checkpoint interval (auto): {cm(c.get('steps'))} steps, next save at step {cm(c.get('next_at'))}: "
+            f"{cm(c.get('why'), limit=500)}"
+        )
+    for note in st.notes:
+        out.print(f"[yellow]note[/yellow]: {cm(note)}")
 
 
 PER_RANK_ROWS = 16  # up to this many ranks, a row each; above, a row per node and the slowest ranks
@@ -174,6 +205,8 @@ def format_timing(timing: dict, run: Path) -> list:
     """The newest per-rank window as a table (per node for big jobs) and the straggler verdict
     (docs/observability.md explains every column)."""
     from rich.table import Table
+
+    from hpcscale.util.trust import clean_markup as cm
 
     verdict = timing["stragglers"]
     relative = {r["rank"]: r for r in verdict["ranks"]}
@@ -189,7 +222,7 @@ def format_timing(timing: dict, run: Path) -> list:
         table.add_column(col, justify="right" if col not in ("node", "ranks") else "left")
     if per_rank:
         rows = [
-            (str(r["rank"]), r["node"], str(r["pp"]), r, relative.get(r["rank"], {}).get("relative")) for r in ranks
+            (str(r["rank"]), cm(r["node"]), str(r["pp"]), r, relative.get(r["rank"], {}).get("relative")) for r in ranks
         ]
     else:
         import statistics
@@ -204,8 +237,11 @@ def format_timing(timing: dict, run: Path) -> list:
             first, last = members[0]["rank"], members[-1]["rank"]
             rows.append((node, f"{first}-{last}", ",".join(map(str, stages)), med, verdict["nodes"].get(node)))
     slow = set(verdict["slow_ranks"])
+    slow_nodes = set(verdict["slow_nodes"])
     for a, b, pp, figures, rel in rows:
-        flagged = (per_rank and int(a) in slow) or (not per_rank and a in verdict["slow_nodes"])
+        flagged = (per_rank and int(a) in slow) or (not per_rank and a in slow_nodes)
+        if not per_rank:
+            a = cm(a)
         cells = [f"{figures[c] * 1000:.1f}" for c in columns]
         mark = "—" if rel is None else f"{rel:.2f}×"
         row = [a, b, pp, *cells, mark]
@@ -223,12 +259,12 @@ def format_timing(timing: dict, run: Path) -> list:
         for rank in verdict["slow_ranks"]:
             r = relative[rank]
             lines.append(
-                f"[red]straggler: rank {rank} on node {r['node']}[/red]: own time {r['relative']:.2f}× its peers' "
+                f"[red]straggler: rank {rank} on node {cm(r['node'])}[/red]: own time {r['relative']:.2f}× its peers' "
                 f"(slow in {r['slow_windows']} of the last {verdict['windows']} windows)"
             )
-        nodes = ",".join(verdict["slow_nodes"])
+        nodes = cm(",".join(verdict["slow_nodes"]))
         lines.append(
             f"slow node(s): {nodes}. To move the job off them: stop it (scancel --signal=USR2 JOBID: it saves and "
-            f"stops), then hpcscale resume {run} --exclude-slow"
+            f"stops), then hpcscale resume {cm(run)} --exclude-slow"
         )
     return lines

@@ -1,12 +1,26 @@
-"""Calls to Slurm's client commands for one site (its SLURM_CONF and cluster name applied)."""
+"""Calls to Slurm's client commands for one site (its SLURM_CONF and cluster name applied).
+
+A slurm.conf decides what Slurm's client commands load into their process (PluginDir=, the plugins, Include
+files), so a site's `slurm.conf` is handed to them only when it is trusted (hpcscale.util.trust): a regular file,
+owned by the user or root and writable by no one else, in a directory owned by the user or root that no one
+else can write (or that is sticky). A symlink is resolved once and the file it leads to is checked and handed
+to Slurm. Checked before every command, on descriptors; refused with exit 2 naming the file, its owner and
+mode. A conf that does not exist is left to Slurm to report, once its directory is checked (nobody else can
+create it there afterwards).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcscale.config.site import SiteConfig
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
+from hpcscale.util.trust import check_trusted
+
+CONF_WHAT = "slurm.conf (the site's slurm.conf, given to Slurm as SLURM_CONF)"
 
 SLURM_COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "sinfo")
 
@@ -27,7 +41,24 @@ class SlurmClient:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"SLURM_CONF": self.conf} if self.conf else {}
+        """The environment Slurm's commands get: SLURM_CONF, vetted (check_conf), when the site names one."""
+        conf = self.check_conf()
+        return {"SLURM_CONF": conf} if conf else {}
+
+    def check_conf(self) -> str | None:
+        """The site's slurm.conf as the path handed to Slurm, once trusted; UntrustedFile (exit 2) otherwise.
+
+        A symlink is resolved first and the file it leads to is what is checked and handed over (a later swap
+        of the link changes nothing); the file must be trusted and so must its directory (hpcscale.util.trust).
+        A conf that does not exist is left to Slurm to report, once its directory is checked."""
+        if not self.conf:
+            return None
+        conf = Path(os.path.realpath(self.conf))
+        if os.path.lexists(conf):
+            check_trusted(conf, what=CONF_WHAT, parent=True)
+        elif conf.parent.is_dir():
+            check_trusted(conf.parent, what=f"directory of the {CONF_WHAT}", directory=True)
+        return str(conf)
 
     def run(self, *args: str, timeout: float = 30, check: bool = True) -> proc.Completed:
         return proc.run(args, env=self.env, timeout=timeout, check=check)

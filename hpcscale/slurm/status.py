@@ -1,16 +1,25 @@
-"""`hpcscale status RUN`: submissions and their Slurm states, from sacct (scontrol when accounting is off)."""
+"""`hpcscale status RUN`: submissions and their Slurm states, from sacct (scontrol when accounting is off).
+
+The run's site.yaml (it names SLURM_CONF) is trusted only as hpcscale.util.trust says; every other file is read
+bounded (metrics.jsonl: its last METRICS_TAIL bytes; timing.jsonl: hpcscale.observe.timing's bounds) and one
+that is not a regular file (a FIFO, a device) is skipped with a note, never waited on. Values are passed on as
+found (JSON); the text view (hpcscale.cli.slurm_cmd) shows them only through hpcscale.util.trust.clean_markup.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpcscale.config.yamlsrc import load_yaml
+from hpcscale.config.errors import ConfigError
+from hpcscale.config.yamlsrc import parse_yaml
 from hpcscale.errors import BadInput
 from hpcscale.rundir import JOB, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
-from hpcscale.util.bounded import loads_json
+from hpcscale.util.bounded import loads_json, read_bounded, read_tail
+
+METRICS_TAIL = 8 << 20  # bytes read from the end of metrics.jsonl for the last step and the last plan
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End")
 
@@ -43,6 +52,7 @@ class RunStatus:
     last_metrics: dict | None = None  # the last training line of metrics.jsonl
     timing: dict | None = None  # the newest per-rank window of timing.jsonl and the straggler verdict
     checkpoint_interval: dict | None = None  # checkpoint.every_steps: auto's latest plan (metrics.jsonl)
+    notes: list[str] = field(default_factory=list)  # files skipped, and why (not regular files, damage)
 
     def to_json(self) -> dict:
         return {
@@ -53,6 +63,7 @@ class RunStatus:
             "last_metrics": self.last_metrics,
             "timing": self.timing,
             "checkpoint_interval": self.checkpoint_interval,
+            "notes": self.notes,
             "submissions": [
                 {"submission": asdict(s.submission), "jobs": [asdict(j) for j in s.jobs]} for s in self.submissions
             ],
@@ -79,25 +90,40 @@ def run_status(path: Path) -> RunStatus:
                 states[job_id] = _scontrol(client, job_id)
                 sources.add("scontrol")
     source = ", ".join(sorted(sources)) or "none"
-    job = load_yaml(rd.path / JOB).data
-    name = job.get("name") if isinstance(job, dict) else None
+    notes: list[str] = []
+    rows = _metric_rows(rd.metrics, notes)
     return RunStatus(
         rd.path,
-        name,
+        _job_name(rd),
         source,
         [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs],
         _latest_checkpoint(rd),
-        _last_metrics(rd.metrics),
-        _timing(rd),
-        _last_metrics(rd.metrics, key="checkpoint_interval"),
+        _last_metrics(rows),
+        _timing(rd, notes),
+        _last_metrics(rows, key="checkpoint_interval"),
+        notes,
     )
 
 
-def _timing(rd: RunDir) -> dict | None:
+def _job_name(rd: RunDir) -> str | None:
+    """job.yaml's name, for the title only (bounded; a damaged or odd file costs the title, nothing else)."""
+    try:
+        job = parse_yaml(read_bounded(rd.path / JOB, max_bytes=1 << 20, what=JOB).decode("utf-8"), JOB).data
+    except (BadInput, ConfigError, UnicodeDecodeError):
+        return None
+    name = job.get("name") if isinstance(job, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _timing(rd: RunDir, notes: list[str]) -> dict | None:
     """The newest window (per rank: the medians; its step and attempt) and the straggler verdict."""
     from hpcscale.observe.timing import judge, read_windows
 
-    windows = read_windows(rd.path / TIMING)
+    try:
+        windows = read_windows(rd.path / TIMING)
+    except BadInput as e:
+        notes.append(f"{TIMING} skipped: {e}")
+        return None
     if not windows:
         return None
     newest = windows[-1]
@@ -123,14 +149,24 @@ def _latest_checkpoint(rd: RunDir) -> dict | None:
     return asdict(info) if info else None
 
 
-def _last_metrics(path: Path, *, key: str = "loss") -> dict | None:
+def _metric_rows(path: Path, notes: list[str]) -> list[bytes]:
+    """The lines of metrics.jsonl's last METRICS_TAIL bytes, newest first; [] when it is missing or skipped."""
+    try:
+        tail = read_tail(path, max_bytes=METRICS_TAIL, what="metrics log", missing_ok=True)
+    except BadInput as e:
+        notes.append(f"{path.name} skipped: {e}")
+        return []
+    return [] if tail is None else tail.data.splitlines()[::-1]
+
+
+def _last_metrics(lines: list[bytes], *, key: str = "loss") -> dict | None:
     """The last line of metrics.jsonl with `key` (for "loss": the line; otherwise that key's value, with the
-    line's step)."""
-    if not path.exists():
-        return None
-    for line in reversed(path.read_text(errors="replace").splitlines()):
+    line's step), among `lines` (newest first)."""
+    for line in lines:
+        if key.encode() not in line:
+            continue
         try:
-            row = loads_json(line, source=str(path), max_bytes=1 << 20)
+            row = loads_json(line, source="metrics.jsonl", max_bytes=1 << 20)
         except BadInput:  # a torn last line of a run that is still writing, or damage: look further back
             continue
         if isinstance(row, dict) and key in row:
