@@ -28,6 +28,12 @@ from hpcscale.errors import STOPPED_EXIT_CODE
     "last attempt).",
 )
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="Resume on N nodes (resharded on load).")
+@click.option(
+    "--accept-changes",
+    is_flag=True,
+    help="Resubmit although RUN/job.yaml or RUN/site.yaml changed since the last submission (the difference is "
+    "shown); records them as they are now (not with --dry-run).",
+)
 @dry_run_option
 @json_option
 @click.option("--in-job", is_flag=True, hidden=True, help="Called by the batch script after its ranks end.")
@@ -37,6 +43,7 @@ def resume(
     exclude_mode: str | None,
     exclude_slow: bool,
     nodes: int | None,
+    accept_changes: bool,
     dry_run: bool,
     as_json: bool,
     in_job: bool,
@@ -53,7 +60,10 @@ def resume(
       hpcscale resume RUN --exclude-slow       # and away from the stragglers `status` names
 
     Refused (exit 2, nothing submitted) while the run's job is pending or running, when the run finished,
-    and while another `resume` of the same run is deciding.
+    while another `resume` of the same run is deciding, when RUN/job.yaml or RUN/site.yaml is not yours (owned
+    by someone else, or writable by others), and when either changed since it was submitted (the difference
+    is shown; --accept-changes resubmits them as they are). --dry-run shows everything it would run: the
+    script, the command, the environment, the site and its SLURM_CONF.
     """
     from hpcscale.rundir import RunDir
 
@@ -65,12 +75,15 @@ def resume(
         after_step(run, exit_code, say=lambda line: click.echo(line, err=True))
         return
 
-    from hpcscale.launch.resume import plan_resume, record, resume_lock, submit_resume
+    from hpcscale.launch.resume import check_submitted, plan_resume, record, resume_lock, submit_resume, what_it_runs
 
     rd = RunDir.open(run.resolve())
     with resume_lock(rd):
+        accepted = check_submitted(rd, accept=accept_changes, save=not dry_run)  # before anything runs
         plan, loaded = plan_resume(rd, exclude_mode=exclude_mode, nodes=nodes, exclude_slow=exclude_slow)
         plan.dry_run = dry_run
+        plan.accepted_changes = accepted
+        plan.runs = what_it_runs(rd, plan, loaded)
         if not as_json:
             _show(plan)
         if dry_run:
@@ -105,14 +118,44 @@ def resume(
 
 
 def _show(plan) -> None:
+    """The decision for a person; every string that came from the run directory, its logs or Slurm is cleaned
+    of control characters (hpcscale.util.trust.clean) before it reaches the terminal."""
+    import shlex
+
+    from hpcscale.util.trust import clean
+
     d = plan.diagnosis
-    click.echo(f"last job: {d.explanation}")
+    if plan.accepted_changes:
+        click.echo("accepted changes since the last submission (--accept-changes):")
+        for line in plan.accepted_changes:
+            click.echo(f"  {line}")
+    click.echo(f"last job: {clean(d.explanation)}")
     for r in plan.refused:
-        click.echo(f"refused checkpoint step {r['step']}: {r['problem']}")
+        click.echo(f"refused checkpoint step {r['step']}: {clean(r['problem'])}")
     for w in plan.warnings:
-        click.echo(f"warning: {w}", err=True)
+        click.echo(f"warning: {clean(w)}", err=True)
     click.echo(
         f"resume from: checkpoint step {plan.checkpoint}" if plan.checkpoint is not None else "resume from: the start"
     )
     if plan.kind == "slurm":
-        click.echo(f"nodes: {plan.nodes}" + (f", excluding {','.join(plan.exclude)}" if plan.exclude else ""))
+        click.echo(f"nodes: {plan.nodes}" + (f", excluding {clean(','.join(plan.exclude))}" if plan.exclude else ""))
+    runs = plan.runs
+    if not runs:
+        return
+    click.echo(f"site: {clean(runs['site'])} ({clean(runs['site_file'])})")
+    if plan.kind == "slurm":
+        conf = runs.get("slurm_conf")
+        click.echo(f"SLURM_CONF: {clean(conf) if conf else '(unset: the machine default)'}")
+    click.echo(f"command: {clean(shlex.join(runs['command']))}")
+    env = runs["environment"]
+    click.echo("environment:" + ("" if env else " (nothing set)"))
+    for key, value in env.items():
+        click.echo(f"  {clean(key)}={clean(shlex.quote(str(value)))}")
+    for module in runs["modules"]:
+        click.echo(f"module load: {clean(module)}")
+    for path in runs["source"]:
+        click.echo(f"source: {clean(path)}")
+    if plan.dry_run and runs.get("script") is not None:
+        click.echo(f"sbatch script (template {clean(runs['template'])}):")
+        for line in runs["script"].splitlines():
+            click.echo(f"  | {clean(line, limit=1000)}")

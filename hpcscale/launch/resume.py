@@ -15,6 +15,13 @@
    in this run (earlier resumes' exclusions too).
 6. Resubmit with `--exclude`, optionally at another node count (--nodes: resharded on load, the global batch
    kept), record the decision (RUN/resume.jsonl, and the submission's reason and excluded nodes).
+
+What it resubmits is what was submitted: RUN/job.yaml and RUN/site.yaml must be trusted (owned by the user or
+root, writable by no one else: hpcscale.util.trust) and unchanged since the last submission (their record,
+RUN/.submitted.json); a change is refused with its diff unless accepted (`check_submitted`). The plan carries
+everything the resubmission runs (`Plan.runs`: the script, the command, the environment, the site and its
+SLURM_CONF), so `--dry-run` shows it whole. Logs are read through bounded tails (LOG_TAIL bytes each; FIFOs
+and devices refused), never whole.
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ from hpcscale.portable.errors import StageError
 from hpcscale.rundir import LOGS, RESUME_STATE, TIMING, RunDir, Submission, append_json_line
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
+from hpcscale.util.bounded import read_tail
 from hpcscale.util.hostlist import expand
+from hpcscale.util.trust import check_fd
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
@@ -47,6 +56,7 @@ _SRUN_TASK = re.compile(
 )
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+LOG_TAIL = 8 << 20  # bytes read from the end of each job log: a long run's log can be large
 
 
 @dataclass(slots=True)
@@ -76,6 +86,8 @@ class Plan:
     submitted: str | None = None  # the new job id
     dry_run: bool = False
     warnings: list[str] = field(default_factory=list)  # what to tune before it happens again
+    runs: dict | None = None  # what the resubmission runs (what_it_runs): script, command, environment, site
+    accepted_changes: list[str] = field(default_factory=list)  # the diff --accept-changes accepted
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -138,14 +150,16 @@ def _unhealthy(client: SlurmClient, nodes: list[str]) -> list[str]:
 
 
 def _read_logs(rd: RunDir, names: list[str]) -> list[str]:
+    """The last LOG_TAIL bytes of each log, as lines; a log that is missing, or is not a regular file (a FIFO,
+    a device), is skipped: never waited on, never read whole."""
     lines: list[str] = []
     for name in names:
-        path = rd.path / LOGS / name
-        with contextlib.suppress(OSError), open(path, "rb") as f:  # the tail: a long run's log can be large
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - (8 << 20)))
-            lines += f.read().decode("utf-8", "replace").splitlines()
+        try:
+            tail = read_tail(rd.path / LOGS / name, max_bytes=LOG_TAIL, what="job log", missing_ok=True)
+        except HpcscaleError:
+            continue
+        if tail is not None:
+            lines += tail.data.decode("utf-8", "replace").splitlines()
     return lines
 
 
@@ -355,9 +369,14 @@ def _finished_local(rd: RunDir, loaded: LoadedJob, step: int | None) -> bool:
 @contextlib.contextmanager
 def resume_lock(rd: RunDir):
     state = rd.path / RESUME_STATE
-    state.mkdir(exist_ok=True)
-    fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    with contextlib.suppress(FileExistsError):
+        state.mkdir(mode=0o755)
     try:
+        fd = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadInput(f"{state}: not a directory of this run ({e.strerror}); remove it") from None
+    try:
+        check_fd(fd, state, what="resume lock directory", directory=True)  # another's could hold a fake lock
         try:
             token = run_lock.acquire(fd, str(state))
         except StageError as e:
@@ -456,6 +475,65 @@ def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob) -> str | None:
     plan.submitted = r.job_id
     record(rd, plan)
     return r.job_id
+
+
+def check_submitted(rd: RunDir, *, accept: bool, save: bool = True) -> list[str]:
+    """Refuse (BadInput, exit 2, the diff in the message) when RUN/job.yaml or RUN/site.yaml changed since the
+    last submission recorded them, or nothing recorded them; with `accept` (--accept-changes) return the diff
+    instead, recording the files as they are now when `save` (not for --dry-run). [] when unchanged."""
+    diff = rd.changes_since_submitted()
+    if not diff:
+        return []
+    if not accept:
+        raise BadInput(
+            f"{rd.path}: the job would not run what was submitted: its files changed since "
+            "(someone, or you, edited them):\n"
+            + "\n".join(diff)
+            + "\nRefusing to resubmit. Check the difference; if you made it and mean it, resume with "
+            "--accept-changes (it records the files as they are now)"
+        )
+    if save:
+        rd.accept_current()
+    return diff
+
+
+def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
+    """Everything the resubmission would run, as submit_job / run_local will build it: the sbatch script (its
+    exact text) or the mpirun command, the program, the environment it sets (the site's variables and the job's
+    `environment:`), the modules and files it sources, the site and the SLURM_CONF its Slurm commands use."""
+    spec, site = loaded.spec, loaded.site.config
+    env = {**site.environment.variables, **spec.environment}
+    out: dict = {
+        "site": site.name,
+        "site_file": str(loaded.site.path),
+        "job_file": str(loaded.path),
+        "environment": env,
+        "modules": list(site.environment.modules),
+        "source": list(site.environment.source),
+    }
+    if plan.kind == "local":
+        import sys
+
+        out["command"] = [
+            "mpirun", "-n", str(spec.world_size), "--oversubscribe", "--bind-to", "none", *site.launcher.extra_args,
+            sys.executable, "-m", "hpcscale", "launch", "--run-dir", str(rd.path),
+        ]  # fmt: skip
+        from hpcscale.launch.local import local_env
+
+        out["environment"] = {**env, **local_env(), "OMP_NUM_THREADS": "1"}  # as run_local sets it
+        return out
+    from hpcscale.slurm.render import choose_template, render_script
+    from hpcscale.slurm.submit import resolve_for_slurm
+
+    client = SlurmClient.for_site(site)
+    job = resolve_for_slurm(loaded, run_dir=rd.path, excluded=tuple(plan.exclude), client=client)
+    name = choose_template(job, None)
+    out["slurm_conf"] = client.check_conf()  # as handed to Slurm (vetted, symlinks resolved); None: the default
+    out["template"] = name
+    program = ["hpcscale", "launch", "--run-dir", str(rd.path)]
+    out["command"] = list(spec.command) if spec.command is not None else program
+    out["script"] = render_script(job, name)
+    return out
 
 
 def record(rd: RunDir, plan: Plan) -> None:
