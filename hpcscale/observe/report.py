@@ -5,22 +5,40 @@ RUN/timing.jsonl (per-rank step times, stragglers) and the committed checkpoints
 makes the report. Damaged or torn lines are skipped, never fatal; a step logged again after a restart keeps
 its newest value (the one training went on from).
 
-Writes, inside DIR only: loss.png, throughput.png, ranks.png (when per-rank timing exists), summary.md.
+Writes, inside DIR only: loss.png, throughput.png, ranks.png (when per-rank timing exists), summary.md. DIR is
+opened once (O_NOFOLLOW|O_DIRECTORY: a symlink there is refused) and every file is written relative to that
+descriptor through a temporary of a random name (O_CREAT|O_EXCL|O_NOFOLLOW), then renamed: swapping DIR, or
+planting symlinks in it, cannot make the report write elsewhere.
+
+Bounded whatever the run directory holds (others may write it): metrics.jsonl's last METRICS_TAIL bytes are
+read (the summary says how much was left out), timing.jsonl as hpcscale.observe.timing bounds it, a file that is
+not a regular file (a FIFO, a device) is refused (metrics) or skipped (timing, job.yaml's name); a figure that
+is not a number or not finite (or beyond MAX_FIGURE) is not plotted; the per-rank heatmap has at most
+PLOT_ROWS rows (ranks binned, each bin showing its slowest rank). Text from the run (its name) is cleaned of
+control characters.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from hpcscale.errors import BadInput
 from hpcscale.rundir import JOB, METRICS, TIMING, RunDir
-from hpcscale.util.bounded import loads_json
+from hpcscale.util.bounded import loads_json, read_bounded, read_tail
+from hpcscale.util.trust import clean
 
 MAX_LINE = 1 << 20
+METRICS_TAIL = 64 << 20  # bytes of metrics.jsonl read (its end): ~300k steps
+MAX_FIGURE = 1e100  # a figure beyond this is not plotted (matplotlib's transforms overflow near 1e308)
+PLOT_ROWS = 128  # rows of the per-rank heatmap; more ranks are binned
+MAX_STEP = 10**15  # a step number beyond this is damage, not a step
+KEPT = ("loss", "tokens_per_s", "step_time_s", "time", "attempt")  # what the report keeps of a training line
 
 
 @dataclass
@@ -32,10 +50,18 @@ class RunData:
     restarts: list[tuple[int, float, int]] = field(default_factory=list)  # (first step, time, attempt)
     attempts: int = 0
     skipped: int = 0  # lines that were not JSON objects
+    cut_bytes: int = 0  # bytes at the start of metrics.jsonl not read (over METRICS_TAIL)
 
 
 def _finite(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    """A number the report can compute and plot with: finite and within ±MAX_FIGURE (an integer of 400 digits
+    is not: it is no float at all)."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v) and abs(v) <= MAX_FIGURE
+    except OverflowError:
+        return False
 
 
 def read_run(path: Path) -> RunData:
@@ -46,40 +72,44 @@ def read_run(path: Path) -> RunData:
         raise BadInput(f"{path}: cannot read the run directory: {e}") from None
     name = path.name
     try:
-        from hpcscale.config.yamlsrc import load_yaml
+        from hpcscale.config.yamlsrc import parse_yaml
 
-        doc = load_yaml(rd.path / JOB).data
+        text = read_bounded(rd.path / JOB, max_bytes=1 << 20, what=JOB).decode("utf-8")
+        doc = parse_yaml(text, JOB).data
         if isinstance(doc, dict) and isinstance(doc.get("name"), str):
             name = doc["name"]
-    except Exception:  # a damaged job.yaml costs the title, not the report
+    except Exception:  # a damaged (or odd: a FIFO) job.yaml costs the title, not the report
         pass
-    data = RunData(name)
+    data = RunData(clean(name, limit=200))
     first_step: dict[int, int] = {}
-    try:
-        raw = (rd.path / METRICS).read_bytes()
-    except FileNotFoundError:
-        raise BadInput(f"{rd.path}: no {METRICS}: the run has not logged a step yet") from None
-    for line in raw.splitlines():
+    tail = read_tail(rd.path / METRICS, max_bytes=METRICS_TAIL, what="metrics log", missing_ok=True)
+    if tail is None:
+        raise BadInput(f"{rd.path}: no {METRICS}: the run has not logged a step yet")
+    data.cut_bytes = tail.cut
+    for line in tail.data.splitlines():
         if not line.strip():
             continue
         try:
             row = loads_json(line, source=str(rd.path / METRICS), max_bytes=MAX_LINE) if len(line) <= MAX_LINE else None
         except BadInput:
             row = None
-        if not isinstance(row, dict) or type(row.get("step")) is not int or row["step"] < -1:
+        if not isinstance(row, dict) or type(row.get("step")) is not int or not -1 <= row["step"] <= MAX_STEP:
             data.skipped += 1
             continue
         step, attempt = row["step"], row.get("attempt")
         attempt = attempt if type(attempt) is int else None
         when = row.get("time") if _finite(row.get("time")) else None
         loss = row.get("loss")
-        if isinstance(loss, int | float) and not isinstance(loss, bool):  # NaN too: a diverged run shows it
-            data.train[step] = row
+        if _finite(loss):  # a string, a 1e308 or a nested value is not a loss to plot: the line is skipped
+            data.train[step] = {k: row[k] for k in KEPT if k in row}
             if attempt is not None:
                 first_step[attempt] = min(first_step.get(attempt, step), step)
+        else:
+            data.skipped += "loss" in row
         if _finite(row.get("val_loss")):
             data.val[step] = float(row["val_loss"])
-        if type(row.get("checkpoint")) is int and when is not None:
+        saved = row.get("checkpoint")
+        if type(saved) is int and 0 <= saved <= MAX_STEP and when is not None and len(data.saves) < 100_000:
             data.saves.append((row["checkpoint"], float(when), attempt))
     if not data.train:
         raise BadInput(f"{rd.path / METRICS}: no training line (step and loss) to report")
@@ -109,6 +139,8 @@ def tokens_by_step(data: RunData) -> dict[int, float] | None:
         if not (_finite(row.get("tokens_per_s")) and _finite(row.get("step_time_s"))):
             return None
         total += row["tokens_per_s"] * row["step_time_s"]
+        if not math.isfinite(total) or total > MAX_FIGURE:
+            return None
         out[step] = total
     return out
 
@@ -118,39 +150,66 @@ def build(run: Path, out: Path) -> dict:
     from hpcscale.observe.timing import judge, read_windows
 
     data = read_run(run)
-    if out.is_symlink():
-        raise BadInput(f"-o {out}: a symbolic link; the report writes only into a real directory")
-    if out.exists() and not out.is_dir():
-        raise BadInput(f"-o {out}: exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    windows = read_windows(run / TIMING)
+    try:
+        windows = read_windows(run / TIMING)
+    except BadInput:  # a FIFO or a device: no per-rank timing, the rest of the report stands
+        windows = []
     verdict = judge(windows) if windows else None
-    written = []
     import matplotlib
 
     matplotlib.use("Agg")
-    written.append(_plot_loss(data, out / "loss.png"))
-    written.append(_plot_throughput(data, out / "throughput.png"))
+    images = {"loss.png": _plot_loss(data), "throughput.png": _plot_throughput(data)}
     if windows:
-        written.append(_plot_ranks(windows, verdict, out / "ranks.png"))
-    summary = summarize(data, verdict, [p.name for p in written])
-    _write(out / "summary.md", render_markdown(summary).encode())
-    written.append(out / "summary.md")
-    return {"run": str(run), "out": str(out), "files": [str(p) for p in written], "summary": summary}
-
-
-def _write(path: Path, data: bytes) -> None:
-    """Replace `path` atomically; a symlink planted at `path` is replaced, never followed."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        images["ranks.png"] = _plot_ranks(windows, verdict)
+    summary = summarize(data, verdict, list(images))
+    files = {**images, "summary.md": render_markdown(summary).encode()}
+    dfd = _open_out(out)
     try:
-        os.write(fd, data)
+        for name, content in files.items():
+            _write(dfd, name, content)
+    finally:
+        os.close(dfd)
+    return {"run": str(run), "out": str(out), "files": [str(out / n) for n in files], "summary": summary}
+
+
+def _open_out(out: Path) -> int:
+    """The output directory, created if missing, opened once with O_NOFOLLOW|O_DIRECTORY: a symlink at `out`
+    (planted before, or swapped in after the mkdir) is refused; everything is then written relative to it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        pass  # a symlink or a file: refused below
+    except OSError as e:
+        raise BadInput(f"-o {out}: cannot create the directory ({e.strerror})") from None
+    try:
+        return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(out):
+            raise BadInput(f"-o {out}: a symbolic link; the report writes only into a real directory") from None
+        if e.errno == errno.ENOTDIR:
+            raise BadInput(f"-o {out}: exists and is not a directory") from None
+        raise BadInput(f"-o {out}: cannot open the directory ({e.strerror})") from None
+
+
+def _write(dfd: int, name: str, data: bytes) -> None:
+    """Replace `name` in the directory `dfd` atomically: a temporary of a random name created with
+    O_CREAT|O_EXCL|O_NOFOLLOW, renamed over `name` (a symlink planted at `name` is replaced, never followed)."""
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except OSError:
+        os.unlink(tmp, dir_fd=dfd)
+        raise
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig) -> bytes:
     import io
 
     buf = io.BytesIO()
@@ -158,8 +217,7 @@ def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    _write(path, buf.getvalue())
-    return path
+    return buf.getvalue()
 
 
 def _mark(ax, data: RunData, *, x_of) -> None:
@@ -174,7 +232,7 @@ def _mark(ax, data: RunData, *, x_of) -> None:
             ax.axvline(x, color="0.75", lw=0.6, zorder=0, label="checkpoint" if i == 0 else None)
 
 
-def _plot_loss(data: RunData, path: Path) -> Path:
+def _plot_loss(data: RunData) -> bytes:
     import matplotlib.pyplot as plt
 
     steps = sorted(data.train)
@@ -201,10 +259,10 @@ def _plot_loss(data: RunData, path: Path) -> Path:
         ax.set_xlabel("tokens")
         ax.set_ylabel("loss")
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _save(fig)
 
 
-def _plot_throughput(data: RunData, path: Path) -> Path:
+def _plot_throughput(data: RunData) -> bytes:
     import matplotlib.pyplot as plt
 
     rows = [data.train[s] for s in sorted(data.train) if _finite(data.train[s].get("time"))]
@@ -216,8 +274,8 @@ def _plot_throughput(data: RunData, path: Path) -> Path:
             by_attempt.setdefault(r.get("attempt"), []).append(r)
         for part in by_attempt.values():
             part.sort(key=lambda r: r["time"])
-            ax.plot([(r["time"] - t0) / 60 for r in part], [r.get("tokens_per_s", math.nan) for r in part],
-                    lw=1, color="tab:blue")  # fmt: skip
+            tps = [r["tokens_per_s"] if _finite(r.get("tokens_per_s")) else math.nan for r in part]
+            ax.plot([(r["time"] - t0) / 60 for r in part], tps, lw=1, color="tab:blue")
         for i, (_, when, _) in enumerate(data.restarts):
             if math.isfinite(when):
                 ax.axvline((when - t0) / 60, color="tab:red", ls="--", lw=1, label="restart" if i == 0 else None)
@@ -230,27 +288,42 @@ def _plot_throughput(data: RunData, path: Path) -> Path:
     else:
         ax.text(0.5, 0.5, "this run does not log tokens/s", ha="center", va="center", transform=ax.transAxes)
     ax.set_title(f"{data.name}: throughput")
-    return _save(fig, path)
+    return _save(fig)
 
 
-def _plot_ranks(windows, verdict, path: Path) -> Path:
+def _plot_ranks(windows, verdict) -> bytes:
+    """Own time per rank and window; over PLOT_ROWS ranks, contiguous ranks share a row showing their slowest."""
     import matplotlib.pyplot as plt
     import numpy as np
 
     newest = windows[-1]
     same = [w for w in windows if w.nodes == newest.nodes and w.pp == newest.pp]
-    grid = np.array([[row["own_s"] * 1000 for row in w.ranks] for w in same]).T  # ranks x windows
+    grid = np.array([[row["own_s"] * 1000 for row in w.ranks] for w in same], dtype=float).T  # ranks x windows
+    grid = np.clip(grid, 0.0, MAX_FIGURE)
     n = len(newest.nodes)
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.25 * n + 1.5)))
+    per_row = -(-n // PLOT_ROWS)  # ranks per row
+    if per_row > 1:
+        rows = -(-n // per_row)
+        padded = np.zeros((rows * per_row, grid.shape[1]))
+        padded[:n] = grid
+        grid = padded.reshape(rows, per_row, grid.shape[1]).max(axis=1)
+    nrows = grid.shape[0]
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.25 * nrows + 1.5)))
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
-    fig.colorbar(image, ax=ax, label="own ms/step (window mean)")
+    fig.colorbar(image, ax=ax, label="own ms/step (window mean)" + (", slowest of the row" if per_row > 1 else ""))
     slow = set(verdict.slow_ranks) if verdict is not None else set()
-    ax.set_yticks(range(n))
-    ax.set_yticklabels(
-        [f"{'straggler ' if i in slow else ''}{i} ({newest.nodes[i]})" for i in range(n)], fontsize=7 if n > 16 else 8
-    )
+    slow_rows = {r // per_row for r in slow}
+    ax.set_yticks(range(nrows))
+    if per_row == 1:
+        labels = [f"{'straggler ' if i in slow else ''}{i} ({clean(newest.nodes[i], limit=40)})" for i in range(n)]
+    else:
+        labels = [
+            f"{'straggler ' if i in slow_rows else ''}{i * per_row}-{min(n, (i + 1) * per_row) - 1}"
+            for i in range(nrows)
+        ]
+    ax.set_yticklabels(labels, fontsize=7 if nrows > 16 else 8)
     for i, label in enumerate(ax.get_yticklabels()):
-        if i in slow:
+        if i in slow_rows:
             label.set_color("tab:red")
     ticks = list(range(0, len(same), max(1, len(same) // 10)))
     ax.set_xticks(ticks)
@@ -259,9 +332,9 @@ def _plot_ranks(windows, verdict, path: Path) -> Path:
         if same[i].attempt != same[i - 1].attempt:
             ax.axvline(i - 0.5, color="white", ls="--", lw=1.5)  # a restart
     ax.set_xlabel("window's last step")
-    ax.set_ylabel("rank (node)")
+    ax.set_ylabel("rank (node)" if per_row == 1 else f"ranks ({per_row} a row)")
     ax.set_title("per-rank own time, not waiting on others (dashed: a restart)")
-    return _save(fig, path)
+    return _save(fig)
 
 
 def summarize(data: RunData, verdict, images: list[str]) -> dict:
@@ -285,6 +358,7 @@ def summarize(data: RunData, verdict, images: list[str]) -> dict:
         "checkpoints": sorted({s for s, _, _ in data.saves}),
         "stragglers": None if verdict is None else verdict.to_json(),
         "skipped_lines": data.skipped,
+        "metrics_bytes_not_read": data.cut_bytes,
         "images": images,
     }
 
@@ -317,12 +391,19 @@ def render_markdown(s: dict) -> str:
         lines.append(f"| stragglers | no verdict: {v['reason']} |")
     elif v["slow_ranks"]:
         slow = [r for r in v["ranks"] if r["rank"] in v["slow_ranks"]]
-        named = ", ".join(f"rank {r['rank']} on {r['node']} ({r['relative']:.2f}× its peers)" for r in slow)
+        named = ", ".join(
+            f"rank {r['rank']} on {clean(r['node'], limit=40)} ({r['relative']:.2f}× its peers)" for r in slow
+        )
         lines.append(f"| stragglers | {named} |")
     else:
         lines.append(f"| stragglers | none in the last {v['windows']} windows of the newest attempt |")
     if s["skipped_lines"]:
         lines.append(f"| damaged metrics lines skipped | {s['skipped_lines']} |")
+    if s.get("metrics_bytes_not_read"):
+        lines.append(
+            f"| metrics.jsonl read | its last {METRICS_TAIL >> 20} MiB only ({s['metrics_bytes_not_read']:,} bytes "
+            "before them not read) |"
+        )
     lines.append("")
     for image in s["images"]:
         lines += [f"![{image}]({image})", ""]

@@ -22,20 +22,29 @@ the window's steps, in seconds (so step_s = own_s + dp_wait_s + sync_s and own_s
              who is slow; the slow rank is the one that waits least.
 
 A line may be torn (a run killed mid-write) or damaged: readers skip it, never fail on it.
+
+Reading is bounded whatever the file holds (it lives in a run directory others may write): only the last
+TAIL_BYTES of the file are read (a FIFO or a device is refused: BadInput), a line over MAX_LINE bytes is
+skipped unparsed, a window of more than MAX_RANKS ranks is skipped, and at most MAX_WINDOWS windows (the
+newest) are kept. The verdict takes time linear in the ranks of the windows it judges.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcscale.errors import BadInput
-from hpcscale.util.bounded import loads_json
+from hpcscale.util.bounded import loads_json, read_tail
 
 COLUMNS = ("step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s")
-MAX_LINE = 1 << 24  # 16 MiB: 100k ranks of 7 figures
+MAX_LINE = 4 << 20  # 4 MiB: 16k ranks of 7 figures take ~1.2 MB
+MAX_RANKS = 16384  # ranks in one window (2,048 nodes of 8 GPUs); larger windows are skipped
+TAIL_BYTES = 16 << 20  # read from the end of timing.jsonl: ~13 windows of MAX_RANKS ranks, thousands of small ones
+MAX_WINDOWS = 512  # windows kept (the newest): the report's heatmap over time, status's verdict
 
 # The straggler rule (docs/observability.md): a rank is slow in a window when its own time is at least RATIO
 # times the median of its peers (the ranks of its pipeline stage, which do the same work) and FLOOR_S more in
@@ -84,19 +93,26 @@ def parse_line(doc: object) -> Window | None:
         return None
     if not (isinstance(ranks, list) and isinstance(nodes, list) and isinstance(pp, list)):
         return None
-    if not ranks or not (len(ranks) == len(nodes) == len(pp)):
+    if not ranks or len(ranks) > MAX_RANKS or not (len(ranks) == len(nodes) == len(pp)):
         return None
     if not all(isinstance(n, str) for n in nodes) or not all(type(p) is int and p >= 0 for p in pp):
         return None
-    rows = []
-    for row in ranks:
-        if not (isinstance(row, list) and len(row) == len(columns)):
-            return None
-        if not all(_finite(v) and v >= 0 for v in row):
-            return None
-        rows.append(dict(zip(columns, (float(v) for v in row), strict=True)))
-    if not all(c in rows[0] for c in ("step_s", "own_s")):
+    if not all(c in columns for c in ("step_s", "own_s")):
         return None
+    rows = []
+    width = len(columns)
+    for row in ranks:
+        if not (isinstance(row, list) and len(row) == width):
+            return None
+        if not all(type(v) is float or type(v) is int for v in row):  # bool, str, nested: not a figure
+            return None
+        try:
+            figures = [float(v) for v in row]  # an integer too large for a float: OverflowError
+        except OverflowError:
+            return None
+        if figures and (min(figures) < 0 or not math.isfinite(max(figures))):
+            return None
+        rows.append(dict(zip(columns, figures, strict=True)))
     step, steps, when, attempt = doc.get("step"), doc.get("steps"), doc.get("time"), doc.get("attempt")
     if type(step) is not int or type(steps) is not int or step < 0 or steps < 1 or not _finite(when):
         return None
@@ -106,17 +122,24 @@ def parse_line(doc: object) -> Window | None:
 
 
 def _finite(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v == v and v not in (float("inf"), float("-inf"))
-
-
-def read_windows(path: Path) -> list[Window]:
-    """Every well-formed window of RUN/timing.jsonl, in file order; [] when there is none."""
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+        return math.isfinite(v)
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def read_windows(path: Path, *, max_windows: int = MAX_WINDOWS) -> list[Window]:
+    """The newest well-formed windows of RUN/timing.jsonl (at most `max_windows`, from its last TAIL_BYTES), in
+    file order; [] when there is none. BadInput when it is not a regular file (a FIFO, a device)."""
+    tail = read_tail(path, max_bytes=TAIL_BYTES, what="timing log", missing_ok=True)
+    if tail is None:
         return []
-    out = []
-    for line in data.splitlines():
+    out: list[Window] = []
+    for line in reversed(tail.data.splitlines()):
+        if len(out) >= max_windows:
+            break
         if not line.strip() or len(line) > MAX_LINE:
             continue
         try:
@@ -125,6 +148,7 @@ def read_windows(path: Path) -> list[Window]:
             continue
         if window is not None:
             out.append(window)
+    out.reverse()
     return out
 
 
@@ -182,13 +206,15 @@ def judge(windows: Iterable[Window]) -> Stragglers:
     slow = [0] * n
     relative: list[list[float]] = [[] for _ in range(n)]
     own: list[list[float]] = [[] for _ in range(n)]
+    stages: dict[int, list[int]] = {}  # the same in every judged window (same pp)
+    for i, stage in enumerate(newest.pp):
+        stages.setdefault(stage, []).append(i)
     for w in recent:
         values = [row["own_s"] for row in w.ranks]
-        for stage in set(w.pp):
-            members = [i for i in range(n) if w.pp[i] == stage]
+        everyone = statistics.median(values)
+        for members in stages.values():
             # a stage of one rank has no peers doing the same work: it is measured against every rank
-            peers = members if len(members) > 1 else list(range(n))
-            base = statistics.median(values[i] for i in peers)
+            base = statistics.median(values[i] for i in members) if len(members) > 1 else everyone
             for i in members:
                 relative[i].append(values[i] / base if base > 0 else 1.0)
                 own[i].append(values[i])
