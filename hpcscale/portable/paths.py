@@ -124,6 +124,7 @@ def within(path, root):
 
 
 def part_name(part_prefix, digest):
-    """The part file of a file in transit: `part_prefix` is DIR/.NAME (hpcscale.portable.sink.Sink.paths), the
-    first 16 hex digits of the expected hash tell parts of different contents apart."""
+    """The part file of a file in transit, beside NAME in its directory: `part_prefix` is `.NAME` (hpcscale.
+    portable.sink.Writer opens it relative to the directory's descriptor); the first 16 hex digits of the
+    expected hash tell parts of different contents apart."""
     return f"{part_prefix}.{digest[:16]}{PART_SUFFIX}"

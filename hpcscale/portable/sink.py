@@ -9,21 +9,32 @@ agent.py) runs it at the other site for an ssh:// one. Guarantees (docs/staging.
 - a file appears under its final name only after every byte of it has been hashed and the hash matched the
   manifest (it is written to an unnamed inode or a part file, then linked or renamed), with the manifest's
   mode (minus the stage's umask) and mtime set through its descriptor first;
-- nothing is written through a symlink or a foreign hard link: a destination directory or the state
-  directory that is a symlink is refused; state files are opened relative to the state directory's
-  descriptor with O_NOFOLLOW; a part file is created fresh with O_EXCL (a planted one is unlinked first, which
-  leaves the file it was linked to untouched), and a part file with more than one link is never resumed;
+- nothing is written through a symlink or a foreign hard link, whoever else can write the destination and
+  whenever they change it: every destination path is walked from the root's descriptor, each directory opened
+  relative to its parent's with O_NOFOLLOW|O_DIRECTORY (made with mkdirat where missing), and every create,
+  link, rename, chmod, utime and unlink is relative to the final directory's descriptor, never a path string
+  resolved again later (Sink.dir_slot: one open per directory per stage, at most DIR_FDS kept). A symlink or
+  a non-directory on the way is StageError('input') naming it; a directory swapped after this stage opened it
+  is found at commit (walked again from the root), which then fails before anything vouches for its files.
+  State files are opened relative to the state directory's descriptor with O_NOFOLLOW; a part file is created
+  fresh with O_EXCL (a planted one is unlinked first, which leaves the file it was linked to untouched), and a
+  part file with more than one link is never resumed;
 - an interrupted transfer leaves `.NAME.HASH16.hpcscale-part` files that a rerun continues from where they end;
 - `.hpcscale-stage/verified.json` at the destination root records what was verified there (size, mtime, ctime,
   inode and hash of each file) when a transfer completed, so a rerun trusts files whose stat is unchanged
   without reading them. Files put in place by a transfer that did not complete are journalled but not
   trusted: a rerun hashes them (a local read) before skipping them, since without the final syncfs their data
-  may not have reached the disk;
+  may not have reached the disk. A record or journal vouches only if it and `.hpcscale-stage` belong to the
+  user running this end (or root) and no one else can write them (`untrusted`, on the descriptors read):
+  anyone else who can write the destination could forge one. Otherwise it is ignored (every file there is
+  hashed) and the plan says why (info["record_ignored"]). `.hpcscale-stage` is made 0700 (one of ours that
+  others could write is closed to them when found), records and journals 0600;
 - the destination's manifest and record are written last (after one syncfs if asked: --sync), and only when
   the local side has proven every listed file in place (hpcscale.xsite.stage).
 """
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -66,6 +77,8 @@ def _syncfs(fd):
 TMPFILE_MAX = 8 << 20  # smaller files are written as unnamed O_TMPFILE inodes: nothing to resume in them
 PRIVATE = 0o600  # a file in transit is readable by its owner only, whatever mode it will have
 NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK  # never a symlink; never block in open() on a FIFO
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW  # each level of a destination path: never a symlink
+DIR_FDS = 64  # directory descriptors a Sink keeps open (one open per directory per stage, in path order)
 _HEX = "0123456789abcdef"
 
 
@@ -75,7 +88,12 @@ class Writer:
     A small new file is written to an unnamed inode (O_TMPFILE) and linked under its name once verified: one
     directory operation instead of a temporary name's create and rename (about a third less time per small
     file on ext4 here), and a killed transfer leaves nothing behind. Larger files, resumed files and
-    filesystems without O_TMPFILE use `.NAME.HASH16.hpcscale-part`, renamed once verified."""
+    filesystems without O_TMPFILE use `.NAME.HASH16.hpcscale-part`, renamed once verified.
+
+    Every call is relative to the descriptor of the file's directory (Sink.dir_slot: walked from the root with
+    O_NOFOLLOW at each level), held from the first byte to the name: a directory swapped for a symlink meanwhile
+    is never written through. The record line is the fstat of our own descriptor after the name was given,
+    never a stat of the name (which another user could have replaced in between)."""
 
     def __init__(self, sink, entry, offset):
         problem = check_entry(entry, sink.algorithm)
@@ -86,17 +104,28 @@ class Writer:
         if type(offset) is not int or not 0 <= offset <= self.size:
             raise StageError(f"'{self.path}': offset {str(offset)[:40]} is not within its {self.size} bytes", "input")
         self.mode = sink.final_mode(mode)
-        self.final, prefix = sink.paths(self.path, create=True, checked=True)
-        self.part = part_name(prefix, self.hash)
+        reldir, _, self.name = self.path.rpartition("/")
+        self.part = part_name("." + self.name, self.hash)  # relative to the directory's descriptor
         self.h = hasher(sink.algorithm)
         self.fd = None
         self.unnamed = False
         self.chmod = True
+        self.slot = sink.dir_slot(reldir, create=True)
+        try:
+            self._open(offset)
+        except BaseException:
+            sink.release(self.slot)
+            self.slot = None
+            raise
+        self.n = offset
+
+    def _open(self, offset):
+        sink, dfd = self.sink, self.slot[0]
         if offset == 0 and self.size < TMPFILE_MAX and sink.tmpfile_ok:
             try:
                 # An unnamed inode is invisible until verified and linked: it may be born with its final mode,
                 # which saves the fchmod whenever the process umask leaves that mode alone (0644 under 022).
-                self.fd = os.open(os.path.dirname(self.final), os.O_TMPFILE | os.O_RDWR, self.mode)
+                self.fd = os.open(".", os.O_TMPFILE | os.O_RDWR, self.mode, dir_fd=dfd)
                 self.unnamed = True
                 self.chmod = sink.proc_umask is None or self.mode & sink.proc_umask != 0
             except (OSError, AttributeError):
@@ -104,15 +133,16 @@ class Writer:
         if self.unnamed:
             pass
         elif offset > 0:  # a part file a killed transfer left: hash what is there, append the rest
-            self.fd = os.open(self.part, os.O_RDWR | NO_FOLLOW)
+            self.fd = os.open(self.part, os.O_RDWR | NO_FOLLOW, dir_fd=dfd)
             try:
                 st = os.fstat(self.fd)
                 if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                     raise StageError(
-                        f"{self.part}: not a part file of ours ({st.st_nlink} links); not resumed", "runtime"
+                        f"{self.shown(self.part)}: not a part file of ours ({st.st_nlink} links); not resumed",
+                        "runtime",
                     )
                 if self._hash_prefix(offset) != offset:
-                    raise StageError(f"{self.part}: part file shorter than announced", "runtime")
+                    raise StageError(f"{self.shown(self.part)}: part file shorter than announced", "runtime")
                 os.ftruncate(self.fd, offset)
             except BaseException:
                 os.close(self.fd)
@@ -120,9 +150,13 @@ class Writer:
         else:
             # A fresh part file of our own: whatever has the name (another stage's leftover, a planted hard link
             # to a file elsewhere) loses the name, and is never opened.
-            _unlink(self.part)
-            self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE)
-        self.n = offset
+            _unlink(self.part, dfd)
+            self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE, dir_fd=dfd)
+
+    def shown(self, name):
+        """`name` in this file's directory, as a path for messages."""
+        reldir = self.path.rpartition("/")[0]
+        return f"{self.sink.root}/{reldir}/{name}" if reldir else f"{self.sink.root}/{name}"
 
     def _hash_prefix(self, offset):
         """Feed the first `offset` bytes to the hash and seek past them; returns how many there were."""
@@ -143,46 +177,51 @@ class Writer:
 
     def finish(self):
         """Check size and hash, then put the file in place. StageError('verify') and nothing left on mismatch."""
+        dfd = self.slot[0]
         try:
-            digest = self.h.hexdigest()
-            if self.n != self.size or digest != self.hash:
-                what = f"{self.n} bytes" if self.n != self.size else f"hash {digest}"
-                raise StageError(
-                    f"{self.path}: arrived with {what}, the manifest says {self.size} bytes, hash {self.hash} "
-                    "(did the source change after the manifest was built?)",
-                    "verify",
-                )
-            if self.chmod:
-                os.fchmod(self.fd, self.mode)
-            os.utime(self.fd, ns=(self.mtime_ns, self.mtime_ns))
-            st = self._link() if self.unnamed else None
-        except BaseException:
+            try:
+                digest = self.h.hexdigest()
+                if self.n != self.size or digest != self.hash:
+                    what = f"{self.n} bytes" if self.n != self.size else f"hash {digest}"
+                    raise StageError(
+                        f"{self.path}: arrived with {what}, the manifest says {self.size} bytes, hash {self.hash} "
+                        "(did the source change after the manifest was built?)",
+                        "verify",
+                    )
+                if self.chmod:
+                    os.fchmod(self.fd, self.mode)
+                os.utime(self.fd, ns=(self.mtime_ns, self.mtime_ns))
+                if self.unnamed:
+                    st = self._link(dfd)
+                else:
+                    os.rename(self.part, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    st = os.fstat(self.fd)  # after the rename, which moves the ctime; our inode, not the name's
+            except BaseException:
+                os.close(self.fd)
+                _unlink(self.part, dfd)
+                raise
             os.close(self.fd)
-            _unlink(self.part)
-            raise
-        if self.unnamed:
-            os.close(self.fd)
-            self.sink.placed(self.path, st, self.hash)
-        else:
-            os.close(self.fd)
-            self.sink.ready(self.part, self.final, self.path, self.hash)
+            self.sink.placed(self.path, st, self.hash, self.slot[3])
+        finally:
+            self._release()
 
-    def _link(self):
-        """Give the verified unnamed inode its name: linkat(AT_SYMLINK_FOLLOW) on /proc/self/fd (an absolute
-        source path with a src_dir_fd makes Python call linkat rather than link). A name that exists already
-        is replaced atomically: link under the part name, then rename over it."""
+    def _link(self, dfd):
+        """Give the verified unnamed inode its name: linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N (the magic
+        link to our own inode; with a dir_fd Python calls linkat, which never follows the new name) into the
+        directory's descriptor. A name that exists already is replaced atomically: link under the part name,
+        then rename over it. Returns the fstat of our inode once named."""
         proc = f"/proc/self/fd/{self.fd}"
         try:
-            os.link(proc, self.final, src_dir_fd=self.sink.root_fd())
+            os.link(proc, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
             return os.fstat(self.fd)  # after the link, which moves the ctime
         except FileExistsError:
-            _unlink(self.part)
-            os.link(proc, self.part, src_dir_fd=self.sink.root_fd())
+            _unlink(self.part, dfd)
+            os.link(proc, self.part, src_dir_fd=dfd, dst_dir_fd=dfd)
         except OSError:
             # no /proc, or a filesystem that refuses: copy the verified bytes to a named part file instead
             self.sink.tmpfile_ok = False
-            _unlink(self.part)
-            out = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE)
+            _unlink(self.part, dfd)
+            out = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE, dir_fd=dfd)
             try:
                 for block in blocks(self.fd, 0, self.size):
                     view = memoryview(block)
@@ -190,15 +229,24 @@ class Writer:
                         view = view[os.write(out, view) :]
                 os.fchmod(out, self.mode)
                 os.utime(out, ns=(self.mtime_ns, self.mtime_ns))
+                os.rename(self.part, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+                return os.fstat(out)
             finally:
                 os.close(out)
-        os.rename(self.part, self.final)
-        return os.lstat(self.final)
+        os.rename(self.part, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        return os.fstat(self.fd)
 
     def abort(self):
         """Stop, keeping a named part file so that a rerun continues it (an unnamed one simply vanishes)."""
         with contextlib.suppress(OSError):
             os.close(self.fd)
+        self._release()
+
+    def _release(self):
+        """Give the directory's descriptor back to the Sink's cache (once: finish and abort may both run)."""
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self.sink.release(slot)
 
 
 def _proc_umask():
@@ -213,11 +261,26 @@ def _proc_umask():
     return None
 
 
-def _lstat(path):
+def _lstat_at(item):
+    """lstat of (dir_fd, name); None if it is not there."""
     try:
-        return os.lstat(path)
+        return os.stat(item[1], dir_fd=item[0], follow_symlinks=False)
     except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+def untrusted(st):
+    """None if the file or directory whose fstat is `st` may vouch for content at this destination (a record,
+    a journal, the state directory holding them): owned by the user running this end, or by root, and
+    writable by no one else. Else why not, in words. Anyone who can write the destination could otherwise
+    forge a record that makes a replaced file pass as verified."""
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return f"is owned by uid {st.st_uid}, not by this user (uid {me}) or root"
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("others", 0o002)) if st.st_mode & bit)
+        return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def _identity(st):
@@ -230,21 +293,27 @@ def _unlink(path, dir_fd=None):
         os.unlink(path, dir_fd=dir_fd)
 
 
-def _read_regular(name, dir_fd, limit=None):
+def _read_regular(name, dir_fd, limit=None, vouching=False):
     """The bytes of regular file `name` under dir_fd, never following a symlink or waiting on a FIFO; None if
-    it is not there or not a regular file."""
+    it is not there or not a regular file. `vouching`: (bytes or None, why it may not vouch for content or
+    None; hpcscale.portable.sink.untrusted, judged on the descriptor read)."""
     try:
         fd = os.open(name, os.O_RDONLY | NO_FOLLOW, dir_fd=dir_fd)
     except OSError:
-        return None
+        return (None, None) if vouching else None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            return None
+            return (None, None) if vouching else None
+        if vouching:
+            why = untrusted(st)
+            if why is not None:
+                return None, why
         parts = []
         for block in blocks(fd, 0, st.st_size if limit is None else min(limit, st.st_size)):
             parts.append(bytes(block))
-        return b"".join(parts)
+        data = b"".join(parts)
+        return (data, None) if vouching else data
     finally:
         os.close(fd)
 
@@ -268,9 +337,14 @@ class Sink:
         if not dry_run:
             os.makedirs(root, exist_ok=True)
         self.root = os.path.realpath(root)
-        self._dirs = {""}  # reldirs known to be real directories (not symlinks) under root
+        self._slots = {}  # reldir -> [fd, users, retired]: directories opened by the walk (dir_slot)
+        self._root_slot = [None, 0, False, None]  # the root's: never evicted
+        self._dir_ids = {}  # reldir -> (st_dev, st_ino) of every directory this Sink opened
+        self._planned_dirs = set()  # the directories of the files and directories the plan listed
         self._lock = threading.Lock()
-        self._fd_lock = threading.Lock()
+        self._fd_lock = threading.RLock()  # the walk opens the root under it
+        self.state_distrust = None  # why the state directory's records may not vouch for content, or None
+        self.record_ignored = None  # why the record was ignored by this plan, or None (plan info record_ignored)
         self._journal = None
         self._root_fd = None
         self._state_fd = None
@@ -295,45 +369,147 @@ class Sink:
         return (0o644 if mode is None else mode) & ~self.umask
 
     # -- paths ------------------------------------------------------------------------------------------
-    def _check_dir(self, reldir, create):
-        if reldir in self._dirs or reldir == "":
-            return True
-        parent, _, _name = reldir.rpartition("/")
-        if not self._check_dir(parent, create):
-            return False
-        path = os.path.join(self.root, reldir)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            if not create:
-                return False
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(path)
-            st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            raise StageError(
-                f"{path} is a symlink (-> {os.readlink(path)}); "
-                "hpcscale stage never writes through a symlink in the destination",
-                "input",
-            )
-        if not stat.S_ISDIR(st.st_mode):
-            raise StageError(f"{path} is in the way: the manifest needs a directory there", "input")
-        with self._lock:
-            self._dirs.add(reldir)
-        return True
+    # Every destination path is walked from the root's descriptor, one component at a time, each opened
+    # relative to its parent's descriptor with O_NOFOLLOW|O_DIRECTORY (created with mkdirat where missing), and
+    # every file operation is relative to the final directory's descriptor: a directory swapped for a symlink at
+    # any moment is never written through, because no path string is resolved again later. The descriptors
+    # are cached ("slots": [fd, users, retired]), one open per directory per stage, at most DIR_FDS of them
+    # kept; a slot in use (a Writer between its first byte and its name, a plan thread's lstat) is retired
+    # rather than closed, and closed by its last user.
 
-    def paths(self, rel, create=False, checked=False):
-        """(final path, part prefix) of `rel`; its directories checked (and created if `create`).
-        String concatenation, not os.path.join: this runs for every file of a 100k-file manifest."""
-        if not checked:
-            problem = check_relpath(rel)
-            if problem:
-                raise StageError(problem, "input")
+    def _open_child(self, parent_fd, name, reldir, create):
+        """The descriptor of directory `name` under parent_fd (reldir: its path, for messages), created if
+        `create`; None if it is not there and not `create`. StageError('input') if a symlink or a non-directory
+        is in the way."""
+        for attempt in (0, 1):
+            try:
+                return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                if attempt:
+                    raise StageError(f"{self.root}/{reldir}: removed as it was created", "runtime") from None
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, dir_fd=parent_fd)
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise self._in_the_way(parent_fd, name, reldir) from None
+        return None
+
+    def _in_the_way(self, parent_fd, name, reldir):
+        path = f"{self.root}/{reldir}"
+        try:
+            if stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+                return StageError(
+                    f"{path} is a symlink (-> {os.readlink(name, dir_fd=parent_fd)}); "
+                    "hpcscale stage never writes through a symlink in the destination",
+                    "input",
+                )
+        except OSError:
+            pass
+        return StageError(f"{path} is in the way: the manifest needs a directory there", "input")
+
+    def dir_slot(self, reldir, create=False):
+        """The slot ([fd, users, retired]) of directory `reldir` ('' is the root), in use until release(slot);
+        None if it is not there (and not `create`). A slot found in the cache costs a dict lookup: this runs
+        for every file."""
+        if reldir == "":
+            if self._root_fd is None:
+                try:
+                    self.root_fd()
+                except FileNotFoundError:  # a dry run's root that does not exist yet
+                    if create:
+                        raise
+                    return None
+            return self._root_slot
+        with self._fd_lock:
+            slot = self._slots.get(reldir)
+            if slot is None:
+                slot = self._walk(reldir, create)
+                if slot is None:
+                    return None
+            slot[1] += 1
+            return slot
+
+    def release(self, slot):
+        if slot is self._root_slot:
+            return
+        with self._fd_lock:
+            slot[1] -= 1
+            if slot[2] and slot[1] == 0:
+                os.close(slot[0])
+
+    def _walk(self, reldir, create):
+        """Open `reldir` from its nearest cached ancestor (the lock held). A directory already seen by this Sink
+        that is now another one was swapped under us: StageError('input')."""
+        names = reldir.split("/")
+        k = len(names) - 1
+        while k and "/".join(names[:k]) not in self._slots:
+            k -= 1
+        if k:
+            parent = self._slots["/".join(names[:k])][0]
+        elif self.dir_slot("", create) is None:
+            return None
+        else:
+            parent = self._root_fd
+        slot = None
+        for j in range(k, len(names)):
+            rel = "/".join(names[: j + 1])
+            fd = self._open_child(parent, names[j], rel, create)
+            if fd is None:
+                return None
+            st = os.fstat(fd)
+            seen = self._dir_ids.setdefault(rel, (st.st_dev, st.st_ino))
+            if seen != (st.st_dev, st.st_ino):
+                os.close(fd)
+                raise StageError(
+                    f"{self.root}/{rel} was replaced by another directory while this stage ran; "
+                    "hpcscale stage never writes through a directory swapped under it",
+                    "input",
+                )
+            slot = self._slots[rel] = [fd, 0, False, seen]
+            parent = fd
+        if len(self._slots) > DIR_FDS:
+            self._evict(slot)
+        return slot
+
+    def _evict(self, keep):
+        """Drop the oldest slots (in the manifest's path order: the directories done with) down to 3/4 of
+        DIR_FDS; one in use is retired and closed by its last user."""
+        for rel in list(self._slots)[: len(self._slots) - DIR_FDS * 3 // 4]:
+            slot = self._slots[rel]
+            if slot is keep:
+                continue
+            del self._slots[rel]
+            self._retire_slot(slot)
+
+    @staticmethod
+    def _retire_slot(slot):
+        slot[2] = True
+        if slot[1] == 0:
+            os.close(slot[0])
+
+    def _drop_slots(self):
+        """Forget every cached directory: the next walk opens each again from the root (the commit checks
+        that the directories files were placed in are still there, the same ones)."""
+        with self._fd_lock:
+            slots, self._slots = self._slots, {}
+            for slot in slots.values():
+                self._retire_slot(slot)
+
+    def stat_at(self, rel):
+        """lstat of `rel` through the walk (None if it or a directory above it is not there)."""
         reldir, _, name = rel.rpartition("/")
-        if reldir not in self._dirs:
-            self._check_dir(reldir, create)
-        base = self.root + "/" + reldir if reldir else self.root
-        return base + "/" + name, base + "/." + name
+        slot = self.dir_slot(reldir)
+        if slot is None:
+            return None
+        try:
+            return os.stat(name, dir_fd=slot[0], follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        finally:
+            self.release(slot)
 
     def root_fd(self):
         if self._root_fd is None:
@@ -341,6 +517,8 @@ class Sink:
             with self._fd_lock:  # threads may ask at once (the agent's clean check runs beside the plan)
                 if self._root_fd is None:
                     self._root_fd, fd = fd, None
+                    st = os.fstat(self._root_fd)
+                    self._root_slot[0], self._root_slot[3] = self._root_fd, (st.st_dev, st.st_ino)
             if fd is not None:
                 os.close(fd)
         return self._root_fd
@@ -349,8 +527,9 @@ class Sink:
         return self.root + "/" + STATE_DIR
 
     def state_fd(self, create=False):
-        """A descriptor of the state directory, opened without following a symlink (created if `create`);
-        None if there is none. Every state file is opened relative to it."""
+        """A descriptor of the state directory, opened without following a symlink (created 0700 if `create`);
+        None if there is none. Every state file is opened relative to it. Whether what it holds may vouch for
+        content is decided here (state_distrust)."""
         if self._state_fd is not None:
             return self._state_fd
         flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
@@ -364,6 +543,7 @@ class Sink:
                 with self._fd_lock:
                     if self._state_fd is None:
                         self._state_fd, fd = fd, None
+                        self._judge_state(self._state_fd)
                 if fd is not None:
                     os.close(fd)
                 return self._state_fd
@@ -371,7 +551,7 @@ class Sink:
                 if not create or attempt:
                     return None
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(STATE_DIR, 0o755, dir_fd=root)
+                    os.mkdir(STATE_DIR, 0o700, dir_fd=root)
             except OSError:  # ELOOP: a symlink; ENOTDIR: a file
                 raise StageError(
                     f"{self.state_path()} is a symlink or not a directory; "
@@ -379,6 +559,19 @@ class Sink:
                     "input",
                 ) from None
         return None
+
+    def _judge_state(self, fd):
+        """Whether the state directory may hold records that vouch for content: owned by this user (or root)
+        and writable by no one else. One of ours that others could write is closed to them now (0700), so
+        that what this stage writes there can be trusted, but what was there already is not: its records are
+        ignored this time (state_distrust says why)."""
+        st = os.fstat(fd)
+        why = untrusted(st)
+        if why is not None and st.st_uid == os.geteuid() and not self.dry_run:
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, 0o700)
+                why += "; closed to others now (0700)"
+        self.state_distrust = why and f"{self.state_path()} {why}"
 
     def take_lock(self):
         """Hold the destination lock from here to close() (nothing if held, or in a dry run)."""
@@ -396,7 +589,9 @@ class Sink:
             self._prefetch = in_background(self._read_record)
 
     def _read_record(self):
-        """(identity of the record file, {path: record}); (None, {}) where there is none."""
+        """(identity of the record file, {path: record}); (None, {}) where there is none, or where it may not
+        vouch for content (`untrusted`, or a state directory others could write): then record_ignored says
+        why, and the plan hashes every file that is there."""
         state = self.state_fd()
         if state is None:
             return None, {}
@@ -407,6 +602,12 @@ class Sink:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
+                return None, {}
+            why = self.state_distrust or untrusted(st)
+            if why is not None:
+                if why is not self.state_distrust:
+                    why = f"{self.state_path()}/{RECORD} {why}"
+                self.record_ignored = f"{why}: the record of verified files is ignored, every file there is hashed"
                 return None, {}
             data = b"".join(bytes(b) for b in blocks(fd, 0, st.st_size))
         finally:
@@ -436,13 +637,17 @@ class Sink:
                         return records
                 except OSError:
                     pass
+        self.record_ignored = None
         return self._read_record()[1]
 
     def load_records(self, committed_only=False, fresh=None):
         """({path: [size, mtime_ns, ctime_ns, ino, hash]} of what this destination verified with our algorithm,
         whether journals were found). committed_only: the record of completed transfers, no journals.
-        `fresh`: a set that gets the paths whose line comes from this stage's own journals (named with its lock
-        token, read last so that they win): stat'ed as they were placed, under this stage's lock."""
+        `fresh`: a dict that gets the paths whose line comes from this stage's own journals (named with its lock
+        token, read last so that they win), each with the (st_dev, st_ino) of the directory it was placed in
+        (None on a line without one): fstat'ed as they were placed, under this stage's lock.
+        A journal vouches for content too: one that is not `untrusted`-clean is skipped, and so is every
+        journal but this stage's own where the state directory was open to others when this stage found it."""
         state = self.state_fd()
         if state is None:
             return {}, False
@@ -455,29 +660,33 @@ class Sink:
             if name.startswith("journal-") and name.endswith(".jsonl"):
                 journals = True
                 own = mine is not None and name.startswith(mine)
-                text = (_read_regular(name, state) or b"").decode("utf-8", "replace")
+                if self.state_distrust is not None and not own:
+                    continue
+                data, _why = _read_regular(name, state, vouching=True)
+                text = (data or b"").decode("utf-8", "replace")
                 for line in _journal_lines(text):
-                    try:
-                        alg, path, rec = line
-                    except (ValueError, TypeError):
+                    if type(line) is not list or len(line) not in (3, 4):
                         continue
+                    alg, path, rec = line[:3]
+                    where = line[3] if len(line) == 4 else None  # the directory it was placed in (dev, ino)
                     if alg == self.algorithm and type(path) is str:
                         records[path] = rec
                         if fresh is not None:
                             if own:
-                                fresh.add(path)
+                                fresh[path] = where
                             else:
-                                fresh.discard(path)
+                                fresh.pop(path, None)
         return records, journals
 
-    def _record_line(self, path, st, digest):
+    def _record_line(self, path, st, digest, where=None):
         if self._journal is None:
             name = f"journal-{self.lock_token}-{os.urandom(8).hex()}.jsonl"
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND
-            fd = os.open(name, flags, 0o644, dir_fd=self.state_fd(create=True))
+            fd = os.open(name, flags, PRIVATE, dir_fd=self.state_fd(create=True))
             self._journal = os.fdopen(fd, "a")
         rec = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest]
-        self._journal.write(json.dumps([self.algorithm, path, rec]) + "\n")
+        line = [self.algorithm, path, rec] if where is None else [self.algorithm, path, rec, list(where)]
+        self._journal.write(json.dumps(line) + "\n")
 
     # -- plan -------------------------------------------------------------------------------------------
     def plan(self, entries, check="stat", manifest_sha256=None, name="manifest.json", dirs=None):
@@ -495,19 +704,19 @@ class Sink:
         Takes the destination lock first (not in a dry run). check='stat': trust the record when size, mtime,
         ctime and inode are unchanged; other files of the right size are hashed. check='hash': hash every file
         that is there. Returns (statuses, {"hashed": files hashed here, "hashed_bytes": n, "parts": parts
-        completed})."""
+        completed, and "record_ignored": why, only where the record could have been forged (untrusted) and
+        was not used}). A directory on a listed path that is a symlink or not a directory: StageError('input')."""
         if type(entries) is not list:
             raise StageError("plan: entries must be a list", "input")
         locked = self._plan_dirs(dirs)
         self.take_lock()
         records = self.load_records(committed_only=True)[0] if check == "stat" else {}
-        todo = []  # (index, path, kind): files to hash
+        todo = []  # (index, reldir, name, kind): files to hash
         statuses = [0] * len(entries)
         absent = set()  # directories that do not exist: nothing in them to stat
-        present = []  # indexes of entries whose directory exists
-        finals = []
-        root = self.root + "/"
-        dirs = self._dirs
+        present = []  # (index, reldir, name) of entries whose directory exists
+        known = set()  # directories found there
+        planned = self._planned_dirs
         digits, relpath = HEX_DIGITS[self.algorithm], check_relpath
         for i, entry in enumerate(entries):
             # every entry checked before anything acts on it; the common case in one expression (this runs for
@@ -526,22 +735,24 @@ class Sink:
                 and (entry[4] is None or (type(entry[4]) is int and 0 <= entry[4] <= MODE_BITS))
             ):
                 raise StageError(f"files[{i}]: {check_entry(entry, self.algorithm) or 'bad entry'}", "input")
-            rel = entry[0]
-            reldir = rel.rpartition("/")[0]
-            if reldir not in dirs:
+            reldir, _, fname = entry[0].rpartition("/")
+            if reldir not in known:
                 if reldir in absent:
                     continue
-                if not self._check_dir(reldir, False):
+                planned.add(reldir)
+                slot = self.dir_slot(reldir)
+                if slot is None:
                     absent.add(reldir)
                     continue
-            present.append(i)
-            finals.append(root + rel)
+                self.release(slot)
+                known.add(reldir)
+            present.append((i, reldir, fname))
         # lstat in parallel: on a cold metadata cache each one is a disk read, and they overlap
-        sts = parallel_map(_lstat, finals, self.jobs, batch=256)
-        parts = []  # (index, part path): files not there; a killed transfer may have left a part file
+        sts = parallel_map(self._stat_in, present, self.jobs, batch=256)
+        parts = []  # (index, reldir, part name): files not there; a killed transfer may have left a part file
         isreg, isdir, imode = stat.S_ISREG, stat.S_ISDIR, stat.S_IMODE
         umask = self.umask
-        for i, final, st in zip(present, finals, sts):
+        for (i, reldir, fname), st in zip(present, sts):
             rel, size, _mtime, digest, mode = entries[i]
             if st is not None and isreg(st.st_mode) and st.st_size == size:
                 if mode is not None and imode(st.st_mode) != mode & ~umask:
@@ -558,21 +769,23 @@ class Sink:
                 ):
                     statuses[i] = -1
                 else:
-                    todo.append((i, final, "final"))
+                    todo.append((i, reldir, fname, "final"))
                 continue
             if st is not None and isdir(st.st_mode):
-                raise StageError(f"{final} is a directory; the manifest lists a file there", "input")
+                raise StageError(f"{self.root}/{rel} is a directory; the manifest lists a file there", "input")
             if size >= TMPFILE_MAX:  # only such files are written under part names
-                parts.append((i, part_name(self.paths(rel, checked=True)[1], digest)))
-        for (i, part), pst in zip(parts, parallel_map(_lstat, [t[1] for t in parts], self.jobs, batch=256)):
+                parts.append((i, reldir, part_name("." + fname, digest)))
+        for (i, reldir, part), pst in zip(parts, parallel_map(self._stat_in, parts, self.jobs, batch=256)):
             size = entries[i][1]
             if pst is None or not stat.S_ISREG(pst.st_mode) or pst.st_size > size or pst.st_nlink != 1:
                 continue  # sent from 0 into a fresh part file of ours
             if pst.st_size == size:
-                todo.append((i, part, "part"))
+                todo.append((i, reldir, part, "part"))
             else:
                 statuses[i] = pst.st_size
         info = {"hashed": 0, "hashed_bytes": 0, "proven": 0, "parts": 0}
+        if self.record_ignored is not None and check == "stat":
+            info["record_ignored"] = self.record_ignored
         if not self.dry_run and (todo or any(x != -1 for x in statuses)):
             if manifest_sha256 is not None:
                 self._retire(manifest_sha256, name)
@@ -582,43 +795,64 @@ class Sink:
             return statuses, info
 
         def prove(item):
-            i, path, kind = item
-            try:
-                fd = os.open(path, os.O_RDONLY | NO_FOLLOW)
-            except OSError:
+            """Hash a file that is there, through its directory's descriptor; a part file that matches is
+            named, a final one journalled, both with the fstat of the descriptor hashed (the file that was
+            proven, not whatever has the name by then). (digest or None, bytes hashed)."""
+            i, reldir, fname, kind = item
+            slot = self.dir_slot(reldir)
+            if slot is None:
                 return None, 0
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or (kind == "part" and st.st_nlink != 1):
+                try:
+                    fd = os.open(fname, os.O_RDONLY | NO_FOLLOW, dir_fd=slot[0])
+                except OSError:
                     return None, 0
-                digest, n = hash_fd(fd, self.algorithm, limit=st.st_size)  # the size known: no second fstat
-                _rel, _size, mtime, want, mode = entries[i]
-                if digest == want and kind == "part" and not self.dry_run:
-                    os.fchmod(fd, self.final_mode(mode))
-                    os.utime(fd, ns=(mtime, mtime))
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode) or (kind == "part" and st.st_nlink != 1):
+                        return None, 0
+                    digest, n = hash_fd(fd, self.algorithm, limit=st.st_size)  # the size known: no second fstat
+                    rel, _size, mtime, want, mode = entries[i]
+                    if digest != want or self.dry_run:
+                        return digest, n
+                    if kind == "part":
+                        os.fchmod(fd, self.final_mode(mode))
+                        os.utime(fd, ns=(mtime, mtime))
+                        name = rel.rpartition("/")[2]
+                        os.rename(fname, name, src_dir_fd=slot[0], dst_dir_fd=slot[0])
+                    after = os.fstat(fd)
+                    if kind == "final" and _identity(after) != _identity(st):
+                        return None, n  # written while it was hashed: not proven, sent again
+                    self.placed(rel, after, want, slot[3])
+                    return digest, n
+                finally:
+                    os.close(fd)
             finally:
-                os.close(fd)
-            return digest, n
+                self.release(slot)
 
-        for (i, path, kind), (digest, n) in zip(todo, parallel_map(prove, todo, self.jobs, batch=8)):
+        for (i, _reldir, _fname, kind), (digest, n) in zip(todo, parallel_map(prove, todo, self.jobs, batch=8)):
             info["hashed"] += 1
             info["hashed_bytes"] += n
-            rel, want = entries[i][0], entries[i][3]
-            if digest != want:
+            if digest != entries[i][3]:
                 continue  # send it again (a stale part is replaced from offset 0)
             statuses[i] = -1
             info["proven"] += 1
-            if self.dry_run:
-                continue
-            final = self.paths(rel)[0]
-            if kind == "part":
-                self.ready(path, final, rel, want)
+            if kind == "part" and not self.dry_run:
                 info["parts"] += 1
-            else:
-                with self._lock:
-                    self._record_line(rel, os.lstat(final), want)
         self.flush()
         return statuses, info
+
+    def _stat_in(self, item):
+        """lstat of item[2] in directory item[1] (through the walk); None if it is not there."""
+        slot = self.dir_slot(item[1])
+        if slot is None:
+            return None
+        try:
+            return os.stat(item[2], dir_fd=slot[0], follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        finally:
+            self.release(slot)
 
     def _plan_dirs(self, dirs):
         """Check the listed directories; returns those that exist without owner rwx (files cannot be placed in
@@ -633,8 +867,9 @@ class Sink:
             if problem:
                 raise StageError(f"dirs[{i}]: {problem}", "input")
         self._want_dirs = [(rel, mode & ~self.umask) for rel, mode in dirs]
+        self._planned_dirs.update(rel for rel, _ in dirs)
         locked = []
-        for (rel, mode), st in zip(self._want_dirs, parallel_map(_lstat, [self.root + "/" + r for r, _ in dirs], 2)):
+        for (rel, mode), st in zip(self._want_dirs, parallel_map(self.stat_at, [r for r, _ in dirs], 2)):
             if st is None or not stat.S_ISDIR(st.st_mode) or stat.S_IMODE(st.st_mode) != mode:
                 self.dirs_clean = False
             if st is not None and stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
@@ -642,13 +877,13 @@ class Sink:
         return locked
 
     def _chmod_dir(self, rel, mode):
-        """Give listed directory `rel` `mode`, through a descriptor opened without following a symlink."""
-        fd = os.open(self.root + "/" + rel, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        """Give listed directory `rel` `mode`, through its descriptor (the walk: no symlink followed)."""
+        slot = self.dir_slot(rel, create=True)
         try:
-            if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
-                os.fchmod(fd, mode)
+            if stat.S_IMODE(os.fstat(slot[0]).st_mode) != mode:
+                os.fchmod(slot[0], mode)
         finally:
-            os.close(fd)
+            self.release(slot)
 
     def _apply_dirs(self):
         """Create every listed directory (empty ones too) and give each its mode, deepest first: a parent
@@ -657,9 +892,8 @@ class Sink:
             return
         for rel, mode in sorted(self._want_dirs, key=lambda d: -d[0].count("/")):
             try:
-                self._check_dir(rel, True)
                 self._chmod_dir(rel, mode)
-            except OSError as e:  # ELOOP: a symlink swapped in since it was checked
+            except OSError as e:
                 raise StageError(
                     f"{self.root}/{rel}: cannot give the directory its mode ({e.strerror})", "runtime"
                 ) from None
@@ -682,14 +916,11 @@ class Sink:
             raise StageError(f"{self.root}: a file arrived before this stage took the destination's lock", "runtime")
         return Writer(self, entry, offset)
 
-    def ready(self, part, final, rel, digest):
-        """A verified part file: rename it into place and journal it."""
-        os.rename(part, final)
-        self.placed(rel, os.lstat(final), digest)  # stat after the rename: it moves the ctime
-
-    def placed(self, rel, st, digest):
+    def placed(self, rel, st, digest, where=None):
+        """Journal a file this stage put in place: `st`, the fstat of its own descriptor once named; `where`,
+        the (st_dev, st_ino) of the directory it was named in (checked at commit)."""
         with self._lock:
-            self._record_line(rel, st, digest)
+            self._record_line(rel, st, digest, where)
 
     def flush(self):
         """Push the journal to the OS (a killed agent loses no line of a file already in place)."""
@@ -713,10 +944,13 @@ class Sink:
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
+        self._drop_slots()  # from here, every directory is walked again from the root
         self._apply_dirs()
+        self._check_dirs()
         state = self.state_fd(create=True)
-        fresh = set()
+        fresh = {}
         records, journals = self.load_records(fresh=fresh)
+        self._check_placed(fresh)
         if self.sync and journals:  # journals: something was put in place since the last commit
             _syncfs(self.root_fd())
         if journals:
@@ -728,8 +962,8 @@ class Sink:
                     continue
                 rec = records[rel]
                 try:
-                    st = os.lstat(os.path.join(self.root, rel)) if check_relpath(rel) is None else None
-                except OSError:
+                    st = self.stat_at(rel) if check_relpath(rel) is None else None
+                except (OSError, StageError):  # a symlink on its path now: that line vouches for nothing
                     st = None
                 if (
                     st is None
@@ -739,14 +973,47 @@ class Sink:
                     del records[rel]
         if journals or _read_regular(RECORD, state, 0) is None:
             text = json.dumps({"hash_algorithm": self.algorithm, "files": records}, separators=(",", ":"))
-            _atomic_write(state, RECORD, text)
+            _atomic_write(state, RECORD, text, PRIVATE)
             for n in os.listdir(state):
                 if n.startswith("journal-"):
                     _unlink(n, state)
         if manifest_text is not None:
             old = _read_regular(name, self.root_fd())
             if old is None or old != manifest_text.encode("utf-8", "surrogateescape"):
-                _atomic_write(self.root_fd(), name, manifest_text)
+                _atomic_write(self.root_fd(), name, manifest_text, 0o644)
+
+    def _check_dirs(self):
+        """Every directory the plan listed (of its files, and the listed directories) is still there, a real
+        directory, and, where this Sink opened it before, the same one: a directory moved away and replaced by
+        a symlink or another directory while files were placed in it fails the stage before anything vouches
+        for those files (StageError('input'); the files stayed in the directory they were placed in)."""
+        for reldir in sorted(self._planned_dirs):
+            slot = self.dir_slot(reldir)
+            if slot is None:
+                raise StageError(f"{self.root}/{reldir}: the directory vanished while this stage ran", "runtime")
+            self.release(slot)
+
+    def _check_placed(self, fresh):
+        """Every file this stage placed (`fresh`: path -> the directory it was named in) is under its path
+        still: the directory at its path now, walked from the root, is the one it went into. One walk per
+        directory, a dict lookup per file. Else StageError('input'): a directory was moved away (and another one,
+        or a symlink, put at its name) while the stage ran, and the files are not where the manifest says."""
+        now = {}
+        for rel, where in fresh.items():
+            if where is None:
+                continue
+            reldir = rel.rpartition("/")[0]
+            if reldir not in now:
+                slot = self.dir_slot(reldir)
+                now[reldir] = None if slot is None else list(slot[3])
+                if slot is not None:
+                    self.release(slot)
+            if now[reldir] != where:
+                raise StageError(
+                    f"{self.root}/{reldir or '.'} was replaced while this stage ran ({rel} went into the directory "
+                    "that was there before); nothing is committed",
+                    "input",
+                )
 
     def is_clean(self, manifest_sha256, name="manifest.json"):
         """Nothing to commit: no journal waits to be merged, and the destination's manifest is this one
@@ -774,6 +1041,13 @@ class Sink:
         if self._lock_owner and self._state_fd is not None:
             dest_lock.release(self._state_fd, self.lock_token)
             self._lock_owner = False
+        with self._fd_lock:
+            slots, self._slots = self._slots, {}
+            for slot in slots.values():
+                with contextlib.suppress(OSError):
+                    os.close(slot[0])
+                slot[1], slot[2] = 0, True
+        self._root_slot[0] = None
         for attr in ("_state_fd", "_root_fd"):
             fd = getattr(self, attr)
             if fd is not None:
@@ -803,11 +1077,11 @@ def _journal_lines(text):
     return out
 
 
-def _atomic_write(dir_fd, name, text):
-    """Write `name` under dir_fd atomically: a private temporary name (O_EXCL, never a symlink), fsync,
-    rename, fsync of the directory."""
+def _atomic_write(dir_fd, name, text, mode):
+    """Write `name` under dir_fd atomically, created with `mode` (minus the umask): a private temporary name
+    (O_EXCL, never a symlink), fsync, rename, fsync of the directory."""
     tmp = f".{name}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
             f.write(text)
