@@ -22,8 +22,14 @@ _ENDPOINT = re.compile(r"^(ssh://[^\s]+|/[^\s]*)$")
 
 
 def check_endpoint(value: str) -> str | None:
-    if not _ENDPOINT.match(value):
-        return f"'{value}' is neither an absolute path nor ssh://[user@]host[:port]/path"
+    if not _ENDPOINT.match(value) or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
+        return f"{value!r} is neither an absolute path nor ssh://[user@]host[:port]/path"
+    if value.startswith("ssh://"):
+        # the host and user reach ssh's command line: one that begins with '-' would be read as an option
+        user, _, host = value[6:].partition("/")[0].rpartition("@")
+        for name, part in (("host", host), ("user", user)):
+            if part.startswith("-"):
+                return f"'{value}': the ssh {name} '{part}' begins with '-' (ssh would take it for an option)"
     return None
 
 

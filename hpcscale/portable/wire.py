@@ -5,16 +5,40 @@ Each message is a 4-byte big-endian header length, a JSON header, then `n` raw b
 (one write, so BufferedWriter's lock keeps replies from several threads whole), and a reader takes exactly
 its bytes (`read_exact`, `recv`), so the stream stays in step for the next message. Both ends use these
 functions: the agent (hpcscale/xsite/agent.py) and the local side (hpcscale/xsite/stage.py, channel.py).
+
+The other end may be anything (a partner site runs its own `python3`): every frame read is bounded before a
+byte of it is buffered. `recv` refuses, as WireError, a header longer than the reader's limit (HEADER_MAX for
+a reply, REQUEST_MAX for the agent's requests, more only where the request says how much comes back: a
+plan's entry count), text that is not UTF-8, JSON that is invalid, nested too deeply (the parser's
+RecursionError), holds NaN, Infinity, a float that overflows or an integer of more than INT_DIGITS digits,
+and anything but a JSON object; it reads in CHUNK-sized pieces, so memory follows what actually arrived, not
+what a length prefix claims. What each field of an object must be is the reader's business (channel.py,
+stage.py on the local side; agent.py on the other).
 """
 
 import json
+import math
 import os
+import re
 import struct
 import threading
 import time
 
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import blocks
+
+HEADER_MAX = 1 << 20  # bytes of a reply header (hello, ready, acks, get replies, errors): all small
+REQUEST_MAX = (1 << 31) - 1  # bytes of a request header: a plan's entries, a commit's manifest (at most 1 GiB)
+CHUNK = 1 << 20  # the most read at once while a frame's bytes come in
+INT_DIGITS = 40  # the longest integer a header may hold (every count, size and time fits in 20 digits)
+_LONG_INT = re.compile(r"\d{" + str(INT_DIGITS + 1) + "}")
+
+
+class WireError(StageError):
+    """A frame that breaks the protocol (too long, not JSON, not an object): the stream is out of step."""
+
+    def __init__(self, message):
+        super().__init__(message, "runtime")
 
 
 def send(out, header, payload=b""):
@@ -24,30 +48,77 @@ def send(out, header, payload=b""):
         out.write(payload)
 
 
+def _take(inp, n):
+    """Exactly n bytes, read CHUNK at a time (never a buffer of n allocated ahead of the bytes), as a bytearray
+    or, where one read brought them all, what that read returned."""
+    if n == 0:
+        return b""
+    data = inp.read(min(n, CHUNK))
+    if len(data) == n:
+        return data
+    buf = bytearray(data)
+    while len(buf) < n:
+        more = inp.read(min(n - len(buf), CHUNK))
+        if not more:
+            raise EOFError(f"the stream ended {n - len(buf)} bytes short")
+        buf += more
+    return buf
+
+
 def read_exact(inp, n):
     """Exactly n bytes, as a bytes object of its own."""
-    data = inp.read(n)
-    if len(data) == n:
-        return bytes(data)
-    parts = [bytes(data)]
-    got = len(data)
-    while got < n:
-        more = inp.read(n - got)
-        if not more:
-            raise EOFError(f"the stream ended {n - got} bytes short")
-        parts.append(bytes(more))
-        got += len(more)
-    return b"".join(parts)
+    return bytes(_take(inp, n))
 
 
-def recv(inp):
+def _float(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _int(text):
+    if len(text.lstrip("-")) > INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def _constant(name):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def parse_header(data):
+    """A header's bytes as a dict, or WireError saying what is wrong with them (the bounds above)."""
+    try:
+        text = (data if isinstance(data, (bytes, bytearray)) else bytes(data)).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WireError(f"a header that is not UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        if _LONG_INT.search(text) is None:  # the common case at the C parser's speed; one hook, on floats only
+            doc = json.loads(text, parse_float=_float, parse_constant=_constant)
+        else:  # a run of digits, in a string or a number: only a number that long is refused
+            doc = json.loads(text, parse_float=_float, parse_int=_int, parse_constant=_constant)
+    except RecursionError:
+        raise WireError("a header nested too deeply") from None
+    except ValueError as e:  # json.JSONDecodeError, the hooks' refusals, a number Python will not convert
+        raise WireError(f"a header that is not valid JSON ({str(e)[:200]})") from None
+    if type(doc) is not dict:
+        raise WireError(f"a header that is a JSON {type(doc).__name__}, not an object")
+    return doc
+
+
+def recv(inp, max_header=HEADER_MAX):
+    """The next message's header (a dict); EOFError at the end of the stream; WireError for a frame over
+    `max_header` bytes or not a bounded JSON object."""
     raw = inp.read(4)
     if not raw:
         raise EOFError("the stream ended")
     if len(raw) != 4:
         raw = bytes(raw) + read_exact(inp, 4 - len(raw))
     (n,) = struct.unpack(">I", raw)
-    return json.loads(read_exact(inp, n))
+    if n > max_header:
+        raise WireError(f"a header of {n} bytes, over the limit of {max_header}")
+    return parse_header(_take(inp, n))
 
 
 class Input:

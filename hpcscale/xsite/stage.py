@@ -6,6 +6,13 @@ one `ssh host python3 -c ...` process running hpcscale.xsite.agent, which travel
 the hpcscale.portable modules it imports (hpcscale/xsite/bootstrap.py), so the other site needs only python3.
 Both ends place and read files with the same code (hpcscale.portable.sink, hpcscale.portable.source). This
 module is also the library the cross-site rounds use to move model contributions (`stage_files`).
+
+Over ssh the other end is another site's and is not trusted (hpcscale.xsite.channel): its plan is checked
+entry by entry (`check_plan`), every ack must name a file in flight on its stream, once (`check_ack`), every
+get reply must announce exactly the bytes asked for (`check_get`); a violation fails the stage (exit 1) with
+ssh stopped, and a receiver thread that ends for any reason ends the stage with it. The summary counts what
+this side saw: up to date are the entries the checked plan marks so, sent the files acknowledged one by one,
+and the remote's count of files it proved by hash is accepted only up to that up-to-date count.
 """
 
 from __future__ import annotations
@@ -26,10 +33,19 @@ from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import BLOCK
 from hpcscale.portable.sink import TMPFILE_MAX, Sink
 from hpcscale.portable.source import Source
-from hpcscale.portable.wire import TokenBucket, pump, recv, send
+from hpcscale.portable.wire import TokenBucket, pump, send
 from hpcscale.util.progress import Progress
 from hpcscale.xsite import DEFAULT_JOBS, copiers
-from hpcscale.xsite.channel import Channel, Endpoint, error_for, parse_endpoint
+from hpcscale.xsite.channel import (
+    Channel,
+    Endpoint,
+    ProtocolError,
+    check_error,
+    error_for,
+    parse_endpoint,
+    shown,
+    stall_timeout,
+)
 
 log = logging.getLogger("hpcscale.stage")
 
@@ -235,6 +251,76 @@ def _sha256(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()
 
 
+_INFO_COUNTS = ("hashed", "hashed_bytes", "proven", "parts")
+
+
+def check_plan(reply: dict, entries: list) -> tuple[list[int], dict]:
+    """A remote plan reply's (statuses, info), each field checked against the request (ProtocolError): one
+    status per entry, each -1 (up to date) or an offset within the file's manifest size; info an object whose
+    counts are integers >= 0, 'proven' at most the number of entries up to date; 'clean' a boolean, 'lock' a
+    short string or null."""
+    statuses = reply.get("statuses")
+    if type(statuses) is not list or len(statuses) != len(entries):
+        what = f"{len(statuses)} statuses" if type(statuses) is list else f"statuses {shown(repr(statuses), 40)}"
+        raise ProtocolError(f"a plan reply with {what} for {len(entries)} files")
+    for s, e in zip(statuses, entries, strict=True):
+        if type(s) is not int or s < -1 or s > e[1]:
+            raise ProtocolError(f"a plan reply with status {shown(repr(s), 40)} for '{e[0]}' ({e[1]} bytes)")
+    info = reply.get("info", {})
+    if type(info) is not dict:
+        raise ProtocolError(f"a plan reply whose info is {shown(repr(info), 40)}")
+    for key in _INFO_COUNTS:
+        value = info.get(key, 0)
+        if type(value) is not int or value < 0:
+            raise ProtocolError(f"a plan reply whose info.{key} is {shown(repr(value), 40)}")
+    up_to_date = statuses.count(-1)
+    if info.get("proven", 0) > up_to_date:
+        raise ProtocolError(f"a plan reply claiming {info['proven']} files proven by hash of {up_to_date} up to date")
+    if type(reply.get("clean", False)) is not bool:
+        raise ProtocolError(f"a plan reply whose clean is {shown(repr(reply.get('clean')), 40)}")
+    lock = reply.get("lock")
+    if lock is not None and (type(lock) is not str or len(lock) > 200):
+        raise ProtocolError(f"a plan reply whose lock is {shown(repr(lock), 40)}")
+    return statuses, info
+
+
+def check_ack(msg: dict, inflight: dict) -> tuple[str | None, tuple[str, str] | None]:
+    """A push stream's reply, between its puts and its flush: (path, None) for an ack of a file in flight,
+    (path, (message, kind)) for an error (path None: one about the whole stream), ('', None) for 'flushed';
+    ProtocolError for anything else, an ack of a file not in flight (or acknowledged already) included."""
+    if "flushed" in msg:
+        if msg.get("flushed") is not True or len(msg) != 1:
+            raise ProtocolError("a flush reply that is not {flushed: true}")
+        return "", None
+    path = msg.get("path")
+    if "error" in msg:
+        error = check_error(msg)
+        if path is not None and (type(path) is not str or path not in inflight):
+            raise ProtocolError(f"an error reply for '{shown(path, 200)}', which is not in flight")
+        return path, error
+    if msg.get("ok") is not True:
+        raise ProtocolError(f"a reply that is neither an ack nor an error (keys {shown(sorted(msg)[:8], 200)})")
+    if type(path) is not str or path not in inflight:
+        raise ProtocolError(f"an ack for '{shown(path, 200)}', which is not in flight (or acknowledged already)")
+    return path, None
+
+
+def check_get(msg: dict, entry: list, offset: int) -> tuple[str, str] | None:
+    """A pull stream's reply to a get of `entry` from `offset`: None where exactly the file's remaining
+    manifest bytes follow, (message, kind) for an error reply (nothing follows); ProtocolError otherwise."""
+    if "error" in msg:
+        return check_error(msg)
+    n, size, path = msg.get("n"), msg.get("size"), msg.get("path")
+    if path != entry[0]:
+        raise ProtocolError(f"a reply for '{shown(path, 200)}' to a get of '{entry[0]}'")
+    if type(n) is not int or n != entry[1] - offset or type(size) is not int or size != entry[1]:
+        raise ProtocolError(
+            f"a reply announcing {shown(repr(n), 40)} bytes of a {shown(repr(size), 40)}-byte '{entry[0]}' (asked for "
+            f"{entry[1] - offset} from offset {offset} of {entry[1]})"
+        )
+    return None
+
+
 def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> list[tuple[list, int]]:
     r = run.result
     todo = []
@@ -331,6 +417,7 @@ def _push(entries, dirs, manifest_text, source: Source, dst: Endpoint, opts: Sta
         "sync": opts.sync,
         "jobs": opts.jobs,
         "umask": opts.umask,
+        "beat_s": stall_timeout() / 4,  # a long plan, flush or commit says it is alive well within our timeout
     }
     n = max(1, opts.jobs)
     t0 = time.perf_counter()
@@ -342,11 +429,15 @@ def _push(entries, dirs, manifest_text, source: Source, dst: Endpoint, opts: Sta
         if dirs is not None:
             plan["dirs"] = dirs
         reply = ch0.call({"op": "init", "opts": agent_opts}, plan)
+        try:
+            statuses, info = check_plan(reply, entries)
+        except ProtocolError as e:
+            raise ch0.violation(str(e)) from None
     except BaseException:
         ch0.close()
         raise
     log.debug("push: planned at %.3f s", time.perf_counter() - t0)
-    todo = _apply_plan(entries, reply["statuses"], reply.get("info", {}), run)
+    todo = _apply_plan(entries, statuses, info, run)
     agent_opts["lock"] = reply.get("lock")  # extra streams join the lock the first one took
     channels = first
     try:
@@ -460,6 +551,8 @@ class _Prefetch:
 
 def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run, inflight: dict) -> None:
     files = _Prefetch(work, source, run)
+    ch.doing = "put"
+    ch.flush_sent = False
     try:
         while not run.stop.is_set():
             item = files.next()
@@ -476,6 +569,7 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
             finally:
                 os.close(fd)
         send(ch.w, {"op": "flush"})
+        ch.flush_sent = True
         ch.w.flush()
     except OSError:
         run.abort(ch.broken("the connection broke while sending"))
@@ -484,22 +578,36 @@ def _push_sender(ch: Channel, work: queue.SimpleQueue, source: Source, run: _Run
 
 
 def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
-    while True:
-        try:
-            msg = recv(ch.r)
-        except (OSError, EOFError):
-            if not run.stop.is_set():
-                run.abort(ch.broken("the connection broke while receiving acknowledgements"))
-            return
-        if "flushed" in msg:
-            return
-        path = msg.get("path")
-        if "error" in msg:
-            run.fail(path, msg["error"], msg.get("kind", "runtime"))
-            if path is None:
+    """The acks of one push stream, until its flush reply. Whatever ends it early (a broken connection, a
+    protocol violation, anything unexpected) ends the stage: ssh is stopped, so the sender stops too."""
+    try:
+        while True:
+            flushing = ch.flush_sent  # the agent may beat while it flushes, never before the flush is sent
+            ch.doing = "put" if inflight or not flushing else "flush"  # what a stall message names
+            try:
+                msg = ch.recv(beats=flushing)
+                path, error = check_ack(msg, inflight)
+            except ProtocolError as e:
+                raise ch.violation(str(e)) from None
+            if path == "" and error is None:  # flushed
                 return
-        elif msg.get("ok"):
-            run.ok(inflight.pop(path, 0) > 0)
+            if path is not None:
+                offset = inflight.pop(path)
+            if error is not None:
+                run.fail(path, *error)
+                if path is None:
+                    ch.kill()
+                    return
+            else:
+                run.ok(offset > 0)
+    except (OSError, EOFError):
+        if not run.stop.is_set():
+            run.abort(ch.broken("the connection broke while receiving acknowledgements"))
+    except (RuntimeFailure, VerificationFailure, BadInput) as e:
+        run.abort(e)
+    except BaseException as e:  # never a silent thread death: the stage ends with it
+        run.abort(RuntimeFailure(f"{ch.ep}: unexpected {type(e).__name__} while receiving acknowledgements: {e}"))
+    ch.kill()  # an early end: the sender (blocked on a full pipe, perhaps) must stop too
 
 
 def _pull(entries, dirs, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run, early) -> None:
@@ -547,6 +655,7 @@ def _pull(entries, dirs, manifest_text, src: Endpoint, sink: Sink, opts: StageOp
 
 
 def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue.SimpleQueue, window):
+    ch.doing = "get"
     try:
         while not run.stop.is_set():
             try:
@@ -555,12 +664,15 @@ def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue
                 break
             if not window.acquire(blocking=False):
                 ch.w.flush()  # requests go out in groups: one ssh packet per window, not per file
-                window.acquire()
+                while not window.acquire(timeout=0.1):  # a receiver that ended stops the run: never wait on
+                    if run.stop.is_set():
+                        break
             if run.stop.is_set():
                 break
             pending.put(item)
             entry, offset = item
-            send(ch.w, {"op": "get", "path": entry[0], "offset": offset})
+            # the size: the agent refuses a file of another size rather than send bytes we would not take
+            send(ch.w, {"op": "get", "path": entry[0], "offset": offset, "size": entry[1]})
         ch.w.flush()
     except OSError:
         run.abort(ch.broken("the connection broke while sending requests"))
@@ -569,54 +681,69 @@ def _pull_sender(ch: Channel, work: queue.SimpleQueue, run: _Run, pending: queue
 
 
 def _pull_receiver(ch: Channel, sink: Sink, run: _Run, pending: queue.SimpleQueue, window) -> None:
-    while True:
-        item = pending.get()
-        if item is None:
-            return
-        entry, offset = item
-        try:
-            msg = recv(ch.r)
-            if "error" in msg:
-                run.fail(entry[0], msg["error"], msg.get("kind", "runtime"))
+    """The replies of one pull stream, one per get in `pending`. Whatever ends it early (a broken connection,
+    a protocol violation, anything unexpected) ends the stage at once: the run is aborted and ssh stopped, so
+    the sender, waiting on the window or on a full pipe, stops too."""
+    try:
+        while True:
+            item = pending.get()
+            if item is None:
+                return
+            try:
+                _pull_one(ch, sink, run, *item)
+            finally:
                 window.release()
-                continue
-            left = msg["n"]
-            if msg.get("size") != entry[1] or left != entry[1] - offset:
-                run.fail(entry[0], f"the source holds {msg.get('size')} bytes, the manifest says {entry[1]}", "verify")
-                w = None
-            else:
-                try:
-                    w = sink.begin(entry, offset)
-                except (StageError, OSError) as e:
-                    run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
-                    w = None
-                except Exception as e:
-                    run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
-                    w = None
-            while left:
-                data = ch.r.read(min(BLOCK, left))
-                if not data:
-                    if w is not None:
-                        w.abort()
-                    raise EOFError
-                left -= len(data)
-                run.sent_bytes(len(data))
-                if w is not None:
-                    w.write(data)
+    except (OSError, EOFError):
+        if not run.stop.is_set():
+            run.abort(ch.broken("the connection broke while receiving"))
+    except (RuntimeFailure, VerificationFailure, BadInput) as e:
+        run.abort(e)
+    except BaseException as e:  # never a silent thread death: the stage ends with it
+        run.abort(RuntimeFailure(f"{ch.ep}: unexpected {type(e).__name__} while receiving: {e}"))
+    ch.kill()
+
+
+def _pull_one(ch: Channel, sink: Sink, run: _Run, entry: list, offset: int) -> None:
+    """One get's reply and its bytes into the sink (a file that fails is failed, the stream goes on)."""
+    try:
+        error = check_get(ch.recv(), entry, offset)
+    except ProtocolError as e:
+        raise ch.violation(str(e)) from None
+    if error is not None:
+        run.fail(entry[0], *error)
+        return
+    left = entry[1] - offset  # exactly what check_get let through: never more than the manifest's size
+    try:
+        w = sink.begin(entry, offset)
+    except (StageError, OSError) as e:
+        run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
+        w = None
+    except Exception as e:
+        run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
+        w = None
+    while left:
+        data = ch.r.read(min(BLOCK, left))
+        if not data:
             if w is not None:
-                try:
-                    w.finish()
-                    run.ok(offset > 0)
-                except (StageError, OSError) as e:
-                    run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
-                except Exception as e:
-                    run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
-            window.release()
-        except (OSError, EOFError):
-            if not run.stop.is_set():
-                run.abort(ch.broken("the connection broke while receiving"))
-            window.release()  # the sender must never wait on the window of a dead stream
-            return
+                w.abort()
+            raise EOFError
+        left -= len(data)
+        run.sent_bytes(len(data))
+        if w is not None:
+            try:
+                w.write(data)
+            except OSError as e:  # a local write failed (disk full): this file fails, the stream stays in step
+                w.abort()
+                w = None
+                run.fail(entry[0], str(e), "runtime")
+    if w is not None:
+        try:
+            w.finish()
+            run.ok(offset > 0)
+        except (StageError, OSError) as e:
+            run.fail(entry[0], str(e), getattr(e, "kind", "runtime"))
+        except Exception as e:
+            run.fail(entry[0], f"unexpected {type(e).__name__}: {e}", "runtime")
 
 
 def stage_files(
