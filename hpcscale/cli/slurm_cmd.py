@@ -114,9 +114,10 @@ def _num(value, fmt: str) -> str:
 
     from hpcscale.util.trust import clean_markup
 
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+    if isinstance(value, int | float) and not isinstance(value, bool):
         try:
-            return format(value, fmt)
+            if math.isfinite(value):  # an integer beyond any float: OverflowError
+                return format(value, fmt)
         except (ValueError, OverflowError):
             pass
     return clean_markup(repr(value), limit=60)
