@@ -62,18 +62,20 @@ def _local_run(tmp: Path, **spec_extra) -> RunDir:
     return rd
 
 
-def _slurm_site(tmp: Path, conf: Path) -> Path:
+def _slurm_site(tmp: Path, conf: Path, source: list[str] | None = None) -> Path:
     site = yaml.safe_load((REPO / "site_configs" / "localcluster.yaml").read_text())
     site["slurm"]["conf"] = str(conf)
+    if source:
+        site["environment"]["source"] = source
     site["topology"] = {"source": "none"}
     path = tmp / "site.yaml"
     path.write_text(yaml.safe_dump(site))
     return path
 
 
-def _slurm_run(tmp: Path, conf: Path) -> RunDir:
+def _slurm_run(tmp: Path, conf: Path, source: list[str] | None = None) -> RunDir:
     """A run directory submitted to a Slurm site whose slurm.conf is `conf`, with one recorded job id."""
-    job = job_spec(tmp / "src.yaml", tp=1, pp=1, ranks=1, site=str(_slurm_site(tmp, conf)))
+    job = job_spec(tmp / "src.yaml", tp=1, pp=1, ranks=1, site=str(_slurm_site(tmp, conf, source)))
     loaded = load_job(job)
     rd = RunDir.create(tmp / "run")
     rd.write_resolved(loaded.spec, loaded.site.config)
@@ -437,3 +439,15 @@ def test_timing_and_metrics_figures_beyond_any_float_are_skipped(tmp_path):
     (rd.path / "metrics.jsonl").write_text(f'{{"step": 1, "loss": {10**400}, "tokens_per_s": 1e308}}\n')
     r = _cli("status", rd.path)
     assert r.returncode == 0 and "last step 1: loss 1000" in r.stdout
+
+
+def test_a_sourced_file_others_can_write_is_refused(tmp_path):
+    (tmp_path / "slurm.conf").write_text("ClusterName=x\n")
+    setup = tmp_path / "setup.sh"
+    setup.write_text("export X=1\n")
+    rd = _slurm_run(tmp_path, tmp_path / "slurm.conf", source=[str(setup), "/only/on/compute/nodes.sh"])
+    plan = Plan(str(rd.path), "slurm", None, None, [], [], 1)
+    assert what_it_runs(rd, plan, rd.load_job())["source"][0] == str(setup)
+    setup.chmod(0o666)
+    with pytest.raises(UntrustedFile, match=r"sources.*writable by its group and others"):
+        what_it_runs(rd, plan, rd.load_job())

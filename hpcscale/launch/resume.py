@@ -502,6 +502,7 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
     exact text) or the mpirun command, the program, the environment it sets (the site's variables and the job's
     `environment:`), the modules and files it sources, the site and the SLURM_CONF its Slurm commands use."""
     spec, site = loaded.spec, loaded.site.config
+    _check_named_files(loaded)
     env = {**site.environment.variables, **spec.environment}
     out: dict = {
         "site": site.name,
@@ -534,6 +535,24 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
     out["command"] = list(spec.command) if spec.command is not None else program
     out["script"] = render_script(job, name)
     return out
+
+
+def _check_named_files(loaded: LoadedJob) -> None:
+    """The files the job script sources (site `environment.source`) and the program a `command:` job names by
+    absolute path run as the user: each that exists here must be trusted like the configuration naming it
+    (hpcscale.util.trust; UntrustedFile, exit 2). Paths that exist only on the compute nodes are not checked."""
+    from hpcscale.util.paths import expand_path
+    from hpcscale.util.trust import check_trusted
+
+    named = [(p, "file the job script sources (site.yaml environment.source)") for p in
+             loaded.site.config.environment.source]  # fmt: skip
+    command = loaded.spec.command
+    if command and command[0].startswith("/"):
+        named.append((command[0], "program of the job's command"))
+    for text, what in named:
+        path = expand_path(text)
+        if os.path.lexists(path):
+            check_trusted(Path(os.path.realpath(path)), what=what)
 
 
 def record(rd: RunDir, plan: Plan) -> None:
