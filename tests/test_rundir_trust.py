@@ -219,6 +219,7 @@ def test_dry_run_shows_the_environment_command_site_and_script(tmp_path):
     runs = json.loads(r.output)["runs"]
     assert runs["environment"]["MY_SETTING"] == "on" and runs["command"][0] == "mpirun"
     assert runs["site"] == "local" and runs["site_file"] == str(rd.path / "site.yaml")
+    assert runs["site_config"]["scheduler"] == "local"
     # a Slurm run: the exact script, SLURM_CONF and the environment (decided before Slurm is asked anything)
     conf_dir = tmp_path / "s"
     conf_dir.mkdir()

@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
+from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.requeue import grace_advice
 from hpcscale.layout import ParallelDims
@@ -45,7 +46,7 @@ from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.bounded import read_tail
 from hpcscale.util.hostlist import expand
-from hpcscale.util.trust import check_fd
+from hpcscale.util.trust import check_fd, clean
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
@@ -413,12 +414,11 @@ def plan_resume(
         client = client or SlurmClient.for_site(rd.site_config())
         diag = diagnose_slurm(rd, last, client)
     if diag.active:
-        raise BadInput(f"{rd.path}: {diag.explanation}")
+        raise BadInput(f"{rd.path}: {clean(diag.explanation)}")  # log text: cleaned for the terminal
     step, refused = pick_checkpoint(rd)
     if diag.finished or (local and _finished_local(rd, loaded, step)):
-        raise BadInput(
-            f"{rd.path}: the run finished ({diag.explanation or f'checkpoint at step {step}'}): nothing to resume"
-        )
+        why = clean(diag.explanation) or f"checkpoint at step {step}"
+        raise BadInput(f"{rd.path}: the run finished ({why}): nothing to resume")
     mode = exclude_mode or spec.restart.exclude
     exclude: list[str] = []
     if not local and mode != "never":
@@ -508,6 +508,7 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
         "site": site.name,
         "site_file": str(loaded.site.path),
         "job_file": str(loaded.path),
+        "site_config": to_plain(site),
         "environment": env,
         "modules": list(site.environment.modules),
         "source": list(site.environment.source),
