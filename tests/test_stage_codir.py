@@ -24,6 +24,7 @@ from test_stage import build, ssh_args, stage, stage_json
 
 from hpcscale.data.manifest import read_manifest
 from hpcscale.errors import HpcscaleError
+from hpcscale.portable import sink as sink_module
 from hpcscale.portable.sink import Sink
 from hpcscale.util.progress import Progress
 from hpcscale.xsite.channel import parse_endpoint
@@ -31,6 +32,7 @@ from hpcscale.xsite.stage import StageOptions
 from hpcscale.xsite.stage import stage as stage_lib
 
 OTHER_UID = 65534  # nobody: a co-user who can write the destination
+DIR_FDS = getattr(sink_module, "DIR_FDS", 64)  # directory descriptors a Sink keeps open
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
@@ -129,7 +131,6 @@ def test_a_symlink_at_any_level_of_a_listed_path_is_never_written_through(tmp_pa
 def test_a_directory_swapped_after_its_descriptor_was_evicted_fails_the_file_naming_it(tmp_path):
     """More directories than a Sink keeps descriptors for (DIR_FDS): the first ones are closed before their
     files are placed and walked again then, which finds the symlink and fails the file (exit 2)."""
-    from hpcscale.portable.sink import DIR_FDS
 
     src = tmp_path / "src"
     for i in range(DIR_FDS + 20):
@@ -173,7 +174,6 @@ def _dirs_open_under(root: Path) -> int:
 def test_many_directories_keep_a_bounded_number_of_descriptors_open(tmp_path):
     """A descriptor per directory, once per stage, at most DIR_FDS kept (plus those in use), all closed at the
     end: 256 directories of one file each (a/dNNN: two levels)."""
-    from hpcscale.portable.sink import DIR_FDS
 
     src = tmp_path / "src"
     for i in range(4 * DIR_FDS):
@@ -207,6 +207,9 @@ class Swapper(threading.Thread):
         self.swaps = 0
 
     def run(self) -> None:
+        # from the first file placed on: the plan has found a real directory, the writes are under way
+        while not self.stop.is_set() and not any(os.scandir(self.sub)):
+            time.sleep(0.0002)
         while not self.stop.is_set():
             try:
                 os.rename(self.sub, self.hold)
@@ -245,10 +248,10 @@ def test_a_concurrent_swapper_never_gets_a_write_outside_and_never_a_false_manif
     dst = tmp_path / "dst"
     (dst / "sub").mkdir(parents=True)
     if kind == "local":
-        to, args = str(dst), ["-j", "2"]
+        to, args = str(dst), ["-j", "2", "--bwlimit", "64K"]
     else:
         sshd = request.getfixturevalue("sshd")
-        to, args = sshd.url(dst), [*ssh_args(sshd), "-j", "1"]
+        to, args = sshd.url(dst), [*ssh_args(sshd), "-j", "1", "--bwlimit", "64K"]
     swapper = Swapper(dst / "sub", outside)
     swapper.start()
     try:
@@ -297,8 +300,10 @@ def _replace_and_forge(dst: Path, rel: str, how: str) -> None:
         os.chmod(state, 0o777)
 
 
-@pytest.mark.parametrize("kind", ["local", "push"])
-@pytest.mark.parametrize("how", ["other-uid", "writable", "open-dir"])
+@pytest.mark.parametrize(
+    ("kind", "how"),
+    [("local", "other-uid"), ("local", "writable"), ("local", "open-dir"), ("push", "other-uid"), ("push", "open-dir")],
+)
 def test_a_forged_record_is_not_trusted(tmp_path, request, kind, how):
     src = deep_tree(tmp_path / "src", n=6)
     build(src)
@@ -310,8 +315,7 @@ def test_a_forged_record_is_not_trusted(tmp_path, request, kind, how):
         to, args = sshd.url(dst), ssh_args(sshd)
     assert stage_json(src / "manifest.json", str(src), to, *args)["committed"]
     state = dst / ".hpcscale-stage"
-    assert stat.S_IMODE(state.stat().st_mode) == 0o700
-    assert stat.S_IMODE((state / "verified.json").stat().st_mode) == 0o600
+    modes = stat.S_IMODE(state.stat().st_mode), stat.S_IMODE((state / "verified.json").stat().st_mode)
     rel = "a/b/c/f002.bin"
     _replace_and_forge(dst, rel, how)
     out = stage_json(src / "manifest.json", str(src), to, *args)
@@ -319,6 +323,7 @@ def test_a_forged_record_is_not_trusted(tmp_path, request, kind, how):
     assert (dst / rel).read_bytes() == (src / rel).read_bytes()
     v = run_cli("manifest", "verify", str(dst / "manifest.json"), "--root", str(dst))
     assert v.returncode == 0, v.stdout + v.stderr
+    assert modes == (0o700, 0o600)  # made private by the first stage
     if how == "open-dir":
         assert stat.S_IMODE(state.stat().st_mode) == 0o700  # ours: closed to others when found
 

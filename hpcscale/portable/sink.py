@@ -373,8 +373,8 @@ class Sink:
     # relative to its parent's descriptor with O_NOFOLLOW|O_DIRECTORY (created with mkdirat where missing), and
     # every file operation is relative to the final directory's descriptor: a directory swapped for a symlink at
     # any moment is never written through, because no path string is resolved again later. The descriptors
-    # are cached ("slots": [fd, users, retired]), one open per directory per stage, at most DIR_FDS of them
-    # kept; a slot in use (a Writer between its first byte and its name, a plan thread's lstat) is retired
+    # are cached ("slots": [fd, users, retired, identity]), one open per directory per stage, at most DIR_FDS
+    # of them kept; a slot in use (a Writer between its first byte and its name, a plan thread's lstat) is retired
     # rather than closed, and closed by its last user.
 
     def _open_child(self, parent_fd, name, reldir, create):
@@ -398,12 +398,21 @@ class Sink:
         return None
 
     def _in_the_way(self, parent_fd, name, reldir):
+        """The error for `name` under parent_fd that open(O_NOFOLLOW|O_DIRECTORY) refused: what is there now."""
         path = f"{self.root}/{reldir}"
         try:
-            if stat.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+            mode = os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode
+            if stat.S_ISLNK(mode):
                 return StageError(
                     f"{path} is a symlink (-> {os.readlink(name, dir_fd=parent_fd)}); "
                     "hpcscale stage never writes through a symlink in the destination",
+                    "input",
+                )
+            if stat.S_ISDIR(mode):  # a directory again by now: swapped out and back while we opened it
+                return StageError(
+                    f"{path} was a symlink or not a directory when this stage opened it, and is a directory "
+                    "again now: someone is changing the destination; hpcscale stage never writes through a "
+                    "symlink in the destination",
                     "input",
                 )
         except OSError:
@@ -411,9 +420,9 @@ class Sink:
         return StageError(f"{path} is in the way: the manifest needs a directory there", "input")
 
     def dir_slot(self, reldir, create=False):
-        """The slot ([fd, users, retired]) of directory `reldir` ('' is the root), in use until release(slot);
-        None if it is not there (and not `create`). A slot found in the cache costs a dict lookup: this runs
-        for every file."""
+        """The slot ([fd, users, retired, (st_dev, st_ino)]) of directory `reldir` ("" is the root), in use until
+        release(slot); None if it is not there (and not `create`). A slot found in the cache costs a dict lookup:
+        this runs for every file."""
         if reldir == "":
             if self._root_fd is None:
                 try:
