@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import REPO
+from conftest import REPO, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainjobs import job_spec
@@ -452,3 +452,32 @@ def test_a_sourced_file_others_can_write_is_refused(tmp_path):
     setup.chmod(0o666)
     with pytest.raises(UntrustedFile, match=r"sources.*writable by its group and others"):
         what_it_runs(rd, plan, rd.load_job())
+
+
+def test_requeue_reads_planted_metrics_as_a_bounded_tail(tmp_path):
+    """The batch script's requeue decision reads RUN/metrics.jsonl: a FIFO there is not waited on, a symlink to
+    /dev/zero is not read without end, and a real file's last lines are what it gets."""
+    from hpcscale.launch.requeue import _tail_rows
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    zero = tmp_path / "zero.jsonl"
+    zero.symlink_to("/dev/zero")
+    real = tmp_path / "metrics.jsonl"
+    real.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(5000)))
+    t = time.monotonic()
+    assert _tail_rows(fifo) == [] and _tail_rows(zero) == []
+    assert time.monotonic() - t < 30
+    rows = _tail_rows(real, limit=200)
+    assert rows and rows[-1] == {"step": 4999} and len(rows) < 20
+
+
+def test_an_error_quoting_hostile_text_reaches_the_terminal_without_control_characters(tmp_path):
+    """Every command's error goes through one printer: a file name (or any quoted text) holding an escape
+    sequence is shown as visible escapes, not sent to the terminal."""
+    hostile = tmp_path / "job\x1b]0;owned\x07\x1b[2J.yaml"
+    hostile.write_text("name: [unclosed\n")
+    r = run_cli("config", "validate", str(hostile))
+    assert r.returncode == 2, r.stderr
+    assert "\x1b" not in r.stderr and "\x07" not in r.stderr
+    assert "\\x1b" in r.stderr

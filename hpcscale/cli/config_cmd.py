@@ -62,14 +62,16 @@ def validate(
     if as_json:
         print_json({"ok": all(r.ok for r in results), "files": [r.to_json() for r in results]})
     else:
+        from hpcscale.util.trust import clean_markup as shown  # file names and values are the file's words
+
         out, err = console(), console(stderr=True)
         for r in results:
             if r.ok:
-                out.print(f"[green]ok[/green]   {r.file} ({r.kind} '{r.name}')")
+                out.print(f"[green]ok[/green]   {shown(r.file)} ({r.kind} '{shown(r.name)}')")
             for issue in r.issues:
-                err.print(f"[red]error[/red] {issue}", markup=True, soft_wrap=True)
+                err.print(f"[red]error[/red] {shown(issue)}", markup=True, soft_wrap=True)
             for issue in r.warnings:
-                err.print(f"[yellow]warn[/yellow]  {issue}", markup=True, soft_wrap=True)
+                err.print(f"[yellow]warn[/yellow]  {shown(issue)}", markup=True, soft_wrap=True)
     sys.exit(0 if all(r.ok for r in results) else 2)
 
 

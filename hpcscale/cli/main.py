@@ -59,7 +59,11 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except HpcscaleError as e:
-            click.echo(f"error: {e}" if e.exit_code != 2 else str(e), err=True)
+            from hpcscale.util.trust import clean
+
+            # An error may quote a file's or a remote's words: shown without their control characters.
+            text = clean(str(e), limit=20_000, newlines=True)
+            click.echo(f"error: {text}" if e.exit_code != 2 else text, err=True)
             sys.exit(e.exit_code)
 
 

@@ -162,16 +162,22 @@ def _number(value) -> float:
 
 
 def _tail_rows(path: Path, limit: int = 8 << 20) -> list[dict]:
-    """The JSON objects among the last `limit` bytes of a JSON-lines file (a long run's metrics are large)."""
+    """The JSON objects among the last `limit` bytes of a JSON-lines file (a long run's metrics are large).
+    Read as a bounded tail of a regular file (util.bounded.read_tail): a FIFO or a device planted in the run
+    directory is skipped, never waited on or read without end."""
+    from hpcscale.errors import BadInput
+    from hpcscale.util.bounded import read_tail
+
+    try:
+        tail = read_tail(path, max_bytes=limit, what="metrics file", missing_ok=True)
+    except BadInput:
+        return []
     rows = []
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - limit))
-        for line in f.read().splitlines():
-            with contextlib.suppress(ValueError):
-                row = json.loads(line)
-                if isinstance(row, dict):
-                    rows.append(row)
+    for line in tail.data.splitlines() if tail else ():
+        with contextlib.suppress(ValueError, RecursionError):
+            row = json.loads(line)
+            if isinstance(row, dict):
+                rows.append(row)
     return rows
 
 
