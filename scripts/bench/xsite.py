@@ -11,7 +11,7 @@ With --link RATE (root; e.g. 20mbit) the exchange goes through an sshd in a netw
 is capped by tbf, and the round time (from b's export to θ(1) in b's run) shows what the link costs.
 Each encoding runs with each --compressions value (the cross-site config's compression), side by side.
 
-    python scripts/bench/xsite.py [--params 100e6] [--reps 5] [--link 20mbit] [--compressions zstd,none] [--json]
+    python scripts/bench/xsite.py [--params 100e6] [--reps 5] [--link 20mbit] [--compressions zstd,none] [--warmup] [--json]
 """
 
 from __future__ import annotations
@@ -126,6 +126,13 @@ def main() -> int:
     ap.add_argument("--compressions", default="zstd,none")
     ap.add_argument("--link", default=None, help="cap the exchange at this tbf rate (needs root), e.g. 20mbit")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--warmup",
+        action="store_true",
+        help="one untimed round of each configuration first: the medians are then the steady state of a "
+        "long-lived process (imports done, allocator warm); without it the first repetition of the first "
+        "configuration also pays what a fresh `hpcscale sync` process pays",
+    )
     a = ap.parse_args()
     inside = os.environ.get("HPCSCALE_BENCH_SSHD")
     if a.link and not inside:
@@ -155,6 +162,10 @@ def main() -> int:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     results = []
     configs = [(e, c) for e in a.encodings.split(",") for c in a.compressions.split(",")]
+    if a.warmup:
+        for enc, comp in configs:
+            with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
+                one(Path(d), int(a.params), enc, comp, ssh, url)
     for _ in range(a.reps):  # the configurations alternate within each repetition: the machine's drift hits all
         for enc, comp in configs:
             with tempfile.TemporaryDirectory(dir="/var/tmp") as d:
