@@ -3,7 +3,7 @@
 stage must end promptly with a clean error (exit 1, or 3 for a verification failure), naming the remote and
 what was wrong, ssh stopped, no process left behind, nothing committed, nothing raw on the terminal.
 
-Each class of attack is one parametrized test; stalls run under HPCSCALE_STAGE_TIMEOUT=1 (the stall
+Each class of attack is one parametrized test; stalls run under HPCSCALE_STAGE_TIMEOUT=2 (the stall
 timeout's one knob, hpcscale.xsite.channel.stall_timeout)."""
 
 from __future__ import annotations
@@ -315,11 +315,11 @@ STALLS = {
 @pytest.mark.parametrize("case", sorted(STALLS))
 def test_a_remote_that_stalls_fails_the_stage_naming_where(sshd, tmp_path, tree, case, monkeypatch):
     kind, where = STALLS[case]
-    error, seconds = _run(sshd, tmp_path, tree, case, kind == "push", monkeypatch, timeout=1.0)
+    error, seconds = _run(sshd, tmp_path, tree, case, kind == "push", monkeypatch, timeout=2.0)
     assert isinstance(error, RuntimeFailure), repr(error)
     text = str(error)
     assert f"stalled in '{where}'" in text and "HPCSCALE_STAGE_TIMEOUT" in text, text
-    assert seconds < 8, seconds
+    assert seconds < 10, seconds
 
 
 def test_a_crafted_agent_that_keeps_the_protocol_is_counted_by_what_this_side_saw(sshd, tmp_path, tree, monkeypatch):
@@ -387,12 +387,14 @@ def test_config_validate_refuses_an_xsite_reach_ssh_would_take_for_an_option(tmp
         "aggregator": "a",
         "round_steps": 10,
         "keys": "/k",
+        "quorum": {"min_sites": 1},
         "sites": [{"name": "a", "run": "/r", "state": "/s", "reach": "ssh://-oProxyCommand=x/s", "key": "/k/a.key"}],
     }
     path = tmp_path / "x.yaml"
     path.write_text(json.dumps(base))
     r = run_cli("config", "validate", "--kind", "xsite", str(path))
     assert r.returncode == 2 and "begins with '-'" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "min_sites" not in r.stdout + r.stderr  # the reach is the one thing wrong
     base["sites"][0]["reach"] = "ssh://-x@host/s"
     path.write_text(json.dumps(base))
     r = run_cli("config", "validate", "--kind", "xsite", str(path))

@@ -21,7 +21,7 @@ from hpcscale.xsite import agent
 from hpcscale.xsite.channel import ProtocolError, check_error, check_reply, shown
 from hpcscale.xsite.stage import check_ack, check_get, check_plan
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 json_values = st.recursive(
     st.none()
