@@ -100,6 +100,10 @@ while True:
         reply = {"statuses": good, "info": info, "clean": False, "lock": None}
         if CASE == "stall-plan":
             stall()
+        elif CASE == "plan-slow-beats":  # works longer than the stall timeout, and says so
+            for _ in range(12):
+                send({"busy": "plan"})
+                time.sleep(0.25)
         elif CASE == "plan-short":
             reply["statuses"] = good[1:]
         elif CASE == "plan-float":
@@ -169,6 +173,8 @@ while True:
             send(b'{"path": "x", "n": NaN}'); stall()
         elif CASE == "stall-midfile":
             send(reply, data[: len(data) // 2]); stall()
+        if CASE == "get-beat":
+            send({"busy": "get"})
         if CASE == "get-extra-bytes":
             data += b"\x00\x00\x00\x05junk!"
         send(reply, data)
@@ -262,6 +268,7 @@ PULL_VIOLATIONS = {
     "get-negative-n": "announcing -1 bytes",
     "get-more-n": "announcing",
     "get-nan": "NaN is not a JSON value",
+    "get-beat": "a busy beat where none may come",
     "get-extra-bytes": "not valid JSON",  # the junk is read as the next frame: 5 bytes, 'junk!'
 }
 
@@ -320,6 +327,27 @@ def test_a_remote_that_stalls_fails_the_stage_naming_where(sshd, tmp_path, tree,
     text = str(error)
     assert f"stalled in '{where}'" in text and "HPCSCALE_STAGE_TIMEOUT" in text, text
     assert seconds < 10, seconds
+
+
+def test_a_remote_that_stops_reading_a_large_file_fails_the_blocked_sender(sshd, tmp_path, monkeypatch):
+    """The sink reads nothing of a 16 MiB put: the pipes and ssh's window fill and the sender's write blocks;
+    the stall timeout covers writes as well as reads."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(16 << 20)
+    (src / "big.bin").write_bytes(data)
+    st = (src / "big.bin").stat()
+    manifest = Manifest("xxh128", [FileEntry("big.bin", len(data), st.st_mtime_ns, xxhash.xxh3_128(data).hexdigest())])
+    error, seconds = _run(sshd, tmp_path, (src, manifest), "stall-put-unread", True, monkeypatch, timeout=2.0)
+    assert isinstance(error, RuntimeFailure) and "stalled in 'put'" in str(error), repr(error)
+    assert seconds < 10, seconds
+
+
+def test_a_remote_that_works_longer_than_the_timeout_and_says_so_is_not_a_stall(sshd, tmp_path, tree, monkeypatch):
+    """Busy beats during a plan (the real agent sends one every timeout/4 while it plans, flushes or commits)."""
+    result, seconds = _run(sshd, tmp_path, tree, "plan-slow-beats", True, monkeypatch, timeout=2.0)
+    assert not isinstance(result, BaseException), result
+    assert result.committed and seconds > 2.5, seconds
 
 
 def test_a_crafted_agent_that_keeps_the_protocol_is_counted_by_what_this_side_saw(sshd, tmp_path, tree, monkeypatch):
