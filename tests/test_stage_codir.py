@@ -320,6 +320,8 @@ def test_a_forged_record_is_not_trusted(tmp_path, request, kind, how):
     _replace_and_forge(dst, rel, how)
     out = stage_json(src / "manifest.json", str(src), to, *args)
     assert out["sent"] == 1 and out["up_to_date"] == out["files"] - 1, out  # hashed, caught, sent again
+    # the user is told why everything was hashed (over ssh too: the remote sink's reason, checked and cleaned)
+    assert ".hpcscale-stage" in (out["record_ignored"] or ""), out
     assert (dst / rel).read_bytes() == (src / rel).read_bytes()
     v = run_cli("manifest", "verify", str(dst / "manifest.json"), "--root", str(dst))
     assert v.returncode == 0, v.stdout + v.stderr

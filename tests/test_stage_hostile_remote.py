@@ -114,6 +114,8 @@ while True:
             reply["statuses"] = [e[1] + 1 for e in entries]
         elif CASE == "plan-info-list":
             reply["info"] = []
+        elif CASE == "plan-record-ignored":
+            reply["info"] = dict(info, record_ignored={"x": 1})
         elif CASE == "plan-proven":
             reply["statuses"] = [-1] * n
             reply["info"] = dict(info, proven=10**9, hashed=10**9)
@@ -290,6 +292,7 @@ PUSH_VIOLATIONS = {
     "plan-offset": "status 51 for 'f000.bin' (50 bytes)",
     "plan-info-list": "info is []",
     "plan-proven": "claiming 1000000000 files proven by hash of 70 up to date",
+    "plan-record-ignored": "info.record_ignored is {'x': 1}",
     "plan-10m": "over the limit",
     "plan-error-kind": "unknown kind",
     "plan-error-list": "message is a list",

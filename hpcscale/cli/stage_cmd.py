@@ -290,6 +290,8 @@ def _summary(r) -> None:
             click.echo(f"... and {len(r.would_send) - 50} more")
         click.echo(f"dry run: {len(r.would_send)} of {r.files} files would be sent, {r.up_to_date} are up to date")
         return
+    if r.record_ignored:
+        click.echo(f"note: {r.record_ignored}", err=True)
     click.echo(
         f"{r.files} files ({_mb(r.bytes_total)}): sent {r.sent} ({r.resumed} resumed), up to date {r.up_to_date} "
         f"({r.proven_by_hash} proven by hash now), verified {r.verified}, failed {len(r.failed)}; "

@@ -84,6 +84,9 @@ class StageResult:
     seconds: float = 0.0
     streams: int = 0  # parallel streams that carried this run: copier processes or threads (local), ssh connections
     bwlimit: float | None = None  # the cap in bytes/s, all streams together; None: none
+    # why DST's record of verified files was not trusted (others could have written it: every file there was
+    # hashed instead); None when it was, or when there was none (the sink's plan info 'record_ignored')
+    record_ignored: str | None = None
 
     @property
     def mb_per_s(self) -> float:
@@ -281,6 +284,9 @@ def check_plan(reply: dict, entries: list) -> tuple[list[int], dict]:
     lock = reply.get("lock")
     if lock is not None and (type(lock) is not str or len(lock) > 200):
         raise ProtocolError(f"a plan reply whose lock is {shown(repr(lock), 40)}")
+    ignored = info.get("record_ignored")
+    if ignored is not None and (type(ignored) is not str or len(ignored) > 2000):
+        raise ProtocolError(f"a plan reply whose info.record_ignored is {shown(repr(ignored), 40)}")
     return statuses, info
 
 
@@ -331,6 +337,8 @@ def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> li
             todo.append((entry, status))
     r.proven_by_hash = info.get("proven", 0)
     r.verified += r.proven_by_hash
+    if isinstance(info.get("record_ignored"), str):  # a local sink's, or one check_plan let through
+        r.record_ignored = shown(info["record_ignored"], 2000)
     r.would_send = [e[0] for e, _ in todo]
 
     # Large files first, largest first, so that parallel streams finish together; then the small ones in path
