@@ -228,8 +228,13 @@ class RunDir:
         shutil.rmtree(self.path, ignore_errors=True)
 
     def run_id(self) -> str:
-        """This run's id, created on first use (run directories from before it get one then)."""
-        return _create_once(self.path / RUN_ID, secrets.token_hex(6))
+        """This run's id, created on first use (run directories from before it get one then): 12 lowercase hex
+        digits. It names a directory under the checkpoint root, so anything else in the file (a path, `..`) is
+        refused (BadInput), never joined into a path."""
+        value = _create_once(self.path / RUN_ID, secrets.token_hex(6))
+        if not re.fullmatch(r"[0-9a-f]{12}", value):
+            raise BadInput(f"{self.path / RUN_ID}: {value[:40]!r} is not a run id (12 lowercase hex digits)")
+        return value
 
     def _config_text(self, name: str) -> str:
         """job.yaml or site.yaml as UTF-8 text, read only from a file the user may trust (hpcscale.util.trust:

@@ -205,3 +205,17 @@ def test_render_cli_prints_script_for_the_local_cluster(local_cluster):
 def test_bad_template_name_is_bad_input():
     r = CliRunner().invoke(cli, ["render", str(REPO / "docs/examples/gpt-dgx.yaml"), "--template", "nope"])
     assert r.exit_code == 2 and "neither a built-in" in r.output
+
+
+@pytest.mark.parametrize("node", ["n1\ntouch /tmp/hpcscale-pwned #", "n1\rx", "n1\x00"])
+def test_an_excluded_node_name_cannot_end_its_sbatch_line(tmp_path, node):
+    """Excluded nodes come from files others may write (RUN/submissions.jsonl, timing.jsonl, the logs):
+    shlex.quote keeps a newline inside its quotes, and the text after it would be a command of its own."""
+    import dataclasses
+
+    loaded = load_job(golden_spec("default", "localcluster", tmp_path))
+    job = resolve(loaded, run_dir=tmp_path / "run", tree=parse_scontrol_topology(LOCAL_TOPOLOGY))
+    assert "--exclude" not in render_script(job)
+    hostile = dataclasses.replace(job, excluded=("n2", node))
+    with pytest.raises(BadInput, match="control character"):
+        render_script(hostile)

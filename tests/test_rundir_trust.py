@@ -481,3 +481,118 @@ def test_an_error_quoting_hostile_text_reaches_the_terminal_without_control_char
     assert r.returncode == 2, r.stderr
     assert "\x1b" not in r.stderr and "\x07" not in r.stderr
     assert "\\x1b" in r.stderr
+
+
+def test_rank_zero_never_writes_through_a_planted_link(tmp_path):
+    """metrics.jsonl and timing.jsonl are appended to by the job's rank 0 and a local run's log is created by
+    the front end: a symlink planted at any of them (pointing at a file of the victim's) is not written
+    through; the victim's file is untouched."""
+    from hpcscale.launch.context import MetricsLogger
+    from hpcscale.launch.timing import StepTimes
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        MetricsLogger(run / "metrics.jsonl")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises((BadInput, OSError)):  # ENXIO: opened without waiting on a reader
+        MetricsLogger(fifo)
+    (run / "timing.jsonl").symlink_to(victim)
+    StepTimes(run_dir=run, every=1, rank=0, node="n1", pp=0, attempt=1)._append({"step": 1})  # warns, goes on
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_run_id_that_is_a_path_is_refused(tmp_path):
+    rd = _local_run(tmp_path)
+    assert len(rd.run_id()) == 12
+    (rd.path / "run-id").unlink()
+    (rd.path / "run-id").write_text("x/../../../../tmp/drop\n")
+    with pytest.raises(BadInput, match="not a run id"):
+        rd.run_id()
+
+
+def test_checkpoint_pointers_planted_as_fifos_or_dev_zero_are_not_read(tmp_path):
+    from hpcscale.ckpt.format import examine_index
+    from hpcscale.ckpt.ops import latest
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    os.mkfifo(root / "LATEST")
+    assert latest(tmp_path) is None  # not waited on: no pointer, no committed step
+    (root / "LATEST").unlink()
+    (root / "LATEST").symlink_to("/dev/zero")
+    assert latest(tmp_path) is None
+    import torch
+
+    from hpcscale.ckpt.format import DIGEST, INDEX, step_dir_name
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.layout import ParallelDims
+
+    (root / "LATEST").unlink()
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        m = CheckpointManager(root, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, keep_last=2)
+        m.save(1, {"model/w": torch.ones(4)}, {}, asynchronous=False)
+    finally:
+        dist.destroy_process_group()
+    step = root / step_dir_name(1)
+    (step / DIGEST).unlink()
+    os.mkfifo(step / DIGEST)
+    t = time.monotonic()
+    found = examine_index(step / INDEX)
+    assert time.monotonic() - t < 30
+    assert any(p.file == DIGEST and "cannot be read" in p.problem for p in found.problems), found.problems
+
+
+@pytest.mark.parametrize("value", ["10" * 200, "1e999", '"slow"', "-5", "NaN"])
+def test_grace_advice_ignores_durations_that_are_not_measurements(tmp_path, value):
+    """stop_s, step_time_s and checkpoint_blocking_s come from files others may write: a 400-digit integer,
+    1e999 or a string is ignored, never an OverflowError in the batch script's requeue decision."""
+    from hpcscale.launch.requeue import grace_advice
+
+    rd = _local_run(tmp_path)
+    (rd.path / "metrics.jsonl").write_text(f'{{"step": 1, "step_time_s": {value}, "checkpoint_blocking_s": {value}}}\n')
+    assert grace_advice(rd, 60) is None
+    append_json_line(rd.path / "attempts.jsonl", {"event": "stop", "attempt": 1, "stop_s": 10**400})
+    assert grace_advice(rd, 60) is None
+    append_json_line(rd.path / "attempts.jsonl", {"event": "stop", "attempt": 2, "stop_s": 100.0})
+    assert "give it at least 201 s" in grace_advice(rd, 60)
+
+
+def test_clean_shows_lone_surrogates_and_separators_so_printing_never_fails():
+    text = clean("a\ud800b\u2028c\u061cd\ufeffe")
+    assert "\ud800" not in text and "\u2028" not in text and "\ufeff" not in text
+    text.encode("utf-8")  # printable: a lone surrogate would raise UnicodeEncodeError here
+
+
+def test_group_write_is_allowed_only_for_the_owners_private_group(tmp_path):
+    """umask 002 with user-private groups (RHEL-like systems): group write lets no one else in."""
+    import grp
+    import pwd
+
+    from hpcscale.util.trust import private_group, problem
+
+    f = tmp_path / "job.yaml"
+    f.write_text("x")
+    os.chmod(f, 0o664)
+    nobody = pwd.getpwnam("nobody")
+    try:
+        own_group = grp.getgrnam(nobody.pw_name)
+    except KeyError:
+        own_group = None
+    os.chown(f, nobody.pw_uid, nobody.pw_gid)
+    st = os.stat(f)
+    assert problem(st) is not None  # not ours anyway
+    os.chown(f, 0, 0)
+    assert "writable by its group" in (problem(os.stat(f)) or "")  # root's group: never treated as private
+    assert not private_group(os.stat(f))
+    if own_group is not None and not own_group.gr_mem:
+        os.chown(f, nobody.pw_uid, own_group.gr_gid)
+        assert private_group(os.stat(f))

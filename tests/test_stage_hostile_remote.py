@@ -441,3 +441,12 @@ def test_a_bad_stall_timeout_setting_is_bad_input(monkeypatch):
             stall_timeout()
     monkeypatch.setenv("HPCSCALE_STAGE_TIMEOUT", "2.5")
     assert stall_timeout() == 2.5
+
+
+@pytest.mark.parametrize("url", ["ssh://[::1/p", "ssh://[-oProxyCommand=x]/p", "ssh://host:99999999/p"])
+def test_an_endpoint_urlsplit_refuses_is_bad_input_not_a_traceback(url):
+    from hpcscale.errors import BadInput
+    from hpcscale.xsite.channel import parse_endpoint
+
+    with pytest.raises(BadInput):
+        parse_endpoint(url, "--to")

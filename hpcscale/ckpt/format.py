@@ -405,13 +405,15 @@ def examine_index(path: Path) -> IndexExamination:
                 INDEX, f"root digest mismatch: recorded {stored}, contents hash to {digest} (edited or damaged)"
             )
         )
-    try:
-        with open(path.parent / DIGEST, "rb") as fh:
-            recorded = fh.read(256).decode("ascii", "replace").strip()
+    from hpcscale.errors import BadInput
+    from hpcscale.util.bounded import read_bounded
+
+    try:  # bounded, and a FIFO or device there is refused, never waited on
+        recorded = read_bounded(path.parent / DIGEST, max_bytes=256, what="digest").decode("ascii", "replace").strip()
         if recorded != digest:
             problems.append(IndexProblem(DIGEST, f"says {recorded[:80]!r}, the index's contents hash to {digest}"))
-    except OSError as e:
-        problems.append(IndexProblem(DIGEST, f"cannot be read ({e.strerror or e})"))
+    except BadInput as e:
+        problems.append(IndexProblem(DIGEST, f"cannot be read ({e})"))
     if problems:
         return IndexExamination(None, problems, digest)
     try:

@@ -140,7 +140,13 @@ def latest(path: Path) -> CheckpointInfo | None:
     root = checkpoints_root(path)
     pointer = root / LATEST
     if pointer.exists():
-        step = step_of(pointer.read_text().strip())
+        from hpcscale.util.bounded import read_bounded
+
+        try:  # a FIFO or /dev/zero planted there is refused, never waited on or read without end
+            text = read_bounded(pointer, max_bytes=4096, what="LATEST pointer").decode(errors="replace")
+            step = step_of(text.strip())
+        except BadInput:
+            step = None  # a pointer that cannot be read names nothing: the committed steps decide
         if step is not None and (root / step_dir_name(step) / INDEX).exists():
             return _info(root, step)
     steps = committed_steps(root)

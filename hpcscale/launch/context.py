@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,8 +21,21 @@ from pathlib import Path
 from typing import Any
 
 from hpcscale.config.job import JobSpec
+from hpcscale.errors import BadInput
 from hpcscale.launch.signals import StopFlag
 from hpcscale.layout import ParallelDims
+
+
+def _append_only(path: Path):
+    """RUN/metrics.jsonl opened for appending, line-buffered: never through a symlink planted at its name
+    (O_NOFOLLOW: someone who can write RUN could point it at a file of yours), and only a regular file."""
+    import stat
+
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BadInput(f"{path}: not a regular file; refusing to append the run's metrics to it")
+    return open(fd, "a", buffering=1)
 
 
 class MetricsLogger:
@@ -31,7 +45,7 @@ class MetricsLogger:
     def __init__(self, path: Path | None, *, attempt: int | None = None, tensorboard: Path | None = None):
         self.path = path
         self.attempt = attempt
-        self._f = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115 - lives with the run
+        self._f = _append_only(path) if path is not None else None
         self._tb = None
         if tensorboard is not None and path is not None:  # metrics.tensorboard: the same lines as events
             from hpcscale.observe.tensorboard import TensorBoardSink

@@ -100,7 +100,9 @@ def run_local(
     run_dir = (run_dir or default_run_dir(expand_path(site.filesystems.run_root), spec.name)).resolve()
     rd = RunDir.create(run_dir, reuse=reuse)  # reusing resumes from its newest checkpoint
     rd.write_resolved(spec, site, overrides=[o.text for o in loaded.overrides])
-    log = rd.logs / f"local-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}.out"
+    # a random tail: the name is not predictable, so no one can plant a link there ahead of it (it is also
+    # created with O_EXCL below)
+    log = rd.logs / f"local-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{os.urandom(3).hex()}.out"
     args = [
         mpirun,
         "-n",
@@ -173,7 +175,8 @@ class _Output:
         self._lock = threading.Lock()
         self._fd: int | None = None
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # O_EXCL: never truncate (or write through) whatever someone planted at the log's predictable name
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             self._failed(e)
 

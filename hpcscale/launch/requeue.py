@@ -25,7 +25,7 @@ can read and verify (hpcscale.ckpt.manager.load_latest). SLURM_RESTART_COUNT is 
 from __future__ import annotations
 
 import contextlib
-import json
+import math
 import os
 import sys
 import time
@@ -139,7 +139,7 @@ def grace_advice(rd: RunDir, grace_s: int) -> str | None:
     """
     took: float | None = None
     stops = [e.get("stop_s") for e in rd.attempt_events() if e.get("event") == "stop"]
-    stops = [t for t in stops if isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0]
+    stops = [t for t in map(_number, stops) if t > 0]
     if stops:
         took = max(stops)
         how = f"the slowest stop of this run took {took:.1f} s from the signal to its committed checkpoint"
@@ -157,8 +157,19 @@ def grace_advice(rd: RunDir, grace_s: int) -> str | None:
     return f"signals.grace_seconds is {grace_s} s but {how}: give it at least {want} s"
 
 
+MAX_MEASURED_S = 1e7  # a stop, step or save longer than this (115 days) is not a measurement: ignored
+
+
 def _number(value) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    """A duration from a file others may write: a finite number of seconds in [0, MAX_MEASURED_S], else 0
+    (a string, NaN, 1e999, a 400-digit integer: ignored, never an OverflowError in the batch script)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return 0.0
+    try:
+        x = float(value)
+    except OverflowError:
+        return 0.0
+    return x if math.isfinite(x) and 0 <= x <= MAX_MEASURED_S else 0.0
 
 
 def _tail_rows(path: Path, limit: int = 8 << 20) -> list[dict]:
@@ -166,7 +177,7 @@ def _tail_rows(path: Path, limit: int = 8 << 20) -> list[dict]:
     Read as a bounded tail of a regular file (util.bounded.read_tail): a FIFO or a device planted in the run
     directory is skipped, never waited on or read without end."""
     from hpcscale.errors import BadInput
-    from hpcscale.util.bounded import read_tail
+    from hpcscale.util.bounded import loads_json, read_tail
 
     try:
         tail = read_tail(path, max_bytes=limit, what="metrics file", missing_ok=True)
@@ -174,8 +185,8 @@ def _tail_rows(path: Path, limit: int = 8 << 20) -> list[dict]:
         return []
     rows = []
     for line in tail.data.splitlines() if tail else ():
-        with contextlib.suppress(ValueError, RecursionError):
-            row = json.loads(line)
+        with contextlib.suppress(BadInput):
+            row = loads_json(line, source=str(path))
             if isinstance(row, dict):
                 rows.append(row)
     return rows

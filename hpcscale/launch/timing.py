@@ -88,7 +88,7 @@ class StepTimes:
 
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             try:
                 os.write(fd, data)
             finally:

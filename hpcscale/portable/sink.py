@@ -561,7 +561,9 @@ class Sink:
                     return None
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(STATE_DIR, 0o700, dir_fd=root)
-            except OSError:  # ELOOP: a symlink; ENOTDIR: a file
+            except OSError as e:
+                if e.errno not in (errno.ELOOP, errno.ENOTDIR):  # EACCES: another user's private one, say
+                    raise StageError(f"{self.state_path()}: cannot open ({e.strerror})", "runtime") from None
                 raise StageError(
                     f"{self.state_path()} is a symlink or not a directory; "
                     "hpcscale stage never writes through a symlink in the destination",
@@ -571,15 +573,10 @@ class Sink:
 
     def _judge_state(self, fd):
         """Whether the state directory may hold records that vouch for content: owned by this user (or root)
-        and writable by no one else. One of ours that others could write is closed to them now (0700), so
-        that what this stage writes there can be trusted, but what was there already is not: its records are
-        ignored this time (state_distrust says why)."""
-        st = os.fstat(fd)
-        why = untrusted(st)
-        if why is not None and st.st_uid == os.geteuid() and not self.dry_run:
-            with contextlib.suppress(OSError):
-                os.fchmod(fd, 0o700)
-                why += "; closed to others now (0700)"
+        and writable by no one else. One that others can write is left as it is (a team may share it on
+        purpose: closing it would lock the others out), and its records are never trusted: every file there
+        is hashed (state_distrust says why)."""
+        why = untrusted(os.fstat(fd))
         self.state_distrust = why and f"{self.state_path()} {why}"
 
     def take_lock(self):

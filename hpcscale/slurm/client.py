@@ -60,8 +60,8 @@ class SlurmClient:
             check_trusted(conf.parent, what=f"directory of the {CONF_WHAT}", directory=True)
         return str(conf)
 
-    def run(self, *args: str, timeout: float = 30, check: bool = True) -> proc.Completed:
-        return proc.run(args, env=self.env, timeout=timeout, check=check)
+    def run(self, *args: str, timeout: float = 30, check: bool = True, input: str | None = None) -> proc.Completed:
+        return proc.run(args, env=self.env, timeout=timeout, check=check, input=input)
 
     def show(self, kind: str, name: str = "", *, timeout: float = 30) -> list[dict[str, str]]:
         """`scontrol show KIND [NAME] -o`, one dict of KEY=VALUE per record; [] when scontrol knows none.

@@ -6,6 +6,7 @@ number, so a job name like `x; rm -rf ~` is just a name. Template variables: doc
 
 from __future__ import annotations
 
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,28 @@ def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
     }
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _directive_values_one_line(ctx: dict[str, Any]) -> None:
+    """Refuse (BadInput) a value that goes on an `#SBATCH` line when it holds a line break or another control
+    character: shlex.quote keeps a newline inside its quotes, and after it, on a line of its own, the rest is a
+    command to bash (an `#SBATCH` line is a comment to it). Checked on the context, not in the `sh` filter: an
+    exported variable may hold a newline; whatever template (a site's own too) puts these on directive lines.
+    The excluded nodes come from files others may write (RUN/submissions.jsonl, timing.jsonl, the logs)."""
+    job = ctx["job"]
+    values = {f"job.{k}": job[k] for k in ("name", "partition", "account", "qos", "exclude", "gpus_per_node")}
+    values |= {"run_dir": ctx["run_dir"], "logs.out": ctx["logs"]["out"], "logs.err": ctx["logs"]["err"]}
+    for key, value in values.items():
+        text = "" if value is None else str(value)
+        bad = _CONTROL.search(text)
+        if bad:
+            raise BadInput(
+                f"refusing to render the batch script: {key} {text[:60]!r} holds the control character "
+                f"{bad.group()!r}, which would end its #SBATCH line (a value from a file others could write?)"
+            )
+
+
 def render_script(job: ResolvedJob, template: str | None = None) -> str:
     """The sbatch script for `job` from a built-in template name or a path to the user's own template."""
     import jinja2
@@ -117,7 +140,9 @@ def render_script(job: ResolvedJob, template: str | None = None) -> str:
     env.filters["sh"] = lambda v: shlex.quote(str(v))
     env.filters["shjoin"] = lambda vs: shlex.join(str(v) for v in vs)
     try:
-        return env.get_template(filename).render(template_context(job, name))
+        ctx = template_context(job, name)
+        _directive_values_one_line(ctx)
+        return env.get_template(filename).render(ctx)
     except jinja2.TemplateSyntaxError as e:
         raise BadInput(f"{e.filename or filename}:{e.lineno}: template syntax: {e.message}") from None
     except jinja2.UndefinedError as e:

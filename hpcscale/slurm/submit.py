@@ -69,7 +69,9 @@ def submit_job(
         script = rd.write_script(index, text)
         job_id = cluster = None
         if not dry_run:
-            out = client.run("sbatch", "--parsable", str(script), timeout=60).stdout.strip()
+            # The script on stdin, as rendered: sbatch opening RUN/submissions/NNNN.sbatch by name would read
+            # whatever a co-user who can write RUN renamed there after it was written (the file is the record).
+            out = client.run("sbatch", "--parsable", timeout=60, input=text).stdout.strip()
             job_id, _, cluster = out.partition(";")
             cluster = cluster or job.site.slurm.cluster
             rd.record(

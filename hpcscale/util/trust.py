@@ -9,7 +9,9 @@ names through `slurm.conf`, hpcscale's own record of what was submitted) is hono
   waiting on a FIFO (O_NONBLOCK), every check made with fstat on that same descriptor (nothing can be swapped
   between the check and the read);
 - is owned by the invoking user or by root;
-- is writable by neither its group nor others (mode & 0o022 == 0), root's files included.
+- is writable by neither its group nor others (mode & 0o022 == 0), root's files included; group write is
+  allowed only where the group is the owner's user-private group (named as the owner, no other listed
+  member: RHEL-like systems give each user one, with umask 002).
 For a slurm.conf (hpcscale.slurm.client resolves a symlink first and hands Slurm the file it leads to) the
 directory holding it must pass the same owner check and be writable by neither group nor others unless it is
 sticky (like /tmp: nobody can then rename another's file away). Anything else is refused
@@ -57,10 +59,28 @@ def problem(st: os.stat_result, *, directory: bool = False) -> str | None:
     if st.st_uid not in (me, 0):
         return f"owned by {_owner(st.st_uid)}, not by you ({_owner(me)}) or root"
     mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o020 and private_group(st):
+        mode &= ~0o020  # the owner's own user-private group (umask 002 on RHEL-like systems): no one else
     if mode & 0o022 and not (directory and mode & stat.S_ISVTX):
         who = " and ".join(w for w, bit in (("its group", 0o020), ("others", 0o002)) if mode & bit)
         return f"writable by {who} (mode {mode:04o})"
     return None
+
+
+def private_group(st: os.stat_result) -> bool:
+    """Whether the file's group is its owner's user-private group: a group named as the owner with no other
+    member (the default on RHEL-like systems, whose umask 002 makes every file group-writable). Group write
+    then lets no one else in. A gid or uid with no name, or a group with members, is not."""
+    import grp
+
+    if st.st_uid == 0:  # root's group may have members by primary gid that gr_mem does not list: never
+        return False
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+        group = grp.getgrgid(st.st_gid)
+    except KeyError:
+        return False
+    return group.gr_name == owner and set(group.gr_mem) <= {owner}
 
 
 def _fix(path: Path, st: os.stat_result, *, directory: bool = False) -> str:
@@ -74,7 +94,8 @@ def _fix(path: Path, st: os.stat_result, *, directory: bool = False) -> str:
                 "read it first; only if you trust what it says, make it yours "
                 f"(cp {path} {path}.mine && mv {path}.mine {path}, or chown it as root)"
             )
-    if stat.S_IMODE(st.st_mode) & 0o022 and not (directory and stat.S_IMODE(st.st_mode) & stat.S_ISVTX):
+    mode = stat.S_IMODE(st.st_mode) & ~(0o020 if private_group(st) else 0)
+    if mode & 0o022 and not (directory and mode & stat.S_ISVTX):
         steps.append(f"chmod go-w {path}" if directory else f"check what it says, then chmod go-w {path}")
     return "; then ".join(steps)
 
@@ -169,7 +190,10 @@ def check_trusted(path: str | Path, *, what: str, parent: bool = False, director
 
 
 # ---- text from files others may write, on its way to a terminal ---------------------------------------------
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+# What a terminal must not receive as it is: C0 and C1 controls (ESC, BEL, CR...; not tab and newline, handled
+# apart), DEL, bidirectional and zero-width marks, line/paragraph separators, and lone surrogates (which cannot
+# even be encoded for printing). One class for every printer (hpcscale.xsite.channel.shown uses it too).
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]")
 MAX_SHOWN = 2000  # characters of one value shown; the rest is cut with an ellipsis
 
 
@@ -182,7 +206,7 @@ def clean(value: object, *, limit: int = MAX_SHOWN, newlines: bool = False) -> s
     text = text.replace("\t", " ")
     if not newlines:
         text = text.replace("\n", " ")
-    return _CONTROL.sub(_visible, text)
+    return CONTROL.sub(_visible, text)
 
 
 def _visible(m: re.Match) -> str:

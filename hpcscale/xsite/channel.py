@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.portable.errors import KINDS
+from hpcscale.util.trust import CONTROL
 from hpcscale.xsite import DEFAULT_REMOTE_PYTHON, DEFAULT_SSH
 from hpcscale.xsite.bootstrap import BOOT, agent_blobs
 
@@ -62,7 +63,7 @@ def stall_timeout() -> float:
 
 # C0 and C1 controls but newline and tab, DEL, bidirectional and zero-width formatting, line and paragraph
 # separators, lone surrogates (JSON can carry them; a terminal cannot print them)
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]")
+_UNSAFE = CONTROL  # hpcscale.util.trust: one class of characters no printer passes on
 _UNSAFE_LINE = re.compile("[\n\t]")
 
 
@@ -165,11 +166,11 @@ def parse_endpoint(text: str, what: str = "endpoint") -> Endpoint:
             why = _host_problem(value)
             if why:
                 raise BadInput(f"{what}: '{shown(text)}': the {name} '{shown(value)}' {why}")
-        u = urlsplit(text)
         try:
+            u = urlsplit(text)  # ValueError for a bracketed host that is not an IPv6 address ('ssh://[::1/p')
             port = u.port
-        except ValueError:
-            raise BadInput(f"{what}: '{shown(text)}': the port is not a number") from None
+        except ValueError as e:
+            raise BadInput(f"{what}: '{shown(text)}': not a valid ssh URL ({shown(e, 200)})") from None
         if not u.hostname or not u.path or u.path == "/":
             raise BadInput(f"{what}: '{shown(text)}': expected ssh://[user@]host[:port]/path")
         path = unquote(u.path)
@@ -315,9 +316,10 @@ class Channel:
             if self.p.poll() is None:
                 self.p.kill()
 
-    def recv(self, limit: int = REPLY_MAX, beats: bool = False) -> dict:
+    def recv(self, limit: int = REPLY_MAX, beats=False) -> dict:
         """The next message under the wire's bounds (at most `limit` header bytes); a frame that breaks the
-        protocol is `violation`. `beats`: the agent may be working on a plan, flush or commit, and its
+        protocol is `violation`. `beats` (a bool, or a callable asked when a beat arrives: whether one may come
+        now, decided by another thread): the agent may be working on a plan, flush or commit, and its
         {"busy": OP} beats are skipped (anywhere else one is a violation)."""
         wire = _wire()
         while True:
@@ -327,7 +329,8 @@ class Channel:
                 raise self.violation(str(e)) from None
             if "busy" not in msg:
                 return msg
-            if not (beats and len(msg) == 1 and type(msg["busy"]) is str):
+            allowed = beats() if callable(beats) else beats
+            if not (allowed and len(msg) == 1 and type(msg["busy"]) is str):
                 raise self.violation("a busy beat where none may come")
 
     def violation(self, what: str) -> RuntimeFailure:

@@ -593,7 +593,7 @@ def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
             flushing = ch.flush_sent  # the agent may beat while it flushes, never before the flush is sent
             ch.doing = "put" if inflight or not flushing else "flush"  # what a stall message names
             try:
-                msg = ch.recv(beats=flushing)
+                msg = ch.recv(beats=lambda: ch.flush_sent)  # asked when a beat comes: the sender may flush meanwhile
                 path, error = check_ack(msg, inflight)
             except ProtocolError as e:
                 raise ch.violation(str(e)) from None
