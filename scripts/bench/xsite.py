@@ -11,7 +11,8 @@ With --link RATE (root; e.g. 20mbit) the exchange goes through an sshd in a netw
 is capped by tbf, and the round time (from b's export to θ(1) in b's run) shows what the link costs.
 Each encoding runs with each --compressions value (the cross-site config's compression), side by side.
 
-    python scripts/bench/xsite.py [--params 100e6] [--reps 5] [--link 20mbit] [--compressions zstd,none] [--warmup] [--json]
+    python scripts/bench/xsite.py [--params 100e6] [--reps 5] [--link 20mbit] [--compressions zstd,none]
+                                   [--warmup] [--json]
 """
 
 from __future__ import annotations
