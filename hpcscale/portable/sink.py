@@ -196,9 +196,15 @@ class Writer:
                 else:
                     os.rename(self.part, self.name, src_dir_fd=dfd, dst_dir_fd=dfd)
                     st = os.fstat(self.fd)  # after the rename, which moves the ctime; our inode, not the name's
-            except BaseException:
+            except BaseException as e:
                 os.close(self.fd)
                 _unlink(self.part, dfd)
+                if isinstance(e, FileNotFoundError):  # our part file or its directory's entry went meanwhile
+                    raise StageError(
+                        f"{self.path}: its part file vanished while it was being placed (someone removed or "
+                        "replaced it in the destination; nothing is committed)",
+                        "runtime",
+                    ) from None
                 raise
             os.close(self.fd)
             self.sink.placed(self.path, st, self.hash, self.slot[3])
