@@ -190,6 +190,9 @@ def site_checkpoint_root(site: SiteConfig) -> Path | None:
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
+        # job.yaml and site.yaml as changes_since_submitted compared them: what this instance then loads, so
+        # that what `resume` runs is the text it compared (a second read could find a file renamed in since)
+        self._compared: dict[str, str] | None = None
 
     @classmethod
     def create(cls, path: Path, *, reuse: bool = False) -> RunDir:
@@ -239,6 +242,8 @@ class RunDir:
     def _config_text(self, name: str) -> str:
         """job.yaml or site.yaml as UTF-8 text, read only from a file the user may trust (hpcscale.util.trust:
         owned by the user or root, writable by no one else, not a symlink, checked on the descriptor read)."""
+        if self._compared is not None and name in self._compared:
+            return self._compared[name]
         path = self.path / name
         data = read_trusted(path, what=f"run's {name}")
         try:
@@ -264,6 +269,7 @@ class RunDir:
         header says which of them came from the command line rather than the job file. Both are written mode
         0644 whatever the umask (a group-writable file is not trusted), and recorded in .submitted.json with
         their digests: `resume` then runs what was submitted, or says what changed."""
+        self._compared = None  # rewritten here: read again from now on
         header = "".join(f"{OVERRIDE_LINE}{json.dumps(o)}\n" for o in overrides)
         header = OVERRIDES_HEADER + header if header else ""
         texts = {
@@ -309,6 +315,7 @@ class RunDir:
         line saying there is no record. The current files are read as load_job reads them (trusted only)."""
         before = self.recorded()
         now = {name: self._config_text(name) for name in (JOB, SITE)}
+        self._compared = now
         if before is None:
             return [
                 f"{self.path}: no record of what was submitted ({RECORD}: a run directory from before hpcscale "

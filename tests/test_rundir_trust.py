@@ -596,3 +596,16 @@ def test_group_write_is_allowed_only_for_the_owners_private_group(tmp_path):
     if own_group is not None and not own_group.gr_mem:
         os.chown(f, nobody.pw_uid, own_group.gr_gid)
         assert private_group(os.stat(f))
+
+
+def test_resume_loads_the_job_text_it_compared(tmp_path):
+    """Between resume's comparison with what was submitted and its loading of the job, a file renamed into RUN
+    (one of the user's own, so it passes the owner check) must not be what runs: the compared text is."""
+    rd = RunDir.open(_local_run(tmp_path).path)
+    assert rd.changes_since_submitted() == []
+    compared = rd.load_job().spec.name
+    swapped = tmp_path / "other.yaml"
+    swapped.write_text((rd.path / "job.yaml").read_text().replace(f"name: {compared}", "name: swapped-in"))
+    os.replace(swapped, rd.path / "job.yaml")
+    assert rd.load_job().spec.name == compared
+    assert RunDir.open(rd.path).load_job().spec.name == "swapped-in"  # a fresh look sees the file as it is now
