@@ -40,8 +40,9 @@ from hpcscale.ckpt.integrity import (
     structure_problems,
     valid_digest_text,
 )
-from hpcscale.errors import VerificationFailure
+from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.portable.hashing import XXH128
+from hpcscale.util.bounded import read_bounded
 
 FORMAT = "hpcscale-checkpoint"
 VERSION = 2  # 2: root digest, DIGEST file, chunk_bytes; version 1 is refused (docs/checkpoint-format.md)
@@ -405,9 +406,6 @@ def examine_index(path: Path) -> IndexExamination:
                 INDEX, f"root digest mismatch: recorded {stored}, contents hash to {digest} (edited or damaged)"
             )
         )
-    from hpcscale.errors import BadInput
-    from hpcscale.util.bounded import read_bounded
-
     try:  # bounded, and a FIFO or device there is refused, never waited on
         recorded = read_bounded(path.parent / DIGEST, max_bytes=256, what="digest").decode("ascii", "replace").strip()
         if recorded != digest:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from hpcscale.ckpt.faults import fault
 from hpcscale.ckpt.format import DIGEST, INDEX, committed_steps, read_index, step_dir_name, step_of
-from hpcscale.errors import VerificationFailure
+from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.util.bounded import loads_json, read_bounded
 
 
 def plan(
@@ -91,21 +92,14 @@ def mark_writer(tmp_dir: Path) -> None:
 
 def writer_alive(tmp_dir: Path) -> str | None:
     """Why `tmp_dir` (a .tmp-* save directory) may still be being written (None: its writer is gone)."""
-    from hpcscale.errors import BadInput
     from hpcscale.portable.lock import _boot_id, process_alive
-    from hpcscale.util.bounded import loads_json, read_bounded
 
     if not os.path.lexists(tmp_dir / WRITER):
         age = time.time() - tmp_dir.stat().st_mtime
         return None if age > UNMARKED_STALE_S else f"unmarked and {age:.0f} s old: maybe a save starting now"
     try:  # bounded, and a FIFO or device there is refused, never waited on
         doc = loads_json(read_bounded(tmp_dir / WRITER, max_bytes=64 << 10, what="WRITER mark"), source="WRITER")
-    except BadInput:
-        return "its WRITER mark cannot be read"
-    except FileNotFoundError:
-        age = time.time() - tmp_dir.stat().st_mtime
-        return None if age > UNMARKED_STALE_S else f"unmarked and {age:.0f} s old: maybe a save starting now"
-    except (OSError, ValueError):
+    except BadInput:  # read_bounded and loads_json say every failure so (a mark that went meanwhile too)
         return "its WRITER mark cannot be read"
     if not isinstance(doc, dict):
         return "its WRITER mark is not an object"
