@@ -608,14 +608,21 @@ def _push_receiver(ch: Channel, run: _Run, inflight: dict) -> None:
                     return
             else:
                 run.ok(offset > 0)
-    except (OSError, EOFError):
-        if not run.stop.is_set():
-            run.abort(ch.broken("the connection broke while receiving acknowledgements"))
-    except (RuntimeFailure, VerificationFailure, BadInput) as e:
-        run.abort(e)
     except BaseException as e:  # never a silent thread death: the stage ends with it
-        run.abort(RuntimeFailure(f"{ch.ep}: unexpected {type(e).__name__} while receiving acknowledgements: {e}"))
+        _receiver_ended(ch, run, e, "receiving acknowledgements")
     ch.kill()  # an early end: the sender (blocked on a full pipe, perhaps) must stop too
+
+
+def _receiver_ended(ch: Channel, run: _Run, e: BaseException, doing: str) -> None:
+    """What ended a receiver thread early becomes the stage's error: a broken connection (unless the stage
+    was stopping anyway), hpcscale's own errors as they are, anything else as unexpected."""
+    if isinstance(e, OSError | EOFError):
+        if not run.stop.is_set():
+            run.abort(ch.broken(f"the connection broke while {doing}"))
+    elif isinstance(e, RuntimeFailure | VerificationFailure | BadInput):
+        run.abort(e)
+    else:
+        run.abort(RuntimeFailure(f"{ch.ep}: unexpected {type(e).__name__} while {doing}: {e}"))
 
 
 def _pull(entries, dirs, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run, early) -> None:
@@ -701,13 +708,8 @@ def _pull_receiver(ch: Channel, sink: Sink, run: _Run, pending: queue.SimpleQueu
                 _pull_one(ch, sink, run, *item)
             finally:
                 window.release()
-    except (OSError, EOFError):
-        if not run.stop.is_set():
-            run.abort(ch.broken("the connection broke while receiving"))
-    except (RuntimeFailure, VerificationFailure, BadInput) as e:
-        run.abort(e)
     except BaseException as e:  # never a silent thread death: the stage ends with it
-        run.abort(RuntimeFailure(f"{ch.ep}: unexpected {type(e).__name__} while receiving: {e}"))
+        _receiver_ended(ch, run, e, "receiving")
     ch.kill()
 
 
