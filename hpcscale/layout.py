@@ -5,6 +5,13 @@ tp fastest, then dp, then pp (Megatron's default order), so
 
     rank = (pp_index * dp + dp_index) * tp + tp_index
 
+The data-parallel degree splits further into dp_replicate × dp_shard (`parallel.dp_shard`): parameters,
+gradients and optimizer state are sharded over the dp_shard ranks of a group (FSDP2; ZeRO-3 when dp_shard = dp)
+and replicated across the dp_replicate groups (HSDP when both exceed 1). The shard group is the faster of the
+two, right after tp, so its all-gathers and reduce-scatters stay as close together as the placement can put them:
+
+    dp_index = dp_replicate_index * dp_shard + dp_shard_index
+
 Everything that needs a rank's place — placement's cost model, the DeviceMesh, which rank writes a checkpoint
 shard — asks this module instead of rewriting the formula. The rules are checked here once and returned as
 (key, message) problems: config attaches file and line to each key; other callers raise them as BadInput.
@@ -37,10 +44,12 @@ class RankCoords:
     tp: int
 
 
-def layout_problems(*, nodes: int, tasks_per_node: int, tp: int, pp: int) -> list[LayoutProblem]:
-    """Every rule a (nodes, tasks_per_node, tp, pp) layout breaks; empty when it is valid."""
-    if min(nodes, tasks_per_node, tp, pp) < 1:
-        return [LayoutProblem(key="parallel", message="nodes, tasks_per_node, tp and pp must all be at least 1")]
+def layout_problems(*, nodes: int, tasks_per_node: int, tp: int, pp: int, dp_shard: int = 1) -> list[LayoutProblem]:
+    """Every rule a (nodes, tasks_per_node, tp, pp, dp_shard) layout breaks; empty when it is valid."""
+    if min(nodes, tasks_per_node, tp, pp, dp_shard) < 1:
+        return [
+            LayoutProblem(key="parallel", message="nodes, tasks_per_node, tp, pp and dp_shard must all be at least 1")
+        ]
     out = []
     world = nodes * tasks_per_node
     if world % (tp * pp):
@@ -59,6 +68,15 @@ def layout_problems(*, nodes: int, tasks_per_node: int, tp: int, pp: int) -> lis
                 "tensor-parallel groups must stay inside a node",
             )
         )
+    if not world % (tp * pp) and (world // (tp * pp)) % dp_shard:
+        dp = world // (tp * pp)
+        out.append(
+            LayoutProblem(
+                key="parallel.dp_shard",
+                message=f"dp_shard({dp_shard}) does not divide the data-parallel degree dp = nodes({nodes}) * "
+                f"tasks_per_node({tasks_per_node}) / (tp({tp}) * pp({pp})) = {dp}",
+            )
+        )
     return out
 
 
@@ -69,22 +87,43 @@ def _raise_if(problems: list[LayoutProblem]) -> None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelDims:
-    """The mesh's degrees along (pp, dp, tp) and the rank order over them."""
+    """The mesh's degrees along (pp, dp, tp) and the rank order over them; dp_shard of the dp ranks shard the
+    model's state among them (1: every dp rank holds a full replica)."""
 
     pp: int
     dp: int
     tp: int
+    dp_shard: int = 1
 
     def __post_init__(self) -> None:
-        if min(self.pp, self.dp, self.tp) < 1:
-            raise BadInput(f"pp({self.pp}), dp({self.dp}) and tp({self.tp}) must all be at least 1")
+        if min(self.pp, self.dp, self.tp, self.dp_shard) < 1:
+            raise BadInput(
+                f"pp({self.pp}), dp({self.dp}), tp({self.tp}) and dp_shard({self.dp_shard}) must all be at least 1"
+            )
+        if self.dp % self.dp_shard:
+            raise BadInput(f"dp_shard({self.dp_shard}) does not divide the data-parallel degree dp({self.dp})")
 
     @classmethod
-    def for_world(cls, *, world_size: int, tp: int, pp: int) -> ParallelDims:
+    def for_world(cls, *, world_size: int, tp: int, pp: int, dp_shard: int = 1) -> ParallelDims:
         """dp derived from the world size (the ranks actually started); the error names every factor."""
         if tp < 1 or pp < 1 or world_size % (tp * pp):
             raise BadInput(f"tp({tp}) * pp({pp}) = {tp * pp} does not divide WORLD_SIZE({world_size})")
-        return cls(pp=pp, dp=world_size // (tp * pp), tp=tp)
+        dp = world_size // (tp * pp)
+        if dp_shard < 1 or dp % dp_shard:
+            raise BadInput(
+                f"dp_shard({dp_shard}) does not divide the data-parallel degree dp = WORLD_SIZE({world_size}) / "
+                f"(tp({tp}) * pp({pp})) = {dp}"
+            )
+        return cls(pp=pp, dp=dp, tp=tp, dp_shard=dp_shard)
+
+    @property
+    def dp_replicate(self) -> int:
+        """How many full copies of the model's state the dp ranks keep (dp / dp_shard)."""
+        return self.dp // self.dp_shard
+
+    @property
+    def sharded(self) -> bool:
+        return self.dp_shard > 1
 
     @property
     def world_size(self) -> int:
@@ -109,7 +148,9 @@ class ParallelDims:
         return (pp * self.dp + dp) * self.tp + tp
 
     def as_dict(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        """The layout as a checkpoint index and the attempt log record it; dp_shard only when it shards."""
+        out = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return out | {"dp_shard": self.dp_shard} if self.dp_shard > 1 else out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,9 +161,14 @@ class JobLayout:
     tasks_per_node: int
     tp: int
     pp: int
+    dp_shard: int = 1
 
     def __post_init__(self) -> None:
-        _raise_if(layout_problems(nodes=self.nodes, tasks_per_node=self.tasks_per_node, tp=self.tp, pp=self.pp))
+        _raise_if(
+            layout_problems(
+                nodes=self.nodes, tasks_per_node=self.tasks_per_node, tp=self.tp, pp=self.pp, dp_shard=self.dp_shard
+            )
+        )
 
     @property
     def world(self) -> int:
@@ -134,4 +180,4 @@ class JobLayout:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp)
+        return ParallelDims(pp=self.pp, dp=self.dp, tp=self.tp, dp_shard=self.dp_shard)

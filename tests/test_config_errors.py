@@ -36,6 +36,20 @@ CASES = [
         "parallel.tp",
         "tp(4) does not divide",
     ),
+    (
+        "dp-shard-does-not-divide-dp",
+        "job",
+        JOB + "nodes: 3\ntasks_per_node: 2\nparallel:\n  tp: 2\n  dp_shard: 2  # <-\n",
+        "parallel.dp_shard",
+        "dp_shard(2) does not divide the data-parallel degree dp = nodes(3) * tasks_per_node(2) / (tp(2) * pp(1)) = 3",
+    ),
+    (
+        "mixed-precision-choice",
+        "job",
+        JOB + "parallel:\n  mixed_precision: bf61  # <-\n",
+        "parallel.mixed_precision",
+        "did you mean 'bf16'",
+    ),
     ("unknown-partition", "job", JOB + "partition: debgu  # <-\n", "partition", "did you mean 'debug'"),
     ("more-nodes-than-partition", "job", JOB + "nodes: 5  # <-\n", "nodes", "has 4"),
     (

@@ -239,7 +239,7 @@ def test_clip_sums_on_the_gradients_device_and_matches_torch():
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     for c, p in zip(copies, params, strict=True):
         c.grad = p.grad.clone()
-    norm = clip_grad_norm(params, 1.0, tp_group=None, pp_group=None, device=torch.device("cpu"))
+    norm = clip_grad_norm(params, 1.0, pp_group=None, device=torch.device("cpu"))
     want = torch.nn.utils.clip_grad_norm_(copies, 1.0)
     assert abs(norm - float(want)) < 1e-5 * float(want)
     for c, p in zip(copies, params, strict=True):

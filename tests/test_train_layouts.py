@@ -17,11 +17,11 @@ from conftest import REPO, run_cli, wait_for_job
 from trainjobs import PARAMS, grad_norms, job_spec, losses
 
 
-def _run_local(tmp: Path, *, tp: int, pp: int, ranks: int, **params) -> Path:
+def _run_local(tmp: Path, *, tp: int, pp: int, ranks: int, dp_shard: int = 1, **params) -> Path:
     run_dir = tmp / "run"
     result = run_cli(
         "run",
-        str(job_spec(tmp / "job.yaml", tp=tp, pp=pp, ranks=ranks, **params)),
+        str(job_spec(tmp / "job.yaml", tp=tp, pp=pp, ranks=ranks, dp_shard=dp_shard, **params)),
         "--local",
         "--run-dir",
         str(run_dir),
@@ -57,12 +57,34 @@ def _assert_same(losses: list[float], reference: list[float]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "ranks", "schedule"),
-    [(2, 2, 8, "1f1b"), (2, 1, 4, "1f1b"), (1, 2, 4, "1f1b"), (1, 2, 4, "gpipe"), (1, 4, 4, "1f1b"), (1, 1, 4, "1f1b")],
-    ids=["tp2-pp2-dp2", "tp2-dp2", "pp2-dp2", "pp2-dp2-gpipe", "pp4", "dp4"],
+    ("tp", "pp", "ranks", "schedule", "dp_shard"),
+    [
+        (2, 2, 8, "1f1b", 1),
+        (2, 1, 4, "1f1b", 1),
+        (1, 2, 4, "1f1b", 1),
+        (1, 2, 4, "gpipe", 1),
+        (1, 4, 4, "1f1b", 1),
+        (1, 1, 4, "1f1b", 1),
+        (1, 1, 4, "1f1b", 4),
+        (1, 1, 4, "1f1b", 2),
+        (2, 1, 4, "1f1b", 2),
+        (1, 2, 4, "1f1b", 2),
+    ],
+    ids=[
+        "tp2-pp2-dp2",
+        "tp2-dp2",
+        "pp2-dp2",
+        "pp2-dp2-gpipe",
+        "pp4",
+        "dp4",
+        "dp_shard4",
+        "hsdp2x2",
+        "tp2-dp_shard2",
+        "pp2-dp_shard2",
+    ],
 )
-def test_layout_reproduces_single_process_losses(reference, reference_run, tmp_path, tp, pp, ranks, schedule):
-    run = _run_local(tmp_path, tp=tp, pp=pp, ranks=ranks, schedule=schedule)
+def test_layout_reproduces_single_process_losses(reference, reference_run, tmp_path, tp, pp, ranks, schedule, dp_shard):
+    run = _run_local(tmp_path, tp=tp, pp=pp, ranks=ranks, schedule=schedule, dp_shard=dp_shard)
     _assert_same(list_losses(run), reference)
     # the gradients themselves, not only what AdamW and clipping make of them (both hide a constant factor:
     # pp x dp once averaged undivided micro-batch gradients, n_micro times too large)

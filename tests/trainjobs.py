@@ -30,6 +30,8 @@ def job_spec(
     site: str = "local",
     nodes: int = 1,
     checkpoint: dict | None = None,
+    dp_shard: int = 1,
+    parallel: dict | None = None,
     **params,
 ) -> Path:
     """A job running the reference trainer with PARAMS (overridden by `params`) at the given layout."""
@@ -38,7 +40,7 @@ def job_spec(
         "site": site,
         "nodes": nodes,
         "tasks_per_node": ranks // nodes,
-        "parallel": {"tp": tp, "pp": pp},
+        "parallel": {"tp": tp, "pp": pp, **({"dp_shard": dp_shard} if dp_shard > 1 else {}), **(parallel or {})},
         "timeout_seconds": 60,
         "train": {"entry": "builtin", "params": {**PARAMS, **params}},
     }

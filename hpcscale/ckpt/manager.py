@@ -31,7 +31,8 @@ from hpcscale.ckpt.format import INDEX, REFUSED, committed_steps, read_index, st
 from hpcscale.ckpt.reader import load_shards
 from hpcscale.ckpt.retention import apply_retention
 from hpcscale.ckpt.rng import rng_problem, rng_state
-from hpcscale.ckpt.shards import local_shards, writer_of, writers
+from hpcscale.ckpt.shards import local_shards, writers
+from hpcscale.ckpt.shards import mine as pieces_to_write
 from hpcscale.ckpt.writer import ShardWriter, commit
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.layout import ParallelDims
@@ -201,7 +202,7 @@ class CheckpointManager:
         faults.slow(step)  # tests only: HPCSCALE_CKPT_SLOW, a filesystem that got slower
         shards = local_shards(tensors)
         table = writers(shards, self.dims, pp_rank=self.coords.pp)
-        mine = [s for s in shards if writer_of(s, table, tp_rank=self.coords.tp) == self.rank]
+        mine = pieces_to_write(shards, table, self.rank)
         rng = rng_state(self.device)
         # On a GPU: what the copy must wait for is what this (training) thread queued before this call
         ready = None
@@ -391,11 +392,17 @@ class CheckpointManager:
                 refused.append(step)
                 continue
             self._refused = set(refused)
+            # dedup against this checkpoint only: a refused newer one is moved aside when a save reaches its
+            # step, and a chunk referenced there would leave the new checkpoint pointing at a missing file
+            self.writer.known.clear()
             self.writer.adopt(index)
             self.last_step = step
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
         self._refused = set(refused)
         self.tensors_dirty = dirty
+        if refused:  # a fresh start: the next save's parent is none of the refused ones, nor are their chunks
+            self.writer.known.clear()
+            self.last_step = None
         if dirty and self.rank == 0:
             self.log(
                 "hpcscale: no checkpoint left to load, and a refused one had already been partly read into the "

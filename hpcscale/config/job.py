@@ -32,12 +32,34 @@ def check_entry(value: str) -> str | None:
 
 @dataclass(kw_only=True, slots=True)
 class Parallel:
-    """The parallel layout. dp is derived: world size / (tp × pp)."""
+    """The parallel layout. dp is derived: world size / (tp × pp); it splits into dp_replicate × dp_shard."""
 
     tp: int = setting(
         "Tensor-parallel degree; groups stay inside a node, so it divides tasks_per_node.", default=1, min=1
     )
     pp: int = setting("Pipeline-parallel degree (stages).", default=1, min=1)
+    dp_shard: int = setting(
+        "How many data-parallel ranks shard parameters, gradients and optimizer state among them (FSDP2); it "
+        "divides dp. 1: every dp rank holds a full replica. dp: fully sharded (ZeRO-3). Between: HSDP, sharded "
+        "within groups of dp_shard ranks and replicated across dp / dp_shard groups (docs/large-models.md).",
+        default=1,
+        min=1,
+    )
+    reshard_after_forward: bool = setting(
+        "With dp_shard > 1: free each block's gathered parameters after its forward and gather them again for "
+        "backward (less memory, one more all-gather per block). false keeps them until backward.",
+        default=True,
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = setting(
+        "With dp_shard > 1: the dtype sharded blocks compute in. `bf16`: parameters gathered in bf16, gradients "
+        "reduced in fp32, the sharded master copy and optimizer state in fp32. `auto`: bf16 on GPUs, fp32 on CPU.",
+        default="auto",
+    )
+    activation_checkpointing: bool = setting(
+        "Recompute each block's activations in backward instead of keeping them (about one more forward of "
+        "compute for a block's activations' memory). Applied by ctx.parallelize and the built-in trainer.",
+        default=False,
+    )
 
 
 @dataclass(kw_only=True, slots=True)

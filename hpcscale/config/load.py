@@ -195,13 +195,19 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
     if spec.sweep is not None and spec.sweep.size > 100_000:
         dec.error(("sweep", "params"), f"{spec.sweep.size} combinations; Slurm arrays are far smaller")
     problems = layout_problems(
-        nodes=spec.nodes, tasks_per_node=spec.tasks_per_node, tp=spec.parallel.tp, pp=spec.parallel.pp
+        nodes=spec.nodes,
+        tasks_per_node=spec.tasks_per_node,
+        tp=spec.parallel.tp,
+        pp=spec.parallel.pp,
+        dp_shard=spec.parallel.dp_shard,
     )
     for problem in problems:
         dec.error(tuple(problem.key.split(".")), problem.message)
     # The trainer's rules need dp, which exists once the mesh divides the world (tp may still break a node).
-    if spec.train is not None and spec.train.entry == "builtin" and all(p.key != "parallel" for p in problems):
-        dims = ParallelDims.for_world(world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp)
+    if spec.train is not None and spec.train.entry == "builtin" and all(p.key in ("parallel.tp",) for p in problems):
+        dims = ParallelDims.for_world(
+            world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp, dp_shard=spec.parallel.dp_shard
+        )
         _check_train_params(spec, dec, dims=dims)
     _check_stopping(spec, site, dec)
     if spec.xsite is not None:

@@ -84,6 +84,7 @@ class Checkpointer:
         self._model: torch.nn.Module | None = None
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
         self._objects: dict[str, Any] = {}
+        self._group_sizes: list[int] = []  # parameters per optimizer group, whole model (_register)
         self._registered = False
         self._done: int | None = None  # steps finished at the last step() call
         self.restored_step: int | None = None
@@ -134,7 +135,14 @@ class Checkpointer:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
             if optim_sd is not None:
-                optim_sd["param_groups"] = _keys_int(saved["optimizer"]["param_groups"])
+                # the saved hyperparameters, this rank's own parameters: a pipeline stage, or another layout's,
+                # holds other parameters than rank 0 did when it wrote the JSON state
+                optim_sd["param_groups"] = [
+                    {**s, "params": c["params"]}
+                    for s, c in zip(
+                        _keys_int(saved["optimizer"]["param_groups"]), optim_sd["param_groups"], strict=True
+                    )
+                ]
                 for fqn, extra in saved["optimizer"].get("state", {}).items():
                     optim_sd["state"].setdefault(fqn, {}).update(extra)
             set_state_dict(
@@ -242,6 +250,7 @@ class Checkpointer:
         if optim_sd is not None:
             state["optimizer"] = {
                 "param_groups": _jsonable(optim_sd["param_groups"], "optimizer.param_groups"),
+                "group_sizes": self._group_sizes,
                 "state": {
                     fqn: _jsonable({k: v for k, v in s.items() if not torch.is_tensor(v)}, f"optimizer.state.{fqn}")
                     for fqn, s in optim_sd["state"].items()
@@ -348,7 +357,18 @@ class Checkpointer:
                     "load_state_dict(); pass an object that has them, or a dict"
                 )
         self._model, self._optimizers, self._objects = model, optimizers, dict(state)
+        self._group_sizes = self._whole_model_group_sizes()
         self._registered = True
+
+    def _whole_model_group_sizes(self) -> list[int]:
+        """Parameters per optimizer group over the whole model. A pipeline stage holds only its own, so the
+        stages' counts are summed (a collective over pp, on the rank's device: NCCL reduces only GPU tensors)."""
+        sizes = [len(g["params"]) for opt in self._optimizers for g in opt.param_groups]
+        if self._ctx.dims.pp > 1 and sizes:
+            t = torch.tensor(sizes, dtype=torch.int64, device=self._ctx.device)
+            dist.all_reduce(t, group=self._ctx.mesh["pp"].get_group())
+            sizes = [int(x) for x in t.tolist()]
+        return sizes
 
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict | None, dict | None]:
         """The checkpoint's tensors by name, and torch's model and optimizer state dicts they come from."""
@@ -389,13 +409,16 @@ class Checkpointer:
             groups = saved.get("param_groups") if isinstance(saved, dict) else None
             if not isinstance(groups, list):
                 return "no optimizer param_groups: the checkpoint was saved without an optimizer"
-            current = [g for opt in self._optimizers for g in opt.param_groups]
-            if len(groups) != len(current) or any(
-                not isinstance(s, dict) or len(s.get("params", ())) != len(c["params"])
-                for s, c in zip(groups, current, strict=False)
+            sizes = saved.get("group_sizes")
+            if sizes is None and self._ctx.dims.pp == 1:  # written before the whole model's sizes were kept
+                sizes = [len(s.get("params", ())) if isinstance(s, dict) else None for s in groups]
+            if (
+                len(groups) != len(self._group_sizes)
+                or any(not isinstance(s, dict) for s in groups)
+                or (sizes is not None and sizes != self._group_sizes)
             ):
                 return (
-                    f"the optimizer has {len(current)} parameter group(s) of "
-                    f"{[len(c['params']) for c in current]} parameters; the checkpoint's differ"
+                    f"the optimizer has {len(self._group_sizes)} parameter group(s) of {self._group_sizes} "
+                    f"parameters (whole model); the checkpoint's differ"
                 )
         return None

@@ -100,26 +100,62 @@ class Context:
     _syncs: list[Any] = field(default_factory=list, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
 
-    def parallelize(self, model: Any, *, tp_plan: dict[str, Any] | None = None, bucket_mb: float = 25.0) -> Any:
-        """Move `model` to this rank's device, apply `tp_plan` over the tp dimension (when parallel.tp > 1) and
-        average its gradients over the data-parallel replicas at the end of every backward. In place: returns
-        the same model, with the same parameter names (hpcscale.parallel.data_parallel says why not DDP)."""
+    def parallelize(
+        self,
+        model: Any,
+        *,
+        tp_plan: dict[str, Any] | None = None,
+        bucket_mb: float = 25.0,
+        blocks: list[Any] | None = None,
+    ) -> Any:
+        """Move `model` to this rank's device, apply `tp_plan` over the tp dimension (when parallel.tp > 1), make
+        the data-parallel replicas identical and then either average its gradients over them at the end of
+        every backward (parallel.dp_shard = 1) or shard it with FSDP2 (dp_shard > 1: per block of `blocks`,
+        by default the entries of the model's `layers`, then the root), with the job's
+        parallel.reshard_after_forward, mixed_precision and activation_checkpointing. In place: returns the
+        same model, with the same parameter names (hpcscale.parallel.data_parallel says why not DDP).
+        With parallel.pp > 1 the model is this rank's pipeline stage (cut_stage), and dp_shard must exceed 1:
+        FSDP2 follows the pipeline schedule's micro-batches, the replicated gradient sync does not."""
         from hpcscale.errors import BadInput
         from hpcscale.parallel.data_parallel import parallelize
+        from hpcscale.parallel.fsdp import ShardedSync, shard_model
+        from hpcscale.parallel.grad_sync import GradSync
 
-        if self.dims.pp > 1:
+        if self.dims.pp > 1 and not self.dims.sharded:
             raise BadInput(
-                f"ctx.parallelize: parallel.pp is {self.dims.pp}; pipeline stages are cut by the model's own code "
-                "(hpcscale.parallel.pipeline.cut_stage and build_schedule, docs/context-api.md)"
+                f"ctx.parallelize: parallel.pp is {self.dims.pp} with replicated data parallelism; pipeline stages "
+                "are cut by the model's own code (hpcscale.parallel.pipeline.cut_stage and build_schedule, "
+                "docs/context-api.md), and ctx.parallelize shards a stage only with parallel.dp_shard > 1"
             )
+        p = self.job.parallel
+        dp_group = self.mesh["dp"].get_group() if self.dims.dp > 1 else None
         model.to(self.device)
+        shard = None
+        if self.dims.sharded or p.activation_checkpointing:
+
+            def shard(m: Any) -> Any:
+                shard_model(
+                    m,
+                    mesh=self.mesh,
+                    dims=self.dims,
+                    device=self.device,
+                    blocks=blocks,
+                    reshard_after_forward=p.reshard_after_forward,
+                    mixed_precision=p.mixed_precision,
+                    activation_checkpointing=p.activation_checkpointing,
+                )
+                return (
+                    ShardedSync(m) if self.dims.sharded else GradSync(m, dp_group, bucket_mb=bucket_mb, automatic=True)
+                )
+
         self._syncs.append(
             parallelize(
                 model,
-                dp_group=self.mesh["dp"].get_group() if self.dims.dp > 1 else None,
+                dp_group=dp_group,
                 tp_mesh=self.mesh["tp"],
                 tp_plan=tp_plan,
                 bucket_mb=bucket_mb,
+                shard=shard,
             )
         )
         return model

@@ -1,8 +1,11 @@
 """Gradient-norm clipping that is correct across tensor and pipeline parallelism.
 
-The global norm is over the whole model: each pp stage holds different parameters (sum over pp), a
-tensor-parallel Shard holds a slice (sum over tp), a Replicate parameter is the same on every tp rank
-(count once). dp replicas hold identical, already averaged gradients, so nothing is summed over dp.
+The global norm is over the whole model: each pp stage holds different parameters (sum over pp), a DTensor
+gradient sharded over mesh dimensions (tp; dp_shard under FSDP2; both) holds a slice (sum over each of those
+dimensions' groups), a dimension it is replicated over holds the same values (count once). dp replicas (and
+HSDP's dp_replicate groups) hold identical, already averaged gradients, so nothing is summed over them. The
+squares are gathered per set of sharded dimensions and each set is all-reduced over its groups: one scalar
+all-reduce per set (at most three: tp, dp_shard, both) and one over pp.
 
 Where the sums live: on the gradients' device. NCCL reduces only tensors on the rank's own GPU, and adding a
 CUDA norm into a CPU accumulator raises ("Expected all tensors to be on the same device"), so the two
@@ -24,31 +27,50 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def is_split(placement) -> bool:
+    """Whether a DTensor placement splits the tensor across the mesh dimension: Shard, and the _StridedShard
+    FSDP2 puts on a dimension tensor parallelism already shards (whose is_shard() is False in torch 2.13)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def _sharded_dims(g: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dimensions a DTensor is sharded over (their names, in mesh order); () for a plain tensor."""
+    if not hasattr(g, "placements"):
+        return ()
+    names = g.device_mesh.mesh_dim_names or tuple(str(i) for i in range(g.device_mesh.ndim))
+    return tuple(names[i] for i, pl in enumerate(g.placements) if is_split(pl) and g.device_mesh.size(i) > 1)
+
+
 def clip_grad_norm(
     params: list[nn.Parameter],
     max_norm: float,
     *,
-    tp_group: dist.ProcessGroup | None,
     pp_group: dist.ProcessGroup | None,
     device: torch.device | None = None,
 ) -> float:
     """Clip the gradients of `params` in place to a global norm of `max_norm` (0: measure only) and return the
-    global norm before clipping. A collective over `tp_group` and `pp_group` (None: that degree is 1)."""
+    global norm before clipping. A collective over the sharded dimensions' groups and `pp_group` (None: pp is
+    1); every rank of a stage holds the same parameters, so all of them make the same calls."""
     grads = [p.grad for p in params if p.grad is not None]
     if device is None:
         device = _local(grads[0]).device if grads else torch.device("cpu")
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    groups: dict[tuple[str, ...], list[dist.ProcessGroup]] = {}
     for g in grads:
         local = _local(g)
         square = torch.linalg.vector_norm(local.detach(), 2, dtype=torch.float32).double().square().to(device)
-        if hasattr(g, "placements") and any(pl.is_shard() for pl in g.placements):
-            sharded += square
-        else:
-            replicated += square
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sharded, group=tp_group)
-    total = sharded + replicated
+        key = _sharded_dims(g)
+        if key not in sums:
+            sums[key] = torch.zeros((), dtype=torch.float64, device=device)
+            groups[key] = [g.device_mesh.get_group(name) for name in key] if key else []
+        sums[key] += square
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for key in sorted(sums):  # the same order on every rank of the stage
+        for group in groups[key]:
+            dist.all_reduce(sums[key], group=group)
+        total += sums[key]
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
     norm = float(total.sqrt())

@@ -10,6 +10,10 @@ scripts/bench/user_entry.py measures a step against DDP on the same model.
 
 Like DDP, it starts every data-parallel replica from the same weights: parameters and buffers are broadcast
 from the first rank of the dp group, so an unseeded model cannot silently diverge.
+
+With parallel.dp_shard > 1 the data parallelism is torch's FSDP2 instead (hpcscale.parallel.fsdp.shard_model,
+the same call the built-in trainer makes): the replicas are made identical first, then each block and the
+root are sharded over the dp mesh; FSDP reduce-scatters the gradients itself, so no GradSync is attached.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ def parallelize(
     tp_mesh: Any = None,
     tp_plan: dict[str, Any] | None = None,
     bucket_mb: float = 25.0,
-) -> GradSync:
+    shard: Any = None,
+) -> Any:
     """Apply `tp_plan` over `tp_mesh` (torch.distributed.tensor.parallel.parallelize_module), make the dp
-    replicas identical, and average gradients over `dp_group` at the end of every backward. In place."""
+    replicas identical, then either average gradients over `dp_group` at the end of every backward (GradSync,
+    returned) or, when `shard` is given, call it on the model (FSDP2: it returns the ShardedSync). In place."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     if tp > 1:
         if not tp_plan:
@@ -53,4 +59,6 @@ def parallelize(
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(_local(t), group=dp_group, group_src=0)
+    if shard is not None:
+        return shard(model)
     return GradSync(model, dp_group, bucket_mb=bucket_mb, automatic=True)

@@ -7,7 +7,10 @@ Order of construction, and why:
 1. build the whole model on every rank from the same seed: identical weights everywhere;
 2. cut the pipeline stage: the stage keeps its layers' original names (and init);
 3. apply tensor parallelism: DTensor shards the kept weights from those identical full tensors;
-4. gradient sync hooks and the optimizer last, over the final (sharded) parameters.
+4. with parallel.dp_shard > 1, FSDP2 shards each block over the data-parallel mesh (hpcscale.parallel.fsdp,
+   the same call ctx.parallelize makes), with the job's activation checkpointing and mixed precision;
+5. gradient sync hooks (replicated dp; FSDP reduce-scatters itself) and the optimizer last, over the final
+   (sharded) parameters.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from hpcscale.launch.timing import NoStepTimes, SaveSchedule
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.clip import clip_grad_norm
 from hpcscale.parallel.device import settle
+from hpcscale.parallel.fsdp import ShardedSync, shard_model
 from hpcscale.parallel.grad_sync import GradSync
 from hpcscale.parallel.pipeline import build_schedule, cut_stage
 from hpcscale.parallel.tensor_parallel import apply_tp
@@ -72,6 +76,17 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
     )
     model.to(ctx.device)
     apply_tp(model, tp_mesh=ctx.mesh["tp"])
+    p = ctx.job.parallel
+    shard_model(
+        model,
+        mesh=ctx.mesh,
+        dims=ctx.dims,
+        device=ctx.device,
+        blocks=list(model.layers.values()),
+        reshard_after_forward=p.reshard_after_forward,
+        mixed_precision=p.mixed_precision,
+        activation_checkpointing=p.activation_checkpointing,
+    )
     return model
 
 
@@ -176,7 +191,7 @@ def train(ctx: Context) -> None:
         """The model, its gradient sync, optimizer (state made) and pipeline schedule, as a fresh start has them:
         the model's initialisation is seeded, so building again gives the same values."""
         model = build_model(cfg, ctx, loader.vocab_size)
-        sync = GradSync(model, dp_group)
+        sync = ShardedSync(model) if dims.sharded else GradSync(model, dp_group)
         opt = build_optimizer(model, cfg, ctx.device)
         schedule = None
         if dims.pp > 1:
@@ -288,9 +303,10 @@ def train(ctx: Context) -> None:
 
     autocast = ctx.device.type == "cuda" and cfg.bf16
     tokens_per_step = cfg.global_batch * cfg.seq_len
+    shard = f" dp_shard={dims.dp_shard}" if dims.sharded else ""
     ctx.metrics.print(
         f"hpcscale: GPT {cfg.n_layer}x{cfg.n_embd} on {dims.world_size} ranks "
-        f"(pp={dims.pp} dp={dims.dp} tp={dims.tp}), {n_micro} micro-batches/step, "
+        f"(pp={dims.pp} dp={dims.dp}{shard} tp={dims.tp}), {n_micro} micro-batches/step, "
         f"{cfg.steps} steps, backend {ctx.backend}"
     )
 
@@ -356,7 +372,6 @@ def train(ctx: Context) -> None:
         grad_norm = clip_grad_norm(
             params,
             cfg.grad_clip,
-            tp_group=ctx.mesh["tp"].get_group() if dims.tp > 1 else None,
             pp_group=ctx.mesh["pp"].get_group() if dims.pp > 1 else None,
             device=ctx.device,
         )

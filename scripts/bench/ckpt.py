@@ -280,7 +280,7 @@ def worker(base: Path) -> None:
     pieces = []
     if rank < loaders:
         pieces = [
-            LocalShard(f"w{i:02d}", torch.empty(2 * ROWS, COLS), (total_rows, COLS), (2 * ROWS * rank, 0), True)
+            LocalShard(f"w{i:02d}", torch.empty(2 * ROWS, COLS), (total_rows, COLS), (2 * ROWS * rank, 0))
             for i in range(TENSORS)
         ]
     full0 = base / "full"  # its step 1

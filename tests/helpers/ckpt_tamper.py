@@ -79,11 +79,11 @@ def save_in_process(root: Path, step: int, tensors: dict, *, chunk_bytes: int = 
     shards = []
     for name, t in tensors.items():
         if name == "model/rows":
-            shards += [LocalShard(name, t[i : i + 32], tuple(t.shape), (i, 0), True) for i in (0, 32)]
+            shards += [LocalShard(name, t[i : i + 32], tuple(t.shape), (i, 0)) for i in (0, 32)]
         elif name == "model/cols":
-            shards += [LocalShard(name, t[:, j : j + 16], tuple(t.shape), (0, j), True) for j in (0, 16)]
+            shards += [LocalShard(name, t[:, j : j + 16], tuple(t.shape), (0, j)) for j in (0, 16)]
         else:
-            shards.append(LocalShard(name, t, tuple(t.shape), (0,) * t.dim(), False))
+            shards.append(LocalShard(name, t, tuple(t.shape), (0,) * t.dim()))
     saved = writer.CHUNK_BYTES
     writer.CHUNK_BYTES = chunk_bytes
     try:

@@ -1,0 +1,137 @@
+"""Sharded data parallelism with torch's FSDP2 (`fully_shard`), and activation checkpointing, for any model.
+
+The one place a model's parameters are sharded: `ctx.parallelize` and the built-in trainer both call
+`shard_model`. With parallel.dp_shard > 1 each block (the model's `layers`, or the blocks the caller names) is
+wrapped with `fully_shard`, then the root, over the data-parallel mesh: `mesh["dp_shard"]` when every dp rank
+shards (ZeRO-3), `mesh["dp_replicate", "dp_shard"]` for HSDP (sharded within a group, replicated across).
+Parameters become DTensors sharded on dim 0 over the shard group; a tensor-parallel plan applied before keeps
+its own placements on the tp dimension (torch composes the two, as its FSDP + TP tutorial does). Each block's
+parameters are all-gathered just before its forward and freed after it (`reshard_after_forward`), gradients are
+reduce-scattered as backward produces them, and the optimizer steps only the rank's shard. Nothing here is a
+replacement: FSDP2 runs on CPU with gloo as it does on GPUs with NCCL.
+
+Mixed precision (`parallel.mixed_precision`): `bf16` gathers parameters in bf16 and reduces gradients in fp32
+(torch's MixedPrecisionPolicy); the sharded parameters the optimizer updates stay fp32. `auto` is bf16 on CUDA
+and fp32 on CPU, where bf16 matmuls are slow and gain nothing.
+
+Activation checkpointing uses torch's composable `checkpoint` per block: it recomputes the block's forward in
+backward and, unlike a wrapper module, leaves parameter names alone, so checkpoints and exports still name the
+tensors as the model does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpcscale.errors import BadInput
+from hpcscale.layout import ParallelDims
+
+
+def default_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of `model`: the entries of its `layers` (a ModuleList or ModuleDict), else of every
+    ModuleList/ModuleDict among its direct children (or their direct children: `model.model.layers`, as Hugging
+    Face decoders nest them). Empty when there are none: the root alone is then sharded, as one unit."""
+    for owner in (model, *model.children()):
+        found = [
+            block
+            for child in owner.children()
+            if isinstance(child, nn.ModuleList | nn.ModuleDict)
+            for block in (child.values() if isinstance(child, nn.ModuleDict) else child)
+        ]
+        if found:
+            return found
+    return []
+
+
+def mixed_precision_policy(setting: str, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
+    """The mesh FSDP2 shards over: 1-D over the shard group, or 2-D (replicate, shard) for HSDP."""
+    return mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+
+
+def checkpoint_activations(blocks: Iterable[nn.Module]) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    mesh: Any,
+    dims: ParallelDims,
+    device: torch.device,
+    blocks: list[nn.Module] | None = None,
+    reshard_after_forward: bool = True,
+    mixed_precision: str = "auto",
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """Apply activation checkpointing (when asked) and, when dims.dp_shard > 1, FSDP2 per block and at the
+    root over the job's data-parallel mesh. In place; returns `model`. The model must already be on `device`
+    with any tensor-parallel plan applied, and (for pp > 1) be this rank's pipeline stage."""
+    blocks = default_blocks(model) if blocks is None else list(blocks)
+    names = {id(m): n for n, m in model.named_modules()}
+    stray = [b for b in blocks if id(b) not in names]
+    if stray:
+        raise BadInput(f"shard_model: {len(stray)} of the given blocks are not submodules of the model")
+    if activation_checkpointing:
+        checkpoint_activations(blocks)
+    if not dims.sharded:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = data_parallel_mesh(mesh, dims)
+    policy = mixed_precision_policy(mixed_precision, device)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keeping them saves an all-gather.
+        fully_shard(
+            block,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
+            mp_policy=policy,
+        )
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    return model
+
+
+class ShardedSync:
+    """The gradient-sync interface the trainer drives (hpcscale.parallel.grad_sync.GradSync's begin, finish,
+    no_sync and timing) for a model FSDP2 shards: FSDP reduce-scatters during backward itself. Inside no_sync()
+    backward only accumulates (FSDP's set_requires_gradient_sync(False)); the next backward outside reduces."""
+
+    comm_wait_s = 0.0
+    comm_wait_total_s = 0.0
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def begin(self, accumulation_steps: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def no_sync(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def off():
+            self.model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.model.set_requires_gradient_sync(True)
+
+        return off()

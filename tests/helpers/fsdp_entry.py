@@ -1,0 +1,118 @@
+"""A user entry point (`train.entry: fsdp_entry:main`) with its own model, trained at any layout through
+ctx.parallelize and ctx.checkpoint: sharded (parallel.dp_shard), tensor-parallel (a plan for its blocks) and
+pipelined (cut_stage + build_schedule on the stage ctx.parallelize sharded). Every layout sees the same global
+batch per step, so its losses must be the single process's.
+
+params: steps (default 12), lr. Logs `loss` per step (the global mean) and, at the end, the bytes of
+parameters, gradients and optimizer state this rank holds (RUN/state_bytes.RANK) for the memory checks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from hpcscale.parallel.pipeline import build_schedule, cut_stage
+
+VOCAB, WIDTH, LAYERS, SEQ, BATCH = 48, 32, 4, 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleDict({str(i): Block(WIDTH) for i in range(LAYERS)})
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.emb is not None:
+            x = self.emb(x)
+        for block in self.layers.values():
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return x, (x * 7 + 3) % VOCAB
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    def local(t):
+        return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+    total = 0
+    for p in model.parameters():
+        total += local(p).numel() * local(p).element_size()
+        if p.grad is not None:
+            total += local(p.grad).numel() * local(p.grad).element_size()
+    for s in opt.state.values():
+        total += sum(local(v).numel() * local(v).element_size() for v in s.values() if torch.is_tensor(v))
+    return total
+
+
+def main(ctx):
+    steps = int(ctx.params.get("steps", 12))
+    torch.manual_seed(0)
+    model = Net()
+    pp = ctx.dims.pp
+    cut_stage(model, stage=ctx.pp_rank, pp=pp, first_stage_only=("emb",), last_stage_only=("head",))
+    plan = None
+    if ctx.dims.tp > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {
+            f"layers.{i}.{n}": s
+            for i in model.layers
+            for n, s in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))
+        }
+    model = ctx.parallelize(model, tp_plan=plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(ctx.params.get("lr", 1e-2)), foreach=False)
+    start = ctx.checkpoint.restore(model, opt)
+    dp, rows = ctx.dims.dp, BATCH // ctx.dims.dp
+    first, last = ctx.pp_rank == 0, ctx.pp_rank == pp - 1
+    schedule = None
+    if pp > 1:
+        schedule = build_schedule(
+            model, pp_mesh=ctx.mesh["pp"], n_microbatches=2, kind="1f1b", loss_fn=loss_fn, device=ctx.device
+        )
+    for step in range(start, steps):
+        x, y = batch(step)
+        x, y = x[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows], y[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows]
+        opt.zero_grad()
+        if schedule is None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        else:
+            losses: list[torch.Tensor] = []
+            if first:
+                schedule.step(x)
+            elif last:
+                schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
+            loss = torch.stack(losses).sum() if last else torch.zeros(())
+        opt.step()
+        mean = (loss.detach() / dp) if (last and ctx.tp_rank == 0) else torch.zeros(())
+        dist.all_reduce(mean)
+        ctx.metrics.log(step=step, loss=float(mean))
+        ctx.checkpoint.step(step)
+    (ctx.run_dir / f"state_bytes.{ctx.rank}").write_text(str(state_bytes(model, opt)))

@@ -1,0 +1,249 @@
+"""Sharded data parallelism (parallel.dp_shard: FSDP2, HSDP) for a user's own model through ctx.parallelize and
+ctx.checkpoint, on 4 gloo ranks: the single process's losses at every layout, a quarter of the state per rank,
+checkpoints where every rank writes only its own shard and that load into any other layout, and the rule that
+picks each piece's one writer (a property over layouts).
+
+The built-in trainer's sharded layouts are in tests/test_train_layouts.py (same parametrisation as the others).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trainjobs import losses
+
+from hpcscale.ckpt.shards import LocalShard, _mesh_index, _numel, _piece, writers
+from hpcscale.layout import ParallelDims, layout_problems
+
+HELPERS = REPO / "tests" / "helpers"
+
+
+def _job(path: Path, *, ranks: int, tp: int = 1, pp: int = 1, dp_shard: int = 1, steps: int = 12) -> Path:
+    spec = {
+        "name": f"fsdp-{ranks}-{tp}-{pp}-{dp_shard}",
+        "site": "local",
+        "tasks_per_node": ranks,
+        "parallel": {"tp": tp, "pp": pp, "dp_shard": dp_shard},
+        "timeout_seconds": 120,
+        "hang_timeout_seconds": 100,
+        "environment": {"PYTHONPATH": str(HELPERS)},
+        "train": {"entry": "fsdp_entry:main", "params": {"steps": steps}},
+        "checkpoint": {"every_steps": 4, "keep_last": 10},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _run(tmp: Path, run: Path, *extra: str, **layout) -> str:
+    name = "-".join(f"{k}{v}" for k, v in sorted(layout.items()))
+    r = run_cli("run", str(_job(tmp / f"{name}.yaml", **layout)), "--local", "--run-dir", str(run), *extra, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def _close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(k for k in want if k in got) and got
+    worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
+    assert worst <= 1e-5, f"max relative difference {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def single(mpi, tmp_path_factory) -> Path:
+    """The entry point on one process for 16 steps: what every layout must reproduce."""
+    tmp = tmp_path_factory.mktemp("single")
+    _run(tmp, tmp / "run", ranks=1, steps=16)
+    assert len(losses(tmp / "run")) == 16
+    return tmp / "run"
+
+
+def _state_bytes(run: Path, ranks: int) -> list[int]:
+    return [int((run / f"state_bytes.{r}").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "dp_shard"),
+    [(1, 1, 4), (1, 1, 2), (2, 1, 2), (1, 2, 2)],
+    ids=["dp_shard4", "hsdp2x2", "tp2-dp_shard2", "pp2-dp_shard2"],
+)
+def test_user_model_at_every_sharded_layout_gives_the_single_process_losses(single, tmp_path, tp, pp, dp_shard):
+    run = tmp_path / "run"
+    _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard)
+    got = losses(run)
+    assert len(got) == 12
+    _close(got, losses(single))
+    # what each rank holds of parameters, gradients and AdamW's moments: 1/dp_shard of the model's, within
+    # the bound the design promises (1.2/N of replicated plus one block's full parameters)
+    whole = _state_bytes(single, 1)[0]
+    block = 4 * (32 * 128 + 128 + 128 * 32 + 32 + 2 * 32)  # one Block's fp32 parameters (fsdp_entry.WIDTH = 32)
+    n = dp_shard * tp * pp  # the state is split over the shard group, tp and the pipeline stages alike
+    for held in _state_bytes(run, 4):
+        assert held <= 1.2 * whole / n + block, (held, whole)
+
+
+def test_sharded_checkpoints_are_written_shard_by_shard_and_load_into_every_layout(single, tmp_path):
+    """dp_shard 4 -> tp 2 x dp 2 (replicated) -> pp 2 x dp_shard 2 -> 1 rank, 4 steps each, then a stop and a
+    resume on the same sharded layout: the single process's losses, and bit for bit on the same layout."""
+    run = tmp_path / "run"
+    _run(tmp_path, run, ranks=4, dp_shard=4, steps=4)
+    index = run / "checkpoints" / "step-00000004"
+    from hpcscale.ckpt.format import read_index
+
+    saved = read_index(index / "index.h5")
+    assert saved.layout == {"pp": 1, "dp": 4, "tp": 1, "dp_shard": 4}
+    for name in ("model/layers.0.fc.weight", "optim/layers.0.fc.weight/exp_avg"):
+        shards = saved.tensors[name].shards
+        # four pieces, each in the data file of the one rank that holds it: nothing gathered to one rank
+        assert [s.offset for s in shards] == [(0, 0), (32, 0), (64, 0), (96, 0)]
+        assert [{c.file for c in s.chunks} for s in shards] == [
+            {f"step-00000004/data/rank-{r:05d}.bin"} for r in range(4)
+        ]
+    sizes = [(index / "data" / f"rank-{r:05d}.bin").stat().st_size for r in range(4)]
+    assert max(sizes) <= 1.1 * min(sizes), sizes
+    out = _run(tmp_path, run, "--reuse", ranks=4, tp=2, steps=8)
+    assert "resumed from checkpoint step 4 (new layout: resharded)" in out
+    out = _run(tmp_path, run, "--reuse", ranks=4, pp=2, dp_shard=2, steps=12)
+    assert "resumed from checkpoint step 8 (new layout: resharded)" in out
+    out = _run(tmp_path, run, "--reuse", ranks=1, steps=16)
+    assert "resumed from checkpoint step 12 (new layout: resharded)" in out
+    _close(losses(run), losses(single))
+
+    # the same layout: a run stopped at step 8 and resumed gives the uninterrupted run's losses exactly
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    _run(tmp_path, whole, ranks=4, dp_shard=2, steps=12)
+    _run(tmp_path, parts, ranks=4, dp_shard=2, steps=8)
+    out = _run(tmp_path, parts, "--reuse", ranks=4, dp_shard=2, steps=12)
+    assert "resumed from checkpoint step 8" in out and "resharded" not in out
+    assert losses(parts) == losses(whole)
+
+    # `ckpt export` of a sharded checkpoint is the whole model, as the single process's export is
+    exported = {}
+    for label, src in (
+        ("sharded", whole / "checkpoints" / "step-00000012"),
+        ("single", single / "checkpoints" / "step-00000012"),
+    ):
+        r = run_cli("ckpt", "export", str(src), "--format", "torch", "-o", str(tmp_path / f"{label}.pt"))
+        assert r.returncode == 0, r.stdout + r.stderr
+        exported[label] = torch.load(tmp_path / f"{label}.pt", weights_only=True)
+    assert exported["sharded"].keys() == exported["single"].keys()
+    for name, t in exported["single"].items():
+        assert exported["sharded"][name].shape == t.shape, name
+        torch.testing.assert_close(exported["sharded"][name], t, rtol=1e-3, atol=1e-4)
+
+
+def test_a_shard_degree_that_does_not_divide_dp_is_named_with_every_factor():
+    problems = layout_problems(nodes=3, tasks_per_node=2, tp=2, pp=1, dp_shard=2)
+    assert [(p.key, p.message) for p in problems] == [
+        (
+            "parallel.dp_shard",
+            "dp_shard(2) does not divide the data-parallel degree dp = nodes(3) * tasks_per_node(2) / "
+            "(tp(2) * pp(1)) = 3",
+        )
+    ]
+    dims = ParallelDims.for_world(world_size=8, tp=2, pp=1, dp_shard=2)
+    assert (dims.dp, dims.dp_replicate, dims.as_dict()) == (4, 2, {"pp": 1, "dp": 4, "tp": 2, "dp_shard": 2})
+    # the shard group is the faster half of dp, right after tp: ranks 0,2 shard together, 0,4 replicate
+    assert [_mesh_index(dims, r)["dp_shard"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [_mesh_index(dims, r)["dp_replicate"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+# ---- who writes what: a property over layouts and placements -------------------------------------------------
+def _placements(kind: str, tp: int):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return {
+        "plain": None,
+        "tp-col": (("tp",), (Shard(0),)),
+        "tp-row": (("tp",), (Shard(1),)),
+        "tp-rep": (("tp",), (Replicate(),)),
+        "fsdp": (("dp_shard",), (Shard(0),)),
+        "hsdp": (("dp_replicate", "dp_shard"), (Replicate(), Shard(0))),
+        "fsdp-tp-col": (("dp_shard", "tp"), (_StridedShard(0, split_factor=tp), Shard(0))),
+        "fsdp-tp-row": (("dp_shard", "tp"), (Shard(0), Shard(1))),
+        "fsdp-tp-rep": (("dp_shard", "tp"), (Shard(0), Replicate())),
+        "hsdp-tp-col": (("dp_replicate", "dp_shard", "tp"), (Replicate(), _StridedShard(0, split_factor=tp), Shard(0))),
+    }[kind]
+
+
+def _fake(name: str, shape: tuple, kind: str, dims: ParallelDims) -> LocalShard:
+    """A tensor as writers() sees it: its name, global shape and (for a DTensor) mesh dimension names, mesh
+    shape and placements; the local data is only asked for its element size."""
+    spec = _placements(kind, dims.tp)
+    if spec is None:
+        return LocalShard(name, torch.empty(0), shape, (0,) * len(shape), source=torch.empty(0))
+    names, placements = spec
+    size = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate}
+    mesh = SimpleNamespace(mesh_dim_names=names, mesh=torch.empty([size[n] for n in names]))
+    return LocalShard(
+        name, torch.empty(0), shape, (0,) * len(shape), source=SimpleNamespace(device_mesh=mesh, placements=placements)
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    dp_shard=st.sampled_from([1, 2, 3, 4]),
+    dp_replicate=st.sampled_from([1, 2]),
+    tensors=st.lists(
+        st.tuples(
+            st.sampled_from(
+                [
+                    "plain",
+                    "tp-col",
+                    "tp-row",
+                    "tp-rep",
+                    "fsdp",
+                    "hsdp",
+                    "fsdp-tp-col",
+                    "fsdp-tp-row",
+                    "fsdp-tp-rep",
+                    "hsdp-tp-col",
+                ]
+            ),
+            st.lists(st.integers(0, 9), min_size=1, max_size=2),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_every_piece_has_one_writer_among_its_holders_and_the_pieces_tile_the_tensor(
+    tp, dp_shard, dp_replicate, tensors
+):
+    dims = ParallelDims(pp=1, dp=dp_shard * dp_replicate, tp=tp, dp_shard=dp_shard)
+    fakes = []
+    for i, (kind, shape) in enumerate(tensors):
+        if kind.endswith("row") and len(shape) < 2:  # Shard(1) needs a second dimension
+            kind = kind.replace("row", "col")
+        if ("hsdp" in kind and dims.dp_replicate == 1) or ("fsdp" in kind and dims.dp_shard == 1):
+            kind = "plain"
+        fakes.append(_fake(f"t{i}", tuple(shape), kind, dims))
+    table = writers(fakes, dims, pp_rank=0)
+    for s in fakes:
+        mine = {off: rank for (name, off), rank in table.items() if name == s.name}
+        # the pieces written tile the tensor: their element counts add up to it, and no two overlap
+        boxes = []
+        for r in range(dims.world_size):
+            if hasattr(s.source, "device_mesh"):
+                where = _mesh_index(dims, r)
+                coord = tuple(where[n] for n in s.source.device_mesh.mesh_dim_names)
+                shape, off = _piece(
+                    s.global_shape, tuple(s.source.device_mesh.mesh.shape), coord, tuple(s.source.placements)
+                )
+            else:
+                shape, off = s.global_shape, (0,) * len(s.global_shape)
+            if _numel(shape):
+                assert off in mine, (s.name, off)  # every rank's non-empty piece has a writer...
+                boxes.append((off, shape, r))
+        writer_holds = {(off, rank) for off, _, rank in boxes}
+        for off, rank in mine.items():
+            assert (off, rank) in writer_holds  # ...and that writer holds it
+        distinct = {(off, shape) for off, shape, _ in boxes}
+        assert sum(_numel(shape) for _, shape in distinct) == _numel(s.global_shape)
+        assert len({off for off, _ in distinct}) == len(distinct)
