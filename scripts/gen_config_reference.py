@@ -57,8 +57,8 @@ any layout that satisfies these: only speed changes, never the losses.
 """,
     JobSpec: """
 Rules across keys (checked against the job's site): `tp × pp` divides the world size
-`nodes × tasks_per_node` (dp is the quotient); `tp` divides `tasks_per_node`, so tensor-parallel groups stay
-inside a node; the partition exists and has at least `nodes` nodes, `gpus_per_node` GPUs and
+`nodes × tasks_per_node` (dp is the quotient) and `dp_shard` divides dp; `tp` divides `tasks_per_node`, so
+tensor-parallel groups stay inside a node; the partition exists and has at least `nodes` nodes, `gpus_per_node` GPUs and
 `tasks_per_node × cpus_per_task` cores per node; `time_limit` is within the partition's `max_time`; `train` and
 `command` exclude each other; on a `local` site `nodes` is 1; `xsite` needs the built-in trainer, a cross-site
 config that loads, and a site of it.

@@ -112,3 +112,24 @@ def test_weights_from_model_size():
     assert w.pp == pytest.approx(2 * n_micro * act)
     assert w.tp > w.dp > w.pp  # the usual order for a modest global batch
     assert traffic_weights(layout, {}) == TrafficWeights()
+
+
+def test_the_shard_group_is_placed_closer_than_the_replicas():
+    """HSDP on 4 nodes of 2 leaves: dp_shard = 4 over 2 nodes' ranks, replicated twice. The shard group's
+    all-gathers and reduce-scatters weigh more than the replicas' all-reduce of one shard, so each shard
+    group's two nodes share a leaf and the replicas cross the core."""
+    layout = JobLayout(nodes=4, tasks_per_node=2, tp=1, pp=1, dp_shard=4)  # dp 8 = 2 replicas x 4 shards
+    params = {"n_layer": 24, "n_embd": 2048, "seq_len": 2048, "micro_batch": 1, "global_batch": 64}
+    w = traffic_weights(layout, params)
+    total = (12 * 24 * 2048**2 + 256 * 2048) * 2
+    assert w.dp_shard == pytest.approx(total * 1.5 * 2 * 3 / 4)  # 1.5 x a ring all-reduce over 4
+    assert w.dp == pytest.approx(total / 4 * 2 * 1 / 2)  # one shard's all-reduce over 2 replicas
+    tree = build_tree([("leafA", ["a", "c"], None), ("leafB", ["b", "d"], None), ("core", None, ["leafA", "leafB"])])
+    p = place(nodes=["a", "b", "c", "d"], tree=tree, layout=layout, weights=w)
+    leaf = {"a": "A", "c": "A", "b": "B", "d": "B"}
+    groups: dict[int, set[str]] = {}
+    for r in p.ranks():
+        groups.setdefault(r.dp // 4, set()).add(leaf[r.node])
+    assert all(len(leaves) == 1 for leaves in groups.values()), groups
+    edges = slot_edges(layout, w)
+    assert placement_cost(p.nodes, edges, tree) < placement_cost(["a", "b", "c", "d"], edges, tree)

@@ -65,14 +65,21 @@ def show(site: str | None, as_json: bool) -> None:
 def format_placement(p):
     from rich.table import Table
 
+    w = p.weights
+    shard = p.layout.dp_shard
+    per_step = f"tp {w.tp:,.0f}, " + (
+        f"dp_shard {w.dp_shard:,.0f}, dp_replicate {w.dp:,.0f}, " if shard > 1 else f"dp {w.dp:,.0f}, "
+    )
     table = Table(
         title=f"placement: {p.method}; cost {p.cost:,.0f} vs hostname order {p.hostname_order_cost:,.0f}"
-        f" (weights: {p.weights.source})"
+        f" (weights: {w.source}; bytes per step and neighbour: {per_step}pp {w.pp:,.0f})"
     )
-    for col in ("rank", "node", "local rank", "tp", "dp", "pp"):
+    cols = ("rank", "node", "local rank", "tp", "dp", *(("dp_shard", "dp_replicate") if shard > 1 else ()), "pp")
+    for col in cols:
         table.add_column(col, justify="right" if col != "node" else "left")
     for r in p.ranks():
-        table.add_row(str(r.rank), r.node, str(r.local_rank), str(r.tp), str(r.dp), str(r.pp))
+        split = (str(r.dp % shard), str(r.dp // shard)) if shard > 1 else ()
+        table.add_row(str(r.rank), r.node, str(r.local_rank), str(r.tp), str(r.dp), *split, str(r.pp))
     return table
 
 
@@ -106,7 +113,13 @@ def place(job: str, nodes: str, site: str | None, as_json: bool) -> None:
                 "hostname_order_cost": p.hostname_order_cost,
                 "optimal": p.optimal,
                 "method": p.method,
-                "weights": {"tp": p.weights.tp, "dp": p.weights.dp, "pp": p.weights.pp, "source": p.weights.source},
+                "weights": {
+                    "tp": p.weights.tp,
+                    "dp": p.weights.dp,
+                    "pp": p.weights.pp,
+                    **({"dp_shard": p.weights.dp_shard} if p.layout.dp_shard > 1 else {}),
+                    "source": p.weights.source,
+                },
                 "ranks": [asdict(r) for r in p.ranks()],
             }
         )

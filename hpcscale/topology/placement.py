@@ -8,6 +8,10 @@ Cost model (docs/placement.md):
 
 with pairs: neighbours in each tp and dp ring (all-reduce), and consecutive stages of each pp chain
 (send/recv); distance from hpcscale.topology.tree (0 same node, 1 same leaf, +1 per level further up).
+With sharded data parallelism (parallel.dp_shard > 1) the dp ring is two: the shard group's ring (FSDP's
+all-gathers in forward and backward and its reduce-scatter: 1.5 times a ring all-reduce's bytes of the
+parameters) and the replicas' ring (an all-reduce of one reduced shard), so the placement keeps the shard group
+close and lets the replicas go farther.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ class TrafficWeights:
     """Bytes one rank exchanges per step with one neighbour, per group kind."""
 
     tp: float = 100.0
-    dp: float = 10.0
+    dp: float = 10.0  # the dp ring; with dp_shard > 1 the replicas' ring (dp_replicate)
     pp: float = 1.0
     source: str = "default ratios (tp 100 : dp 10 : pp 1)"
+    dp_shard: float = 15.0  # the shard group's ring (dp_shard > 1 only): 1.5 x a replicated all-reduce
 
 
 def traffic_weights(layout: JobLayout, params: dict[str, Any] | None) -> TrafficWeights:
@@ -59,11 +64,16 @@ def traffic_weights(layout: JobLayout, params: dict[str, Any] | None) -> Traffic
     act = micro * seq * hidden * elt
     params_total = 12 * layers * hidden * hidden + vocab * hidden
     ring = lambda n: 2 * (n - 1) / n if n > 1 else 0.0  # noqa: E731 - bytes factor of a ring all-reduce
+    slice_bytes = params_total / (layout.tp * layout.pp) * elt
+    shard, replicas = layout.dp_shard, layout.dp // layout.dp_shard
     return TrafficWeights(
         tp=4 * (layers / layout.pp) * n_micro * act * ring(layout.tp),
-        dp=params_total / (layout.tp * layout.pp) * elt * ring(layout.dp),
+        # replicated: the gradients' all-reduce over dp; sharded: one reduced shard's all-reduce over replicas
+        dp=slice_bytes * ring(layout.dp) if shard == 1 else slice_bytes / shard * ring(replicas),
         pp=2 * n_micro * act if layout.pp > 1 else 0.0,
         source=f"model size ({layers} layers, width {hidden}, seq {seq})",
+        # two all-gathers (forward, backward) and a reduce-scatter, each (n-1)/n of the slice's bytes
+        dp_shard=slice_bytes * 1.5 * ring(shard),
     )
 
 
@@ -109,7 +119,13 @@ def slot_edges(layout: JobLayout, weights: TrafficWeights) -> dict[tuple[int, in
     pairs = []
     if layout.tp > 1:
         pairs.append((r, rank_of((tp_i + 1) % layout.tp, dp_i, pp_i), weights.tp))
-    if layout.dp > 1:
+    shard = layout.dp_shard
+    if shard > 1:  # the shard group's ring, then the replicas' ring (same shard index, next replica)
+        base, within = dp_i - dp_i % shard, dp_i % shard
+        pairs.append((r, rank_of(tp_i, base + (within + 1) % shard, pp_i), weights.dp_shard))
+        if layout.dp > shard:
+            pairs.append((r, rank_of(tp_i, (dp_i + shard) % layout.dp, pp_i), weights.dp))
+    elif layout.dp > 1:
         pairs.append((r, rank_of(tp_i, (dp_i + 1) % layout.dp, pp_i), weights.dp))
     if layout.pp > 1:
         last = pp_i + 1 < layout.pp
