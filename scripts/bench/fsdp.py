@@ -83,6 +83,7 @@ def plain_entry(ctx) -> None:
         dist.all_reduce(logged)
         float(logged)
         times.append(time.perf_counter() - t0)
+
     def nbytes(t) -> int:
         return _local(t).numel() * _local(t).element_size()
 
