@@ -104,6 +104,14 @@ def test_sharded_checkpoints_are_written_shard_by_shard_and_load_into_every_layo
         assert [{c.file for c in s.chunks} for s in shards] == [
             {f"step-00000004/data/rank-{r:05d}.bin"} for r in range(4)
         ]
+    # the head's 50 rows shard unevenly (torch.chunk: 13, 13, 13, 11), each piece saved where it sits
+    head = saved.tensors["model/head.weight"].shards
+    assert [(s.offset, s.shape) for s in head] == [
+        ((0, 0), (13, 32)),
+        ((13, 0), (13, 32)),
+        ((26, 0), (13, 32)),
+        ((39, 0), (11, 32)),
+    ]
     sizes = [(index / "data" / f"rank-{r:05d}.bin").stat().st_size for r in range(4)]
     assert max(sizes) <= 1.1 * min(sizes), sizes
     out = _run(tmp_path, run, "--reuse", ranks=4, tp=2, steps=8)
@@ -247,3 +255,17 @@ def test_every_piece_has_one_writer_among_its_holders_and_the_pieces_tile_the_te
         distinct = {(off, shape) for off, shape, _ in boxes}
         assert sum(_numel(shape) for _, shape in distinct) == _numel(s.global_shape)
         assert len({off for off, _ in distinct}) == len(distinct)
+
+
+def test_a_cross_site_site_refuses_sharding_naming_the_key(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: x\nsite: local\ntasks_per_node: 4\nparallel:\n  dp_shard: 4\n"
+        "train: {entry: builtin}\nxsite: {config: /nonexistent/xsite.yaml, site: a}\n"
+    )
+    r = run_cli("config", "validate", str(job))
+    assert r.returncode == 2
+    assert (
+        f"{job}:5: parallel.dp_shard: dp_shard is 4: cross-site training (xsite:) is not supported"
+        in r.stdout + r.stderr
+    )

@@ -280,6 +280,12 @@ def _check_xsite(spec: JobSpec, dec: Decoder) -> None:
     if spec.train is None:
         dec.error(("xsite",), "a cross-site site trains: it needs `train:` (builtin, or an entry using ctx.checkpoint)")
         return
+    if spec.parallel.dp_shard > 1:
+        dec.error(
+            ("parallel", "dp_shard"),
+            f"dp_shard is {spec.parallel.dp_shard}: cross-site training (xsite:) is not supported with sharded "
+            "data parallelism yet; a cross-site site trains with dp_shard: 1",
+        )
     try:
         cfg = load_xsite(expand_path(spec.xsite.config))
     except ConfigError as e:

@@ -80,7 +80,7 @@ def worker(base: Path) -> None:
         os.fsync(fd)
         os.close(fd)
 
-    manager = CheckpointManager(base / "ckpt", dims=dims, rank=rank, keep_last=2)
+    manager = CheckpointManager(base / "ckpt", dims=dims, rank=rank, keep_last=100)  # no deletes in a save
     manager.save(1, state, {"step": 1}, asynchronous=False)  # the manager's one-time set-up is in no figure
     save_s, direct_s = [], []
     for rep in range(REPS):
@@ -111,7 +111,7 @@ def worker(base: Path) -> None:
     fresh = {
         k: DTensor.from_local(torch.empty(ROWS, COLS), mesh, [Shard(0)], run_check=False) for k in state
     }  # what a restarted job loads into
-    loader = CheckpointManager(base / "ckpt", dims=dims, rank=rank, keep_last=2)
+    loader = CheckpointManager(base / "ckpt", dims=dims, rank=rank, keep_last=100)
     for rep in range(REPS):
         runs = [
             lambda: read_s.append(timed(raw_read)),

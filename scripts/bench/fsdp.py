@@ -10,8 +10,9 @@ Four gloo ranks on this machine, the reference GPT (hpcscale.train.model) at --l
   at most 1.2/N of N = 1's plus one block's full parameters.
 - speed: the built-in trainer at dp_shard = 4 against the plain script at N = 4 on the same model, batch and
   optimizer (AdamW, foreach off, gradient clipping at 1.0, the loss all-reduced each step as any loop logs
-  it): the ratio of median step times, target <= 1.05. The trainer at dp_shard = 1 (replicated) is timed too.
-  Runs alternate (trainer, plain, replicated) in every repetition, so the shared machine's drift hits all.
+  it, deterministic algorithms on as the trainer's default): the ratio of median step times, target <= 1.05.
+  The trainer at dp_shard = 1 (replicated) is timed too. Runs alternate (trainer, plain, replicated) in every
+  repetition, so the shared machine's drift hits all.
 
     python scripts/bench/fsdp.py [--repeat 5] [--steps 30] [--json]
 """
@@ -50,6 +51,7 @@ def plain_entry(ctx) -> None:
 
     p = ctx.params
     n = int(p["shard"])
+    torch.use_deterministic_algorithms(True)  # the trainer's default numerics (train.params.deterministic)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.manual_seed(0)
     model = GPT(GPTShape(vocab_size=256, seq_len=p["seq_len"], n_layer=p["layers"], n_embd=p["width"], n_head=8))
