@@ -269,3 +269,20 @@ def test_a_cross_site_site_refuses_sharding_naming_the_key(tmp_path):
         f"{job}:5: parallel.dp_shard: dp_shard is 4: cross-site training (xsite:) is not supported"
         in r.stdout + r.stderr
     )
+
+
+def test_the_trainer_saves_after_an_evaluation_when_sharded(mpi, tmp_path):
+    """An evaluation's no-grad forwards leave FSDP's last block gathered (it does not reshard after forward):
+    the save that follows must still name the optimizer's shards (it reshards first)."""
+    from trainjobs import job_spec
+
+    job = job_spec(
+        tmp_path / "job.yaml", tp=1, pp=1, ranks=2, dp_shard=2, steps=4, eval_every=2, checkpoint={"every_steps": 2}
+    )
+    r = run_cli("run", str(job), "--local", "--run-dir", str(tmp_path / "run"), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "val_loss" in r.stdout
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step-*")) == [
+        "step-00000002",
+        "step-00000004",
+    ]

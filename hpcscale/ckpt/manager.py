@@ -126,6 +126,8 @@ class CheckpointManager:
         dist.barrier(group=self.group)
         self.writer = ShardWriter(root, rank=rank, group=self.group, direct_io=direct_io)
         self.last_step: int | None = None
+        self._writers_key: tuple | None = None  # what _writer_table was last computed for
+        self._writers_table: dict = {}
         self._refused: set[int] = set()  # steps load_latest refused: set aside if a save reaches one
         # load_latest returned None after a refused checkpoint had been partly read into the caller's tensors
         # (chunks are read straight into them and hashed there): they are no longer the fresh start's values
@@ -201,7 +203,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         faults.slow(step)  # tests only: HPCSCALE_CKPT_SLOW, a filesystem that got slower
         shards = local_shards(tensors)
-        table = writers(shards, self.dims, pp_rank=self.coords.pp)
+        table = self._writer_table(shards)
         mine = pieces_to_write(shards, table, self.rank)
         rng = rng_state(self.device)
         # On a GPU: what the copy must wait for is what this (training) thread queued before this call
@@ -232,6 +234,25 @@ class CheckpointManager:
             result = self._write(*args)
             self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
         return self.last_stats
+
+    def _writer_table(self, shards: list) -> dict:
+        """shards.writers() for these tensors, computed once for each set of names, shapes and placements (it
+        depends on nothing else, and at thousands of ranks it is seconds of work)."""
+        key = tuple(
+            (
+                s.name,
+                s.global_shape,
+                s.tensor.element_size(),
+                getattr(getattr(s.source, "device_mesh", None), "mesh_dim_names", None),
+                tuple(s.source.device_mesh.mesh.shape) if hasattr(s.source, "device_mesh") else None,
+                tuple(getattr(s.source, "placements", ())),
+            )
+            for s in shards
+        )
+        if self._writers_key != key:
+            self._writers_table = writers(shards, self.dims, pp_rank=self.coords.pp)
+            self._writers_key = key
+        return self._writers_table
 
     def _stage_and_write(self, mine, step, rng, state, parent, staged: threading.Event, ready) -> None:
         """On the writer thread: what it raises (nothing was written) is raised by the next wait()."""

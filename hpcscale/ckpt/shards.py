@@ -68,7 +68,7 @@ def _mesh_index(dims: ParallelDims, rank: int) -> dict[str, int]:
     }
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 18)  # a few distinct shapes x every coordinate of a 4096-rank mesh
 def _piece(global_shape: tuple, mesh_shape: tuple, coord: tuple, placements: tuple) -> tuple[tuple, tuple]:
     """(local shape, global offset) of the piece at `coord` of a DTensor's mesh (torch's own rule, uneven and
     strided sharding included: what compute_local_shape_and_global_offset gives that rank)."""

@@ -52,7 +52,8 @@ class Parallel:
     )
     mixed_precision: Literal["auto", "bf16", "fp32"] = setting(
         "With dp_shard > 1: the dtype sharded blocks compute in. `bf16`: parameters gathered in bf16, gradients "
-        "reduced in fp32, the sharded master copy and optimizer state in fp32. `auto`: bf16 on GPUs, fp32 on CPU.",
+        "reduced in fp32, the sharded master copy and optimizer state in fp32. `auto`: bf16 on GPUs, fp32 on CPU "
+        "(the built-in trainer: bf16 only when its `bf16` param is true).",
         default="auto",
     )
     activation_checkpointing: bool = setting(

@@ -364,10 +364,19 @@ class Checkpointer:
         """Parameters per optimizer group over the whole model. A pipeline stage holds only its own, so the
         stages' counts are summed (a collective over pp, on the rank's device: NCCL reduces only GPU tensors)."""
         sizes = [len(g["params"]) for opt in self._optimizers for g in opt.param_groups]
-        if self._ctx.dims.pp > 1 and sizes:
-            t = torch.tensor(sizes, dtype=torch.int64, device=self._ctx.device)
-            dist.all_reduce(t, group=self._ctx.mesh["pp"].get_group())
-            sizes = [int(x) for x in t.tolist()]
+        if self._ctx.dims.pp > 1:
+            group = self._ctx.mesh["pp"].get_group()
+            count = torch.tensor([len(sizes), -len(sizes)], dtype=torch.int64, device=self._ctx.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)  # the most and the fewest groups of a stage
+            if int(count[0]) != -int(count[1]):
+                raise BadInput(
+                    f"ctx.checkpoint.restore: the pipeline stages' optimizers have between {-int(count[1])} and "
+                    f"{int(count[0])} parameter groups; every stage needs the same groups (keep empty ones)"
+                )
+            if sizes:
+                t = torch.tensor(sizes, dtype=torch.int64, device=self._ctx.device)
+                dist.all_reduce(t, group=group)
+                sizes = [int(x) for x in t.tolist()]
         return sizes
 
     def _tensors(self) -> tuple[dict[str, torch.Tensor], dict | None, dict | None]:
@@ -376,6 +385,9 @@ class Checkpointer:
             return {}, None, None
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from hpcscale.parallel.fsdp import reshard
+
+        reshard(self._model)  # FSDP2 units a no-grad forward left gathered name full tensors, not the shards
         model_sd, optim_sd = get_state_dict(self._model, list(self._optimizers))
         tensors = {f"model/{k}": v for k, v in model_sd.items() if torch.is_tensor(v)}
         if not self._optimizers:

@@ -4,8 +4,8 @@ The global norm is over the whole model: each pp stage holds different parameter
 gradient sharded over mesh dimensions (tp; dp_shard under FSDP2; both) holds a slice (sum over each of those
 dimensions' groups), a dimension it is replicated over holds the same values (count once). dp replicas (and
 HSDP's dp_replicate groups) hold identical, already averaged gradients, so nothing is summed over them. The
-squares are gathered per set of sharded dimensions and each set is all-reduced over its groups: one scalar
-all-reduce per set (at most three: tp, dp_shard, both) and one over pp.
+squares are gathered per set of sharded dimensions and each set is all-reduced over each of its dimensions'
+groups: one scalar all-reduce per dimension of each set (at most four: tp, dp_shard, and both) and one over pp.
 
 Where the sums live: on the gradients' device. NCCL reduces only tensors on the rank's own GPU, and adding a
 CUDA norm into a CPU accumulator raises ("Expected all tensors to be on the same device"), so the two

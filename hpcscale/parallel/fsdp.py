@@ -48,10 +48,12 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def mixed_precision_policy(setting: str, device: torch.device):
+    """bf16 parameters and compute, fp32 gradient reductions and outputs (the loss is taken in fp32); or none.
+    `auto` is bf16 on a GPU; the built-in trainer resolves it with its own `bf16` param first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
@@ -104,6 +106,20 @@ def shard_model(
         )
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 unit of `model` back in its sharded state (a no-op for a model FSDP does not shard).
+
+    A forward without backward (evaluation under no_grad) leaves the units that do not reshard after forward
+    (the last block; every one with reshard_after_forward false) holding their gathered parameters, and while a
+    unit is unsharded its module attributes are the full tensors, not the sharded DTensors the optimizer
+    holds. Whatever reads parameters by name (a checkpoint's state) calls this first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 class ShardedSync:

@@ -58,6 +58,11 @@ def traffic_weights(layout: JobLayout, params: dict[str, Any] | None) -> Traffic
         global_batch = int(p.get("global_batch", micro * layout.dp))
         vocab = int(p.get("vocab_size", 256))
     except (KeyError, TypeError, ValueError):
+        if layout.dp_shard > 1:  # the replicas' ring carries one 1/dp_shard shard of the gradients
+            return TrafficWeights(
+                dp=10.0 / layout.dp_shard,
+                source=f"default ratios (tp 100 : dp_shard 15 : dp_replicate 10/{layout.dp_shard} : pp 1)",
+            )
         return TrafficWeights()
     elt = 2  # bytes per element in bf16
     n_micro = max(1, global_batch // (micro * layout.dp))

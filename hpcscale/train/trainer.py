@@ -34,7 +34,7 @@ from hpcscale.launch.timing import NoStepTimes, SaveSchedule
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.clip import clip_grad_norm
 from hpcscale.parallel.device import settle
-from hpcscale.parallel.fsdp import ShardedSync, shard_model
+from hpcscale.parallel.fsdp import ShardedSync, reshard, shard_model
 from hpcscale.parallel.grad_sync import GradSync
 from hpcscale.parallel.pipeline import build_schedule, cut_stage
 from hpcscale.parallel.tensor_parallel import apply_tp
@@ -84,7 +84,8 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
         device=ctx.device,
         blocks=list(model.layers.values()),
         reshard_after_forward=p.reshard_after_forward,
-        mixed_precision=p.mixed_precision,
+        # auto: bf16 only where the job asked the trainer for bf16 (train.params.bf16) and runs on a GPU
+        mixed_precision=p.mixed_precision if p.mixed_precision != "auto" else ("bf16" if cfg.bf16 else "fp32"),
         activation_checkpointing=p.activation_checkpointing,
     )
     return model
@@ -145,6 +146,7 @@ def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
 
 def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Everything a checkpoint holds for the model and optimizer, by stable global names."""
+    reshard(model)  # FSDP2 units an evaluation left gathered hold full tensors, not the optimizer's shards
     names = {id(p): n for n, p in model.named_parameters()}
     out = {f"model/{n}": p for n, p in model.named_parameters()}
     for p, state in opt.state.items():
@@ -353,6 +355,7 @@ def train(ctx: Context) -> None:
         total = 0.0
         for batch in batches:
             total += agree(run_batch(*to_device(batch), training=False))[0]
+        reshard(model)  # the no-grad forwards left the last block's parameters gathered
         model.train()
         val = total / len(batches)
         ctx.metrics.log(step=step, val_loss=val)

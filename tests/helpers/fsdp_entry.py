@@ -111,6 +111,9 @@ def main(ctx):
                 schedule.step()
             loss = torch.stack(losses).sum() if last else torch.zeros(())
         opt.step()
+        if schedule is None and step % 4 == 3:  # an evaluation forward before the save at this step's end
+            with torch.no_grad():
+                model(x)
         mean = (loss.detach() / dp) if (last and ctx.tp_rank == 0) else torch.zeros(())
         dist.all_reduce(mean)
         ctx.metrics.log(step=step, loss=float(mean))
