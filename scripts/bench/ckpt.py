@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _workers import mpirun_workers
+from _workers import worker_result
 
 REPO = Path(__file__).resolve().parents[2]
 RANKS, TENSORS, ROWS, COLS = 8, 40, 800, 1024  # 800 x 1024 fp32 = 3.2 MiB per tensor, 128 MiB per rank
@@ -330,16 +330,7 @@ def main() -> int:
     if a.worker:
         worker(a.dir)
         return 0
-    shutil.rmtree(a.dir, ignore_errors=True)
-    a.dir.mkdir(parents=True)
-    try:
-        out = mpirun_workers(__file__, RANKS, "--dir", str(a.dir), timeout=3000)
-    finally:
-        shutil.rmtree(a.dir, ignore_errors=True)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if out.returncode != 0 or line is None:
-        sys.exit(f"benchmark failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    r = json.loads(line.removeprefix("RESULT "))
+    r = worker_result(__file__, RANKS, a.dir, timeout=3000)
     gib = r["bytes_total"] / 2**30
     f, i, s, ld = r["full"], r["incremental"], r["async"], r["load"]
     ratios = {

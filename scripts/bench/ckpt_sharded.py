@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from _workers import mpirun_workers
+from _workers import worker_result
 from ckpt import drop_caches
 
 RANKS, TENSORS, ROWS, COLS = 8, 40, 800, 1024
@@ -145,16 +145,7 @@ def main() -> int:
     if a.worker:
         worker(a.dir)
         return 0
-    shutil.rmtree(a.dir, ignore_errors=True)
-    a.dir.mkdir(parents=True)
-    try:
-        out = mpirun_workers(__file__, RANKS, "--dir", str(a.dir), timeout=3000)
-    finally:
-        shutil.rmtree(a.dir, ignore_errors=True)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if out.returncode != 0 or line is None:
-        sys.exit(f"benchmark failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    r = json.loads(line.removeprefix("RESULT "))
+    r = worker_result(__file__, RANKS, a.dir, timeout=3000)
     save = [w / s for w, s in zip(r["raw_direct_write_s"], r["save_s"], strict=True)]  # speed ratios
     load = [rd / ld for rd, ld in zip(r["raw_read_s"], r["load_s"], strict=True)]
     doc = {

@@ -212,7 +212,7 @@ def one(base: Path, rep: int, n_embd: int, environment: dict[str, str]) -> dict:
     # kind: as long after the cache drop as the load began, plain and announcing the next 16 MiB as the load
     # does (the faster of these is the yardstick), and plain right after the drop. On this VM a plain read
     # right after a drop takes 0.13-0.15 s where the same read 2-5 s later takes 0.25-0.45 (docs/benchmarks.md,
-    # "Eleventh session"): the load began seconds after its drop.
+    # resume bench): the load began seconds after its drop.
     time.sleep(3)
     step = plan["checkpoint"]
     (plain_s, nbytes), (plain2_s, _) = raw_read(run, step, since_drop), raw_read(run, step, since_drop)

@@ -10,7 +10,7 @@
    window's gather and line (µs, 2 MPI ranks), against the step time of part 1's runs without timing:
    overhead = (record + gather / timing_every) / step. This one is precise.
 
-Target (issue 16): overhead ≤ 1 % of the step time.
+Target: overhead ≤ 1 % of the step time.
 
     python scripts/bench/timing_overhead.py [--reps 5] [--steps 300] [--json]
 """

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""DiLoCo across two sites against synchronous data parallel, at CPU scale, on real text (issue 15).
+"""DiLoCo across two sites against synchronous data parallel, at CPU scale, on real text.
 
 The paper's central claim (Douillard et al. 2023, arXiv 2311.08105) shrunk to this machine: the reference GPT
 at ~0.85 M parameters on hpcscale's default corpus (Python's standard library sources, byte-level), two sites,
