@@ -392,7 +392,10 @@ def _verify_passes(step: Path) -> None:
 def test_trainer_state_the_trainer_cannot_use_is_refused_on_every_rank_by_its_check(tmp_path):
     """'{"step": 1}' is a well-formed state, but the reference trainer reads state["loader"]: without a check,
     every rank raised KeyError at every restart. With the trainer's check, the checkpoint is skipped."""
-    from hpcscale.train.trainer import trainer_state_problem
+    from hpcscale.data.loader import TokenLoader
+
+    def trainer_state_problem(state):
+        return TokenLoader.state_problem(state.get("loader"))
 
     root = _two_steps(tmp_path)
     edit_index(root / STEP2, _trainer_state('{"step": 2}'))
@@ -403,7 +406,7 @@ def test_trainer_state_the_trainer_cannot_use_is_refused_on_every_rank_by_its_ch
         restored = manager.load_latest(fuzz_tensors(), check_state=trainer_state_problem)
         assert restored is not None and restored.step == 1, log
         assert restored.trainer_state["loader"] == {"epoch": 0, "batch": 1, "seed": 1}
-        refusal = f"refusing checkpoint {STEP2}: {root / STEP2}: trainer state: loader is NoneType"
+        refusal = f"refusing checkpoint {STEP2}: {root / STEP2}: trainer state: the state is NoneType"
         assert any(line.startswith(f"hpcscale: {refusal}") for line in log), log
         # without a check, the manager cannot know what the caller reads: it loads step 2 (documented)
         assert manager.load_latest(fuzz_tensors()).step == 2
@@ -416,21 +419,22 @@ def test_trainer_state_the_trainer_cannot_use_is_refused_on_every_rank_by_its_ch
 @pytest.mark.parametrize(
     "state, problem",
     [
-        ({"step": 3, "loader": {"epoch": 0, "batch": 3, "seed": 1}}, None),
-        ({"step": 3, "loader": {"epoch": 2, "batch": 0}}, None),
-        ({"step": 1}, "loader is NoneType"),
-        ({"loader": [0, 1]}, "loader is list"),
-        ({"loader": {"epoch": "0", "batch": 1}}, "loader.epoch is '0'"),
-        ({"loader": {"epoch": 0, "batch": -1}}, "loader.batch is '-1'"),
-        ({"loader": {"epoch": 0, "batch": True}}, "loader.batch is 'True'"),
-        ({"loader": {"epoch": 0.5, "batch": 1}}, "loader.epoch is '0.5'"),
-        ({"loader": {"epoch": 0, "batch": 1, "seed": "1"}}, "loader.seed is '1'"),
+        ({"epoch": 0, "batch": 3, "seed": 1}, None),
+        ({"epoch": 2, "batch": 0}, None),
+        (None, "the state is NoneType"),
+        ([0, 1], "the state is list"),
+        ({"epoch": "0", "batch": 1}, "epoch is '0'"),
+        ({"epoch": 0, "batch": -1}, "batch is '-1'"),
+        ({"epoch": 0, "batch": True}, "batch is 'True'"),
+        ({"epoch": 0.5, "batch": 1}, "epoch is '0.5'"),
+        ({"epoch": 0, "batch": 1, "seed": "1"}, "seed is '1'"),
     ],
 )
-def test_the_trainers_state_check_names_what_it_cannot_use(state, problem):
-    from hpcscale.train.trainer import trainer_state_problem
+def test_the_loaders_state_check_names_what_it_cannot_use(state, problem):
+    """The reference trainer's data position: ctx.checkpoint asks the loader before loading a checkpoint."""
+    from hpcscale.data.loader import TokenLoader
 
-    got = trainer_state_problem(state)
+    got = TokenLoader.state_problem(state)
     assert got == problem if problem is None else got is not None and got.startswith(problem), got
 
 

@@ -307,3 +307,62 @@ def test_json_state_refuses_what_json_cannot_hold():
         with pytest.raises(BadInput, match=re.escape(said)):
             _jsonable(value, "data")
     assert _jsonable({"betas": (0.9, 0.95)}, "g") == {"betas": [0.9, 0.95]}
+
+
+class _Loader:
+    """What the state check sees of the trainer's data loader."""
+
+    def state_problem(self, saved):
+        from hpcscale.data.loader import TokenLoader
+
+        return TokenLoader.state_problem(saved)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _checker(**objects):
+    """A Checkpointer registered with `objects` and no optimizer: its state check is pure (no collective)."""
+    from types import SimpleNamespace
+
+    from hpcscale.launch.checkpointing import Checkpointer
+    from hpcscale.layout import ParallelDims
+
+    ctx = SimpleNamespace(job=SimpleNamespace(checkpoint=None, xsite=None), dims=ParallelDims(tp=1, pp=1, dp=1))
+    c = Checkpointer(ctx)
+    c._register(None, None, objects)
+    return c
+
+
+def test_state_check_asks_each_object_and_reads_the_trainers_older_format():
+    """ctx.checkpoint refuses (so an older checkpoint is taken) a state an object says it cannot load, or none
+    for it; the built-in trainer's checkpoints from before it saved through ctx.checkpoint load as its loader's."""
+    from hpcscale.launch.checkpointing import FORMAT, _upgraded
+
+    c = _checker(loader=_Loader())
+    good = {"epoch": 0, "batch": 3, "seed": 1}
+    assert c._state_problem({"step": 3, "hpcscale.context": FORMAT, "objects": {"loader": good}}) is None
+    assert c._state_problem({"step": 3, "loader": good}) is None  # the trainer's older format
+    assert _upgraded({"step": 3, "loader": good, "xsite": 1}) == {
+        "step": 3, "xsite": 1, "hpcscale.context": FORMAT, "objects": {"loader": good}
+    }  # fmt: skip
+    said = c._state_problem({"step": 3, "hpcscale.context": FORMAT, "objects": {}})
+    assert said == "loader: the state is NoneType, not an object with epoch, batch and seed", said
+    said = c._state_problem({"step": 3, "loader": {"epoch": -1, "batch": 0}})
+    assert said is not None and said.startswith("loader: epoch is '-1'"), said
+    # an older trainer state is the trainer's: code registering other objects refuses it, naming why
+    other = _checker(sched={})
+    said = other._state_problem({"step": 3, "loader": good})
+    assert said is not None and "built-in trainer's checkpoint" in said, said
+    assert other._state_problem({"step": 3}) is not None  # no marker, no loader: another program's
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.dictionaries(st.sampled_from(["step", "loader", "objects", "hpcscale.context", "x"]), json_values))
+def test_state_check_answers_every_hand_edited_state_without_raising(state):
+    c = _checker(loader=_Loader())
+    problem = c._state_problem(state)
+    assert problem is None or isinstance(problem, str)

@@ -105,6 +105,22 @@ class TokenLoader:
             )
         return out
 
+    @staticmethod
+    def state_problem(state) -> str | None:
+        """What is wrong with a saved state_dict() for load_state_dict (None: usable): "epoch" and "batch"
+        non-negative integers and "seed", when present, an integer (a different seed is the user's choice,
+        refused by load_state_dict with the two seeds named). ctx.checkpoint asks before loading a checkpoint,
+        so a hand-edited state refuses that checkpoint and an older one is taken."""
+        if not isinstance(state, dict):
+            return f"the state is {type(state).__name__}, not an object with epoch, batch and seed"
+        for key in ("epoch", "batch"):
+            value = state.get(key)
+            if type(value) is not int or value < 0:
+                return f"{key} is {str(value)[:40]!r}, not a non-negative integer"
+        if "seed" in state and type(state["seed"]) is not int:
+            return f"seed is {str(state['seed'])[:40]!r}, not an integer"
+        return None
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.state.epoch, "batch": self.state.batch, "seed": self.seed}
 

@@ -23,7 +23,9 @@ would take without hpcscale (its step count starts at 1, not 2).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -73,6 +75,21 @@ def _keys_int(state: Any) -> Any:
     return state
 
 
+def _is_legacy_trainer(state: dict) -> bool:
+    """A checkpoint the built-in trainer wrote before it saved through ctx.checkpoint: {"step", "loader"} and
+    no marker (nor optimizer hyperparameters: the trainer sets its own from the job)."""
+    return "hpcscale.context" not in state and "objects" not in state and "loader" in state
+
+
+def _upgraded(state: dict) -> dict:
+    """`state` in ctx.checkpoint's format (the built-in trainer's older checkpoints: their loader becomes the
+    object "loader")."""
+    if not _is_legacy_trainer(state):
+        return state
+    out = {k: v for k, v in state.items() if k != "loader"}
+    return {**out, "hpcscale.context": FORMAT, "objects": {"loader": state["loader"]}}
+
+
 class Checkpointer:
     """The object behind `ctx.checkpoint` (docs/context-api.md). Every method is a collective: call it at the
     same point in every rank."""
@@ -86,10 +103,14 @@ class Checkpointer:
         self._objects: dict[str, Any] = {}
         self._group_sizes: list[int] = []  # parameters per optimizer group, whole model (_register)
         self._registered = False
+        self._stepped = False  # step() ran in this attempt
         self._done: int | None = None  # steps finished at the last step() call
         self.restored_step: int | None = None
         self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.launch.rounds
         self.tokens_per_step = 0  # cross-site weighting by tokens: set it before restore(); 0 counts steps alike
+        self.steps: int | None = None  # the training's length, when the code says (set before restore())
+        self.defer_staging = False  # async saves copy to host memory until the optimizers' next step()
+        self.rebuild = None  # () -> (model, optimizer): a fresh build, when every checkpoint was refused dirty
         self._saves = None  # launch.timing.SaveSchedule, made at restore (it plans from the start step)
         self._t_last: float | None = None  # when the last step() (or restore) returned: per-rank timing
         self._dp_wait_last = 0.0
@@ -106,7 +127,12 @@ class Checkpointer:
         dist.barrier()  # restore_s is the load alone, not a peer's slower start-up
         t0 = time.perf_counter()
         restored = manager.load_latest(tensors, check_state=self._state_problem)
-        if restored is None and manager.tensors_dirty:  # every rank alike: load_latest agreed on it
+        if restored is None and manager.tensors_dirty and self.rebuild is not None:  # every rank alike
+            self._model, optimizer = self.rebuild()
+            self._optimizers = tuple(optimizer) if isinstance(optimizer, list | tuple) else (optimizer,)
+            self._optimizers = tuple(o for o in self._optimizers if o is not None)
+            self._hook_optimizers()
+        elif restored is None and manager.tensors_dirty:  # every rank alike: load_latest agreed on it
             raise VerificationFailure(
                 f"every checkpoint in {manager.root} was refused (the lines above say why), and one was refused "
                 "only after part of it had been read into your model, so it cannot start from scratch either: "
@@ -118,7 +144,9 @@ class Checkpointer:
         if restored is None and self._ctx.job.xsite is not None and self._ctx.job.xsite.start_from:
             from hpcscale.launch.rounds import load_start_from
 
-            restored = load_start_from(self._ctx, self._ctx.dims, tensors, check_state=self._state_problem)
+            restored = load_start_from(
+                self._ctx, self._ctx.dims, tensors, check_state=self._state_problem, steps=self.steps
+            )
             pretrained = True
         if restored is None:
             for opt in self._optimizers:  # drop the lazy state get_state_dict created: see the module docstring
@@ -130,11 +158,12 @@ class Checkpointer:
                     opt.state.clear()
             self._start_clock(0)
             return 0
-        saved = restored.trainer_state
+        saved = _upgraded(restored.trainer_state)
         if self._model is not None:
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
-            if optim_sd is not None:
+            # the built-in trainer's older checkpoints keep no hyperparameters: the optimizer keeps its own
+            if optim_sd is not None and "optimizer" in saved:
                 # the saved hyperparameters, this rank's own parameters: a pipeline stage, or another layout's,
                 # holds other parameters than rank 0 did when it wrote the JSON state
                 optim_sd["param_groups"] = [
@@ -152,7 +181,14 @@ class Checkpointer:
                 optim_state_dict=optim_sd if optim_sd is not None else {},
             )
         objects = saved.get("objects", {})
+        if pretrained and self._objects:  # another run's data position (and the like) is not this site's
+            self._ctx.metrics.print(
+                f"hpcscale: xsite.start_from: {', '.join(sorted(self._objects))} start as constructed (only the "
+                "model, the optimizer and the step are taken from another run's checkpoint)"
+            )
         for name, obj in self._objects.items():
+            if pretrained:
+                continue
             if name not in objects:
                 self._ctx.metrics.print(
                     f"hpcscale: checkpoint step {restored.step} holds no state for {name!r} "
@@ -199,14 +235,17 @@ class Checkpointer:
         self._start_clock(restored.step)
         return restored.step
 
-    def step(self, step: int) -> None:
+    def step(self, step: int, *, data_s: float = 0.0) -> None:
         """Step `step` (0-based) is finished: beat the hang watchdog, save on the job's period
         (checkpoint.every_steps, asynchronous as checkpoint.async says) and, when any rank got a stop signal,
-        save now and stop every rank together (StopRequested: exit 75, requeued by the batch script)."""
+        save now and stop every rank together (StopRequested: exit 75, requeued by the batch script).
+        `data_s`: the seconds of the step spent waiting for data, when the code knows (per-rank timing).
+        The last step (`steps` set) saves nothing here: close() saves the end state after the code returns."""
         if not self._registered:
             raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
         self._watchdog.beat(step)
         self._done = step + 1
+        self._stepped = True
         settle(self._ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
         t_sync = time.perf_counter()
         if self._ctx.should_stop():
@@ -219,16 +258,25 @@ class Checkpointer:
         work_s = t_saves - self._t_last  # the user's step, from the previous step() to this one's stop check
         self._saves.step(work_s)
         ckpt_s = 0.0
-        if self._rounds is not None and self._rounds.is_boundary(step + 1):
+        last = self.steps is not None and step + 1 >= self.steps
+        if last:
+            pass  # close() saves the end state, after the code's own end (a final evaluation) and the round in flight
+        elif self._rounds is not None and self._rounds.is_boundary(step + 1):
             self._round_boundary(step + 1)
         elif self._saves.due(step + 1):
             ckpt_s = self.save(step + 1, asynchronous=self.policy.asynchronous)
             self._saves.saved(step + 1, ckpt_s, self._background_before)
-        if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1):
+        if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1) and not last:
+            self.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
             self._rounds.poll(step + 1)  # adopt the round in flight if it has landed
         dp_wait = sum(getattr(s, "comm_wait_total_s", 0.0) for s in self._ctx._syncs)
         self._times.record(
-            step, step_s=work_s + ckpt_s, dp_wait_s=dp_wait - self._dp_wait_last, sync_s=sync_s, ckpt_s=ckpt_s
+            step,
+            step_s=work_s + ckpt_s,
+            data_s=data_s,
+            dp_wait_s=dp_wait - self._dp_wait_last,
+            sync_s=sync_s,
+            ckpt_s=ckpt_s,
         )
         self._dp_wait_last = dp_wait
         self._t_last = time.perf_counter()
@@ -262,7 +310,11 @@ class Checkpointer:
             self.manager.wait()
             waited = time.perf_counter() - t
             before = self.manager.last_stats
-            stats = self.manager.save(done_steps, tensors, state, asynchronous=asynchronous)
+            # defer_staging: even the copy to host memory runs in the background; the optimizers' pre-step hook
+            # (_hook_optimizers) waits for it before the next change to the saved tensors
+            stats = self.manager.save(
+                done_steps, tensors, state, asynchronous=asynchronous, defer_staging=asynchronous and self.defer_staging
+            )
         # what the save before wrote in the background: its cost to the loop, for checkpoint.every_steps: auto
         self._background_before = (before.background_s or None) if before is not None else None
         blocking = waited + stats.blocking_s
@@ -275,11 +327,36 @@ class Checkpointer:
         writer thread."""
         if self._manager is None:
             return
+        done = self._done
         with self._watchdog.paused("checkpoint"):
             self._manager.wait()
-            if self.policy.every_steps != 0 and self._done is not None and self._manager.last_step != self._done:
-                self.save(self._done, asynchronous=False)
+            rounds = self._rounds
+            finished = self._stepped and self.steps is not None and done == self.steps
+            if rounds is not None and finished and rounds.is_boundary(done):
+                rounds.before_round_checkpoint(done)  # overlap: the round in flight first, as at every boundary
+            # a cross-site site's last checkpoint is a round's too (its contribution), whatever every_steps says
+            wanted = self.policy.every_steps != 0 or rounds is not None
+            if wanted and done is not None and self._manager.last_step != done:
+                self.save(done, asynchronous=False)
             self._manager.close()
+
+    @contextlib.contextmanager
+    def paused(self, reason: str) -> Iterator[None]:
+        """Work between steps that is not training (an evaluation): the hang watchdog waits for it, and its time
+        is left out of the step times (per-rank timing, checkpoint.every_steps: auto)."""
+        t = time.perf_counter()
+        with self._watchdog.paused(reason):
+            yield
+        if self._t_last is not None:
+            self._t_last += time.perf_counter() - t
+
+    def _hook_optimizers(self) -> None:
+        """defer_staging: every registered optimizer waits, before its step() changes the tensors, for a save's
+        copy of them still being taken in the background."""
+        if not self.defer_staging:
+            return
+        for opt in self._optimizers:
+            opt.register_step_pre_hook(lambda *_: self._manager.wait_staged() if self._manager is not None else None)
 
     def _start_clock(self, start: int) -> None:
         from hpcscale.launch.timing import NoStepTimes, SaveSchedule
@@ -358,6 +435,7 @@ class Checkpointer:
                 )
         self._model, self._optimizers, self._objects = model, optimizers, dict(state)
         self._group_sizes = self._whole_model_group_sizes()
+        self._hook_optimizers()
         self._registered = True
 
     def _whole_model_group_sizes(self) -> list[int]:
@@ -409,6 +487,10 @@ class Checkpointer:
         """What makes a checkpoint's JSON state unusable here (every rank refuses it together)."""
         if type(state.get("step")) is not int or state["step"] < 0:
             return f"step is {str(state.get('step'))[:40]!r}, not a non-negative integer"
+        legacy = _is_legacy_trainer(state)
+        if legacy and set(self._objects) != {"loader"}:
+            return "a built-in trainer's checkpoint (its older format): it holds a loader and nothing else"
+        state = _upgraded(state)
         if state.get("hpcscale.context") != FORMAT:
             return (
                 "not written by ctx.checkpoint (no 'hpcscale.context' marker: a built-in trainer's checkpoint or "
@@ -416,7 +498,12 @@ class Checkpointer:
             )
         if not isinstance(state.get("objects", {}), dict):
             return "objects is not a JSON object"
-        if self._optimizers:
+        for name, obj in self._objects.items():  # an object that can say what it cannot load refuses it here
+            if callable(getattr(obj, "state_problem", None)):  # asked with None when the checkpoint holds none
+                problem = obj.state_problem(state.get("objects", {}).get(name))
+                if problem is not None:
+                    return f"{name}: {problem}"
+        if self._optimizers and not legacy:
             saved = state.get("optimizer")
             groups = saved.get("param_groups") if isinstance(saved, dict) else None
             if not isinstance(groups, list):
