@@ -15,6 +15,7 @@ several shards of several chunks), so a few hundred mutations take well under a 
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -263,3 +264,74 @@ def test_mutated_index_verifies_only_if_it_loads_the_saved_tensors(store, data):
 @given(data=st.data())
 def test_mutated_index_with_a_recomputed_digest_never_loads_unwritten_memory(store, data):
     _run(store, data, sealed=True)
+
+
+@settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_index_from_ranks_columns_equals_the_index_of_the_same_records(tmp_path_factory, data):
+    """A commit merges every rank's columns (format.index_of_rows) without an object per piece; it must write
+    the tables that the records it stands for give (format._tables_of), up to the order of a tensor's shards,
+    and read back (lazily, per tensor) as those records."""
+    from hpcscale.ckpt.format import (
+        INDEX,
+        ChunkRef,
+        Index,
+        ShardRecord,
+        TensorRecord,
+        index_of_rows,
+        read_index,
+        rows_of,
+        write_digest_file,
+        write_index,
+    )
+
+    names = data.draw(st.lists(st.sampled_from(["model/a", "model/b.w", "optim/a/exp_avg", "z"]), unique=True))
+    world = data.draw(st.integers(1, 4))
+    shapes = {n: data.draw(st.lists(st.integers(0, 9), max_size=3).map(tuple)) for n in names}
+    dtypes = {n: data.draw(st.sampled_from(["float32", "bfloat16", "int64"])) for n in names}
+    size = {"float32": 4, "bfloat16": 2, "int64": 8}
+    rows: list[list] = [[] for _ in range(world)]
+    serial = 0
+    for n in names:  # pieces cut along dim 0 (a scalar or an empty tensor: one piece), each one chunk
+        shape = shapes[n]
+        cuts = (
+            sorted(set(data.draw(st.lists(st.integers(1, shape[0] - 1), max_size=3)))) if shape and shape[0] > 1 else []
+        )
+        bounds = [0, *cuts, shape[0]] if shape else [0, 1]
+        for lo, hi in itertools.pairwise(bounds):
+            rank = data.draw(st.integers(0, world - 1))
+            piece = (hi - lo, *shape[1:]) if shape else ()
+            length = size[dtypes[n]] * int(np.prod(piece, dtype=np.int64))
+            ref = ChunkRef(f"{serial:032x}", f"step-00000001/data/rank-{rank:05d}.bin", serial * 8, length)
+            serial += 1
+            offset = (lo,) + (0,) * (len(shape) - 1) if shape else ()
+            rows[rank].append((n, shape, dtypes[n], offset, piece, [ref]))
+    gathered = [{"rank": r, "rng": {"cpu": np.full(3, r, np.uint8)}, "rows": rows_of(rows[r])} for r in range(world)]
+    layout = {"pp": 1, "dp": world, "tp": 1}
+    got = index_of_rows(gathered, step=1, layout=layout, parent=None, created=5.0, trainer_state={"step": 1})
+    records = {
+        n: TensorRecord(
+            n,
+            shapes[n],
+            dtypes[n],
+            [ShardRecord(tuple(o), tuple(s), list(c)) for r in rows for (m, _, _, o, s, c) in r if m == n],
+        )
+        for n in names
+    }
+    want = Index(
+        1, world, layout, None, 5.0, records, {"step": 1}, {r: {"cpu": np.full(3, r, np.uint8)} for r in range(world)}
+    )
+
+    def key(rec):
+        return sorted((s.offset, s.shape, [(c.hash, c.file, c.offset, c.length) for c in s.chunks]) for s in rec.shards)
+
+    assert sorted(got.tensors) == sorted(names)
+    assert all(key(got.tensors[n]) == key(records[n]) for n in names)
+    assert got.files() == want.files() and got.total_bytes() == want.total_bytes()
+    step = tmp_path_factory.mktemp("idx") / "step-00000001"
+    step.mkdir()
+    write_digest_file(step, write_index(step / INDEX, got))
+    back = read_index(step / INDEX)
+    assert sorted(back.tensors) == sorted(names)
+    assert all(key(back.tensors[n]) == key(records[n]) and back.tensors[n].global_shape == shapes[n] for n in names)
+    assert back.files() == want.files() and back.chunk_count() == want.chunk_count()

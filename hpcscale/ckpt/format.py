@@ -23,6 +23,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,64 @@ class TensorRecord:
     shards: list[ShardRecord] = field(default_factory=list)
 
 
+class TensorTable(Mapping):
+    """An index's tensors, read-only, over its tables: a tensor's record (its shards and their chunks) is built
+    when it is asked for, so reading an index costs its tables, not one object per piece and chunk (millions
+    at thousands of ranks). Loading one rank's shards builds the records of the tensors it loads."""
+
+    def __init__(self, t: Tables):
+        self._t = t
+        self._names = [x.decode() for x in t.strings["tensor_name"]]
+        self._row = {n: k for k, n in enumerate(self._names)}
+        self._built: dict[str, TensorRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __contains__(self, name) -> bool:
+        return name in self._row
+
+    def __getitem__(self, name: str) -> TensorRecord:
+        rec = self._built.get(name)
+        if rec is None:
+            rec = self._built[name] = self._record(self._row[name])
+        return rec
+
+    def _record(self, k: int) -> TensorRecord:
+        t, i = self._t, self._t.ints
+        nd = int(i["tensor_ndim"][k])
+        a = int(i["tensor_shard_start"][k])
+        b = a + int(i["tensor_shard_count"][k])
+        files = self._files()
+        s_off, s_shape = i["shard_offset"][a:b, :nd].tolist(), i["shard_shape"][a:b, :nd].tolist()
+        c_start, c_count = i["shard_chunk_start"][a:b].tolist(), i["shard_chunk_count"][a:b].tolist()
+        shards = []
+        for j in range(b - a):
+            rows = t.chunks[c_start[j] : c_start[j] + c_count[j]]
+            refs = [
+                ChunkRef(h.decode(), files[f], o, n)
+                for h, f, o, n in zip(
+                    rows["hash"].tolist(),
+                    rows["file"].tolist(),
+                    rows["offset"].tolist(),
+                    rows["length"].tolist(),
+                    strict=True,
+                )
+            ]
+            shards.append(ShardRecord(tuple(s_off[j]), tuple(s_shape[j]), refs))
+        shape = tuple(i["tensor_shape"][k, :nd].tolist())
+        return TensorRecord(self._names[k], shape, t.strings["tensor_dtype"][k].decode(), shards)
+
+    def _files(self) -> list[str]:
+        files = getattr(self, "_file_names", None)
+        if files is None:
+            files = self._file_names = [x.decode() for x in self._t.strings["files"]]
+        return files
+
+
 @dataclass(slots=True)
 class Index:
     step: int
@@ -100,17 +159,65 @@ class Index:
     layout: dict  # {"pp": .., "dp": .., "tp": ..}
     parent: str | None
     created: float
-    tensors: dict[str, TensorRecord]
+    tensors: Mapping[str, TensorRecord]  # a dict, or a TensorTable over `tables` (an index read or committed)
     trainer_state: dict  # JSON-able: step, loader position, ...
     rng: dict[int, dict[str, np.ndarray]]  # rank -> {"cpu": uint8 array, ...}
     chunk_bytes: int = CHUNK_BYTES  # where shards were cut into chunks: all but a shard's last are this long
     digest: str = ""  # the root digest of what was read ("sha256:<hex>"); "" for an index not yet written
+    tables: Tables | None = None  # the tables it was read from or built as (what is written and digested)
 
     def files(self) -> set[str]:
+        if self.tables is not None:
+            names = self.tables.strings["files"]
+            return {names[k].decode() for k in np.unique(self.tables.chunks["file"]).tolist()}
         return {c.file for t in self.tensors.values() for s in t.shards for c in s.chunks}
 
     def total_bytes(self) -> int:
+        if self.tables is not None:
+            return int(self.tables.chunks["length"].sum())
         return sum(c.length for t in self.tensors.values() for s in t.shards for c in s.chunks)
+
+    def chunk_count(self) -> int:
+        if self.tables is not None:
+            return len(self.tables.chunks)
+        return sum(len(s.chunks) for t in self.tensors.values() for s in t.shards)
+
+
+def _padded(rows, maxd: int) -> np.ndarray:
+    """Rows of up to maxd ints, padded with -1: filled per row length from one flat iterator (a list per row
+    cost 4 of a 7 s commit at 128 ranks of a sharded 70 B model)."""
+    out = np.full((len(rows), maxd), -1, dtype=np.int64)
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    for k in np.unique(lengths).tolist():
+        if k:
+            at = np.flatnonzero(lengths == k)
+            same = rows if len(at) == len(rows) else [rows[i] for i in at.tolist()]
+            flat = np.fromiter(itertools.chain.from_iterable(same), dtype=np.int64, count=len(at) * k)
+            out[at, :k] = flat.reshape(len(at), k)
+    return out
+
+
+def _attrs(step, world_size, layout, parent, created, trainer_state, chunk_bytes) -> dict:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "hash_algorithm": HASH_ALGORITHM,
+        "chunk_bytes": chunk_bytes,
+        "step": step,
+        "world_size": world_size,
+        "layout": json.dumps(layout),
+        "parent": parent or "",
+        "created": float(created),
+        "trainer_state": json.dumps(trainer_state),
+    }
+
+
+def _rng_tables(rng: dict[int, dict[str, np.ndarray]]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    ranks = sorted(rng)
+    return np.array(ranks, dtype=np.int64), {
+        f"rng_{key}": np.stack([np.asarray(rng[r][key], dtype=np.uint8) for r in ranks])
+        for key in sorted({k for states in rng.values() for k in states})
+    }
 
 
 def _tables_of(index: Index) -> Tables:
@@ -123,37 +230,20 @@ def _tables_of(index: Index) -> Tables:
         if r.dtype not in DTYPE_SIZES:
             raise ValueError(f"tensor {r.name}: dtype {r.dtype} cannot be checkpointed (no plain element bytes)")
     maxd = max([1, *(len(r.global_shape) for r in recs)])
-
-    def padded(rows) -> np.ndarray:
-        """Rows of up to maxd ints, padded with -1: filled per row length from one flat iterator (a list per row
-        cost 4 of a 7 s commit at 128 ranks of a sharded 70 B model)."""
-        out = np.full((len(rows), maxd), -1, dtype=np.int64)
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        for k in np.unique(lengths).tolist():
-            if k:
-                at = np.flatnonzero(lengths == k)
-                same = rows if len(at) == len(rows) else [rows[i] for i in at.tolist()]
-                flat = np.fromiter(itertools.chain.from_iterable(same), dtype=np.int64, count=len(at) * k)
-                out[at, :k] = flat.reshape(len(at), k)
-        return out
-
     shards = [s for r in recs for s in r.shards]
     shard_counts = np.array([len(r.shards) for r in recs], dtype=np.int64)
     chunk_counts = np.array([len(s.chunks) for s in shards], dtype=np.int64)
-    ranks = sorted(index.rng)
+    rng_rank, rng = _rng_tables(index.rng)
     return Tables(
-        attrs={
-            "format": FORMAT,
-            "version": VERSION,
-            "hash_algorithm": HASH_ALGORITHM,
-            "chunk_bytes": index.chunk_bytes,
-            "step": index.step,
-            "world_size": index.world_size,
-            "layout": json.dumps(index.layout),
-            "parent": index.parent or "",
-            "created": float(index.created),
-            "trainer_state": json.dumps(index.trainer_state),
-        },
+        attrs=_attrs(
+            index.step,
+            index.world_size,
+            index.layout,
+            index.parent,
+            index.created,
+            index.trainer_state,
+            index.chunk_bytes,
+        ),
         strings={
             "files": [f.encode() for f in files],
             "tensor_name": [n.encode() for n in names],
@@ -161,24 +251,140 @@ def _tables_of(index: Index) -> Tables:
         },
         ints={
             "tensor_ndim": np.array([len(r.global_shape) for r in recs], dtype=np.int64),
-            "tensor_shape": padded([r.global_shape for r in recs]),
+            "tensor_shape": _padded([r.global_shape for r in recs], maxd),
             "tensor_shard_start": (np.cumsum(shard_counts) - shard_counts).astype(np.int64),
             "tensor_shard_count": shard_counts,
-            "shard_offset": padded([s.offset for s in shards]),
-            "shard_shape": padded([s.shape for s in shards]),
+            "shard_offset": _padded([s.offset for s in shards], maxd),
+            "shard_shape": _padded([s.shape for s in shards], maxd),
             "shard_chunk_start": (np.cumsum(chunk_counts) - chunk_counts).astype(np.int64),
             "shard_chunk_count": chunk_counts,
-            "rng_rank": np.array(ranks, dtype=np.int64),
+            "rng_rank": rng_rank,
         },
         chunks=np.array(
             [(c.hash.encode(), file_id[c.file], c.offset, c.length) for sh in shards for c in sh.chunks],
             dtype=CHUNK_DTYPE,
         ),
-        rng={
-            f"rng_{key}": np.stack([np.asarray(index.rng[r][key], dtype=np.uint8) for r in ranks])
-            for key in sorted({k for states in index.rng.values() for k in states})
-        },
+        rng=rng,
     )
+
+
+@dataclass(slots=True)
+class Rows:
+    """One rank's pieces of a save, column by column, as it sends them to rank 0 (a few arrays to pickle
+    instead of one tuple per piece and one object per chunk). Row k is the piece `names[k]` at `offset[k]` of
+    shape `shape[k]` (both padded with -1 to the rank's widest tensor), its bytes the next `counts[k]` rows of
+    `chunks`, whose "file" column indexes `files`."""
+
+    names: list[str]
+    tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (global shape, dtype name)
+    offset: np.ndarray  # (n, d) int64
+    shape: np.ndarray  # (n, d) int64
+    counts: np.ndarray  # (n,) int64
+    files: list[str]
+    chunks: np.ndarray  # CHUNK_DTYPE
+
+
+def rows_of(rows: list[tuple]) -> Rows:
+    """A rank's rows `(name, global shape, dtype, offset, shape, chunk refs)` as columns."""
+    if rows:
+        names, gshapes, dtypes, offsets, shapes, refs = zip(*rows, strict=True)
+    else:
+        names = gshapes = dtypes = offsets = shapes = refs = ()
+    tensors = dict(zip(names, zip(gshapes, dtypes, strict=True), strict=True))
+    d = max([1, *(len(g) for g, _ in tensors.values())])
+    flat = [c for r in refs for c in r]
+    files = sorted({c.file for c in flat})
+    file_id = {f: i for i, f in enumerate(files)}
+    chunks = np.empty(len(flat), dtype=CHUNK_DTYPE)
+    chunks["hash"] = np.array([c.hash for c in flat], dtype="S32") if flat else np.empty(0, "S32")
+    chunks["file"] = np.fromiter((file_id[c.file] for c in flat), dtype=np.int64, count=len(flat))
+    chunks["offset"] = np.fromiter((c.offset for c in flat), dtype=np.int64, count=len(flat))
+    chunks["length"] = np.fromiter((c.length for c in flat), dtype=np.int64, count=len(flat))
+    return Rows(
+        list(names),
+        tensors,
+        _padded(offsets, d),
+        _padded(shapes, d),
+        np.fromiter(map(len, refs), dtype=np.int64, count=len(rows)),
+        files,
+        chunks,
+    )
+
+
+def index_of_rows(
+    gathered: list[dict], *, step: int, layout: dict, parent: str | None, created: float, trainer_state: dict
+) -> Index:
+    """The index a save commits, from every rank's Rows: tensors sorted by name, a tensor's shards in the
+    order the ranks sent them. The same tables _tables_of makes from records, merged column by column without
+    an object per piece or chunk (a sharded 70 B model at 4096 ranks has 7 M pieces)."""
+    parts = [p["rows"] for p in gathered]
+    meta: dict[str, tuple[tuple[int, ...], str]] = {}
+    for part in parts:
+        meta.update(part.tensors)
+    tensor_names = sorted(meta)
+    for n in tensor_names:
+        if meta[n][1] not in DTYPE_SIZES:
+            raise ValueError(f"tensor {n}: dtype {meta[n][1]} cannot be checkpointed (no plain element bytes)")
+    maxd = max([1, *(len(meta[n][0]) for n in tensor_names)])
+    name_id = {n: k for k, n in enumerate(tensor_names)}
+    n_rows = sum(len(part.names) for part in parts)
+    ids = np.fromiter(
+        map(name_id.__getitem__, itertools.chain.from_iterable(part.names for part in parts)),
+        dtype=np.int64,
+        count=n_rows,
+    )
+
+    def stacked(column: str) -> np.ndarray:
+        out = np.full((n_rows, maxd), -1, dtype=np.int64)
+        at = 0
+        for part in parts:
+            block = getattr(part, column)
+            out[at : at + len(block), : block.shape[1]] = block
+            at += len(block)
+        return out
+
+    files = sorted({f for part in parts for f in part.files})
+    file_id = {f: i for i, f in enumerate(files)}
+    chunk_blocks = []
+    for part in parts:  # each rank's file numbers into the merged file table's
+        block = part.chunks.copy()
+        block["file"] = np.array([file_id[f] for f in part.files], dtype=np.int64)[block["file"]]
+        chunk_blocks.append(block)
+    all_chunks = np.concatenate(chunk_blocks) if chunk_blocks else np.empty(0, CHUNK_DTYPE)
+    counts = np.concatenate([part.counts for part in parts]) if parts else np.empty(0, np.int64)
+    chunk_of = np.cumsum(counts) - counts  # where each row's chunks start, in the order received
+    # tensors by name (a stable sort keeps each tensor's shards in the order received: radix for small ids)
+    order = np.argsort(ids.astype(np.uint16 if len(tensor_names) <= 1 << 16 else np.int64), kind="stable")
+    ids, counts = ids[order], counts[order]
+    starts = np.cumsum(counts) - counts
+    picks = np.repeat(chunk_of[order] - starts, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    shard_counts = np.bincount(ids, minlength=len(tensor_names)).astype(np.int64)
+    rng_rank, rng = _rng_tables({p["rank"]: p["rng"] for p in gathered})
+    tables = Tables(
+        attrs=_attrs(step, len(gathered), layout, parent, created, trainer_state, CHUNK_BYTES),
+        strings={
+            "files": [f.encode() for f in files],
+            "tensor_name": [n.encode() for n in tensor_names],
+            "tensor_dtype": [meta[n][1].encode() for n in tensor_names],
+        },
+        ints={
+            "tensor_ndim": np.array([len(meta[n][0]) for n in tensor_names], dtype=np.int64),
+            "tensor_shape": _padded([meta[n][0] for n in tensor_names], maxd),
+            "tensor_shard_start": (np.cumsum(shard_counts) - shard_counts).astype(np.int64),
+            "tensor_shard_count": shard_counts,
+            "shard_offset": stacked("offset")[order],
+            "shard_shape": stacked("shape")[order],
+            "shard_chunk_start": starts.astype(np.int64),
+            "shard_chunk_count": counts,
+            "rng_rank": rng_rank,
+        },
+        chunks=all_chunks[picks],
+        rng=rng,
+    )
+    return Index(
+        step, len(gathered), layout, parent, created, TensorTable(tables), trainer_state,
+        {p["rank"]: p["rng"] for p in gathered}, CHUNK_BYTES, tables=tables,
+    )  # fmt: skip
 
 
 def write_index(path: Path, index: Index) -> str:
@@ -189,7 +395,7 @@ def write_index(path: Path, index: Index) -> str:
     shards' chunks are rows of three tables linked by start/count columns (docs/checkpoint-format.md)."""
     import h5py
 
-    tables = _tables_of(index)
+    tables = index.tables if index.tables is not None else _tables_of(index)
     digest = root_digest(tables)
     str_dt = h5py.string_dtype()
     with h5py.File(path, "w", locking=False) as f:
@@ -313,32 +519,8 @@ def _read_tables(f) -> Tables:
 
 
 def _index_of(t: Tables) -> Index:
-    """Objects from tables that passed `structure_problems` (so every row reference below is in range)."""
-    files = [x.decode() for x in t.strings["files"]]
-    names = [x.decode() for x in t.strings["tensor_name"]]
-    dtypes = [x.decode() for x in t.strings["tensor_dtype"]]
-    i = t.ints
-    ndims, tshape = i["tensor_ndim"].tolist(), i["tensor_shape"].tolist()
-    t_start, t_count = i["tensor_shard_start"].tolist(), i["tensor_shard_count"].tolist()
-    s_off, s_shape = i["shard_offset"].tolist(), i["shard_shape"].tolist()
-    c_start, c_count = i["shard_chunk_start"].tolist(), i["shard_chunk_count"].tolist()
-    hashes = [h.decode() for h in t.chunks["hash"]]
-    c_file, c_off, c_len = t.chunks["file"].tolist(), t.chunks["offset"].tolist(), t.chunks["length"].tolist()
-    tensors = {}
-    for k, name in enumerate(names):
-        nd = ndims[k]
-        shards = []
-        for j in range(t_start[k], t_start[k] + t_count[k]):
-            a, b = c_start[j], c_start[j] + c_count[j]
-            shards.append(
-                ShardRecord(
-                    tuple(s_off[j][:nd]),
-                    tuple(s_shape[j][:nd]),
-                    [ChunkRef(hashes[c], files[c_file[c]], c_off[c], c_len[c]) for c in range(a, b)],
-                )
-            )
-        tensors[name] = TensorRecord(name, tuple(tshape[k][:nd]), dtypes[k], shards)
-    ranks = i["rng_rank"].tolist()
+    """The index over tables that passed `structure_problems` (so every row reference in them is in range)."""
+    ranks = t.ints["rng_rank"].tolist()
     rng: dict[int, dict[str, np.ndarray]] = {r: {} for r in ranks}
     for key, data in t.rng.items():
         for row, r in enumerate(ranks):
@@ -350,10 +532,11 @@ def _index_of(t: Tables) -> Index:
         parsed_layout(t),
         a["parent"] or None,
         a["created"],
-        tensors,
+        TensorTable(t),
         parsed_trainer_state(t),
         rng,
         chunk_bytes=a["chunk_bytes"],
+        tables=t,
     )
 
 

@@ -40,9 +40,10 @@ from hpcscale.ckpt.format import (
     LATEST,
     ChunkRef,
     Index,
-    ShardRecord,
-    TensorRecord,
+    Rows,
     fsync_dir,
+    index_of_rows,
+    rows_of,
     step_dir_name,
     write_digest_file,
     write_index,
@@ -341,7 +342,7 @@ class ShardWriter:
         path = tmp / "data" / f"rank-{self.rank:05d}.bin"
         return DataFile(path, direct=self.direct_io, bounce=self._bounce, reserve=reserve)
 
-    def write(self, step: int, pending: list[PendingShard]) -> tuple[list[tuple], SaveResult]:
+    def write(self, step: int, pending: list[PendingShard]) -> tuple[Rows, SaveResult]:
         """Write this rank's new chunks durably; returns its table rows and what it wrote."""
         t0 = time.perf_counter()
         result = SaveResult(step)
@@ -399,7 +400,7 @@ class ShardWriter:
         fsync_dir(tmp / "data")
         fault("data_durable", self.rank)
         result.seconds = time.perf_counter() - t0
-        return rows, result
+        return rows_of(rows), result
 
     def committed(self, removed_files: list[str]) -> None:
         """The save in flight is committed: its chunks become known (dedup), minus files retention removed."""
@@ -443,18 +444,11 @@ def commit(
     """Rank 0: build and write the index, rename everything into place, apply retention (`keep`: steps it keeps
     whatever the policy says).
     Returns the data files retention removed."""
-    tensors: dict[str, TensorRecord] = {}
-    rng = {}
-    for part in gathered:
-        rng[part["rank"]] = part["rng"]
-        for name, gshape, dtype, offset, shape, refs in part["rows"]:
-            rec = tensors.setdefault(name, TensorRecord(name, tuple(gshape), dtype))
-            rec.shards.append(ShardRecord(tuple(offset), tuple(shape), list(refs)))
-    for rec in tensors.values():
-        rec.shards.sort(key=lambda s: s.offset)
     name = step_dir_name(step)
     tmp = root / f".tmp-{name}"
-    index = Index(step, len(gathered), layout, parent, time.time(), tensors, trainer_state, rng, CHUNK_BYTES)
+    index = index_of_rows(
+        gathered, step=step, layout=layout, parent=parent, created=time.time(), trainer_state=trainer_state
+    )
     digest = write_index(tmp / f"{INDEX}.tmp", index)
     write_digest_file(tmp, digest)  # inside the directory the rename below commits, with the index
     os.replace(tmp / f"{INDEX}.tmp", tmp / INDEX)

@@ -7,7 +7,9 @@ tensor-parallel matrices split Megatron-style over tp (q, k, v, gate, up, embedd
 o and down by columns) and every tensor split again on dim 0 over the shard group as FSDP2 does (torch's own
 placement rule, uneven and strided sharding included: hpcscale.ckpt.shards), each piece written by the one
 rank that holds it, one chunk per piece. For each D it times, on this process alone:
-- commit: rank 0 building the index from every rank's rows and writing it (hpcscale.ckpt.writer.commit);
+- rank columns: the slowest rank turning its rows into the columns it sends rank 0 (hpcscale.ckpt.format.rows_of;
+  every rank does this at once, in parallel, in a real save);
+- commit: rank 0 building the index from every rank's columns and writing it (hpcscale.ckpt.writer.commit);
 - verify: reading it back with its whole structure checked (hpcscale.ckpt.format.read_index);
 - plan: one rank of the layout tp 8 x dp_shard D/2 working out every chunk it reads (reader.plan_reads);
 and the index's size on disk. Targets at 4096 ranks (D = 512): commit <= 10 s, verify <= 30 s, plan <= 30 s,
@@ -117,6 +119,19 @@ def build_rows(shards: int) -> list[dict]:
     return [{"rank": r, "rng": {"cpu": rng}, "rows": rows[r]} for r in range(world)]
 
 
+def as_columns(gathered: list[dict]) -> float:
+    """Each rank's rows as the columns it sends (hpcscale.ckpt.format.rows_of, done by every rank at once in a
+    real save); returns the slowest rank's seconds."""
+    from hpcscale.ckpt.format import rows_of
+
+    slowest = 0.0
+    for part in gathered:
+        t = time.perf_counter()
+        part["rows"] = rows_of(part["rows"])
+        slowest = max(slowest, time.perf_counter() - t)
+    return slowest
+
+
 def plan_targets(shards: int, rank: int):
     import torch
 
@@ -138,7 +153,7 @@ def one(shards: int, tmp: Path, repeat: int) -> dict:
     """The median of `repeat` builds of the index at dp_shard = shards (each built, committed, read, planned)."""
     runs = [one_run(shards, tmp) for _ in range(repeat)]
     out = dict(runs[0])
-    for key in ("rows_build_s", "commit_s", "verify_s", "plan_s"):
+    for key in ("rows_build_s", "rank_columns_s", "commit_s", "verify_s", "plan_s"):
         out[key] = sorted(r[key] for r in runs)[len(runs) // 2]
         out[f"{key}_each"] = [r[key] for r in runs]
     return out
@@ -152,6 +167,7 @@ def one_run(shards: int, tmp: Path) -> dict:
     t = time.perf_counter()
     gathered = build_rows(shards)
     build_s = time.perf_counter() - t
+    rank_s = as_columns(gathered)
     root = tmp / f"d{shards}"
     (root / ".tmp-step-00000001").mkdir(parents=True)
     gc.collect()
@@ -161,7 +177,7 @@ def one_run(shards: int, tmp: Path) -> dict:
         trainer_state={"step": 1}, keep_last=1, keep_every=0,
     )  # fmt: skip
     commit_s = time.perf_counter() - t
-    pieces_total = sum(len(g["rows"]) for g in gathered)
+    pieces_total = sum(len(g["rows"].names) for g in gathered)
     del gathered
     gc.collect()
     path = root / "step-00000001" / INDEX
@@ -180,6 +196,7 @@ def one_run(shards: int, tmp: Path) -> dict:
         "dp_shard": shards,
         "pieces": pieces_total,
         "rows_build_s": round(build_s, 2),
+        "rank_columns_s": round(rank_s, 4),
         "commit_s": round(commit_s, 2),
         "verify_s": round(verify_s, 2),
         "plan_s": round(plan_s, 2),
@@ -212,11 +229,14 @@ def main() -> int:
         f"70 B Llama-shaped index at tp {TP} x dp_shard D, one core, median of {a.repeat}; plan: one rank of "
         f"tp {TP} x dp_shard D/2"
     )
-    print(f"  {'ranks':>6} {'pieces':>10} {'commit s':>9} {'verify s':>9} {'plan s':>8} {'index GiB':>10}")
+    print(
+        f"  {'ranks':>6} {'pieces':>10} {'rank cols s':>11} {'commit s':>9} {'verify s':>9} {'plan s':>8} "
+        f"{'index GiB':>10}"
+    )
     for r in results:
         print(
-            f"  {r['ranks']:6d} {r['pieces']:10d} {r['commit_s']:9.2f} {r['verify_s']:9.2f} {r['plan_s']:8.2f} "
-            f"{r['index_gib']:10.3f}"
+            f"  {r['ranks']:6d} {r['pieces']:10d} {r['rank_columns_s']:11.3f} {r['commit_s']:9.2f} "
+            f"{r['verify_s']:9.2f} {r['plan_s']:8.2f} {r['index_gib']:10.3f}"
         )
     print(
         f"targets at the largest ({largest['ranks']} ranks): "
