@@ -312,7 +312,14 @@ def rows_of(rows: list[tuple]) -> Rows:
 
 
 def index_of_rows(
-    gathered: list[dict], *, step: int, layout: dict, parent: str | None, created: float, trainer_state: dict
+    gathered: list[dict],
+    *,
+    step: int,
+    layout: dict,
+    parent: str | None,
+    created: float,
+    trainer_state: dict,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> Index:
     """The index a save commits, from every rank's Rows: tensors sorted by name, a tensor's shards in the
     order the ranks sent them. The same tables _tables_of makes from records, merged column by column without
@@ -361,7 +368,7 @@ def index_of_rows(
     shard_counts = np.bincount(ids, minlength=len(tensor_names)).astype(np.int64)
     rng_rank, rng = _rng_tables({p["rank"]: p["rng"] for p in gathered})
     tables = Tables(
-        attrs=_attrs(step, len(gathered), layout, parent, created, trainer_state, CHUNK_BYTES),
+        attrs=_attrs(step, len(gathered), layout, parent, created, trainer_state, chunk_bytes),
         strings={
             "files": [f.encode() for f in files],
             "tensor_name": [n.encode() for n in tensor_names],
@@ -383,7 +390,7 @@ def index_of_rows(
     )
     return Index(
         step, len(gathered), layout, parent, created, TensorTable(tables), trainer_state,
-        {p["rank"]: p["rng"] for p in gathered}, CHUNK_BYTES, tables=tables,
+        {p["rank"]: p["rng"] for p in gathered}, chunk_bytes, tables=tables,
     )  # fmt: skip
 
 

@@ -447,7 +447,13 @@ def commit(
     name = step_dir_name(step)
     tmp = root / f".tmp-{name}"
     index = index_of_rows(
-        gathered, step=step, layout=layout, parent=parent, created=time.time(), trainer_state=trainer_state
+        gathered,
+        step=step,
+        layout=layout,
+        parent=parent,
+        created=time.time(),
+        trainer_state=trainer_state,
+        chunk_bytes=CHUNK_BYTES,  # where this module cut the chunks (tests cut smaller ones)
     )
     digest = write_index(tmp / f"{INDEX}.tmp", index)
     write_digest_file(tmp, digest)  # inside the directory the rename below commits, with the index
