@@ -23,7 +23,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +94,40 @@ class TensorRecord:
     shards: list[ShardRecord] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """One tensor of an index as a load plans it: its shape, dtype and every shard's box as arrays, and a shard's
+    record (with its chunks) built when asked for, so planning a rank's load builds only the shards it reads."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    offsets: np.ndarray  # (S, ndim) int64
+    shapes: np.ndarray  # (S, ndim) int64
+    shard: Callable[[int], ShardRecord]
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+def tensor_view(index: Index, name: str) -> TensorView | None:
+    """`name` in `index` as a TensorView (None: the index has no such tensor)."""
+    if isinstance(index.tensors, TensorTable):
+        return index.tensors.view(name)
+    rec = index.tensors.get(name)
+    if rec is None:
+        return None
+    nd = len(rec.global_shape)
+    return TensorView(
+        rec.name,
+        tuple(rec.global_shape),
+        rec.dtype,
+        np.array([s.offset for s in rec.shards], dtype=np.int64).reshape(len(rec.shards), nd),
+        np.array([s.shape for s in rec.shards], dtype=np.int64).reshape(len(rec.shards), nd),
+        rec.shards.__getitem__,
+    )
+
+
 class TensorTable(Mapping):
     """An index's tensors, read-only, over its tables: a tensor's record (its shards and their chunks) is built
     when it is asked for, so reading an index costs its tables, not one object per piece and chunk (millions
@@ -120,30 +154,41 @@ class TensorTable(Mapping):
             rec = self._built[name] = self._record(self._row[name])
         return rec
 
-    def _record(self, k: int) -> TensorRecord:
-        t, i = self._t, self._t.ints
+    def view(self, name: str) -> TensorView | None:
+        """The tensor's shape, dtype and shard boxes from the tables, its shards built one at a time."""
+        k = self._row.get(name)
+        if k is None:
+            return None
+        i = self._t.ints
         nd = int(i["tensor_ndim"][k])
         a = int(i["tensor_shard_start"][k])
         b = a + int(i["tensor_shard_count"][k])
+        return TensorView(
+            name,
+            tuple(i["tensor_shape"][k, :nd].tolist()),
+            self._t.strings["tensor_dtype"][k].decode(),
+            i["shard_offset"][a:b, :nd],
+            i["shard_shape"][a:b, :nd],
+            lambda j: self._shard(a + j, nd),
+        )
+
+    def _shard(self, j: int, nd: int) -> ShardRecord:
+        t, i = self._t, self._t.ints
         files = self._files()
-        s_off, s_shape = i["shard_offset"][a:b, :nd].tolist(), i["shard_shape"][a:b, :nd].tolist()
-        c_start, c_count = i["shard_chunk_start"][a:b].tolist(), i["shard_chunk_count"][a:b].tolist()
-        shards = []
-        for j in range(b - a):
-            rows = t.chunks[c_start[j] : c_start[j] + c_count[j]]
-            refs = [
-                ChunkRef(h.decode(), files[f], o, n)
-                for h, f, o, n in zip(
-                    rows["hash"].tolist(),
-                    rows["file"].tolist(),
-                    rows["offset"].tolist(),
-                    rows["length"].tolist(),
-                    strict=True,
-                )
-            ]
-            shards.append(ShardRecord(tuple(s_off[j]), tuple(s_shape[j]), refs))
-        shape = tuple(i["tensor_shape"][k, :nd].tolist())
-        return TensorRecord(self._names[k], shape, t.strings["tensor_dtype"][k].decode(), shards)
+        start, count = int(i["shard_chunk_start"][j]), int(i["shard_chunk_count"][j])
+        rows = t.chunks[start : start + count]
+        refs = [
+            ChunkRef(h.decode(), files[f], o, n)
+            for h, f, o, n in zip(
+                rows["hash"].tolist(), rows["file"].tolist(), rows["offset"].tolist(), rows["length"].tolist(),
+                strict=True,
+            )
+        ]  # fmt: skip
+        return ShardRecord(tuple(i["shard_offset"][j, :nd].tolist()), tuple(i["shard_shape"][j, :nd].tolist()), refs)
+
+    def _record(self, k: int) -> TensorRecord:
+        view = self.view(self._names[k])
+        return TensorRecord(view.name, view.global_shape, view.dtype, [view.shard(j) for j in range(len(view))])
 
     def _files(self) -> list[str]:
         files = getattr(self, "_file_names", None)

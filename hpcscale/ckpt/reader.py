@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import xxhash
 
-from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord, open_data_file
+from hpcscale.ckpt.format import ChunkRef, Index, ShardRecord, TensorView, open_data_file, tensor_view
 from hpcscale.ckpt.integrity import DTYPE_SIZES
 from hpcscale.ckpt.shards import LocalShard
 from hpcscale.errors import VerificationFailure
@@ -160,24 +160,20 @@ def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype:
     return region
 
 
-def _overlapping(rec, t: LocalShard, boxes: dict) -> list:
-    """The saved shards of `rec` that overlap target piece `t`, in the record's order. One vectorised test over
-    all of them (a record of a 4096-rank checkpoint has thousands of shards; a Python test per shard and target
-    made planning a load quadratic in the ranks); `boxes` caches each record's offsets and ends."""
+def _overlapping(view: TensorView, t: LocalShard) -> list:
+    """The saved shards of `view` that overlap target piece `t`, in the index's order. One vectorised test over
+    all of them (a tensor of a 4096-rank checkpoint has thousands of shards; a Python test per shard and target
+    made planning a load quadratic in the ranks), and only the overlapping shards' records are built."""
     if t.tensor.numel() == 0:
         return []
     if not t.global_shape:
-        return list(rec.shards)
-    cached = boxes.get(rec.name)
-    if cached is None:
-        off = np.array([s.offset for s in rec.shards], dtype=np.int64).reshape(len(rec.shards), len(t.global_shape))
-        end = off + np.array([s.shape for s in rec.shards], dtype=np.int64).reshape(off.shape)
-        cached = boxes[rec.name] = (off, end)
-    off, end = cached
+        return [view.shard(j) for j in range(len(view))]
+    off = view.offsets
+    end = off + view.shapes
     lo = np.asarray(t.offset, dtype=np.int64)
     hi = lo + np.asarray(t.tensor.shape, dtype=np.int64)
     hit = ((np.maximum(off, lo) < np.minimum(end, hi)).all(axis=1)).nonzero()[0]
-    return [rec.shards[i] for i in hit.tolist()]
+    return [view.shard(j) for j in hit.tolist()]
 
 
 def plan_reads(index: Index, targets: list[LocalShard]) -> tuple[list, list, list]:
@@ -187,9 +183,9 @@ def plan_reads(index: Index, targets: list[LocalShard]) -> tuple[list, list, lis
     is read into, with their destination. VerificationFailure when the checkpoint does not cover a target."""
     reads: list = []  # (tensor, chunk, destination, index into `partial` or -1); None once read
     partial: list[list | None] = []  # [destination, region of a shard buffer, chunks still to read]
-    boxes: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    views: dict[str, TensorView | None] = {}
     for t in targets:
-        rec = index.tensors.get(t.name)
+        rec = views[t.name] = views[t.name] if t.name in views else tensor_view(index, t.name)
         if rec is None:
             raise VerificationFailure(f"the checkpoint has no tensor {t.name}")
         if tuple(rec.global_shape) != tuple(t.global_shape):
@@ -198,7 +194,7 @@ def plan_reads(index: Index, targets: list[LocalShard]) -> tuple[list, list, lis
             )
         dtype = _torch_dtype(rec.dtype)
         covered = 0
-        for shard in _overlapping(rec, t, boxes):
+        for shard in _overlapping(rec, t):
             lo, hi = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
             dest = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offset, strict=True))]
             whole = list(lo) == list(shard.offset) and tuple(h - a for a, h in zip(lo, hi, strict=True)) == shard.shape
