@@ -397,12 +397,13 @@ def index_of_rows(
 
     files = sorted({f for part in parts for f in part.files})
     file_id = {f: i for i, f in enumerate(files)}
-    chunk_blocks = []
-    for part in parts:  # each rank's file numbers into the merged file table's
-        block = part.chunks.copy()
-        block["file"] = np.array([file_id[f] for f in part.files], dtype=np.int64)[block["file"]]
-        chunk_blocks.append(block)
-    all_chunks = np.concatenate(chunk_blocks) if chunk_blocks else np.empty(0, CHUNK_DTYPE)
+    all_chunks = np.concatenate([part.chunks for part in parts]) if parts else np.empty(0, CHUNK_DTYPE)
+    # each rank's file numbers into the merged file table's, through one table of every rank's
+    luts = [np.array([file_id[f] for f in part.files], dtype=np.int32) for part in parts]
+    lut_base = np.cumsum([0, *(len(lut) for lut in luts)])[:-1]
+    if len(all_chunks):
+        chunk_base = np.repeat(lut_base, [len(part.chunks) for part in parts])
+        all_chunks["file"] = np.concatenate(luts)[chunk_base + all_chunks["file"]]
     counts = np.concatenate([part.counts for part in parts]) if parts else np.empty(0, np.int64)
     chunk_of = np.cumsum(counts) - counts  # where each row's chunks start, in the order received
     # tensors by name (a stable sort keeps each tensor's shards in the order received: radix for small ids)
