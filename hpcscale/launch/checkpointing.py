@@ -288,7 +288,7 @@ class Checkpointer:
         if not self._registered:
             raise BadInput("ctx.checkpoint.save() before ctx.checkpoint.restore(...): restore registers the state")
         if asynchronous is None:
-            asynchronous = self.policy.asynchronous
+            asynchronous = self._ctx.job.checkpoint.asynchronous
         tensors, _, optim_sd = self._tensors()
         state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
         if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
@@ -397,14 +397,15 @@ class Checkpointer:
             from hpcscale.rundir import CHECKPOINTS
 
             ctx = self._ctx
+            policy = ctx.job.checkpoint
             self._manager = CheckpointManager(
                 ctx.run_dir / CHECKPOINTS,
                 dims=ctx.dims,
                 rank=ctx.rank,
-                keep_last=self.policy.keep_last,
-                keep_every=self.policy.keep_every,
-                direct_io=self.policy.direct_io,
-                background_nice=self.policy.background_nice,
+                keep_last=policy.keep_last,
+                keep_every=policy.keep_every,
+                direct_io=policy.direct_io,
+                background_nice=policy.background_nice,
                 log=ctx.metrics.print,
                 lineage=lineage.of_context(ctx),
                 device=ctx.device,
