@@ -286,3 +286,42 @@ def test_the_trainer_saves_after_an_evaluation_when_sharded(mpi, tmp_path):
         "step-00000002",
         "step-00000004",
     ]
+
+
+BF16_FORWARD = """
+import os, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from hpcscale.layout import ParallelDims
+from hpcscale.parallel.fsdp import shard_model
+from hpcscale.train.model import GPT, GPTShape, lm_loss
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+m = GPT(GPTShape(vocab_size=64, seq_len=16, n_layer=2, n_embd=32, n_head=2))
+# the policies shard_model applies, on a one-rank mesh standing for the shard group
+shard_model(m, mesh=mesh, dims=ParallelDims(tp=1, pp=1, dp=2, dp_shard=2), device=torch.device("cpu"),
+            blocks=list(m.layers.values()), mixed_precision="bf16")
+x = torch.randint(0, 64, (2, 17))
+out = m(x[:, :-1])
+lm_loss(out, x[:, 1:]).backward()
+print("logits", out.dtype, "block params", next(m.layers["0"].parameters()).dtype)
+dist.destroy_process_group()
+"""
+
+
+def test_bf16_mixed_precision_runs_a_model_with_layers_after_its_blocks_without_autocast():
+    """mixed_precision bf16 without autocast (a user's loop): the root's own layers after the blocks (a final
+    norm, the head) compute in bf16 on the blocks' bf16 output, and only the logits come back fp32. With every
+    unit casting its output to fp32, the final LayerNorm got fp32 input with bf16 weights and the first step
+    failed (seen on an H200 with NCCL; the same on CPU: `mixed dtype (CPU)`)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-c", BF16_FORWARD, str(port)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "logits torch.float32 block params torch.float32" in r.stdout, r.stdout

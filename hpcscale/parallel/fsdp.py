@@ -47,13 +47,18 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def mixed_precision_policy(setting: str, device: torch.device):
-    """bf16 parameters and compute, fp32 gradient reductions and outputs (the loss is taken in fp32); or none.
+def mixed_precision_policy(setting: str, device: torch.device, *, root: bool = False):
+    """bf16 parameters and compute and fp32 gradient reductions, or none; `root`: the policy of the unit at the
+    model's root, whose output (the logits: the loss is taken from them) is cast to fp32. A block's output stays
+    bf16: the root's own layers after the blocks (a final norm, the head) hold bf16 parameters, and a norm
+    refuses an fp32 input with bf16 weights (a CUDA run of the reference GPT failed so at its first step).
     `auto` is bf16 on a GPU; the built-in trainer resolves it with its own `bf16` param first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+        return MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None
+        )
     return MixedPrecisionPolicy()
 
 
@@ -104,7 +109,8 @@ def shard_model(
             reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
             mp_policy=policy,
         )
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    root_policy = mixed_precision_policy(mixed_precision, device, root=True)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=root_policy)
     return model
 
 
