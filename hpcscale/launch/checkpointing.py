@@ -132,6 +132,7 @@ class Checkpointer:
             self._optimizers = tuple(optimizer) if isinstance(optimizer, list | tuple) else (optimizer,)
             self._optimizers = tuple(o for o in self._optimizers if o is not None)
             self._hook_optimizers()
+            tensors, model_sd, optim_sd = self._tensors()  # what xsite.start_from below loads into: the new ones
         elif restored is None and manager.tensors_dirty:  # every rank alike: load_latest agreed on it
             raise VerificationFailure(
                 f"every checkpoint in {manager.root} was refused (the lines above say why), and one was refused "
