@@ -335,3 +335,43 @@ def test_index_from_ranks_columns_equals_the_index_of_the_same_records(tmp_path_
     assert sorted(back.tensors) == sorted(names)
     assert all(key(back.tensors[n]) == key(records[n]) and back.tensors[n].global_shape == shapes[n] for n in names)
     assert back.files() == want.files() and back.chunk_count() == want.chunk_count()
+
+
+HEX16 = st.text("0123456789abcdef", min_size=16, max_size=16)
+
+
+@settings(deadline=None, max_examples=80)
+@given(
+    hashes=st.lists(st.tuples(st.sampled_from(["0" * 16, "f" * 16, "0123456789abcdef"]), HEX16), max_size=30),
+    gone=st.sets(st.integers(0, 2), max_size=2),
+    probes=st.lists(HEX16.map(lambda h: h * 2), max_size=5),
+)
+def test_known_chunks_of_an_adopted_index_answer_as_a_dict_of_its_chunks(hashes, gone, probes):
+    """A resumed rank deduplicates against the loaded index's chunk table, searched by hash (writer.KnownChunks),
+    not one object per chunk: it must answer every hash as the dict it replaces did (first location wins;
+    files retention removed are forgotten; hashes sharing their first 64 bits told apart)."""
+    from hpcscale.ckpt.format import ChunkRef, index_of_rows, rows_of
+    from hpcscale.ckpt.writer import KnownChunks
+
+    refs = [ChunkRef(a + b, f"step-00000001/data/rank-0000{k % 3}.bin", 8 * k, 8) for k, (a, b) in enumerate(hashes)]
+    rows = [(f"model/t{k:03d}", (2,), "float32", (0,), (2,), [r]) for k, r in enumerate(refs)]
+    gathered = [{"rank": 0, "rng": {"cpu": np.zeros(1, np.uint8)}, "rows": rows_of(rows)}]
+    index = index_of_rows(
+        gathered, step=1, layout={"pp": 1, "dp": 1, "tp": 1}, parent=None, created=0.0, trainer_state={}
+    )
+    want: dict = {}
+    for r in refs:  # the tensor names sort as the refs were made
+        want.setdefault(r.hash, r)
+    known = KnownChunks()
+    known.adopt(index)
+    assert len(known) == len(refs)
+    assert all(known.get(h) == r for h, r in want.items())
+    assert all(known.get(p) == want.get(p) for p in probes)
+    dropped = {f"step-00000001/data/rank-0000{k}.bin" for k in gone}
+    known.drop_files(dropped)
+    assert all(known.get(h) == (None if r.file in dropped else r) for h, r in want.items())
+    extra = ChunkRef("e" * 32, "step-00000002/data/rank-00000.bin", 0, 8)
+    known.setdefault(extra.hash, extra)
+    assert known.get(extra.hash) == extra
+    known.clear()
+    assert not known and all(known.get(h) is None for h in want)

@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import xxhash
@@ -253,6 +254,88 @@ class SaveResult:
     removed_files: list[str] = field(default_factory=list)
 
 
+_HEX = np.full(256, 0, dtype=np.uint64)
+_HEX[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint64)
+_HEX[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+
+
+def _prefix64(hashes: np.ndarray) -> np.ndarray:
+    """The first 16 hex digits of each S32 hash as a uint64 (a sort key; equal keys are told apart in full)."""
+    raw = np.ascontiguousarray(hashes, dtype="S32").view(np.uint8).reshape(-1, 32)
+    out = np.zeros(len(hashes), dtype=np.uint64)
+    for k in range(16):  # one column at a time: a digit table of every row would be 16 words per chunk
+        out = (out << np.uint64(4)) | _HEX[raw[:, k]]
+    return out
+
+
+class KnownChunks:
+    """Committed chunks by content hash, what a save deduplicates against. The chunks this process committed
+    are kept as ChunkRefs; those of a checkpoint adopted at start-up stay as that index's chunk table, sorted
+    by hash and searched when asked (a ChunkRef made on a hit): at thousands of ranks an index has millions of
+    chunks, and every rank adopting them one object each cost seconds and gigabytes per rank. The first
+    location known for a hash is the one given, as with dict.setdefault."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, ChunkRef] = {}
+        self._table: tuple | None = None  # (sorted hash prefixes, their chunk rows, file names)
+        self._gone: set[str] = set()  # files retention removed since the table was adopted
+
+    def __len__(self) -> int:
+        return len(self._refs) + (len(self._table[0]) if self._table is not None else 0)
+
+    def get(self, digest: str) -> ChunkRef | None:
+        ref = self._refs.get(digest)
+        if ref is None and self._table is not None:
+            ref = self._in_table(digest)
+        return ref
+
+    def _in_table(self, digest: str) -> ChunkRef | None:
+        keys, rows, files = self._table
+        try:
+            raw = digest.encode("ascii")
+        except UnicodeEncodeError:
+            return None
+        if len(raw) != 32:
+            return None
+        key = _prefix64(np.array([raw], dtype="S32"))[0]
+        lo, hi = np.searchsorted(keys, key, side="left"), np.searchsorted(keys, key, side="right")
+        for row in rows[lo:hi]:
+            if bytes(row["hash"]) == raw:
+                file = files[int(row["file"])]
+                if file in self._gone:
+                    return None
+                return ChunkRef(digest, file, int(row["offset"]), int(row["length"]))
+        return None
+
+    def setdefault(self, digest: str, ref: ChunkRef) -> None:
+        if self.get(digest) is None:
+            self._refs[digest] = ref
+
+    def adopt(self, index: Index) -> None:
+        """Know exactly `index`'s chunks (a hash's first row wins); what was known before is forgotten."""
+        self.clear()
+        if index.tables is None:  # an index made of records (not read from a file)
+            for rec in index.tensors.values():
+                for shard in rec.shards:
+                    for ref in shard.chunks:
+                        self.setdefault(ref.hash, ref)
+            return
+        chunks = index.tables.chunks
+        keys = _prefix64(chunks["hash"])
+        order = np.argsort(keys, kind="stable")  # stable: the first row of a hash is found first
+        self._table = (keys[order], chunks[order], [f.decode() for f in index.tables.strings["files"]])
+
+    def drop_files(self, gone: set[str]) -> None:
+        self._refs = {h: r for h, r in self._refs.items() if r.file not in gone}
+        if self._table is not None:
+            self._gone |= gone
+
+    def clear(self) -> None:
+        self._refs.clear()
+        self._table = None
+        self._gone = set()
+
+
 class ShardWriter:
     """One rank's side of saving. `known` maps chunk hashes to committed locations (for dedup)."""
 
@@ -263,7 +346,7 @@ class ShardWriter:
         self.direct_io = direct_io
         self._bounce: torch.Tensor | None = None  # DataFile's aligned bounce buffer, kept across saves
         self._stream: torch.cuda.Stream | None = None  # GPU tensors are copied to host on it (snapshot)
-        self.known: dict[str, ChunkRef] = {}
+        self.known = KnownChunks()
         self._buffers: dict[str, torch.Tensor] = {}
         self._versions: dict[str, tuple[int, int]] = {}  # name -> (id of tensor, version) at the last save
         self._last_refs: dict[str, list[ChunkRef]] = {}
@@ -413,7 +496,7 @@ class ShardWriter:
         self._candidate.clear()
         if removed_files:
             gone = set(removed_files)
-            self.known = {h: r for h, r in self.known.items() if r.file not in gone}
+            self.known.drop_files(gone)
             self._last_refs = {k: v for k, v in self._last_refs.items() if not any(r.file in gone for r in v)}
 
     def failed(self) -> None:
@@ -423,10 +506,7 @@ class ShardWriter:
 
     def adopt(self, index: Index) -> None:
         """Dedup against a checkpoint loaded at start-up."""
-        for rec in index.tensors.values():
-            for shard in rec.shards:
-                for ref in shard.chunks:
-                    self.known.setdefault(ref.hash, ref)
+        self.known.adopt(index)
 
 
 def commit(
