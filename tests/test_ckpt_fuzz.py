@@ -349,7 +349,7 @@ HEX16 = st.text("0123456789abcdef", min_size=16, max_size=16)
 def test_known_chunks_of_an_adopted_index_answer_as_a_dict_of_its_chunks(hashes, gone, probes):
     """A resumed rank deduplicates against the loaded index's chunk table, searched by hash (writer.KnownChunks),
     not one object per chunk: it must answer every hash as the dict it replaces did (first location wins;
-    files retention removed are forgotten; hashes sharing their first 64 bits told apart)."""
+    files retention removed are forgotten; hashes that share a prefix told apart)."""
     from hpcscale.ckpt.format import ChunkRef, index_of_rows, rows_of
     from hpcscale.ckpt.writer import KnownChunks
 

@@ -254,20 +254,6 @@ class SaveResult:
     removed_files: list[str] = field(default_factory=list)
 
 
-_HEX = np.full(256, 0, dtype=np.uint64)
-_HEX[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=np.uint64)
-_HEX[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16, dtype=np.uint64)
-
-
-def _prefix64(hashes: np.ndarray) -> np.ndarray:
-    """The first 16 hex digits of each S32 hash as a uint64 (a sort key; equal keys are told apart in full)."""
-    raw = np.ascontiguousarray(hashes, dtype="S32").view(np.uint8).reshape(-1, 32)
-    out = np.zeros(len(hashes), dtype=np.uint64)
-    for k in range(16):  # one column at a time: a digit table of every row would be 16 words per chunk
-        out = (out << np.uint64(4)) | _HEX[raw[:, k]]
-    return out
-
-
 class KnownChunks:
     """Committed chunks by content hash, what a save deduplicates against. The chunks this process committed
     are kept as ChunkRefs; those of a checkpoint adopted at start-up stay as that index's chunk table, sorted
@@ -277,7 +263,7 @@ class KnownChunks:
 
     def __init__(self) -> None:
         self._refs: dict[str, ChunkRef] = {}
-        self._table: tuple | None = None  # (sorted hash prefixes, their chunk rows, file names)
+        self._table: tuple | None = None  # (sorted hashes, their chunk rows, file names)
         self._gone: set[str] = set()  # files retention removed since the table was adopted
 
     def __len__(self) -> int:
@@ -290,22 +276,19 @@ class KnownChunks:
         return ref
 
     def _in_table(self, digest: str) -> ChunkRef | None:
-        keys, rows, files = self._table
+        hashes, rows, files = self._table
         try:
             raw = digest.encode("ascii")
         except UnicodeEncodeError:
             return None
-        if len(raw) != 32:
+        at = int(np.searchsorted(hashes, np.bytes_(raw)))  # the first row of that hash: the sort was stable
+        if at == len(hashes) or hashes[at] != raw:
             return None
-        key = _prefix64(np.array([raw], dtype="S32"))[0]
-        lo, hi = np.searchsorted(keys, key, side="left"), np.searchsorted(keys, key, side="right")
-        for row in rows[lo:hi]:
-            if bytes(row["hash"]) == raw:
-                file = files[int(row["file"])]
-                if file in self._gone:
-                    return None
-                return ChunkRef(digest, file, int(row["offset"]), int(row["length"]))
-        return None
+        row = rows[at]
+        file = files[int(row["file"])]
+        if file in self._gone:
+            return None
+        return ChunkRef(digest, file, int(row["offset"]), int(row["length"]))
 
     def setdefault(self, digest: str, ref: ChunkRef) -> None:
         if self.get(digest) is None:
@@ -321,9 +304,8 @@ class KnownChunks:
                         self.setdefault(ref.hash, ref)
             return
         chunks = index.tables.chunks
-        keys = _prefix64(chunks["hash"])
-        order = np.argsort(keys, kind="stable")  # stable: the first row of a hash is found first
-        self._table = (keys[order], chunks[order], [f.decode() for f in index.tables.strings["files"]])
+        order = np.argsort(chunks["hash"], kind="stable")  # stable: the first row of a hash is found first
+        self._table = (chunks["hash"][order], chunks[order], [f.decode() for f in index.tables.strings["files"]])
 
     def drop_files(self, gone: set[str]) -> None:
         self._refs = {h: r for h, r in self._refs.items() if r.file not in gone}
