@@ -138,6 +138,7 @@ class TensorTable(Mapping):
         self._names = [x.decode() for x in t.strings["tensor_name"]]
         self._row = {n: k for k, n in enumerate(self._names)}
         self._built: dict[str, TensorRecord] = {}
+        self._files = [x.decode() for x in t.strings["files"]]
 
     def __len__(self) -> int:
         return len(self._names)
@@ -174,7 +175,7 @@ class TensorTable(Mapping):
 
     def _shard(self, j: int, nd: int) -> ShardRecord:
         t, i = self._t, self._t.ints
-        files = self._files()
+        files = self._files
         start, count = int(i["shard_chunk_start"][j]), int(i["shard_chunk_count"][j])
         rows = t.chunks[start : start + count]
         refs = [
@@ -189,12 +190,6 @@ class TensorTable(Mapping):
     def _record(self, k: int) -> TensorRecord:
         view = self.view(self._names[k])
         return TensorRecord(view.name, view.global_shape, view.dtype, [view.shard(j) for j in range(len(view))])
-
-    def _files(self) -> list[str]:
-        files = getattr(self, "_file_names", None)
-        if files is None:
-            files = self._file_names = [x.decode() for x in self._t.strings["files"]]
-        return files
 
 
 @dataclass(slots=True)

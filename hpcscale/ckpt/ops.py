@@ -180,7 +180,7 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
     report = VerifyReport(
         target=str(step_dir),
         root=str(root),
-        items=sum(len(s.chunks) for t in index.tensors.values() for s in t.shards) if index else 0,
+        items=index.chunk_count() if index else 0,
         bytes=index.total_bytes() if index else 0,
         details={
             "step": index.step if index else step_of(step_dir.name),

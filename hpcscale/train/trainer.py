@@ -170,14 +170,13 @@ def train(ctx: Context) -> None:
     # ctx.checkpoint's, as for any entry point; the trainer adds what only it knows.
     checkpoint = ctx.checkpoint
     checkpoint.steps = cfg.steps
-    checkpoint.tokens_per_step = cfg.global_batch * cfg.seq_len
+    tokens_per_step = checkpoint.tokens_per_step = cfg.global_batch * cfg.seq_len
     checkpoint.defer_staging = True  # an async save's copy overlaps the next forward and backward
     checkpoint.rebuild = rebuild
     start = checkpoint.restore(model, opt, loader=loader)
     params = [p for p in model.parameters() if p.requires_grad]
 
     autocast = ctx.device.type == "cuda" and cfg.bf16
-    tokens_per_step = cfg.global_batch * cfg.seq_len
     shard = f" dp_shard={dims.dp_shard}" if dims.sharded else ""
     ctx.metrics.print(
         f"hpcscale: GPT {cfg.n_layer}x{cfg.n_embd} on {dims.world_size} ranks "
