@@ -41,7 +41,11 @@ def test_classify_tells_time_limit_from_preemption_and_failure():
     assert classify(143, True, 3000, 120) == "preempted"  # a stop long before the end: preemption, scancel
     assert classify(75, False, None, 120) == "preempted"
     assert classify(1, False, 100, 120) == "failed"
-    assert classify(137, False, None, 120) == "failed"
+    assert classify(137, False, None, 120) == "failed"  # SIGKILL: the OOM killer, a node lost
+    # a rank killed by the stop signal itself: it came before the rank armed its handler (Slurm sends
+    # --signal up to 60 s early, so a short job can get it at start): a stop, not a failure
+    assert classify(128 + signal.SIGUSR2, False, 100, 120) == "time_limit"
+    assert classify(128 + signal.SIGTERM, False, 3000, 120) == "preempted"
 
 
 def _end(cause: str, job: str = "7", requeue: bool = True, progress: bool = True, checkpoint: int = 10) -> dict:
@@ -193,18 +197,20 @@ def test_preemption_signal_checkpoints_requeues_and_finishes_exactly(local_clust
 
 
 def test_time_limit_requeues_until_its_budget_is_spent(local_cluster, tmp_path):
-    """A 1-minute limit with 40 s of grace: each attempt is stopped by the time-limit signal, checkpoints,
-    and requeues itself while restart.max_time_limits allows; the third stop ends the job."""
+    """A 2-minute limit with 40 s of grace: each attempt is stopped by the time-limit signal, checkpoints,
+    and requeues itself while restart.max_time_limits allows; the third stop ends the job. Slurm sends the
+    signal up to 60 s early (20-80 s into each attempt here): with a 1-minute limit it could come before the
+    ranks started, and that attempt would have no checkpoint of its own."""
     run = tmp_path / "run"
     job = _slurm_job(
         tmp_path / "job.yaml",
         steps=100000,
-        time_limit="1",
+        time_limit="2",
         signals={"grace_seconds": 40},
         restart={"max_time_limits": 2},
     )
     job_id = _submit(job, run, local_cluster)
-    _wait_gone(job_id, local_cluster, timeout=420)
+    _wait_gone(job_id, local_cluster, timeout=720)
     ends = [e for e in _events(run) if e["event"] == "end"]
     assert [e["cause"] for e in ends] == ["time_limit"] * 3, ends
     assert [e["requeue"] for e in ends] == [True, True, False]

@@ -4,9 +4,12 @@ The default template runs the ranks in the background and waits for them (so a S
 trapped, not fatal), then calls `hpcscale resume "$RUN" --in-job --exit-code $rc`, which lands here:
 
 1. How the attempt ended (`classify`): exit 0 is `completed`; a stop on a signal (rank 0 recorded a `stop`
-   event for this attempt, or the ranks exited 75) is `time_limit` when the job's end time is at most
-   grace_seconds + TIME_LIMIT_SLACK_S away, else `preempted` (the signal came early: a preemption, an
-   operator's `scancel --signal`); anything else is `failed`.
+   event for this attempt, the ranks exited 75, or a rank died of a stop signal: 128 + SIGUSR1, SIGUSR2 or
+   SIGTERM, which only a rank that had not yet armed its handlers does) is `time_limit` when the job's end
+   time is at most grace_seconds + TIME_LIMIT_SLACK_S away, else `preempted` (the signal came early: a
+   preemption, an operator's `scancel --signal`); anything else is `failed`. Slurm sends `--signal` up to
+   60 s before its time (its event resolution), so with a limit under grace_seconds + 60 s the signal can
+   come while the ranks are still starting: that attempt stopped, it did not fail.
 2. Whether to requeue (`decide`), with separate budgets counted over this Slurm job's earlier attempts in
    RUN/attempts.jsonl: `restart.max_preemptions`, `max_time_limits`, `max_failures` (each failure waits
    `failure_backoff_seconds`, doubled each time), and a stop after `max_no_progress` consecutive attempts
@@ -36,12 +39,15 @@ from pathlib import Path
 from hpcscale.ckpt.format import committed_steps
 from hpcscale.config.job import JobSpec
 from hpcscale.errors import STOPPED_EXIT_CODE
+from hpcscale.launch.signals import STOP_SIGNALS
 from hpcscale.rundir import RunDir
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.slurmtime import parse_duration
 
 TIME_LIMIT_SLACK_S = 60  # a stop signal this much beyond grace_seconds before the end still counts as the time limit
+# srun's exit code when a rank died of a stop signal (its handler not yet armed: the signal came at start-up)
+KILLED_BY_STOP_SIGNAL = frozenset(128 + int(s) for s in STOP_SIGNALS)
 BUDGETS = {"preempted": "max_preemptions", "time_limit": "max_time_limits", "failed": "max_failures"}
 
 
@@ -61,7 +67,7 @@ def classify(exit_code: int, stopped: bool, seconds_left: float | None, grace_s:
         return "completed"
     if cancelled:
         return "cancelled"
-    if stopped or exit_code == STOPPED_EXIT_CODE:
+    if stopped or exit_code == STOPPED_EXIT_CODE or exit_code in KILLED_BY_STOP_SIGNAL:
         if seconds_left is not None and seconds_left <= grace_s + TIME_LIMIT_SLACK_S:
             return "time_limit"
         return "preempted"
