@@ -69,10 +69,10 @@ def _state_bytes(run: Path, ranks: int) -> list[int]:
 
 @pytest.mark.parametrize(
     ("tp", "pp", "dp_shard"),
-    [(1, 1, 4), (1, 1, 2), (2, 1, 2), (1, 2, 2)],
-    ids=["dp_shard4", "hsdp2x2", "tp2-dp_shard2", "pp2-dp_shard2"],
+    [(1, 1, 4), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 2, 1)],
+    ids=["dp_shard4", "hsdp2x2", "tp2-dp_shard2", "pp2-dp_shard2", "pp2-dp2"],
 )
-def test_user_model_at_every_sharded_layout_gives_the_single_process_losses(single, tmp_path, tp, pp, dp_shard):
+def test_user_model_at_every_layout_gives_the_single_process_losses(single, tmp_path, tp, pp, dp_shard):
     run = tmp_path / "run"
     _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard)
     got = losses(run)
@@ -325,3 +325,58 @@ def test_bf16_mixed_precision_runs_a_model_with_layers_after_its_blocks_without_
     r = subprocess.run([sys.executable, "-c", BF16_FORWARD, str(port)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "logits torch.float32 block params torch.float32" in r.stdout, r.stdout
+
+
+PIPELINE_GUARD = """
+import os, sys
+import torch, torch.distributed as dist
+from hpcscale.parallel.grad_sync import GradSync
+rank = int(sys.argv[2])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=str(rank), WORLD_SIZE="2")
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+m = torch.nn.Linear(4, 2)
+sync = GradSync(m, dist.group.WORLD)  # a pipeline stage's: armed per step by Pipeline.step
+x = torch.full((3, 4), float(rank + 1))
+try:
+    m(x).sum().backward()
+    print("unarmed backward passed")
+except RuntimeError as e:
+    print("refused:", e)
+m.zero_grad()
+sync.begin(1)
+m(x).sum().backward()
+sync.finish()
+g = m.weight.grad.clone()
+both = [torch.zeros_like(g) for _ in range(2)]
+dist.all_gather(both, g)
+print("averaged", torch.equal(both[0], both[1]), float(g[0, 0]))
+dist.destroy_process_group()
+"""
+
+
+def test_a_pipeline_stage_refuses_a_backward_its_replicas_would_not_average():
+    """pp x replicated dp: a stage's gradients are averaged over its replicas around each ctx.pipeline step;
+    a backward outside one raises instead of letting the replicas diverge, and inside one they agree."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", PIPELINE_GUARD, str(port), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in ranks:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        assert "refused: hpcscale: a backward ran outside the pipeline's step" in out, out
+        # x is 1s on rank 0 and 2s on rank 1: d(sum)/dW[0,0] is 3 and 6, averaged 4.5
+        assert "averaged True 4.5" in out, out

@@ -107,46 +107,41 @@ class Context:
         tp_plan: dict[str, Any] | None = None,
         bucket_mb: float = 25.0,
         blocks: list[Any] | None = None,
+        mixed_precision: str | None = None,
     ) -> Any:
         """Move `model` to this rank's device, apply `tp_plan` over the tp dimension (when parallel.tp > 1), make
-        the data-parallel replicas identical and then either average its gradients over them at the end of
-        every backward (parallel.dp_shard = 1) or shard it with FSDP2 (dp_shard > 1: per block of `blocks`,
-        by default the entries of the model's `layers`, then the root), with the job's
-        parallel.reshard_after_forward, mixed_precision and activation_checkpointing. In place: returns the
-        same model, with the same parameter names (hpcscale.parallel.data_parallel says why not DDP).
-        With parallel.pp > 1 the model is this rank's pipeline stage (cut_stage), and dp_shard must exceed 1:
-        FSDP2 follows the pipeline schedule's micro-batches, the replicated gradient sync does not."""
-        from hpcscale.errors import BadInput
+        the data-parallel replicas identical and then either average its gradients over them (parallel.dp_shard
+        = 1: at the end of every backward, or with parallel.pp > 1 around each step of `ctx.pipeline`) or shard
+        it with FSDP2 (dp_shard > 1: per block of `blocks`, by default the entries of the model's `layers`, then
+        the root), with the job's parallel.reshard_after_forward, activation_checkpointing and mixed_precision
+        (`mixed_precision` overrides the last). In place: returns the same model, with the same parameter names
+        (hpcscale.parallel.data_parallel says why not DDP). With parallel.pp > 1 the model is this rank's
+        pipeline stage (cut_stage); run its steps through `ctx.pipeline`."""
         from hpcscale.parallel.data_parallel import parallelize
         from hpcscale.parallel.fsdp import ShardedSync, shard_model
         from hpcscale.parallel.grad_sync import GradSync
 
-        if self.dims.pp > 1 and not self.dims.sharded:
-            raise BadInput(
-                f"ctx.parallelize: parallel.pp is {self.dims.pp} with replicated data parallelism; pipeline stages "
-                "are cut by the model's own code (hpcscale.parallel.pipeline.cut_stage and build_schedule, "
-                "docs/context-api.md), and ctx.parallelize shards a stage only with parallel.dp_shard > 1"
-            )
         p = self.job.parallel
         dp_group = self.mesh["dp"].get_group() if self.dims.dp > 1 else None
         model.to(self.device)
-        shard = None
-        if self.dims.sharded or p.activation_checkpointing:
+        # replicated data parallelism: automatic at the end of each backward, except a pipeline stage's, whose
+        # micro-batch backward passes run inside the schedule: ctx.pipeline arms and finishes it per step
+        automatic = self.dims.pp == 1
 
-            def shard(m: Any) -> Any:
-                shard_model(
-                    m,
-                    mesh=self.mesh,
-                    dims=self.dims,
-                    device=self.device,
-                    blocks=blocks,
-                    reshard_after_forward=p.reshard_after_forward,
-                    mixed_precision=p.mixed_precision,
-                    activation_checkpointing=p.activation_checkpointing,
-                )
-                return (
-                    ShardedSync(m) if self.dims.sharded else GradSync(m, dp_group, bucket_mb=bucket_mb, automatic=True)
-                )
+        def shard(m: Any) -> Any:
+            shard_model(
+                m,
+                mesh=self.mesh,
+                dims=self.dims,
+                device=self.device,
+                blocks=blocks,
+                reshard_after_forward=p.reshard_after_forward,
+                mixed_precision=mixed_precision or p.mixed_precision,
+                activation_checkpointing=p.activation_checkpointing,
+            )
+            if self.dims.sharded:
+                return ShardedSync(m)
+            return GradSync(m, dp_group, bucket_mb=bucket_mb, automatic=automatic)
 
         self._syncs.append(
             parallelize(
@@ -159,6 +154,42 @@ class Context:
             )
         )
         return model
+
+    def pipeline(self, stage: Any, *, n_microbatches: int, loss_fn: Any, schedule: str = "1f1b") -> Any:
+        """torch's pipeline schedule (`1f1b` or `gpipe`) for this rank's stage, after `ctx.parallelize(stage)`:
+        a hpcscale.parallel.pipeline.Pipeline, whose `step(inputs, targets)` runs one step's micro-batches
+        forward and backward with the data-parallel gradient averaging around them and returns the step's mean
+        loss on the last stage (`first`/`last` say which stage takes the inputs and which the targets).
+        `loss_fn(output, target)` is the loss of one micro-batch; it is divided by n_microbatches for you."""
+        from hpcscale.errors import BadInput
+        from hpcscale.parallel.pipeline import SCHEDULES, Pipeline, build_schedule
+
+        if self.dims.pp == 1:
+            raise BadInput("ctx.pipeline: parallel.pp is 1; call the model directly")
+        if schedule not in SCHEDULES:
+            raise BadInput(f"ctx.pipeline: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
+        if n_microbatches < (self.dims.pp if schedule == "1f1b" else 1):
+            raise BadInput(
+                f"ctx.pipeline: n_microbatches is {n_microbatches}, fewer than parallel.pp = {self.dims.pp}: "
+                "1F1B needs at least one micro-batch per stage"
+            )
+        if not self._syncs:
+            raise BadInput("ctx.pipeline: call ctx.parallelize(stage) first (it places the stage and its replicas)")
+        built = build_schedule(
+            stage,
+            pp_mesh=self.mesh["pp"],
+            n_microbatches=n_microbatches,
+            kind=schedule,
+            loss_fn=loss_fn,
+            device=self.device,
+        )
+        return Pipeline(
+            built,
+            self._syncs,
+            n_microbatches=n_microbatches,
+            first=self.pp_rank == 0,
+            last=self.pp_rank == self.dims.pp - 1,
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -14,11 +14,13 @@ the average of the copies back; hpcscale.parallel.pipeline scales the loss inste
 Gradient accumulation: a parameter's hook fires once per micro-batch backward; the bucket is reduced on the
 `accumulation_steps`-th firing, i.e. after the last micro-batch, as DDP's no_sync() would arrange.
 
-Two ways to drive it. The reference trainer calls `begin(n)` before a step's backward passes and `finish()`
-before the optimizer step. User code (Context.parallelize) gets `automatic=True`: the first hook of a backward
-queues `finish()` on the autograd engine (the callback DDP itself uses), so it runs when that backward ends,
-and the loop stays `loss.backward(); opt.step()`. Accumulation there is DDP's: backward passes inside
-`no_sync()` only accumulate, the next one outside it reduces the sum.
+Two ways to drive it. A pipeline stage (hpcscale.parallel.pipeline.Pipeline, through `ctx.pipeline`) calls
+`begin(n)` before a step's n micro-batch backward passes and `finish()` after them; a backward outside that
+pair raises instead of leaving the replicas to diverge silently. Every other model (Context.parallelize)
+gets `automatic=True`: the first hook of a backward queues `finish()` on the autograd engine (the callback DDP
+itself uses), so it runs when that backward ends, and the loop stays `loss.backward(); opt.step()`.
+Accumulation there is DDP's: backward passes inside `no_sync()` only accumulate, the next one outside it
+reduces the sum.
 """
 
 from __future__ import annotations
@@ -50,10 +52,18 @@ class _Bucket:
 
 class GradSync:
     """Average gradients over `group` (the dp group). Call `begin(n)` before a step's backward passes and
-    `finish()` before the optimizer step; `comm_wait_s` is the time finish() spent blocked on the network."""
+    `finish()` before the optimizer step (or pass automatic=True); `comm_wait_s` is the time finish() spent
+    blocked on the network. `outside`: what a gradient produced outside begin()/finish() is told (counted
+    mode); the default says the stage's steps go through its pipeline."""
 
     def __init__(
-        self, model: nn.Module, group: dist.ProcessGroup | None, *, bucket_mb: float = 25.0, automatic: bool = False
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup | None,
+        *,
+        bucket_mb: float = 25.0,
+        automatic: bool = False,
+        outside: str = "",
     ):
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
@@ -63,6 +73,11 @@ class GradSync:
         self.buckets: list[_Bucket] = []
         self.automatic = automatic
         self.syncing = True  # automatic mode: False inside no_sync()
+        self.armed = False  # counted mode: between begin() and finish()
+        self.outside = outside or (
+            "a backward ran outside the pipeline's step (ctx.pipeline(...).step): its gradients would not be "
+            "averaged over the data-parallel replicas, which would diverge"
+        )
         self._queued = False
         if self.size == 1:
             return
@@ -97,6 +112,8 @@ class GradSync:
                 if not self._queued:  # runs once this backward has finished, on the thread that called it
                     self._queued = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            elif not self.armed:
+                raise RuntimeError(f"hpcscale: {self.outside}")
             count = bucket.fired.get(id(p), 0) + 1
             bucket.fired[id(p)] = count
             if count == self.accumulation_steps:
@@ -131,6 +148,7 @@ class GradSync:
     def begin(self, accumulation_steps: int) -> None:
         """Arm the hooks for one optimizer step made of `accumulation_steps` backward passes."""
         self.accumulation_steps = accumulation_steps
+        self.armed = True
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.fired.clear()
@@ -138,6 +156,7 @@ class GradSync:
 
     def finish(self) -> None:
         """Wait for every bucket and write the averaged gradients back."""
+        self.armed = False
         if self.size == 1:
             return
         device = self.buckets[0].buffer.device

@@ -6,11 +6,17 @@ runs (earlier stages take the remainder); the modules named as first-stage-only 
 stage, those named as last-stage-only (final norm, output head) on the last. The reference GPT
 (hpcscale.train.model) is built this way, and a user's model can be too. 1F1B: Narayanan et al., SC'21;
 GPipe: Huang et al. 2019.
+
+`Pipeline` (what `ctx.pipeline` returns) runs one step of the schedule with the data-parallel gradient
+averaging around it: the stage's GradSync (replicated data parallelism) is armed for the step's micro-batch
+backward passes and finished after them, so pp × dp replicas stay identical without the loop doing anything;
+FSDP2 (parallel.dp_shard > 1) reduce-scatters during the schedule's backward itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,3 +78,39 @@ def build_schedule(
 
     stage = PipelineStage(stage_module, pp_mesh.get_local_rank(), pp_mesh.size(), device, group=pp_mesh.get_group())
     return SCHEDULES[kind](stage, n_microbatches=n_microbatches, loss_fn=scaled, scale_grads=False)
+
+
+class Pipeline:
+    """One pipeline stage's schedule and its data-parallel gradient averaging (`ctx.pipeline`).
+
+    `first`: this stage takes the inputs; `last`: it takes the targets and gets the loss. `step(inputs,
+    targets)` runs one training step's forward and backward over `n_microbatches` micro-batches (split along
+    dim 0) and returns the step's mean loss on the last stage (None elsewhere); the optimizer step is the
+    caller's. `eval(inputs, targets)` runs forward only. Every stage passes what it has: the first stage its
+    inputs, the last its targets; others nothing (what a stage does not take is ignored)."""
+
+    def __init__(self, schedule: Any, syncs: Sequence[Any], *, n_microbatches: int, first: bool, last: bool):
+        self.schedule = schedule
+        self.syncs = list(syncs)
+        self.n_microbatches = n_microbatches
+        self.first = first
+        self.last = last
+
+    def _run(self, run: Callable, inputs: Any, targets: Any) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        kwargs = {"target": targets, "losses": losses} if self.last else {}
+        run(*args, **kwargs)
+        # each micro-batch's loss is already divided by n_microbatches (build_schedule): their sum is the mean
+        return torch.stack(losses).sum().detach() if self.last else None
+
+    def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+        for sync in self.syncs:
+            sync.begin(self.n_microbatches)
+        loss = self._run(self.schedule.step, inputs, targets)
+        for sync in self.syncs:
+            sync.finish()
+        return loss
+
+    def eval(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
+        return self._run(self.schedule.eval, inputs, targets)

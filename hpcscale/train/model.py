@@ -91,6 +91,19 @@ class GPT(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
+    def tp_plan(self) -> dict:
+        """Tensor parallelism for this model's blocks (those a pipeline cut kept), as torch's DTensor plans
+        (Megatron-style, Shoeybi et al. 2019): q, k, v and mlp.fc column-parallel (each tp rank computes its
+        heads, its slice of the hidden units), attn.o and mlp.proj row-parallel (partial sums all-reduced back
+        to a replicated output): one all-reduce per sub-layer in forward and one in backward. Embeddings, norms
+        and the output head stay replicated: at this model's vocabulary (256 bytes) sharding them would cost
+        more than it saves."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        per_block = {"attn.q": ColwiseParallel, "attn.k": ColwiseParallel, "attn.v": ColwiseParallel}
+        per_block |= {"attn.o": RowwiseParallel, "mlp.fc": ColwiseParallel, "mlp.proj": RowwiseParallel}
+        return {f"layers.{i}.{name}": style() for i in self.layers for name, style in per_block.items()}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) on the first stage, hidden states (B, T, C) elsewhere; logits (B, T, V) at the end."""
         if self.tok_emb is not None:

@@ -3,18 +3,23 @@
 The job's global batch fixes the optimisation: every layout sees the same samples per step and averages the
 same gradients, so changing the layout changes speed, never the losses (tests/test_train_layouts.py).
 
-Order of construction, and why:
+The trainer is an entry point like any user's: its model is placed by `ctx.parallelize`, its pipeline run by
+`ctx.pipeline`, its checkpoints kept by `ctx.checkpoint`. Order of construction, and why:
 1. build the whole model on every rank from the same seed: identical weights everywhere;
 2. cut the pipeline stage: the stage keeps its layers' original names (and init);
-3. apply tensor parallelism: DTensor shards the kept weights from those identical full tensors;
-4. with parallel.dp_shard > 1, FSDP2 shards each block over the data-parallel mesh (hpcscale.parallel.fsdp,
-   the same call ctx.parallelize makes), with the job's activation checkpointing and mixed precision;
-5. gradient sync hooks (replicated dp; FSDP reduce-scatters itself) and the optimizer last, over the final
-   (sharded) parameters.
+3. ctx.parallelize: tensor parallelism from the model's plan (DTensor shards the kept weights from those
+   identical full tensors), then the data parallelism: gradient averaging over replicas, or with
+   parallel.dp_shard > 1 FSDP2 per block, with the job's activation checkpointing and mixed precision;
+4. the optimizer last, over the final (sharded) parameters; with pp > 1, the schedule (ctx.pipeline).
+
+Gradient accumulation: replicated data parallelism all-reduces once per step (the micro-batches before the
+last accumulate under ctx.no_sync); FSDP2 reduce-scatters each micro-batch's gradients as backward produces
+them, which keeps them sharded (under no_sync they would be held whole until the last micro-batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict
@@ -30,10 +35,8 @@ from hpcscale.data.prepare import default_corpus_dataset
 from hpcscale.launch.context import Context
 from hpcscale.parallel.clip import clip_grad_norm
 from hpcscale.parallel.device import settle
-from hpcscale.parallel.fsdp import ShardedSync, reshard, shard_model
-from hpcscale.parallel.grad_sync import GradSync
-from hpcscale.parallel.pipeline import build_schedule, cut_stage
-from hpcscale.parallel.tensor_parallel import apply_tp
+from hpcscale.parallel.fsdp import reshard
+from hpcscale.parallel.pipeline import cut_stage
 from hpcscale.rundir import JOB
 from hpcscale.train.model import GPT, GPTShape, lm_loss
 from hpcscale.util.paths import expand_path
@@ -70,21 +73,14 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
         first_stage_only=GPT.FIRST_STAGE_ONLY,
         last_stage_only=GPT.LAST_STAGE_ONLY,
     )
-    model.to(ctx.device)
-    apply_tp(model, tp_mesh=ctx.mesh["tp"])
-    p = ctx.job.parallel
-    shard_model(
+    setting = ctx.job.parallel.mixed_precision
+    return ctx.parallelize(
         model,
-        mesh=ctx.mesh,
-        dims=ctx.dims,
-        device=ctx.device,
+        tp_plan=model.tp_plan() if ctx.dims.tp > 1 else None,
         blocks=list(model.layers.values()),
-        reshard_after_forward=p.reshard_after_forward,
         # auto: bf16 only where the job asked the trainer for bf16 (train.params.bf16) and runs on a GPU
-        mixed_precision=p.mixed_precision if p.mixed_precision != "auto" else ("bf16" if cfg.bf16 else "fp32"),
-        activation_checkpointing=p.activation_checkpointing,
+        mixed_precision=setting if setting != "auto" else ("bf16" if cfg.bf16 else "fp32"),
     )
-    return model
 
 
 def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
@@ -139,30 +135,25 @@ def train(ctx: Context) -> None:
         val_fraction=cfg.val_fraction,
     )
     n_micro = cfg.global_batch // (dims.dp * cfg.micro_batch)
-    dp_group = ctx.mesh["dp"].get_group() if dims.dp > 1 else None
-    first, last = ctx.pp_rank == 0, ctx.pp_rank == dims.pp - 1
+    last = ctx.pp_rank == dims.pp - 1
 
     def build():
-        """The model, its gradient sync, optimizer and pipeline schedule, as a fresh start has them: the
-        model's initialisation is seeded, so building again gives the same values."""
+        """The model, optimizer and pipeline, as a fresh start has them: the model's initialisation is seeded,
+        so building again gives the same values."""
+        ctx._syncs.clear()  # a model built again replaces the one whose gradients ctx.parallelize averaged
         model = build_model(cfg, ctx, loader.vocab_size)
-        sync = ShardedSync(model) if dims.sharded else GradSync(model, dp_group)
-        ctx._syncs[:] = [sync]  # its waits go into the per-rank timing ctx.checkpoint.step records
         opt = build_optimizer(model, cfg, ctx.device)
-        schedule = None
+        pipe = None
         if dims.pp > 1:
-            schedule = build_schedule(
-                model, pp_mesh=ctx.mesh["pp"], n_microbatches=n_micro, kind=cfg.schedule, loss_fn=lm_loss,
-                device=ctx.device,
-            )  # fmt: skip
-        return model, sync, opt, schedule
+            pipe = ctx.pipeline(model, n_microbatches=n_micro, loss_fn=lm_loss, schedule=cfg.schedule)
+        return model, opt, pipe
 
-    model, sync, opt, schedule = build()
+    model, opt, pipe = build()
 
     def rebuild():
         """Every checkpoint was refused, one after part of it was read into the model: build it again."""
-        nonlocal model, sync, opt, schedule
-        model, sync, opt, schedule = build()
+        nonlocal model, opt, pipe
+        model, opt, pipe = build()
         ctx.metrics.print("hpcscale: no checkpoint loaded; the model and optimizer were built again from the seed")
         return model, opt
 
@@ -187,27 +178,22 @@ def train(ctx: Context) -> None:
     def run_batch(inputs: torch.Tensor, targets: torch.Tensor, *, training: bool) -> torch.Tensor:
         """Mean loss of this dp rank's batch on the last stage (0 elsewhere); backward when training."""
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=autocast):
-            if schedule is None:
+            if pipe is None:
                 total = torch.zeros((), device=ctx.device)
-                for x, y in zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True):
+                micro = list(zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True))
+                for i, (x, y) in enumerate(micro):
                     if training:
-                        loss = lm_loss(model(x), y) / n_micro
-                        loss.backward()
+                        accumulate = not dims.sharded and i < n_micro - 1  # the module docstring says why
+                        with ctx.no_sync() if accumulate else contextlib.nullcontext():
+                            loss = lm_loss(model(x), y) / n_micro
+                            loss.backward()
                     else:
                         with torch.no_grad():
                             loss = lm_loss(model(x), y) / n_micro
                     total += loss.detach()
                 return total
-            losses: list[torch.Tensor] = []
-            run = schedule.step if training else schedule.eval
-            if first:
-                run(inputs)
-            elif last:
-                run(target=targets, losses=losses)
-            else:
-                run()
-            # each micro-batch's loss is already divided by n_micro (build_schedule): their sum is the mean
-            return torch.stack(losses).sum().detach() if last else torch.zeros((), device=ctx.device)
+            loss = (pipe.step if training else pipe.eval)(inputs, targets)
+            return loss if loss is not None else torch.zeros((), device=ctx.device)
 
     def agree(loss: torch.Tensor) -> float:
         """One all-reduce per step: the global mean loss (last stage, tp rank 0 of each dp replica)."""
@@ -241,9 +227,7 @@ def train(ctx: Context) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        sync.begin(n_micro)
         loss = run_batch(inputs, targets, training=True)
-        sync.finish()
         grad_norm = clip_grad_norm(
             params,
             cfg.grad_clip,
@@ -255,7 +239,7 @@ def train(ctx: Context) -> None:
         t_comm = time.perf_counter()
         loss_value = agree(loss)
         t_end = time.perf_counter()
-        comm_s = sync.comm_wait_s + (t_end - t_comm)
+        comm_s = sum(sync.comm_wait_s for sync in ctx._syncs) + (t_end - t_comm)
         step_s = t_end - t0
         ctx.metrics.log(
             step=step,

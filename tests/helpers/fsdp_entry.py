@@ -1,7 +1,7 @@
 """A user entry point (`train.entry: fsdp_entry:main`) with its own model, trained at any layout through
 ctx.parallelize and ctx.checkpoint: sharded (parallel.dp_shard), tensor-parallel (a plan for its blocks) and
-pipelined (cut_stage + build_schedule on the stage ctx.parallelize sharded). Every layout sees the same global
-batch per step, so its losses must be the single process's.
+pipelined (cut_stage, then ctx.pipeline on the stage ctx.parallelize placed: its replicas averaged or
+sharded). Every layout sees the same global batch per step, so its losses must be the single process's.
 
 params: steps (default 12), lr. Logs `loss` per step (the global mean) and, at the end, the bytes of
 parameters, gradients and optimizer state this rank holds (RUN/state_bytes.RANK) for the memory checks.
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from hpcscale.parallel.pipeline import build_schedule, cut_stage
+from hpcscale.parallel.pipeline import cut_stage
 
 VOCAB, WIDTH, LAYERS, SEQ, BATCH = 50, 32, 4, 16, 8  # 50: the head and embedding shard unevenly
 
@@ -88,30 +88,19 @@ def main(ctx):
     opt = torch.optim.AdamW(model.parameters(), lr=float(ctx.params.get("lr", 1e-2)), foreach=False)
     start = ctx.checkpoint.restore(model, opt)
     dp, rows = ctx.dims.dp, BATCH // ctx.dims.dp
-    first, last = ctx.pp_rank == 0, ctx.pp_rank == pp - 1
-    schedule = None
-    if pp > 1:
-        schedule = build_schedule(
-            model, pp_mesh=ctx.mesh["pp"], n_microbatches=2, kind="1f1b", loss_fn=loss_fn, device=ctx.device
-        )
+    pipe = ctx.pipeline(model, n_microbatches=2, loss_fn=loss_fn) if pp > 1 else None
+    last = pipe is None or pipe.last
     for step in range(start, steps):
         x, y = batch(step)
         x, y = x[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows], y[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows]
         opt.zero_grad()
-        if schedule is None:
+        if pipe is None:
             loss = loss_fn(model(x), y)
             loss.backward()
         else:
-            losses: list[torch.Tensor] = []
-            if first:
-                schedule.step(x)
-            elif last:
-                schedule.step(target=y, losses=losses)
-            else:
-                schedule.step()
-            loss = torch.stack(losses).sum() if last else torch.zeros(())
+            loss = pipe.step(x, y)  # the step's mean loss on the last stage, None elsewhere
         opt.step()
-        if schedule is None and step % 4 == 3:  # an evaluation forward before the save at this step's end
+        if pipe is None and step % 4 == 3:  # an evaluation forward before the save at this step's end
             with torch.no_grad():
                 model(x)
         mean = (loss.detach() / dp) if (last and ctx.tp_rank == 0) else torch.zeros(())
