@@ -45,7 +45,9 @@ def test_classify_tells_time_limit_from_preemption_and_failure():
     # a rank killed by the stop signal itself: it came before the rank armed its handler (Slurm sends
     # --signal up to 60 s early, so a short job can get it at start): a stop, not a failure
     assert classify(128 + signal.SIGUSR2, False, 100, 120) == "time_limit"
-    assert classify(128 + signal.SIGTERM, False, 3000, 120) == "preempted"
+    assert classify(128 + signal.SIGUSR1, False, 3000, 120) == "preempted"
+    # SIGTERM is also how srun ends the other ranks after one failed (--kill-on-bad-exit): a failure
+    assert classify(128 + signal.SIGTERM, False, 3000, 120) == "failed"
 
 
 def _end(cause: str, job: str = "7", requeue: bool = True, progress: bool = True, checkpoint: int = 10) -> dict:

@@ -175,10 +175,10 @@ def _stop_step(e: StopRequested) -> int | None:
 def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     """Run this rank. A rank that finished exits here, with every rank (_exit_together); otherwise returns the
     process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
+    stop = StopFlag()
+    stop.install()  # before the slow imports and MPI_Init: a stop signal during start-up is not lost
     from mpi4py import MPI
 
-    stop = StopFlag()
-    stop.install()  # before the slow imports: a signal during start-up is not lost
     loaded = RunDir(run_dir).load_job()
     spec = loaded.spec
     if spec.train is None:

@@ -4,12 +4,14 @@ The default template runs the ranks in the background and waits for them (so a S
 trapped, not fatal), then calls `hpcscale resume "$RUN" --in-job --exit-code $rc`, which lands here:
 
 1. How the attempt ended (`classify`): exit 0 is `completed`; a stop on a signal (rank 0 recorded a `stop`
-   event for this attempt, the ranks exited 75, or a rank died of a stop signal: 128 + SIGUSR1, SIGUSR2 or
-   SIGTERM, which only a rank that had not yet armed its handlers does) is `time_limit` when the job's end
-   time is at most grace_seconds + TIME_LIMIT_SLACK_S away, else `preempted` (the signal came early: a
-   preemption, an operator's `scancel --signal`); anything else is `failed`. Slurm sends `--signal` up to
-   60 s before its time (its event resolution), so with a limit under grace_seconds + 60 s the signal can
-   come while the ranks are still starting: that attempt stopped, it did not fail.
+   event for this attempt, the ranks exited 75, or the step died of SIGUSR1 or SIGUSR2: only `--signal` and
+   `scancel --signal` send those, and only a rank that had not yet armed its handlers dies of them) is
+   `time_limit` when the job's end time is at most grace_seconds + TIME_LIMIT_SLACK_S away, else
+   `preempted` (the signal came early: a preemption, an operator's `scancel --signal`); anything else is
+   `failed`. Slurm sends `--signal` up to 60 s before its time (its event resolution), so with a limit under
+   grace_seconds + 60 s the signal can come while the ranks are still starting: that attempt stopped, it did
+   not fail. A step that died of SIGTERM (143) is not taken as a stop: srun reports 143 too when it ends the
+   other ranks after one failed (--kill-on-bad-exit), and a rank that armed its handlers does not die of it.
 2. Whether to requeue (`decide`), with separate budgets counted over this Slurm job's earlier attempts in
    RUN/attempts.jsonl: `restart.max_preemptions`, `max_time_limits`, `max_failures` (each failure waits
    `failure_backoff_seconds`, doubled each time), and a stop after `max_no_progress` consecutive attempts
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -46,8 +49,8 @@ from hpcscale.util import proc
 from hpcscale.util.slurmtime import parse_duration
 
 TIME_LIMIT_SLACK_S = 60  # a stop signal this much beyond grace_seconds before the end still counts as the time limit
-# srun's exit code when a rank died of a stop signal (its handler not yet armed: the signal came at start-up)
-KILLED_BY_STOP_SIGNAL = frozenset(128 + int(s) for s in STOP_SIGNALS)
+# srun's exit code when a rank died of a signal only a stop request sends (its handler not yet armed)
+KILLED_BY_STOP_SIGNAL = frozenset(128 + int(s) for s in STOP_SIGNALS if s != signal.SIGTERM)
 BUDGETS = {"preempted": "max_preemptions", "time_limit": "max_time_limits", "failed": "max_failures"}
 
 
