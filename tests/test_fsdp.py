@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trainjobs import losses
+from trainjobs import grad_norms, losses
 
 from hpcscale.ckpt.shards import LocalShard, _mesh_index, _numel, _piece, writers
 from hpcscale.layout import ParallelDims, layout_problems
@@ -78,6 +78,10 @@ def test_user_model_at_every_layout_gives_the_single_process_losses(single, tmp_
     got = losses(run)
     assert len(got) == 12
     _close(got, losses(single))
+    # ctx.clip_grad_norm_ gives the single process's norm at every layout (clipped at 0.5: the losses follow)
+    norms = grad_norms(run)
+    assert len(norms) == 12 and max(norms) > 0.5
+    _close(dict(enumerate(norms)), dict(enumerate(grad_norms(single))))
     # what each rank holds of parameters, gradients and AdamW's moments: 1/dp_shard of the model's, within
     # the bound the design promises (1.2/N of replicated plus one block's full parameters)
     whole = _state_bytes(single, 1)[0]

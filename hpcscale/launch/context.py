@@ -99,6 +99,7 @@ class Context:
     hooks: dict[str, Any] = field(default_factory=dict)  # filled by the checkpoint and data layers
     _syncs: list[Any] = field(default_factory=list, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
+    _models: list[Any] = field(default_factory=list, repr=False)  # ctx.parallelize's; _syncs[i] is _models[i]'s
 
     def parallelize(
         self,
@@ -117,10 +118,15 @@ class Context:
         (`mixed_precision` overrides the last). In place: returns the same model, with the same parameter names
         (hpcscale.parallel.data_parallel says why not DDP). With parallel.pp > 1 the model is this rank's
         pipeline stage (cut_stage); run its steps through `ctx.pipeline`."""
+        from hpcscale.errors import BadInput
         from hpcscale.parallel.data_parallel import parallelize
         from hpcscale.parallel.fsdp import ShardedSync, shard_model
         from hpcscale.parallel.grad_sync import GradSync
 
+        if mixed_precision not in (None, "bf16", "fp32", "auto"):
+            raise BadInput(f"ctx.parallelize: mixed_precision is {mixed_precision!r}, not one of bf16, fp32, auto")
+        if any(m is model for m in self._models):
+            raise BadInput("ctx.parallelize: this model was already parallelized")
         p = self.job.parallel
         dp_group = self.mesh["dp"].get_group() if self.dims.dp > 1 else None
         model.to(self.device)
@@ -143,16 +149,9 @@ class Context:
                 return ShardedSync(m)
             return GradSync(m, dp_group, bucket_mb=bucket_mb, automatic=automatic)
 
-        self._syncs.append(
-            parallelize(
-                model,
-                dp_group=dp_group,
-                tp_mesh=self.mesh["tp"],
-                tp_plan=tp_plan,
-                bucket_mb=bucket_mb,
-                shard=shard,
-            )
-        )
+        sync = parallelize(model, dp_group=dp_group, tp_mesh=self.mesh["tp"], tp_plan=tp_plan, shard=shard)
+        self._models.append(model)
+        self._syncs.append(sync)
         return model
 
     def pipeline(self, stage: Any, *, n_microbatches: int, loss_fn: Any, schedule: str = "1f1b") -> Any:
@@ -168,12 +167,15 @@ class Context:
             raise BadInput("ctx.pipeline: parallel.pp is 1; call the model directly")
         if schedule not in SCHEDULES:
             raise BadInput(f"ctx.pipeline: schedule {schedule!r} is not one of {sorted(SCHEDULES)}")
-        if n_microbatches < (self.dims.pp if schedule == "1f1b" else 1):
+        if n_microbatches < 1:
+            raise BadInput(f"ctx.pipeline: n_microbatches is {n_microbatches}; it must be at least 1")
+        if schedule == "1f1b" and n_microbatches < self.dims.pp:
             raise BadInput(
                 f"ctx.pipeline: n_microbatches is {n_microbatches}, fewer than parallel.pp = {self.dims.pp}: "
                 "1F1B needs at least one micro-batch per stage"
             )
-        if not self._syncs:
+        placed = [i for i, m in enumerate(self._models) if m is stage]
+        if not placed:
             raise BadInput("ctx.pipeline: call ctx.parallelize(stage) first (it places the stage and its replicas)")
         built = build_schedule(
             stage,
@@ -185,11 +187,26 @@ class Context:
         )
         return Pipeline(
             built,
-            self._syncs,
+            [self._syncs[placed[0]]],
             n_microbatches=n_microbatches,
             first=self.pp_rank == 0,
             last=self.pp_rank == self.dims.pp - 1,
         )
+
+    def clip_grad_norm_(self, max_norm: float, parameters: Any = None) -> float:
+        """Clip the gradients to a global norm of `max_norm` (0: measure only) and return the norm before
+        clipping: the norm of the whole model's gradient, as one process training it would compute, under
+        every layout (tensor-parallel and FSDP shards summed over their groups, pipeline stages summed,
+        replicas counted once; hpcscale.parallel.clip). `parameters`: by default those of every model given to
+        ctx.parallelize. torch.nn.utils.clip_grad_norm_ takes a tp-sharded model's norm wrongly or raises
+        (`mixed torch.Tensor and DTensor`). A collective: call it in every rank, after backward."""
+        from hpcscale.parallel.clip import clip_grad_norm
+
+        if parameters is None:
+            parameters = [q for m in self._models for q in m.parameters()]
+        params = [q for q in parameters if q.requires_grad]
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        return clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -1,19 +1,21 @@
 """Parallelize a user's model in place: tensor parallelism from the user's plan, then data parallelism.
 
-Data parallelism is GradSync (grad_sync.py) in its automatic mode rather than torch's
-DistributedDataParallel, for one reason: DDP refuses DTensor parameters, so it cannot follow a tensor-parallel
-plan, and one code path for every layout is what the reference trainer already uses and tests. GradSync has
-DDP's performance properties (~25 MB buckets in reverse registration order, each all-reduced asynchronously
-as soon as backward has produced it) and DDP's accumulation rule (no_sync), and it leaves the model itself
-in place: parameter names keep no "module." prefix, so checkpoints and exports name tensors as the user does.
-scripts/bench/user_entry.py measures a step against DDP on the same model.
+Replicated data parallelism is GradSync (grad_sync.py) rather than torch's DistributedDataParallel, for one
+reason: DDP refuses DTensor parameters, so it cannot follow a tensor-parallel plan, and one code path for every
+layout is what the reference trainer uses too (it is placed by ctx.parallelize like any model). GradSync has
+DDP's performance properties (~25 MB buckets in reverse registration order, each all-reduced asynchronously as
+soon as backward has produced it) and DDP's accumulation rule (no_sync), and it leaves the model itself in
+place: parameter names keep no "module." prefix, so checkpoints and exports name tensors as the user does. It
+runs in its automatic mode (at the end of every backward), or on a pipeline stage armed by each step of the
+stage's schedule (hpcscale.parallel.pipeline.Pipeline). scripts/bench/user_entry.py measures a step against DDP
+on the same model.
 
 Like DDP, it starts every data-parallel replica from the same weights: parameters and buffers are broadcast
 from the first rank of the dp group, so an unseeded model cannot silently diverge.
 
-With parallel.dp_shard > 1 the data parallelism is torch's FSDP2 instead (hpcscale.parallel.fsdp.shard_model,
-the same call the built-in trainer makes): the replicas are made identical first, then each block and the
-root are sharded over the dp mesh; FSDP reduce-scatters the gradients itself, so no GradSync is attached.
+With parallel.dp_shard > 1 the data parallelism is torch's FSDP2 instead (hpcscale.parallel.fsdp.shard_model):
+the replicas are made identical first, then each block and the root are sharded over the dp mesh; FSDP
+reduce-scatters the gradients itself, so no GradSync is attached.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcscale.errors import BadInput
-from hpcscale.parallel.grad_sync import GradSync
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -38,12 +39,11 @@ def parallelize(
     dp_group: dist.ProcessGroup | None,
     tp_mesh: Any = None,
     tp_plan: dict[str, Any] | None = None,
-    bucket_mb: float = 25.0,
-    shard: Any = None,
+    shard: Any,
 ) -> Any:
     """Apply `tp_plan` over `tp_mesh` (torch.distributed.tensor.parallel.parallelize_module), make the dp
-    replicas identical, then either average gradients over `dp_group` at the end of every backward (GradSync,
-    returned) or, when `shard` is given, call it on the model (FSDP2: it returns the ShardedSync). In place."""
+    replicas identical, then return `shard(model)`: what averages or shards its gradients over the replicas
+    (a GradSync, or FSDP2's ShardedSync; Context.parallelize says which). In place."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     if tp > 1:
         if not tp_plan:
@@ -59,6 +59,4 @@ def parallelize(
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(_local(t), group=dp_group, group_src=0)
-    if shard is not None:
-        return shard(model)
-    return GradSync(model, dp_group, bucket_mb=bucket_mb, automatic=True)
+    return shard(model)

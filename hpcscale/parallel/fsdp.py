@@ -1,14 +1,14 @@
 """Sharded data parallelism with torch's FSDP2 (`fully_shard`), and activation checkpointing, for any model.
 
-The one place a model's parameters are sharded: `ctx.parallelize` and the built-in trainer both call
-`shard_model`. With parallel.dp_shard > 1 each block (the model's `layers`, or the blocks the caller names) is
-wrapped with `fully_shard`, then the root, over the data-parallel mesh: `mesh["dp_shard"]` when every dp rank
-shards (ZeRO-3), `mesh["dp_replicate", "dp_shard"]` for HSDP (sharded within a group, replicated across).
-Parameters become DTensors sharded on dim 0 over the shard group; a tensor-parallel plan applied before keeps
-its own placements on the tp dimension (torch composes the two, as its FSDP + TP tutorial does). Each block's
-parameters are all-gathered just before its forward and freed after it (`reshard_after_forward`), gradients are
-reduce-scattered as backward produces them, and the optimizer steps only the rank's shard. Nothing here is a
-replacement: FSDP2 runs on CPU with gloo as it does on GPUs with NCCL.
+The one place a model's parameters are sharded: `ctx.parallelize` calls `shard_model`, for a user's model and
+the built-in trainer's alike. With parallel.dp_shard > 1 each block (the model's `layers`, or the blocks the
+caller names) is wrapped with `fully_shard`, then the root, over the data-parallel mesh: `mesh["dp_shard"]` when
+every dp rank shards (ZeRO-3), `mesh["dp_replicate", "dp_shard"]` for HSDP (sharded within a group, replicated
+across). Parameters become DTensors sharded on dim 0 over the shard group; a tensor-parallel plan applied before
+keeps its own placements on the tp dimension (torch composes the two, as its FSDP + TP tutorial does). Each
+block's parameters are all-gathered just before its forward and freed after it (`reshard_after_forward`),
+gradients are reduce-scattered as backward produces them, and the optimizer steps only the rank's shard. Nothing
+here is a replacement: FSDP2 runs on CPU with gloo as it does on GPUs with NCCL.
 
 Mixed precision (`parallel.mixed_precision`): `bf16` gathers parameters in bf16 and reduces gradients in fp32
 (torch's MixedPrecisionPolicy); the sharded parameters the optimizer updates stay fp32. `auto` is bf16 on CUDA
@@ -129,8 +129,8 @@ def reshard(model: nn.Module) -> None:
 
 
 class ShardedSync:
-    """The gradient-sync interface the trainer drives (hpcscale.parallel.grad_sync.GradSync's begin, finish,
-    no_sync and timing) for a model FSDP2 shards: FSDP reduce-scatters during backward itself. Inside no_sync()
+    """The gradient-sync interface ctx.parallelize attaches (hpcscale.parallel.grad_sync.GradSync's begin,
+    finish, no_sync and timing) for a model FSDP2 shards: FSDP reduce-scatters during backward itself. Inside no_sync()
     backward only accumulates (FSDP's set_requires_gradient_sync(False)); the next backward outside reduces."""
 
     comm_wait_s = 0.0

@@ -107,7 +107,12 @@ class Pipeline:
     def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
         for sync in self.syncs:
             sync.begin(self.n_microbatches)
-        loss = self._run(self.schedule.step, inputs, targets)
+        try:
+            loss = self._run(self.schedule.step, inputs, targets)
+        except BaseException:
+            for sync in self.syncs:  # no reduction waits on peers that may never come: the step failed
+                sync.armed = False
+            raise
         for sync in self.syncs:
             sync.finish()
         return loss

@@ -12,9 +12,10 @@ The trainer is an entry point like any user's: its model is placed by `ctx.paral
    parallel.dp_shard > 1 FSDP2 per block, with the job's activation checkpointing and mixed precision;
 4. the optimizer last, over the final (sharded) parameters; with pp > 1, the schedule (ctx.pipeline).
 
-Gradient accumulation: replicated data parallelism all-reduces once per step (the micro-batches before the
-last accumulate under ctx.no_sync); FSDP2 reduce-scatters each micro-batch's gradients as backward produces
-them, which keeps them sharded (under no_sync they would be held whole until the last micro-batch).
+Gradient accumulation at pp = 1: replicated data parallelism all-reduces once per step (the micro-batches before
+the last accumulate under ctx.no_sync); FSDP2 reduce-scatters each micro-batch's gradients as backward produces
+them, which keeps them sharded (under no_sync they would be held whole until the last micro-batch). At pp > 1
+the pipeline schedule accumulates and reduces once per step in both cases.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from hpcscale.config.yamlsrc import YamlSource
 from hpcscale.data.loader import TokenLoader
 from hpcscale.data.prepare import default_corpus_dataset
 from hpcscale.launch.context import Context
-from hpcscale.parallel.clip import clip_grad_norm
 from hpcscale.parallel.device import settle
 from hpcscale.parallel.fsdp import reshard
 from hpcscale.parallel.pipeline import cut_stage
@@ -140,7 +140,8 @@ def train(ctx: Context) -> None:
     def build():
         """The model, optimizer and pipeline, as a fresh start has them: the model's initialisation is seeded,
         so building again gives the same values."""
-        ctx._syncs.clear()  # a model built again replaces the one whose gradients ctx.parallelize averaged
+        ctx._syncs.clear()  # a model built again replaces the one ctx.parallelize placed
+        ctx._models.clear()
         model = build_model(cfg, ctx, loader.vocab_size)
         opt = build_optimizer(model, cfg, ctx.device)
         pipe = None
@@ -165,7 +166,6 @@ def train(ctx: Context) -> None:
     checkpoint.defer_staging = True  # an async save's copy overlaps the next forward and backward
     checkpoint.rebuild = rebuild
     start = checkpoint.restore(model, opt, loader=loader)
-    params = [p for p in model.parameters() if p.requires_grad]
 
     autocast = ctx.device.type == "cuda" and cfg.bf16
     shard = f" dp_shard={dims.dp_shard}" if dims.sharded else ""
@@ -228,12 +228,7 @@ def train(ctx: Context) -> None:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
         loss = run_batch(inputs, targets, training=True)
-        grad_norm = clip_grad_norm(
-            params,
-            cfg.grad_clip,
-            pp_group=ctx.mesh["pp"].get_group() if dims.pp > 1 else None,
-            device=ctx.device,
-        )
+        grad_norm = ctx.clip_grad_norm_(cfg.grad_clip)
         opt.step()  # after a deferred save's copy of the tensors is taken (ctx.checkpoint's pre-step hook)
         settle(ctx.device)  # the step's queued kernels are done: what agree() waits for from here is its peers
         t_comm = time.perf_counter()

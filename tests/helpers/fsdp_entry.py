@@ -3,7 +3,8 @@ ctx.parallelize and ctx.checkpoint: sharded (parallel.dp_shard), tensor-parallel
 pipelined (cut_stage, then ctx.pipeline on the stage ctx.parallelize placed: its replicas averaged or
 sharded). Every layout sees the same global batch per step, so its losses must be the single process's.
 
-params: steps (default 12), lr. Logs `loss` per step (the global mean) and, at the end, the bytes of
+params: steps (default 12), lr. Clips the global gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss`
+and `grad_norm` per step (the global mean loss, the norm before clipping) and, at the end, the bytes of
 parameters, gradients and optimizer state this rank holds (RUN/state_bytes.RANK) for the memory checks.
 """
 
@@ -99,12 +100,13 @@ def main(ctx):
             loss.backward()
         else:
             loss = pipe.step(x, y)  # the step's mean loss on the last stage, None elsewhere
+        norm = ctx.clip_grad_norm_(0.5)  # the whole model's norm, whatever the layout
         opt.step()
         if pipe is None and step % 4 == 3:  # an evaluation forward before the save at this step's end
             with torch.no_grad():
                 model(x)
         mean = (loss.detach() / dp) if (last and ctx.tp_rank == 0) else torch.zeros(())
         dist.all_reduce(mean)
-        ctx.metrics.log(step=step, loss=float(mean))
+        ctx.metrics.log(step=step, loss=float(mean), grad_norm=norm)
         ctx.checkpoint.step(step)
     (ctx.run_dir / f"state_bytes.{ctx.rank}").write_text(str(state_bytes(model, opt)))
