@@ -384,3 +384,74 @@ def test_a_pipeline_stage_refuses_a_backward_its_replicas_would_not_average():
         assert "refused: hpcscale: a backward ran outside the pipeline's step" in out, out
         # x is 1s on rank 0 and 2s on rank 1: d(sum)/dW[0,0] is 3 and 6, averaged 4.5
         assert "averaged True 4.5" in out, out
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, n: int, kind: str):
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 4)
+        blocks = [torch.nn.Linear(4, 4) for _ in range(n)]
+        inner = torch.nn.Module()
+        inner.layers = (
+            torch.nn.ModuleList(blocks)
+            if kind == "list"
+            else torch.nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        )
+        self.model = inner  # nested, as Hugging Face decoders keep theirs: model.model.layers
+        self.head = torch.nn.Linear(4, 5)
+
+    def forward(self, x):
+        if self.emb is not None:
+            x = self.emb(x)
+        layers = self.model.layers
+        for block in layers if isinstance(layers, torch.nn.ModuleList) else layers.values():
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 9), data=st.data(), kind=st.sampled_from(["list", "dict"]))
+def test_pipeline_stages_tile_the_blocks_under_their_global_names(n, data, kind):
+    """Whatever the container (ModuleList as most models keep their blocks, or ModuleDict) and the depth, the
+    stages' parameter names are the whole model's, each block on exactly one stage, in contiguous runs, and a
+    cut ModuleList still runs forward: checkpoints name tensors alike at every pp."""
+    from hpcscale.parallel.pipeline import cut_stage
+
+    pp = data.draw(st.integers(1, n))
+    torch.manual_seed(0)
+    whole = _Stack(n, kind)
+    names = {name for name, _ in whole.named_parameters()}
+    seen: list[str] = []
+    for stage in range(pp):
+        torch.manual_seed(0)
+        m = cut_stage(
+            _Stack(n, kind), stage=stage, pp=pp, first_stage_only=("emb",), last_stage_only=("head",),
+            layers="model.layers",
+        )  # fmt: skip
+        mine = [name for name, _ in m.named_parameters()]
+        assert set(mine) <= names
+        assert (m.emb is not None) == (stage == 0) and (m.head is not None) == (stage == pp - 1)
+        kept = [int(k) for k in m.model.layers._modules]
+        assert kept and kept == list(range(kept[0], kept[0] + len(kept)))  # one contiguous run
+        seen += [x for x in mine if x.startswith("model.layers.")]
+        x = torch.randint(0, 5, (2, 3)) if stage == 0 else torch.randn(2, 3, 4)
+        assert m(x).shape[-1] == (5 if stage == pp - 1 else 4)
+    assert sorted(seen) == sorted(x for x in names if x.startswith("model.layers."))  # each block once
+
+
+def test_a_stage_cut_from_what_is_not_a_stack_of_blocks_is_refused_by_name():
+    from hpcscale.errors import BadInput
+    from hpcscale.parallel.pipeline import cut_stage
+
+    with pytest.raises(BadInput, match="has no 'layers'"):
+        cut_stage(_Stack(4, "list"), stage=0, pp=2, first_stage_only=(), last_stage_only=())
+    with pytest.raises(BadInput, match="has no 'embed'"):
+        cut_stage(
+            _Stack(4, "list"), stage=1, pp=2, first_stage_only=("embed",), last_stage_only=(), layers="model.layers"
+        )
+    with pytest.raises(BadInput, match="fewer than pp = 4"):
+        cut_stage(_Stack(3, "dict"), stage=0, pp=4, first_stage_only=(), last_stage_only=(), layers="model.layers")
+    m = _Stack(2, "dict")
+    m.model.layers = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
+    with pytest.raises(BadInput, match="not '0', '1'"):
+        cut_stage(m, stage=0, pp=2, first_stage_only=(), last_stage_only=(), layers="model.layers")

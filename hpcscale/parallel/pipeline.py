@@ -1,11 +1,15 @@
 """Pipeline parallelism with torch.distributed.pipelining (GPipe or 1F1B), for any model built as a stack.
 
 The model is built whole on every rank (same seed, so identical), then each stage drops what it does not own:
-the blocks in `model.layers` (a ModuleDict keyed by global index "0", "1", ...) are split into pp contiguous
-runs (earlier stages take the remainder); the modules named as first-stage-only (embeddings) stay on the first
-stage, those named as last-stage-only (final norm, output head) on the last. The reference GPT
-(hpcscale.train.model) is built this way, and a user's model can be too. 1F1B: Narayanan et al., SC'21;
-GPipe: Huang et al. 2019.
+the blocks in `model.layers` (a ModuleList, or a ModuleDict keyed by global index "0", "1", ...; another
+attribute path with `layers=`, e.g. "model.layers") are split into pp contiguous runs (earlier stages take the
+remainder); the modules named as first-stage-only (embeddings) stay on the first stage, those named as
+last-stage-only (final norm, output head) on the last. A stage keeps its blocks under their global index, so
+parameter names are the whole model's ("layers.5.mlp.fc.weight" on whichever stage holds block 5) and a
+checkpoint loads into any other pp. A ModuleList cut so still iterates and slices as before (`for block in
+self.layers`, `self.layers[:n]`); indexing it by position (`self.layers[0]`) finds only the indices it kept. The
+reference GPT (hpcscale.train.model) is built this way, and a user's model can be too. 1F1B: Narayanan et al.,
+SC'21; GPipe: Huang et al. 2019.
 
 `Pipeline` (what `ctx.pipeline` returns) runs one step of the schedule with the data-parallel gradient
 averaging around it: the stage's GradSync (replicated data parallelism) is armed for the step's micro-batch
@@ -22,6 +26,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from hpcscale.errors import BadInput
+
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 
@@ -31,6 +37,19 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
+def _owner(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
+    """The module holding the attribute at dotted `path`, and the attribute's name."""
+    *parents, name = path.split(".")
+    owner = model
+    for part in parents:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            raise BadInput(f"cut_stage: the model has no {path!r} ({part!r} is missing)")
+    if not hasattr(owner, name):
+        raise BadInput(f"cut_stage: the model has no {path!r}")
+    return owner, name
+
+
 def cut_stage(
     model: torch.nn.Module,
     *,
@@ -38,19 +57,34 @@ def cut_stage(
     pp: int,
     first_stage_only: Sequence[str],
     last_stage_only: Sequence[str],
+    layers: str = "layers",
 ) -> torch.nn.Module:
-    """Keep only this stage's part of `model` (in place): its run of `model.layers`, and the named attributes
-    that belong to the first or last stage set to None elsewhere (the model's forward skips None parts)."""
+    """Keep only this stage's part of `model` (in place): its run of the blocks at `layers` (a ModuleList or a
+    ModuleDict keyed "0", "1", ...), each under its global index, and the attributes named (dotted paths) as
+    belonging to the first or last stage set to None elsewhere (the model's forward skips None parts)."""
+    owner, name = _owner(model, layers)
+    blocks = getattr(owner, name)
+    if not isinstance(blocks, torch.nn.ModuleList | torch.nn.ModuleDict):
+        raise BadInput(f"cut_stage: model.{layers} is a {type(blocks).__name__}, not a ModuleList or ModuleDict")
+    if len(blocks) < pp:
+        raise BadInput(f"cut_stage: model.{layers} has {len(blocks)} blocks, fewer than pp = {pp} stages")
+    keys = list(blocks._modules)
+    if isinstance(blocks, torch.nn.ModuleDict) and keys != [str(i) for i in range(len(keys))]:
+        raise BadInput(f"cut_stage: model.{layers} is a ModuleDict keyed {keys[:3]}..., not '0', '1', ...")
+    for path in (*first_stage_only, *last_stage_only):
+        _owner(model, path)  # every name is checked on every stage, not only where it is dropped
     if pp == 1:
         return model
-    keep = {str(i) for i in stage_layers(len(model.layers), pp, stage)}
-    for name in list(model.layers):
-        if name not in keep:
-            del model.layers[name]
-    for attr in first_stage_only if stage > 0 else ():
-        setattr(model, attr, None)
-    for attr in last_stage_only if stage < pp - 1 else ():
-        setattr(model, attr, None)
+    keep = {str(i) for i in stage_layers(len(blocks), pp, stage)}
+    for key in keys:
+        if key not in keep:
+            # straight from _modules: ModuleList's own __delitem__ renumbers what is left, which would rename
+            # every parameter of the stage ("layers.5" becoming "layers.0") and tie checkpoints to this pp
+            del blocks._modules[key]
+    for path in first_stage_only if stage > 0 else ():
+        setattr(*_owner(model, path), None)
+    for path in last_stage_only if stage < pp - 1 else ():
+        setattr(*_owner(model, path), None)
     return model
 
 

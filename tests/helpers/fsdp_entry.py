@@ -35,13 +35,13 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleDict({str(i): Block(WIDTH) for i in range(LAYERS)})
+        self.layers = nn.ModuleList([Block(WIDTH) for _ in range(LAYERS)])  # cut_stage keeps global indices
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.emb is not None:
             x = self.emb(x)
-        for block in self.layers.values():
+        for block in self.layers:
             x = block(x)
         return self.head(x) if self.head is not None else x
 
@@ -82,7 +82,7 @@ def main(ctx):
 
         plan = {
             f"layers.{i}.{n}": s
-            for i in model.layers
+            for i, _ in model.layers.named_children()  # this stage's blocks, by their global index
             for n, s in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))
         }
     model = ctx.parallelize(model, tp_plan=plan)
