@@ -455,3 +455,33 @@ def test_a_stage_cut_from_what_is_not_a_stack_of_blocks_is_refused_by_name():
     m.model.layers = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
     with pytest.raises(BadInput, match="not '0', '1'"):
         cut_stage(m, stage=0, pp=2, first_stage_only=(), last_stage_only=(), layers="model.layers")
+
+
+def test_the_units_to_shard_are_named_by_class_by_name_or_given():
+    from hpcscale.errors import BadInput
+    from hpcscale.parallel.fsdp import resolve_blocks
+
+    m = _Stack(3, "list")
+    blocks = list(m.model.layers)
+    assert resolve_blocks(m, None) == blocks  # by default the entries of model.layers, one level down
+    assert resolve_blocks(m, torch.nn.Linear) == [*blocks, m.head]  # every Linear, in registration order
+    assert resolve_blocks(m, ["model.layers.1", "head"]) == [blocks[1], m.head]
+    assert resolve_blocks(m, "model.layers.2") == [blocks[2]]
+    assert resolve_blocks(m, blocks[:2]) == blocks[:2]
+    with pytest.raises(BadInput, match="no submodule of that class"):
+        resolve_blocks(m, torch.nn.LayerNorm)
+    with pytest.raises(BadInput, match=r"no submodule 'model\.layers\.7'"):
+        resolve_blocks(m, ["model.layers.7"])
+    with pytest.raises(BadInput, match="not submodules"):
+        resolve_blocks(m, [torch.nn.Linear(1, 1)])
+    with pytest.raises(BadInput, match="neither a submodule"):
+        resolve_blocks(m, [3])
+
+    class Outer(torch.nn.Module):  # a block holding a block of its own class: the outer one is the unit
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(2, 2))
+
+    nest = torch.nn.Sequential(Outer(), Outer())
+    nest[0].inner.append(Outer())
+    assert resolve_blocks(nest, Outer) == [nest[0], nest[1]]

@@ -107,15 +107,16 @@ class Context:
         *,
         tp_plan: dict[str, Any] | None = None,
         bucket_mb: float = 25.0,
-        blocks: list[Any] | None = None,
+        blocks: Any = None,
         mixed_precision: str | None = None,
     ) -> Any:
-        """Move `model` to this rank's device, apply `tp_plan` over the tp dimension (when parallel.tp > 1), make
-        the data-parallel replicas identical and then either average its gradients over them (parallel.dp_shard
-        = 1: at the end of every backward, or with parallel.pp > 1 around each step of `ctx.pipeline`) or shard
-        it with FSDP2 (dp_shard > 1: per block of `blocks`, by default the entries of the model's `layers`, then
-        the root), with the job's parallel.reshard_after_forward, activation_checkpointing and mixed_precision
-        (`mixed_precision` overrides the last). In place: returns the same model, with the same parameter names
+        """Move `model` to this rank's device, apply `tp_plan` over the tp dimension (when parallel.tp > 1), make the
+        data-parallel replicas identical and then either average its gradients over them (parallel.dp_shard
+        = 1: at the end of every backward, or with parallel.pp > 1 around each step of `ctx.pipeline`) or
+        shard it with FSDP2 (dp_shard > 1: per block of `blocks`, given as a module class, submodule names
+        or the modules, by default the entries of the model's `layers`; then the root), with the job's
+        parallel.reshard_after_forward, activation_checkpointing and mixed_precision (`mixed_precision`
+        overrides the last). In place: returns the same model, with the same parameter names
         (hpcscale.parallel.data_parallel says why not DDP). With parallel.pp > 1 the model is this rank's
         pipeline stage (cut_stage); run its steps through `ctx.pipeline`."""
         from hpcscale.errors import BadInput

@@ -67,6 +67,44 @@ def data_parallel_mesh(mesh: Any, dims: ParallelDims) -> Any:
     return mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
 
 
+def resolve_blocks(model: nn.Module, blocks: Any) -> list[nn.Module]:
+    """The units to shard (and checkpoint activations of), in forward order, from what the caller gave: None
+    (default_blocks), a module class (every submodule of that class, outermost only: a block's own sub-blocks
+    of the same class stay in it), names of submodules ("layers.0", "model.layers.3"), or the modules
+    themselves. BadInput names what does not resolve."""
+    if blocks is None:
+        return default_blocks(model)
+    if isinstance(blocks, type):
+        found: list[nn.Module] = []
+        inside: set[int] = set()
+        for m in model.modules():
+            if id(m) in inside or m is model or not isinstance(m, blocks):
+                continue
+            found.append(m)
+            inside.update(id(sub) for sub in m.modules())
+        if not found:
+            raise BadInput(f"blocks={blocks.__name__}: the model has no submodule of that class")
+        return found
+    if isinstance(blocks, str):
+        blocks = [blocks]
+    out = []
+    for b in blocks:
+        if isinstance(b, str):
+            try:
+                out.append(model.get_submodule(b))
+            except AttributeError:
+                raise BadInput(f"blocks: the model has no submodule {b!r}") from None
+        elif isinstance(b, nn.Module):
+            out.append(b)
+        else:
+            raise BadInput(f"blocks: {b!r} is neither a submodule nor a submodule's name")
+    names = {id(m): n for n, m in model.named_modules()}
+    stray = [b for b in out if id(b) not in names or b is model]
+    if stray:
+        raise BadInput(f"blocks: {len(stray)} of the given blocks are not submodules of the model")
+    return out
+
+
 def checkpoint_activations(blocks: Iterable[nn.Module]) -> None:
     from torch.distributed._composable import checkpoint
 
@@ -80,7 +118,7 @@ def shard_model(
     mesh: Any,
     dims: ParallelDims,
     device: torch.device,
-    blocks: list[nn.Module] | None = None,
+    blocks: Any = None,
     reshard_after_forward: bool = True,
     mixed_precision: str = "auto",
     activation_checkpointing: bool = False,
@@ -88,11 +126,7 @@ def shard_model(
     """Apply activation checkpointing (when asked) and, when dims.dp_shard > 1, FSDP2 per block and at the
     root over the job's data-parallel mesh. In place; returns `model`. The model must already be on `device`
     with any tensor-parallel plan applied, and (for pp > 1) be this rank's pipeline stage."""
-    blocks = default_blocks(model) if blocks is None else list(blocks)
-    names = {id(m): n for n, m in model.named_modules()}
-    stray = [b for b in blocks if id(b) not in names]
-    if stray:
-        raise BadInput(f"shard_model: {len(stray)} of the given blocks are not submodules of the model")
+    blocks = resolve_blocks(model, blocks)
     if activation_checkpointing:
         checkpoint_activations(blocks)
     if not dims.sharded:
