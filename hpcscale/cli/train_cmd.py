@@ -68,7 +68,8 @@ def run(
     SIGTERM, SIGHUP or Ctrl-C stops every rank after the same step, with a checkpoint; a second one stops
     them at once. Nothing of the run outlives the command, even if it is killed.
 
-    Exit codes: 0 done, 75 stopped on request, 1 a rank failed (named in the message).
+    Exit codes: 0 done, 75 stopped on request, 2 a rank refused its input (a BadInput: the job spec, an
+    argument of the entry point's; named in the message), 1 a rank failed otherwise (named in the message).
     """
     from hpcscale.launch.local import run_local
 
@@ -83,7 +84,14 @@ def run(
     click.echo(f"run directory: {result.run_dir}", err=True)
     if (outcome := _outcome(result)) is not None:
         click.echo(outcome, err=True)
-    sys.exit(1 if result.exit_code not in (0, STOPPED_EXIT_CODE) else result.exit_code)
+    sys.exit(_exit_code(result))
+
+
+def _exit_code(result) -> int:
+    if result.exit_code in (0, STOPPED_EXIT_CODE):
+        return result.exit_code
+    # 2: a rank refused its input and called MPI_Abort(2), which mpirun passes on; its line names it
+    return 2 if result.exit_code == 2 and result.failure else 1
 
 
 def _outcome(result) -> str | None:

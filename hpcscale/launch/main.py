@@ -207,8 +207,11 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         print(failure_line(e, rank=rank, mpi_rank=MPI.COMM_WORLD.rank, node=node_name()), file=sys.stderr, flush=True)
         traceback.print_exc()
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-        return 1
+        # bad input the user can fix (an entry point's refused argument, a job spec the ranks reject) ends the
+        # job with its exit code, 2, as the CLI's own refusals do; anything else 1
+        code = e.exit_code if isinstance(e, BadInput) else 1
+        MPI.COMM_WORLD.Abort(code)
+        return code
     return code
 
 
