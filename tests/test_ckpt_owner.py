@@ -29,7 +29,7 @@ def test_a_run_refuses_checkpoints_another_run_owns_or_no_run_marked(mpi, tmp_pa
     (b / "checkpoints").symlink_to(a / "checkpoints", target_is_directory=True)
     second = run_cli("run", str(job), "--local", "--run-dir", str(b), "--reuse", "-p", "train.params.steps=8",
                      timeout=300)  # fmt: skip
-    assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]  # refused input, as the CLI's
     assert f"holds the checkpoints of another run (run id {owner}" in second.stdout + second.stderr
     assert _listing(a / "checkpoints") == before  # nothing written, nothing deleted
 
@@ -41,5 +41,5 @@ def test_a_run_refuses_checkpoints_another_run_owns_or_no_run_marked(mpi, tmp_pa
     (elsewhere / "keep.txt").write_text("mine")
     (c / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
     third = run_cli("run", str(job), "--local", "--run-dir", str(c), "--reuse", timeout=300)
-    assert third.returncode == 1 and "which no run has marked as its own" in third.stdout + third.stderr
+    assert third.returncode == 2 and "which no run has marked as its own" in third.stdout + third.stderr
     assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.txt"]

@@ -54,10 +54,11 @@ def _logs(run: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in (run / "logs").rglob("*") if p.is_file())
 
 
-def _site_a_fails(tmp: Path, jobs: dict) -> str:
-    """Site a's job alone: it must fail (exit 1); what it said, on the console and in its logs."""
+def _site_a_fails(tmp: Path, jobs: dict, code: int) -> str:
+    """Site a's job alone: it must fail with `code` (2: refused its input; 1: a checkpoint that does not load);
+    what it said, on the console and in its logs."""
     r = run_cli("run", str(jobs["a"]), "--local", "--run-dir", str(tmp / "run-a"), timeout=300)
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == code, r.stdout + r.stderr
     return r.stdout + r.stderr + _logs(tmp / "run-a")
 
 
@@ -106,7 +107,7 @@ def test_start_from_that_does_not_load_fails_the_site_and_names_it(mpi, tmp_path
     empty = tmp_path / "empty-checkpoints"
     empty.mkdir()
     _start_from(jobs["a"], empty)
-    said = _site_a_fails(tmp_path, jobs)
+    said = _site_a_fails(tmp_path, jobs, 1)
     assert f"xsite.start_from: no checkpoint in {empty} loads" in said, said[-3000:]
     assert list(empty.iterdir()) == []  # nothing written there
     assert not (tmp_path / "run-a" / "checkpoints").is_dir() or not any(
@@ -121,7 +122,7 @@ def test_start_from_another_models_checkpoint_is_refused_naming_why(mpi, tmp_pat
     pre = _pretrain(tmp_path, jobs["a"], "builtin")
     before = _tree(pre)
     _start_from(jobs["a"], pre, n_embd=64)  # the pretraining run's is 32
-    said = _site_a_fails(tmp_path, jobs)
+    said = _site_a_fails(tmp_path, jobs, 1)
     assert "refusing checkpoint step-00000010" in said, said[-3000:]
     assert f"xsite.start_from: no checkpoint in {pre} loads" in said, said[-3000:]
     assert _tree(pre) == before
@@ -131,7 +132,7 @@ def test_start_from_at_or_past_the_last_step_is_refused(mpi, tmp_path):
     _, jobs = _setup(tmp_path, steps=PRE)  # the training would end where the pretrained checkpoint is
     pre = _pretrain(tmp_path, jobs["a"], "builtin")
     _start_from(jobs["a"], pre)
-    said = _site_a_fails(tmp_path, jobs)
+    said = _site_a_fails(tmp_path, jobs, 2)
     assert f"is at step {PRE}, and this training ends at step {PRE}" in said, said[-3000:]
 
 
@@ -151,7 +152,7 @@ def test_a_site_refuses_a_round_0_that_is_not_its_start(mpi, tmp_path):
         assert _tick(config, "a").returncode in (0, 1)  # publishes round 0 from a's random start
         assert _tick(config, "b").returncode in (0, 1)  # hands θ(0) to b
         out, _ = procs["b"].communicate(timeout=300)
-        assert procs["b"].returncode == 1, out[-3000:]
+        assert procs["b"].returncode == 2, out[-3000:]
         assert "xsite.start_from: global round 0 is not the checkpoint this site started from" in out, out[-3000:]
         assert not any((tmp_path / "run-b" / "checkpoints").glob(f"step-{PRE + H:08d}"))  # no round was trained
     finally:
