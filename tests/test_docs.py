@@ -27,3 +27,51 @@ def test_every_schema_key_is_in_the_reference():
             if dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__:
                 for f in dataclasses.fields(obj):
                     assert f"| `{yaml_key(f)}` |" in text, f"{obj.__name__}.{f.name} undocumented"
+
+
+# Internals the launcher drives (closing what it opened), not part of what an entry point calls.
+NOT_FOR_ENTRY_POINTS = {
+    ("Checkpointer", "close"),
+    ("MetricsLogger", "close"),
+    ("MetricsLogger", "attempt"),
+    ("MetricsLogger", "path"),
+    ("MetricsLogger", "tensorboard"),
+}
+
+
+def test_every_public_call_of_the_context_api_is_on_its_page_with_every_parameter():
+    """docs/context-api.md names each public attribute of ctx, ctx.checkpoint, a pipeline and ctx.metrics, and
+    writes each method as a call naming every parameter it takes: a renamed or added parameter fails here."""
+    import dataclasses
+    import inspect
+    import re
+
+    from hpcscale.launch.checkpointing import Checkpointer
+    from hpcscale.launch.context import Context, MetricsLogger
+    from hpcscale.parallel.pipeline import Pipeline
+
+    text = re.sub(r"```.*?```", "", (REPO / "docs" / "context-api.md").read_text(), flags=re.S)
+    spans = re.findall(r"`([^`\n]+)`", text)
+    problems = []
+    for cls in (Context, Checkpointer, Pipeline, MetricsLogger):
+        names = {n for n in dir(cls) if not n.startswith("_")}
+        if dataclasses.is_dataclass(cls):
+            names |= {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        else:  # the attributes its constructor sets
+            names |= set(re.findall(r"self\.([a-z]\w*)\s*[:=]", inspect.getsource(cls.__init__)))
+        for name in sorted(names - {n for c, n in NOT_FOR_ENTRY_POINTS if c == cls.__name__}):
+            member = inspect.getattr_static(cls, name, None)
+            if inspect.isfunction(member):
+                calls = [s for s in spans if re.match(rf"(\w+\.)*{re.escape(name)}\(", s)]
+                params = [p for p in inspect.signature(member).parameters if p != "self"]
+                if not calls:
+                    problems.append(f"{cls.__name__}.{name}: no call `{name}(...)` on the page")
+                else:
+                    problems += [
+                        f"{cls.__name__}.{name}: parameter {p!r} is not in any of {calls}"
+                        for p in params
+                        if not any(re.search(rf"\b{re.escape(p)}\b", c) for c in calls)
+                    ]
+            elif not any(re.fullmatch(rf"(\w+\.)*{re.escape(name)}", s) for s in spans):
+                problems.append(f"{cls.__name__}.{name}: not named on the page")
+    assert not problems, "\n".join(problems)

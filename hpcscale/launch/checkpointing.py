@@ -96,7 +96,7 @@ class Checkpointer:
 
     def __init__(self, ctx: Any):
         self._ctx = ctx
-        self.policy = ctx.job.checkpoint
+        self._policy = ctx.job.checkpoint
         self._manager = None
         self._model: torch.nn.Module | None = None
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
@@ -105,7 +105,7 @@ class Checkpointer:
         self._registered = False
         self._stepped = False  # step() ran in this attempt
         self._done: int | None = None  # steps finished at the last step() call
-        self.restored_step: int | None = None
+        self._restored_step: int | None = None
         self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.launch.rounds
         self.tokens_per_step = 0  # cross-site weighting by tokens: set it before restore(); 0 counts steps alike
         self.steps: int | None = None  # the training's length, when the code says (set before restore())
@@ -152,7 +152,7 @@ class Checkpointer:
         if restored is None:
             for opt in self._optimizers:  # drop the lazy state get_state_dict created: see the module docstring
                 opt.state.clear()
-            self.restored_step = None
+            self._restored_step = None
             if self._start_rounds(None):  # the start checkpoint (the aggregator's is round 0), then adopt θ(0)
                 self._round_boundary(0)
                 for opt in self._optimizers:  # its save made the lazy state again: the first step stays AdamW's own
@@ -209,7 +209,7 @@ class Checkpointer:
                     f"{type(e).__name__}: {e}"
                 ) from e
         if pretrained:  # rounds start here: the start checkpoint (the aggregator's is round 0), then adopt θ(0)
-            self.restored_step = self._done = restored.step
+            self._restored_step = self._done = restored.step
             self._start_rounds(None)
             self._rounds.begin_at(restored.step)
             self._round_boundary(restored.step)
@@ -226,7 +226,7 @@ class Checkpointer:
             f"hpcscale: resumed from checkpoint step {restored.step}"
             + ("" if restored.rng is not None else " (new layout: resharded)")
         )
-        self.restored_step = restored.step
+        self._restored_step = restored.step
         self._done = restored.step
         if self._start_rounds(saved) and self._rounds.is_boundary(restored.step):
             with self._watchdog.paused("cross-site round"):  # resumed from a round checkpoint: the wait it was in
@@ -265,7 +265,7 @@ class Checkpointer:
         elif self._rounds is not None and self._rounds.is_boundary(step + 1):
             self._round_boundary(step + 1)
         elif self._saves.due(step + 1):
-            ckpt_s = self.save(step + 1, asynchronous=self.policy.asynchronous)
+            ckpt_s = self.save(step + 1, asynchronous=self._policy.asynchronous)
             self._saves.saved(step + 1, ckpt_s, self._background_before)
         if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1) and not last:
             self.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
@@ -336,7 +336,7 @@ class Checkpointer:
             if rounds is not None and finished and rounds.is_boundary(done):
                 rounds.before_round_checkpoint(done)  # overlap: the round in flight first, as at every boundary
             # a cross-site site's last checkpoint is a round's too (its contribution), whatever every_steps says
-            wanted = self.policy.every_steps != 0 or rounds is not None
+            wanted = self._policy.every_steps != 0 or rounds is not None
             if wanted and done is not None and self._manager.last_step != done:
                 self.save(done, asynchronous=False)
             self._manager.close()
@@ -364,7 +364,11 @@ class Checkpointer:
 
         ctx = self._ctx
         self._saves = SaveSchedule(
-            self.policy.every_steps, start=start, mtbf=ctx.hooks.get("mtbf"), log=ctx.metrics.log, say=ctx.metrics.print
+            self._policy.every_steps,
+            start=start,
+            mtbf=ctx.hooks.get("mtbf"),
+            log=ctx.metrics.log,
+            say=ctx.metrics.print,
         )
         self._times = ctx.hooks.get("timing") or NoStepTimes()
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)

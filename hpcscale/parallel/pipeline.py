@@ -125,7 +125,7 @@ class Pipeline:
 
     def __init__(self, schedule: Any, syncs: Sequence[Any], *, n_microbatches: int, first: bool, last: bool):
         self.schedule = schedule
-        self.syncs = list(syncs)
+        self._syncs = list(syncs)
         self.n_microbatches = n_microbatches
         self.first = first
         self.last = last
@@ -139,15 +139,15 @@ class Pipeline:
         return torch.stack(losses).sum().detach() if self.last else None
 
     def step(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
-        for sync in self.syncs:
+        for sync in self._syncs:
             sync.begin(self.n_microbatches)
         try:
             loss = self._run(self.schedule.step, inputs, targets)
         except BaseException:
-            for sync in self.syncs:  # no reduction waits on peers that may never come: the step failed
+            for sync in self._syncs:  # no reduction waits on peers that may never come: the step failed
                 sync.armed = False
             raise
-        for sync in self.syncs:
+        for sync in self._syncs:
             sync.finish()
         return loss
 
