@@ -366,3 +366,42 @@ def test_state_check_answers_every_hand_edited_state_without_raising(state):
     c = _checker(loader=_Loader())
     problem = c._state_problem(state)
     assert problem is None or isinstance(problem, str)
+
+
+def test_launch_gives_the_ranks_the_jobs_environment_whatever_started_them(mpi, tmp_path):
+    """An admin's own script that calls `hpcscale launch --run-dir RUN` without exporting the job spec's
+    `environment:` (the rendered script and `run --local` export it): the entry point is still found on the
+    job's PYTHONPATH and sees its variables; a variable the script did set keeps the script's value."""
+    from hpcscale.launch.local import local_env
+
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "envcheck.py").write_text(
+        "import os\n\n"
+        "def main(ctx):\n"
+        "    (ctx.run_dir / f'env.{ctx.rank}').write_text(os.environ.get('HPCS_A', '-') + ' ' + "
+        "os.environ.get('HPCS_B', '-'))\n"
+    )
+    spec = {
+        "name": "envcheck",
+        "site": "local",
+        "tasks_per_node": 2,
+        "environment": {"PYTHONPATH": str(mods), "HPCS_A": "from-spec", "HPCS_B": "from-spec"},
+        "train": {"entry": "envcheck:main"},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    run = tmp_path / "run"
+    r = run_local(tmp_path / "job.yaml", run)  # makes the run directory, as `submit --dry-run` would
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (run / "env.1").read_text() == "from-spec from-spec"
+    (run / "env.1").unlink()
+    # the admin's script: none of the job's variables exported, one of its own set
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPCS_") and k != "PYTHONPATH"}
+    env |= local_env() | {"HPCS_B": "from-script"}
+    out = subprocess.run(
+        ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", sys.executable, "-m", "hpcscale", "launch",
+         "--run-dir", str(run)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert (run / "env.1").read_text() == "from-spec from-script"

@@ -172,6 +172,29 @@ def _stop_step(e: StopRequested) -> int | None:
     return e.args[0] if e.args and isinstance(e.args[0], int) else None
 
 
+def apply_environment(loaded: LoadedJob, environ=os.environ, path: list[str] = sys.path) -> list[str]:
+    """Give this rank the job's environment (the site's `environment.variables`, then the job spec's
+    `environment:`), whatever started it: the rendered script and `run --local` export them, an admin's own
+    script calling `hpcscale launch` may not. A variable the rank already has keeps its value (the script that
+    started it said so); PYTHONPATH's entries are added to the import path this process already has, after
+    the ones there, so `train.entry` is found. Runs before the bootstrap, so NCCL, gloo and CUDA see the
+    variables when they start. Returns the names it set."""
+    wanted = {**loaded.site.config.environment.variables, **loaded.spec.environment}
+    added = []
+    for name, value in wanted.items():
+        if name == "PYTHONPATH":
+            entries = [e for e in value.split(os.pathsep) if e]
+            path.extend(e for e in entries if e not in path)
+            have = [e for e in environ.get(name, "").split(os.pathsep) if e]
+            if any(e not in have for e in entries):
+                environ[name] = os.pathsep.join([*have, *(e for e in entries if e not in have)])
+                added.append(name)
+        elif name not in environ:
+            environ[name] = value
+            added.append(name)
+    return added
+
+
 def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     """Run this rank. A rank that finished exits here, with every rank (_exit_together); otherwise returns the
     process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
@@ -180,6 +203,7 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     from mpi4py import MPI
 
     loaded = RunDir(run_dir).load_job()
+    apply_environment(loaded)
     spec = loaded.spec
     if spec.train is None:
         raise BadInput(f"{run_dir}/job.yaml has no `train:` entry; `command:` jobs run their program directly")
