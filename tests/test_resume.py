@@ -322,6 +322,31 @@ def test_resume_refused_while_running_and_two_resumes_submit_once(local_cluster,
             subprocess.run(["scancel", json.loads(line)["job_id"]], env=env)
 
 
+def test_an_admins_own_sbatch_script_is_a_job_of_the_run(local_cluster, tmp_path):
+    """A run directory from `submit --dry-run`, then the admin's own batch script calling `hpcscale launch`
+    (no exports, no requeue line): the job is recorded as the run's, so status lists it and resume diagnoses
+    it through Slurm instead of saying there is nothing to resume."""
+    env = {**os.environ, **local_cluster}
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", nodes=1, ranks=2, steps=6)
+    dry = run_cli("submit", str(job), "--run-dir", str(run), "--dry-run", env=local_cluster)
+    assert dry.returncode == 0, dry.stderr
+    rendered = (run / "submissions" / "0001.sbatch").read_text()
+    srun = next(line for line in rendered.splitlines() if " hpcscale launch " in line or "hpcscale', 'launch" in line)
+    own = tmp_path / "own.sbatch"
+    own.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n#SBATCH --cpus-per-task=1\n"
+        f"#SBATCH --output={tmp_path}/own-%j.out\n{srun.removesuffix(' &')}\n"
+    )
+    out = subprocess.run(["sbatch", "--parsable", str(own)], capture_output=True, text=True, env=env, check=True)
+    job_id = out.stdout.strip().split(";")[0]
+    assert _wait_gone(job_id, local_cluster) == "COMPLETED", (tmp_path / f"own-{job_id}.out").read_text()[-3000:]
+    status = json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)
+    assert [s["job_id"] for s in status["submissions"]] == [None, job_id], status["submissions"]
+    dry = run_cli("resume", str(run), "--dry-run", env=local_cluster)
+    assert dry.returncode == 2 and "the run finished" in dry.stderr and job_id in dry.stderr, dry.stderr
+
+
 # ---- local runs ------------------------------------------------------------------------------------------
 def test_damaged_newest_checkpoint_resume_falls_back_and_trains_past_it(mpi, tmp_path):
     sys_path = str(REPO / "tests" / "helpers")

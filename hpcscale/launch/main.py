@@ -25,7 +25,7 @@ from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.portable.lock import process_start_time
-from hpcscale.rundir import METRICS, TENSORBOARD, RunDir, link_checkpoints, site_checkpoint_root
+from hpcscale.rundir import METRICS, TENSORBOARD, RunDir, Submission, link_checkpoints, site_checkpoint_root
 from hpcscale.util.paths import expand_path
 
 # The reference trainer is loaded by name like any user's entry point: launch runs entry points, it does not
@@ -104,6 +104,8 @@ def _begin_attempt(work_dir: Path, info, dims) -> int:
         attempt = RunDir(work_dir).next_attempt()
     except OSError:
         attempt = 0
+    if os.environ.get("SLURM_JOB_ID") and not os.environ.get("SLURM_ARRAY_JOB_ID"):  # a sweep's are submitted
+        _adopt_job(work_dir, os.environ["SLURM_JOB_ID"])
     _attempt_event(
         work_dir,
         "begin",
@@ -118,6 +120,29 @@ def _begin_attempt(work_dir: Path, info, dims) -> int:
         pid_start=process_start_time(os.getpid()),  # with the pid: a reused pid is not taken for this rank
     )
     return attempt
+
+
+def _adopt_job(work_dir: Path, job_id: str) -> None:
+    """A Slurm job hpcscale did not submit (an admin's own script calling `hpcscale launch`) is still a job of
+    the run: recorded as a submission the first time one of its attempts starts, so `status` lists it and
+    `resume` diagnoses it through sacct (its nodes, its exit) and resubmits with the rendered script."""
+    rd = RunDir(work_dir)
+    try:
+        if any(s.job_id == job_id for s in rd.submissions()):
+            return
+        rd.record(
+            Submission(
+                index=rd.next_index(),
+                job_id=job_id,
+                cluster=os.environ.get("SLURM_CLUSTER_NAME"),
+                time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                script="",  # the script is the admin's, not in RUN/submissions
+                template="own script",
+                reason="started by a script hpcscale did not submit",
+            )
+        )
+    except (OSError, HpcscaleError) as e:  # the run goes on; status and resume will not know this job
+        print(f"hpcscale launch: cannot record job {job_id} in {work_dir}: {e}", file=sys.stderr, flush=True)
 
 
 STOP_BARRIER_S = 30.0
