@@ -342,7 +342,7 @@ def test_an_admins_own_sbatch_script_is_a_job_of_the_run(local_cluster, tmp_path
     job_id = out.stdout.strip().split(";")[0]
     assert _wait_gone(job_id, local_cluster) == "COMPLETED", (tmp_path / f"own-{job_id}.out").read_text()[-3000:]
     status = json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)
-    assert [s["job_id"] for s in status["submissions"]] == [None, job_id], status["submissions"]
+    assert [s["submission"]["job_id"] for s in status["submissions"]] == [job_id], status["submissions"]
     dry = run_cli("resume", str(run), "--dry-run", env=local_cluster)
     assert dry.returncode == 2 and "the run finished" in dry.stderr and job_id in dry.stderr, dry.stderr
 
