@@ -200,7 +200,7 @@ def test_preemption_signal_checkpoints_requeues_and_finishes_exactly(local_clust
 
 def test_time_limit_requeues_until_its_budget_is_spent(local_cluster, tmp_path):
     """A 2-minute limit with 40 s of grace: each attempt is stopped by the time-limit signal, checkpoints,
-    and requeues itself while restart.max_time_limits allows; the third stop ends the job. Slurm sends the
+    and requeues itself while restart.max_time_limits allows (1 here); the second stop ends the job. Slurm sends the
     signal up to 60 s early (20-80 s into each attempt here): with a 1-minute limit it could come before the
     ranks started, and that attempt would have no checkpoint of its own."""
     run = tmp_path / "run"
@@ -209,17 +209,17 @@ def test_time_limit_requeues_until_its_budget_is_spent(local_cluster, tmp_path):
         steps=100000,
         time_limit="2",
         signals={"grace_seconds": 40},
-        restart={"max_time_limits": 2},
+        restart={"max_time_limits": 1},
     )
     job_id = _submit(job, run, local_cluster)
     _wait_gone(job_id, local_cluster, timeout=720)
     ends = [e for e in _events(run) if e["event"] == "end"]
-    assert [e["cause"] for e in ends] == ["time_limit"] * 3, ends
-    assert [e["requeue"] for e in ends] == [True, True, False]
+    assert [e["cause"] for e in ends] == ["time_limit"] * 2, ends
+    assert [e["requeue"] for e in ends] == [True, False]
     assert "time limit budget spent" in ends[-1]["why"]
-    assert [e["restart_count"] for e in ends] == [0, 1, 2]
+    assert [e["restart_count"] for e in ends] == [0, 1]
     steps = [e["checkpoint"] for e in ends]
-    assert steps == sorted(steps) and steps[0] > 0  # each attempt checkpointed on the signal and went further
+    assert steps[1] > steps[0] > 0  # each attempt checkpointed on the signal, the second further
     out = run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
