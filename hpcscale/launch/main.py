@@ -128,11 +128,12 @@ def _adopt_job(work_dir: Path, job_id: str) -> None:
     `resume` diagnoses it through sacct (its nodes, its exit) and resubmits with the rendered script."""
     rd = RunDir(work_dir)
     try:
-        if any(s.job_id == job_id for s in rd.submissions()):
+        subs = rd.submissions()
+        if any(s.job_id == job_id for s in subs):
             return
         rd.record(
             Submission(
-                index=rd.next_index(),
+                index=len(subs) + 1,
                 job_id=job_id,
                 cluster=os.environ.get("SLURM_CLUSTER_NAME"),
                 time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -197,27 +198,24 @@ def _stop_step(e: StopRequested) -> int | None:
     return e.args[0] if e.args and isinstance(e.args[0], int) else None
 
 
-def apply_environment(loaded: LoadedJob, environ=os.environ, path: list[str] = sys.path) -> list[str]:
+def apply_environment(loaded: LoadedJob) -> None:
     """Give this rank the job's environment (the site's `environment.variables`, then the job spec's
     `environment:`), whatever started it: the rendered script and `run --local` export them, an admin's own
     script calling `hpcscale launch` may not. A variable the rank already has keeps its value (the script that
     started it said so); PYTHONPATH's entries are added to the import path this process already has, after
     the ones there, so `train.entry` is found. Runs before the bootstrap, so NCCL, gloo and CUDA see the
-    variables when they start. Returns the names it set."""
+    variables when they start."""
     wanted = {**loaded.site.config.environment.variables, **loaded.spec.environment}
-    added = []
     for name, value in wanted.items():
         if name == "PYTHONPATH":
-            entries = [e for e in value.split(os.pathsep) if e]
-            path.extend(e for e in entries if e not in path)
-            have = [e for e in environ.get(name, "").split(os.pathsep) if e]
-            if any(e not in have for e in entries):
-                environ[name] = os.pathsep.join([*have, *(e for e in entries if e not in have)])
-                added.append(name)
-        elif name not in environ:
-            environ[name] = value
-            added.append(name)
-    return added
+            for entry in (e for e in value.split(os.pathsep) if e):
+                if entry not in sys.path:
+                    sys.path.append(entry)
+                have = os.environ.get(name, "").split(os.pathsep)
+                if entry not in have:  # for what the rank starts (compile workers, dataloader processes)
+                    os.environ[name] = os.pathsep.join([*(e for e in have if e), entry])
+        else:
+            os.environ.setdefault(name, value)
 
 
 def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:

@@ -98,8 +98,8 @@ def resolve_blocks(model: nn.Module, blocks: Any) -> list[nn.Module]:
             out.append(b)
         else:
             raise BadInput(f"blocks: {b!r} is neither a submodule nor a submodule's name")
-    names = {id(m): n for n, m in model.named_modules()}
-    stray = [b for b in out if id(b) not in names or b is model]
+    inside_model = {id(m) for m in model.modules()}
+    stray = [b for b in out if id(b) not in inside_model or b is model]
     if stray:
         raise BadInput(f"blocks: {len(stray)} of the given blocks are not submodules of the model")
     return out

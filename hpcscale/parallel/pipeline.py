@@ -39,12 +39,11 @@ def stage_layers(n_layer: int, pp: int, stage: int) -> range:
 
 def _owner(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, str]:
     """The module holding the attribute at dotted `path`, and the attribute's name."""
-    *parents, name = path.split(".")
-    owner = model
-    for part in parents:
-        owner = getattr(owner, part, None)
-        if owner is None:
-            raise BadInput(f"cut_stage: the model has no {path!r} ({part!r} is missing)")
+    parent, _, name = path.rpartition(".")
+    try:
+        owner = model.get_submodule(parent)
+    except AttributeError:
+        raise BadInput(f"cut_stage: the model has no {path!r} ({parent!r} is missing)") from None
     if not hasattr(owner, name):
         raise BadInput(f"cut_stage: the model has no {path!r}")
     return owner, name
