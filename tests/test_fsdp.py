@@ -20,12 +20,16 @@ from hypothesis import strategies as st
 from trainjobs import grad_norms, losses
 
 from hpcscale.ckpt.shards import LocalShard, _mesh_index, _numel, _piece, writers
+from hpcscale.errors import BadInput
 from hpcscale.layout import ParallelDims, layout_problems
+from hpcscale.parallel.pipeline import cut_stage
 
 HELPERS = REPO / "tests" / "helpers"
 
 
-def _job(path: Path, *, ranks: int, tp: int = 1, pp: int = 1, dp_shard: int = 1, steps: int = 12) -> Path:
+def _job(
+    path: Path, *, ranks: int, tp: int = 1, pp: int = 1, dp_shard: int = 1, steps: int = 12, meta: bool = False
+) -> Path:
     spec = {
         "name": f"fsdp-{ranks}-{tp}-{pp}-{dp_shard}",
         "site": "local",
@@ -34,7 +38,7 @@ def _job(path: Path, *, ranks: int, tp: int = 1, pp: int = 1, dp_shard: int = 1,
         "timeout_seconds": 120,
         "hang_timeout_seconds": 100,
         "environment": {"PYTHONPATH": str(HELPERS)},
-        "train": {"entry": "fsdp_entry:main", "params": {"steps": steps}},
+        "train": {"entry": "fsdp_entry:main", "params": {"steps": steps, "meta": meta}},
         "checkpoint": {"every_steps": 4, "keep_last": 10},
     }
     path.write_text(yaml.safe_dump(spec))
@@ -68,13 +72,15 @@ def _state_bytes(run: Path, ranks: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "dp_shard"),
-    [(1, 1, 4), (1, 1, 2), (2, 1, 2), (1, 2, 2), (1, 2, 1)],
-    ids=["dp_shard4", "hsdp2x2", "tp2-dp_shard2", "pp2-dp_shard2", "pp2-dp2"],
+    ("tp", "pp", "dp_shard", "meta"),
+    [(1, 1, 4, True), (1, 1, 2, False), (2, 1, 2, True), (1, 2, 2, True), (1, 2, 1, True)],
+    ids=["dp_shard4-meta", "hsdp2x2", "tp2-dp_shard2-meta", "pp2-dp_shard2-meta", "pp2-dp2-meta"],
 )
-def test_user_model_at_every_layout_gives_the_single_process_losses(single, tmp_path, tp, pp, dp_shard):
+def test_user_model_at_every_layout_gives_the_single_process_losses(single, tmp_path, tp, pp, dp_shard, meta):
+    """The single process builds the model whole; `meta` layouts build it on the meta device and each rank
+    materializes only its shards: the same initial weights, so the same losses."""
     run = tmp_path / "run"
-    _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard)
+    _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard, meta=meta)
     got = losses(run)
     assert len(got) == 12
     _close(got, losses(single))
@@ -485,3 +491,81 @@ def test_the_units_to_shard_are_named_by_class_by_name_or_given():
     nest = torch.nn.Sequential(Outer(), Outer())
     nest[0].inner.append(Outer())
     assert resolve_blocks(nest, Outer) == [nest[0], nest[1]]
+
+
+def _fsdp_entry():
+    import importlib
+    import sys
+
+    if str(HELPERS) not in sys.path:
+        sys.path.insert(0, str(HELPERS))
+    return importlib.import_module("fsdp_entry")
+
+
+def _whole_and_meta(factory, init, seed=3):
+    from hpcscale.parallel.init import initialize, materialize
+
+    whole = factory()
+    initialize(whole, init, seed=seed)
+    with torch.device("meta"):
+        meta = factory()
+    materialize(meta, init, seed=seed, device=torch.device("cpu"))
+    return whole, meta
+
+
+def test_a_model_built_on_meta_materializes_to_the_weights_it_has_built_whole():
+    """Seeded by name: the reference GPT, and a user's model with a LayerNorm (its reset_parameters) and a
+    buffer outside the state dict (its init), come out of materialize bitwise as they are built whole,
+    whatever order modules are initialized in and whichever of them a pipeline cut removed."""
+    fsdp_entry = _fsdp_entry()
+    from hpcscale.train.model import GPT, GPTShape
+
+    shape = GPTShape(vocab_size=64, seq_len=16, n_layer=3, n_embd=32, n_head=2)
+    whole = GPT(shape, seed=5)
+    with torch.device("meta"):
+        meta = GPT(shape, seed=5)
+    cut_stage(meta, stage=1, pp=2, first_stage_only=GPT.FIRST_STAGE_ONLY, last_stage_only=GPT.LAST_STAGE_ONLY)
+    from hpcscale.parallel.init import materialize
+
+    materialize(meta, meta.init_module, seed=5, device=torch.device("cpu"))
+    kept = dict(meta.named_parameters())
+    assert kept and set(kept) < set(dict(whole.named_parameters()))
+    for name, p in whole.named_parameters():
+        if name in kept:
+            assert torch.equal(p, kept[name]), name
+    assert not torch.equal(GPT(shape, seed=6).output.weight, whole.output.weight)  # the seed matters
+    a, b = _whole_and_meta(fsdp_entry.Net, fsdp_entry.init)
+    want, got = dict((*a.named_parameters(), *a.named_buffers())), dict((*b.named_parameters(), *b.named_buffers()))
+    assert sorted(want) == sorted(got) and "gain" in got
+    for n, x in want.items():
+        assert torch.equal(x, got[n]), n
+
+
+def test_a_meta_model_that_init_leaves_partly_unset_is_refused_by_name():
+    fsdp_entry = _fsdp_entry()
+    from hpcscale.parallel.init import materialize, on_meta
+
+    class Scale(torch.nn.Module):  # a parameter of the user's own, with no reset_parameters
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        seq = torch.nn.Sequential(torch.nn.Linear(4, 4), Scale())
+    with pytest.raises(BadInput, match=r"init left parameter 1\.w"):
+        materialize(seq, None, seed=0, device=torch.device("cpu"))
+
+    def no_buffer(m):
+        if not isinstance(m, fsdp_entry.Net):
+            fsdp_entry.init(m)
+
+    with torch.device("meta"):
+        net = fsdp_entry.Net()
+    with pytest.raises(BadInput, match="init left buffer gain unset"):
+        materialize(net, no_buffer, seed=0, device=torch.device("cpu"))
+    with torch.device("meta"):
+        net = fsdp_entry.Net()
+    net.head = torch.nn.Linear(32, 50)  # one part built on a real device
+    with pytest.raises(BadInput, match=r"partly on the meta device .* head\.weight, head\.bias are not"):
+        on_meta(net)
+    assert on_meta(net.layers) and not on_meta(fsdp_entry.Net())

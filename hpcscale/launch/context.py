@@ -109,6 +109,8 @@ class Context:
         bucket_mb: float = 25.0,
         blocks: Any = None,
         mixed_precision: str | None = None,
+        init: Any = None,
+        seed: int = 0,
     ) -> Any:
         """Move `model` to this rank's device, apply `tp_plan` over the tp dimension (when parallel.tp > 1), make the
         data-parallel replicas identical and then either average its gradients over them (parallel.dp_shard
@@ -118,19 +120,34 @@ class Context:
         parallel.reshard_after_forward, activation_checkpointing and mixed_precision (`mixed_precision`
         overrides the last). In place: returns the same model, with the same parameter names
         (hpcscale.parallel.data_parallel says why not DDP). With parallel.pp > 1 the model is this rank's
-        pipeline stage (cut_stage); run its steps through `ctx.pipeline`."""
+        pipeline stage (cut_stage); run its steps through `ctx.pipeline`.
+
+        A model built under `torch.device("meta")` is placed without storage and then materialized: each rank
+        allocates and initializes only its own shards (hpcscale.parallel.init), running every module's
+        reset_parameters() and then `init(module)`, with torch's RNG seeded from `seed` and the module's name,
+        so every layout starts from the weights hpcscale.parallel.init.initialize gives the model built whole."""
         from hpcscale.errors import BadInput
         from hpcscale.parallel.data_parallel import parallelize
         from hpcscale.parallel.fsdp import ShardedSync, shard_model
         from hpcscale.parallel.grad_sync import GradSync
+        from hpcscale.parallel.init import materialize, on_meta
 
         if mixed_precision not in (None, "bf16", "fp32", "auto"):
             raise BadInput(f"ctx.parallelize: mixed_precision is {mixed_precision!r}, not one of bf16, fp32, auto")
         if any(m is model for m in self._models):
             raise BadInput("ctx.parallelize: this model was already parallelized")
+        meta = on_meta(model)
+        if init is not None and not meta:
+            raise BadInput(
+                "ctx.parallelize: init= initializes a model built on the meta device; this one has its weights "
+                "already (build it under torch.device('meta'), or drop init=)"
+            )
+        if init is not None and not callable(init):
+            raise BadInput(f"ctx.parallelize: init is {init!r}, not a function of one module")
         p = self.job.parallel
         dp_group = self.mesh["dp"].get_group() if self.dims.dp > 1 else None
-        model.to(self.device)
+        if not meta:
+            model.to(self.device)
         # replicated data parallelism: automatic at the end of each backward, except a pipeline stage's, whose
         # micro-batch backward passes run inside the schedule: ctx.pipeline arms and finishes it per step
         automatic = self.dims.pp == 1
@@ -146,6 +163,8 @@ class Context:
                 mixed_precision=mixed_precision or p.mixed_precision,
                 activation_checkpointing=p.activation_checkpointing,
             )
+            if meta:
+                materialize(m, init, seed=seed, device=self.device)
             if self.dims.sharded:
                 return ShardedSync(m)
             return GradSync(m, dp_group, bucket_mb=bucket_mb, automatic=automatic)

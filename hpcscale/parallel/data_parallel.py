@@ -11,7 +11,9 @@ stage's schedule (hpcscale.parallel.pipeline.Pipeline). scripts/bench/user_entry
 on the same model.
 
 Like DDP, it starts every data-parallel replica from the same weights: parameters and buffers are broadcast
-from the first rank of the dp group, so an unseeded model cannot silently diverge.
+from the first rank of the dp group, so an unseeded model cannot silently diverge. A model built on the meta
+device has no weights yet; `shard` materializes it with name-seeded initialization (hpcscale.parallel.init),
+which gives every replica the same weights by construction.
 
 With parallel.dp_shard > 1 the data parallelism is torch's FSDP2 instead (hpcscale.parallel.fsdp.shard_model):
 the replicas are made identical first, then each block and the root are sharded over the dp mesh; FSDP
@@ -55,7 +57,8 @@ def parallelize(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, tp_plan)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+    on_meta = any(t.is_meta for t in model.parameters())
+    if dp_group is not None and dist.get_world_size(dp_group) > 1 and not on_meta:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(_local(t), group=dp_group, group_src=0)

@@ -1,6 +1,7 @@
 """Pipeline parallelism with torch.distributed.pipelining (GPipe or 1F1B), for any model built as a stack.
 
-The model is built whole on every rank (same seed, so identical), then each stage drops what it does not own:
+The model is built on every rank (on the meta device for a large one: hpcscale.parallel.init; whole with the
+same seed, so identical, otherwise), then each stage drops what it does not own:
 the blocks in `model.layers` (a ModuleList, or a ModuleDict keyed by global index "0", "1", ...; another
 attribute path with `layers=`, e.g. "model.layers") are split into pp contiguous runs (earlier stages take the
 remainder); the modules named as first-stage-only (embeddings) stay on the first stage, those named as

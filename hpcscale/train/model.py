@@ -5,6 +5,8 @@
   it does not own and keeps the names, so checkpoints line up across layouts.
 - tok_emb/pos_emb exist only on the first stage, norm/output only on the last (None elsewhere).
 - no dropout and no weight tying: every layout must compute the same losses.
+- initialization is seeded per module by name (hpcscale.parallel.init): built whole here, or on the meta device
+  and materialized shard by shard by ctx.parallelize, every layout starts from bitwise the same weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hpcscale.parallel.init import initialize
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +38,7 @@ class Attention(nn.Module):
         self.k = nn.Linear(s.n_embd, s.n_embd, bias=False)
         self.v = nn.Linear(s.n_embd, s.n_embd, bias=False)
         self.o = nn.Linear(s.n_embd, s.n_embd, bias=False)
+        self.o.residual_out = True  # GPT-2's scaled init (GPT.init_module)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape  # (B, T, C)
@@ -48,6 +53,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(s.n_embd, 4 * s.n_embd)
         self.proj = nn.Linear(4 * s.n_embd, s.n_embd)
+        self.proj.residual_out = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -71,7 +77,9 @@ class GPT(nn.Module):
     FIRST_STAGE_ONLY = ("tok_emb", "pos_emb")
     LAST_STAGE_ONLY = ("norm", "output")
 
-    def __init__(self, s: GPTShape):
+    def __init__(self, s: GPTShape, *, seed: int = 0):
+        """Built under torch.device("meta") the model has no storage and is left uninitialized: ctx.parallelize(
+        model, init=model.init_module, seed=seed) materializes it. Anywhere else it is initialized here."""
         super().__init__()
         self.shape = s
         self.tok_emb: nn.Embedding | None = nn.Embedding(s.vocab_size, s.n_embd)
@@ -79,15 +87,15 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(s) for i in range(s.n_layer)})
         self.norm: nn.LayerNorm | None = nn.LayerNorm(s.n_embd)
         self.output: nn.Linear | None = nn.Linear(s.n_embd, s.vocab_size, bias=False)
-        self.apply(self._init)
-        for name, p in self.named_parameters():
-            if name.endswith(("attn.o.weight", "mlp.proj.weight")):  # GPT-2's scaled init of residual outputs
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * s.n_layer))
+        if not self.tok_emb.weight.is_meta:
+            initialize(self, self.init_module, seed=seed)
 
-    @staticmethod
-    def _init(m: nn.Module) -> None:
+    def init_module(self, m: nn.Module) -> None:
+        """One module's own weights: N(0, 0.02) for linear and embedding weights, zero biases, and GPT-2's
+        N(0, 0.02 / sqrt(2 n_layer)) for the projections that write into the residual stream."""
         if isinstance(m, nn.Linear | nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            std = 0.02 / math.sqrt(2 * self.shape.n_layer) if getattr(m, "residual_out", False) else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 

@@ -5,11 +5,12 @@ same gradients, so changing the layout changes speed, never the losses (tests/te
 
 The trainer is an entry point like any user's: its model is placed by `ctx.parallelize`, its pipeline run by
 `ctx.pipeline`, its checkpoints kept by `ctx.checkpoint`. Order of construction, and why:
-1. build the whole model on every rank from the same seed: identical weights everywhere;
-2. cut the pipeline stage: the stage keeps its layers' original names (and init);
-3. ctx.parallelize: tensor parallelism from the model's plan (DTensor shards the kept weights from those
-   identical full tensors), then the data parallelism: gradient averaging over replicas, or with
-   parallel.dp_shard > 1 FSDP2 per block, with the job's activation checkpointing and mixed precision;
+1. build the whole model on the meta device (shapes, no storage: no rank ever holds the whole model);
+2. cut the pipeline stage: the stage keeps its layers' original names;
+3. ctx.parallelize: tensor parallelism from the model's plan, then the data parallelism (gradient averaging
+   over replicas, or with parallel.dp_shard > 1 FSDP2 per block, with the job's activation checkpointing and
+   mixed precision), then each rank allocates and initializes its own shards, seeded by parameter name, so
+   every layout starts from the weights of the model built whole on one process;
 4. the optimizer last, over the final (sharded) parameters; with pp > 1, the schedule (ctx.pipeline).
 
 Gradient accumulation at pp = 1: replicated data parallelism all-reduces once per step (the micro-batches before
@@ -61,11 +62,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # whatever draws from torch's RNG after the model (its init is seeded by name)
     shape = GPTShape(
         vocab_size=vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head
     )
-    model = GPT(shape)
+    with torch.device("meta"):
+        model = GPT(shape)
     cut_stage(
         model,
         stage=ctx.pp_rank,
@@ -78,6 +80,8 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
         model,
         tp_plan=model.tp_plan() if ctx.dims.tp > 1 else None,
         blocks=list(model.layers.values()),
+        init=model.init_module,
+        seed=cfg.seed,
         # auto: bf16 only where the job asked the trainer for bf16 (train.params.bf16) and runs on a GPU
         mixed_precision=setting if setting != "auto" else ("bf16" if cfg.bf16 else "fp32"),
     )

@@ -3,7 +3,8 @@ ctx.parallelize and ctx.checkpoint: sharded (parallel.dp_shard), tensor-parallel
 pipelined (cut_stage, then ctx.pipeline on the stage ctx.parallelize placed: its replicas averaged or
 sharded). Every layout sees the same global batch per step, so its losses must be the single process's.
 
-params: steps (default 12), lr. Clips the global gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss`
+params: steps (default 12), lr, meta (build the model on the meta device and let ctx.parallelize materialize
+each rank's shards with `init`; otherwise it is built whole and initialized the same way). Clips the global gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss`
 and `grad_norm` per step (the global mean loss, the norm before clipping) and, at the end, the bytes of
 parameters, gradients and optimizer state this rank holds (RUN/state_bytes.RANK) for the memory checks.
 """
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from hpcscale.parallel.init import initialize
 from hpcscale.parallel.pipeline import cut_stage
 
 VOCAB, WIDTH, LAYERS, SEQ, BATCH = 50, 32, 4, 16, 8  # 50: the head and embedding shard unevenly
@@ -37,13 +39,26 @@ class Net(nn.Module):
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.layers = nn.ModuleList([Block(WIDTH) for _ in range(LAYERS)])  # cut_stage keeps global indices
         self.head = nn.Linear(WIDTH, VOCAB)
+        # a buffer outside the state dict, as rotary tables are: init computes it after to_empty
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, WIDTH), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.emb is not None:
-            x = self.emb(x)
+            x = self.emb(x) * self.gain
         for block in self.layers:
             x = block(x)
         return self.head(x) if self.head is not None else x
+
+
+def init(m: nn.Module) -> None:
+    """One module's own tensors (LayerNorm's come from its reset_parameters)."""
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.02)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight)
+    elif isinstance(m, Net):
+        m.gain.copy_(torch.linspace(0.5, 1.5, WIDTH))
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -72,8 +87,13 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 def main(ctx):
     steps = int(ctx.params.get("steps", 12))
-    torch.manual_seed(0)
-    model = Net()
+    meta = bool(ctx.params.get("meta", False))
+    if meta:
+        with torch.device("meta"):
+            model = Net()
+    else:
+        model = Net()
+        initialize(model, init, seed=0)
     pp = ctx.dims.pp
     cut_stage(model, stage=ctx.pp_rank, pp=pp, first_stage_only=("emb",), last_stage_only=("head",))
     plan = None
@@ -85,7 +105,7 @@ def main(ctx):
             for i, _ in model.layers.named_children()  # this stage's blocks, by their global index
             for n, s in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))
         }
-    model = ctx.parallelize(model, tp_plan=plan)
+    model = ctx.parallelize(model, tp_plan=plan, init=init if meta else None, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=float(ctx.params.get("lr", 1e-2)), foreach=False)
     start = ctx.checkpoint.restore(model, opt)
     dp, rows = ctx.dims.dp, BATCH // ctx.dims.dp
