@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hpcscale.data.loader import TokenLoader
 from hpcscale.data.manifest import check_relpath, read_manifest
@@ -119,3 +121,53 @@ def test_data_prepare_cli(tmp_path):
     assert doc["sample_len"] == 64 and doc["samples"] == 30000 // 64
     again = run_cli("data", "prepare", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / "ds"))
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def _word_tokenizer(path: Path, words: list[str]) -> None:
+    """A small tokenizers file: a word-level vocabulary with an unknown token, saved as JSON."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(sorted(set(words)))}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+WORDS = st.lists(st.sampled_from(["alpha", "beta", "gamma", "delta", "eps", "x", "hpcscale", "!"]), max_size=60)
+
+
+@settings(max_examples=25, deadline=None)
+@given(docs=st.lists(WORDS, min_size=1, max_size=5), sample_len=st.integers(2, 9), shard_samples=st.integers(1, 7))
+def test_prepare_with_a_tokenizer_stores_each_files_ids_in_order_with_the_tokenizer_hashed(
+    tmp_path_factory, docs, sample_len, shard_samples
+):
+    """Shards hold the ids of every file's text, file after file, cut into whole samples; the tokenizer file
+    travels in the dataset, listed and hashed; the manifest reads back as written."""
+    from tokenizers import Tokenizer
+
+    from hpcscale.data.manifest import hasher
+
+    tmp = tmp_path_factory.mktemp("tok")
+    src = tmp / "src"
+    src.mkdir()
+    for i, words in enumerate(docs):
+        (src / f"f{i}.txt").write_text(" ".join(words))
+    _word_tokenizer(tmp / "tok.json", ["alpha", "beta", "gamma", "delta", "eps", "x", "hpcscale"])  # no "!"
+    tok = Tokenizer.from_file(str(tmp / "tok.json"))
+    ids = [i for words in docs for i in tok.encode(" ".join(words), add_special_tokens=False).ids]
+    n = len(ids) // sample_len
+    if n == 0:
+        with pytest.raises(BadInput, match="fewer than one sample"):
+            prepare(src, tmp / "ds", sample_len=sample_len, tokenizer=tmp / "tok.json")
+        assert not (tmp / "ds").exists()
+        return
+    m = prepare(src, tmp / "ds", sample_len=sample_len, shard_samples=shard_samples, tokenizer=tmp / "tok.json")
+    again = read_manifest(tmp / "ds" / "manifest.json")
+    assert again.dataset == m.dataset and m.dataset.dtype == "uint16" and m.dataset.vocab_size == 8
+    stored = np.concatenate([np.fromfile(tmp / "ds" / s.path, dtype=np.uint16) for s in m.dataset.shards])
+    assert stored.tolist() == ids[: n * sample_len]
+    listed = {f.path: f.hash for f in m.files}
+    h = hasher(m.hash_algorithm)
+    h.update((tmp / "tok.json").read_bytes())
+    assert listed["tokenizer.json"] == h.hexdigest() == m.meta["tokenizer_hash"]
+    assert (tmp / "ds" / "tokenizer.json").read_bytes() == (tmp / "tok.json").read_bytes()

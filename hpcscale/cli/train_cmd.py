@@ -123,19 +123,33 @@ def data() -> None:
 @click.option("--seq-len", type=int, default=256, show_default=True, help="Longest seq_len the data will serve.")
 @click.option("--shard-samples", type=int, default=4096, show_default=True, help="Samples per shard file.")
 @click.option("--max-mb", type=float, default=None, help="Stop after this many MB of text.")
+@click.option(
+    "--tokenizer",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A Hugging Face tokenizers file (tokenizer.json); default: bytes.",
+)
 @json_option
-def prepare(src: Path, out: Path, seq_len: int, shard_samples: int, max_mb: float | None, as_json: bool) -> None:
-    """Turn a text corpus (a file, or every text file under a directory) into byte-level token shards and a
-    manifest.
+def prepare(
+    src: Path, out: Path, seq_len: int, shard_samples: int, max_mb: float | None, tokenizer: Path | None, as_json: bool
+) -> None:
+    """Turn a text corpus (a file, or every text file under a directory) into token shards and a manifest:
+    byte-level tokens, or a local tokenizers file's (copied into the dataset and hashed in the manifest).
 
     \b
     Example:
       hpcscale data prepare /usr/lib/python3.11 --out data/pystdlib
+      hpcscale data prepare corpus/ --tokenizer tokenizer.json --out data/corpus-bpe
     """
     from hpcscale.data.prepare import prepare as run_prepare
 
     m = run_prepare(
-        src, out, sample_len=seq_len + 1, shard_samples=shard_samples, max_bytes=int(max_mb * 2**20) if max_mb else None
+        src,
+        out,
+        sample_len=seq_len + 1,
+        shard_samples=shard_samples,
+        max_bytes=int(max_mb * 2**20) if max_mb else None,
+        tokenizer=tokenizer,
     )
     doc = {
         "out": str(out),
@@ -143,6 +157,8 @@ def prepare(src: Path, out: Path, seq_len: int, shard_samples: int, max_mb: floa
         "shards": len(m.dataset.shards),
         "samples": m.dataset.samples,
         "sample_len": m.dataset.sample_len,
+        "vocab_size": m.dataset.vocab_size,
+        "tokenizer": m.meta.get("tokenizer"),
         "bytes": sum(f.size for f in m.files),
     }
     if as_json:

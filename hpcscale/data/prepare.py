@@ -1,7 +1,13 @@
-"""`hpcscale data prepare`: a text corpus to byte-level token shards plus a manifest.
+"""`hpcscale data prepare`: a text corpus to token shards plus a manifest.
 
-Byte-level tokens (vocabulary 256, uint8) need no tokenizer download. Files are read in sorted order and
-joined with a blank line, so the same corpus gives the same shards byte for byte. The output directory
+By default tokens are bytes (vocabulary 256, uint8): no tokenizer needed. With a Hugging Face `tokenizers`
+file (`--tokenizer tokenizer.json`: local, nothing downloaded; the `hf` extra installs the library) each file's
+text is encoded by it and the ids are stored as uint16 (uint32 for a vocabulary over 65536); the tokenizer file
+is copied into the dataset as `tokenizer.json`, so the manifest hashes it like any shard and the dataset carries
+the tokenizer that made it wherever it is staged, and `meta` records its hash and vocabulary size.
+
+Files are read in sorted order and joined with a blank line (bytes), or encoded one by one and their ids
+concatenated (a tokenizer), so the same corpus gives the same shards byte for byte. The output directory
 appears atomically (built under a temporary name, then renamed).
 """
 
@@ -18,6 +24,26 @@ from hpcscale.data.manifest import MANIFEST_NAME, Manifest, TokenDataset, TokenS
 from hpcscale.errors import BadInput
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".cfg", ".html")
+
+
+TOKENIZER_NAME = "tokenizer.json"
+
+
+def load_tokenizer(path: Path):
+    """A Hugging Face `tokenizers` Tokenizer from a local file; BadInput (exit 2) naming the file when the
+    library is missing or the file is not a tokenizer."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise BadInput(
+            f"--tokenizer {path}: the tokenizers library is not installed (pip install 'hpcscale[hf]')"
+        ) from None
+    if not path.is_file():
+        raise BadInput(f"--tokenizer {path}: no such file")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises its own Exception for any unreadable file
+        raise BadInput(f"--tokenizer {path}: not a tokenizers file ({str(e)[:200]})") from None
 
 
 def corpus_files(src: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
@@ -39,8 +65,9 @@ def prepare(
     shard_samples: int = 4096,
     max_bytes: int | None = None,
     hash_algorithm: str = "xxh128",
+    tokenizer: Path | None = None,
 ) -> Manifest:
-    """Write token shards of `shard_samples` samples × `sample_len` bytes and `manifest.json` into `out`."""
+    """Write token shards of `shard_samples` samples × `sample_len` tokens and `manifest.json` into `out`."""
     if out.exists():
         raise BadInput(f"{out} exists; choose a new --out (prepared datasets are never overwritten)")
     parts: list[bytes] = []
@@ -53,13 +80,27 @@ def prepare(
         total += len(data) + 2
         if max_bytes is not None and total >= max_bytes:
             break
-    tokens = np.frombuffer(b"\n\n".join(parts), dtype=np.uint8)
+    if tokenizer is None:
+        tokens = np.frombuffer(b"\n\n".join(parts), dtype=np.uint8)
+        vocab, meta = 256, {"source": str(src), "tokenizer": "bytes"}
+    else:
+        tok = load_tokenizer(tokenizer)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+        encoded = tok.encode_batch([p.decode("utf-8", errors="replace") for p in parts], add_special_tokens=False)
+        tokens = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encoded] or [np.empty(0, dtype)])
+        meta = {"source": str(src), "tokenizer": TOKENIZER_NAME}
     n_samples = len(tokens) // sample_len
     if n_samples == 0:
-        raise BadInput(f"{src}: corpus has {len(tokens)} bytes, fewer than one sample of {sample_len}")
+        raise BadInput(f"{src}: corpus has {len(tokens)} tokens, fewer than one sample of {sample_len}")
     tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "shards").mkdir(parents=True)
+    extra = []
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
+        extra.append(entry_for(tmp, TOKENIZER_NAME, hash_algorithm))
+        meta["tokenizer_hash"] = extra[0].hash
     shards = []
     for k, start in enumerate(range(0, n_samples, shard_samples)):
         count = min(shard_samples, n_samples - start)
@@ -69,13 +110,8 @@ def prepare(
             f.flush()
             os.fsync(f.fileno())
         shards.append(TokenShard(rel, count))
-    files = [entry_for(tmp, s.path, hash_algorithm) for s in shards]
-    manifest = Manifest(
-        hash_algorithm,
-        files,
-        TokenDataset("uint8", 256, sample_len, shards),
-        {"source": str(src), "tokenizer": "bytes"},
-    )
+    files = [entry_for(tmp, s.path, hash_algorithm) for s in shards] + extra
+    manifest = Manifest(hash_algorithm, files, TokenDataset(tokens.dtype.name, vocab, sample_len, shards), meta)
     write_manifest(tmp / MANIFEST_NAME, manifest)
     os.replace(tmp, out)
     return manifest

@@ -228,6 +228,45 @@ class Context:
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
         return clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device)
 
+    def token_batches(
+        self,
+        *,
+        seq_len: int,
+        global_batch: int,
+        seed: int = 0,
+        val_fraction: float = 0.0,
+        vocab_size: int | None = None,
+    ) -> Any:
+        """This rank's loader of the job's prepared token dataset (`data.manifest`, made by `hpcscale data
+        prepare`): a hpcscale.data.loader.TokenLoader whose `next_batch()` returns this data-parallel rank's
+        slice (inputs, targets) of each global batch as int64 numpy arrays, the same global batches at every
+        layout, in an order fixed by `seed`; pass it to ctx.checkpoint.restore (`data=loader`) and a resumed
+        run carries on where the last save was. `vocab_size`: the model's vocabulary; a dataset whose tokenizer
+        has more ids is refused (BadInput, exit 2 at start) rather than indexing past the embedding."""
+        from hpcscale.data.loader import TokenLoader
+        from hpcscale.errors import BadInput
+        from hpcscale.util.paths import expand_path
+
+        if not self.job.data.manifest:
+            raise BadInput("ctx.token_batches: the job names no data.manifest (hpcscale data prepare makes one)")
+        path = expand_path(self.job.data.manifest)
+        loader = TokenLoader(
+            path,
+            seq_len=seq_len,
+            global_batch=global_batch,
+            dp_rank=self.dp_rank,
+            dp_size=self.dims.dp,
+            seed=seed,
+            val_fraction=val_fraction,
+        )
+        if vocab_size is not None and loader.vocab_size > vocab_size:
+            raise BadInput(
+                f"{path}: the dataset's vocabulary is {loader.vocab_size} tokens, the model's {vocab_size}: ids "
+                f">= {vocab_size} would index past its embedding (prepare the data with the model's tokenizer, "
+                "or give the model the tokenizer's vocabulary size)"
+            )
+        return loader
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes in here only accumulate gradients; the next backward outside averages the sum
