@@ -1,0 +1,188 @@
+"""docs/huggingface.md as written: a BPE tokenizer trained on the corpus, `data prepare --tokenizer`, a
+transformers Llama trained under tp and FSDP2 (the page's entry point and job), stopped with SIGTERM and resumed
+bitwise, exported and loaded by `from_pretrained` with the trained model's validation loss."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+from trainjobs import losses
+
+DOC = REPO / "docs" / "huggingface.md"
+CORPUS = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _blocks(lang: str, first_line: str) -> str:
+    found = [b for lg, b in re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S) if lg == lang]
+    match = [b for b in found if b.startswith(first_line)]
+    assert len(match) == 1, f"the page must hold one {lang} block starting {first_line!r}"
+    return match[0]
+
+
+@pytest.fixture(scope="module")
+def code(mpi, tmp_path_factory) -> Path:
+    """The page's files in one directory, the tokenizer trained and the dataset prepared as the page says."""
+    d = tmp_path_factory.mktemp("hf")
+    (d / "train_tokenizer.py").write_text(_blocks("python", "# train_tokenizer.py"))
+    (d / "hf_llama.py").write_text(_blocks("python", "# hf_llama.py"))
+    r = subprocess.run(
+        [sys.executable, "train_tokenizer.py", str(CORPUS), "tokenizer.json"], cwd=d, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    shell = _blocks("bash", "python train_tokenizer.py")
+    prepare = next(line for line in shell.splitlines() if line.startswith("hpcscale data prepare"))
+    args = prepare.replace("/usr/lib/python3.11", str(CORPUS)).split()[1:]
+    r = run_cli(*args, "--json", cwd=d, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["vocab_size"] == 512 and doc["tokenizer"] == "tokenizer.json"
+    manifest = json.loads((d / "data" / "py-bpe" / "manifest.json").read_text())
+    assert manifest["dataset"]["dtype"] == "uint16"
+    assert "tokenizer.json" in [f["path"] for f in manifest["files"]] and manifest["meta"]["tokenizer_hash"]
+    return d
+
+
+def _job(code: Path, name: str, **changes) -> Path:
+    spec = yaml.safe_load(_blocks("yaml", "# job.yaml").replace("/path/to/mycode", str(code)))
+    spec["data"]["manifest"] = str(code / spec["data"]["manifest"])
+    spec.update(changes)
+    path = code / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _run(job: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
+    r = run_cli("run", str(job), "--local", "--run-dir", str(run), *extra, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def _val_loss(run: Path) -> float:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in rows if "val_loss" in r][-1]
+
+
+def _close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want) and len(got) == 16
+    worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
+    assert worst <= 1e-5, f"max relative difference {worst:.2e}"
+
+
+@pytest.fixture(scope="module")
+def single(code) -> Path:
+    run = code / "run-single"
+    _run(_job(code, "single", tasks_per_node=1, parallel={}), run)
+    return run
+
+
+def test_a_transformers_model_trains_at_every_layout_stops_resumes_and_exports(code, single, tmp_path):
+    want = losses(single)
+    assert want[15] < want[0] - 0.5, "the example must learn"
+    # the page's own layout, uninterrupted: one process's losses
+    whole = tmp_path / "tp2-dp_shard2"
+    _run(_job(code, "page"), whole)
+    _close(losses(whole), want)
+    # the same, stopped by SIGTERM mid-run, then resumed: bitwise the uninterrupted run
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcscale", "run", str(_job(code, "page")), "--local", "--run-dir", str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 6):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    stopped_at = len(losses(run))
+    assert stopped_at < 16
+    _run(_job(code, "page"), run, "--reuse")
+    assert losses(run) == losses(whole)
+    # exported beside the config the entry point saved: from_pretrained gives the trained model's val loss
+    r = run_cli("ckpt", "export", str(run), "-o", str(run / "export" / "model.safetensors"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    probe = f"""
+import sys, torch, torch.nn.functional as F
+from pathlib import Path
+from transformers import LlamaForCausalLM
+from hpcscale.data.loader import TokenLoader
+m = LlamaForCausalLM.from_pretrained({str(run / "export")!r})
+data = TokenLoader(Path({str(code / "data" / "py-bpe" / "manifest.json")!r}), seq_len=64, global_batch=8, dp_rank=0,
+                   dp_size=1, seed=0, val_fraction=0.1)
+x, y = (torch.from_numpy(a) for a in data.val_batches(1)[0])
+with torch.no_grad():
+    print(float(F.cross_entropy(m(input_ids=x).logits.float().flatten(0, 1), y.flatten())))
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported = float(r.stdout.split()[-1])
+    assert abs(exported - _val_loss(run)) <= 1e-6 * _val_loss(run), (exported, _val_loss(run))
+
+
+def test_a_transformers_model_fully_sharded_gives_the_single_process_losses(code, single, tmp_path):
+    run = tmp_path / "dp_shard4"
+    _run(_job(code, "dp_shard4", parallel={"dp_shard": 4}), run)
+    _close(losses(run), losses(single))
+
+
+def test_a_dataset_with_more_token_ids_than_the_model_is_refused_at_start(code, tmp_path):
+    """The page's model has 512 ids; the corpus prepared as bytes has 256 (fine), one prepared with a
+    1024-id tokenizer is refused with exit 2, naming the manifest and both sizes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train(
+        [str(p) for p in sorted((CORPUS / "json").glob("*.py"))],
+        trainers.BpeTrainer(vocab_size=1024, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
+    tok.save(str(tmp_path / "big.json"))
+    assert Tokenizer.from_file(str(tmp_path / "big.json")).get_vocab_size() > 512
+    ds = tmp_path / "big"
+    r = run_cli(
+        "data",
+        "prepare",
+        str(CORPUS / "json"),
+        "--tokenizer",
+        str(tmp_path / "big.json"),
+        "--out",
+        str(ds),
+        "--seq-len",
+        "64",
+    )
+    assert r.returncode == 0, r.stderr
+    job = _job(code, "big", tasks_per_node=1, parallel={}, data={"manifest": str(ds / "manifest.json")})
+    r = run_cli("run", str(job), "--local", "--run-dir", str(tmp_path / "run"), timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert str(ds / "manifest.json") in out and "the model's 512" in out, out[-2000:]
+
+
+def test_data_prepare_refuses_a_tokenizer_it_cannot_read_naming_it(tmp_path):
+    (tmp_path / "corpus.txt").write_text("hello hpcscale\n" * 200)
+    (tmp_path / "tok.json").write_text('{"not": "a tokenizer"}')
+    for tok in ("tok.json", "missing.json"):
+        r = run_cli(
+            "data",
+            "prepare",
+            str(tmp_path / "corpus.txt"),
+            "--tokenizer",
+            str(tmp_path / tok),
+            "--out",
+            str(tmp_path / "ds"),
+        )
+        assert r.returncode == 2 and tok in r.stderr, r.stderr
+        assert not (tmp_path / "ds").exists()
