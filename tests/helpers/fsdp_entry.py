@@ -4,9 +4,10 @@ pipelined (cut_stage, then ctx.pipeline on the stage ctx.parallelize placed: its
 sharded). Every layout sees the same global batch per step, so its losses must be the single process's.
 
 params: steps (default 12), lr, meta (build the model on the meta device and let ctx.parallelize materialize
-each rank's shards with `init`; otherwise it is built whole and initialized the same way). Clips the global gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss`
-and `grad_norm` per step (the global mean loss, the norm before clipping) and, at the end, the bytes of
-parameters, gradients and optimizer state this rank holds (RUN/state_bytes.RANK) for the memory checks.
+each rank's shards with `init`; otherwise it is built whole and initialized the same way). Clips the global
+gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss` and `grad_norm` per step (the global mean loss, the
+norm before clipping) and, at the end, the bytes of parameters, gradients and optimizer state this rank holds
+(RUN/state_bytes.RANK) for the memory checks.
 """
 
 from __future__ import annotations
