@@ -424,6 +424,10 @@ def test_pipeline_stages_tile_the_blocks_under_their_global_names(n, data, kind)
     from hpcscale.parallel.pipeline import cut_stage
 
     pp = data.draw(st.integers(1, n))
+    split = None
+    if data.draw(st.booleans()):  # an explicit split: a composition of n into pp positive parts
+        cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=pp - 1, max_size=pp - 1))) if pp > 1 else []
+        split = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
     torch.manual_seed(0)
     whole = _Stack(n, kind)
     names = {name for name, _ in whole.named_parameters()}
@@ -432,13 +436,15 @@ def test_pipeline_stages_tile_the_blocks_under_their_global_names(n, data, kind)
         torch.manual_seed(0)
         m = cut_stage(
             _Stack(n, kind), stage=stage, pp=pp, first_stage_only=("emb",), last_stage_only=("head",),
-            layers="model.layers",
+            layers="model.layers", split=split,
         )  # fmt: skip
         mine = [name for name, _ in m.named_parameters()]
         assert set(mine) <= names
         assert (m.emb is not None) == (stage == 0) and (m.head is not None) == (stage == pp - 1)
         kept = [int(k) for k in m.model.layers._modules]
         assert kept and kept == list(range(kept[0], kept[0] + len(kept)))  # one contiguous run
+        if split is not None and pp > 1:
+            assert len(kept) == split[stage] and kept[0] == sum(split[:stage])
         seen += [x for x in mine if x.startswith("model.layers.")]
         x = torch.randint(0, 5, (2, 3)) if stage == 0 else torch.randn(2, 3, 4)
         assert m(x).shape[-1] == (5 if stage == pp - 1 else 4)
@@ -457,6 +463,10 @@ def test_a_stage_cut_from_what_is_not_a_stack_of_blocks_is_refused_by_name():
         )
     with pytest.raises(BadInput, match="fewer than pp = 4"):
         cut_stage(_Stack(3, "dict"), stage=0, pp=4, first_stage_only=(), last_stage_only=(), layers="model.layers")
+    for split in ([1, 2], [2, 2, 0], [0, 4], [2.0, 2], [3]):
+        with pytest.raises(BadInput, match=r"split=.* each of the pp = 2 stages at least one block, 4 blocks"):
+            cut_stage(_Stack(4, "list"), stage=0, pp=2, first_stage_only=(), last_stage_only=(), layers="model.layers",
+                      split=split)  # fmt: skip
     m = _Stack(2, "dict")
     m.model.layers = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)})
     with pytest.raises(BadInput, match="not '0', '1'"):

@@ -58,10 +58,13 @@ def cut_stage(
     first_stage_only: Sequence[str],
     last_stage_only: Sequence[str],
     layers: str = "layers",
+    split: Sequence[int] | None = None,
 ) -> torch.nn.Module:
     """Keep only this stage's part of `model` (in place): its run of the blocks at `layers` (a ModuleList or a
     ModuleDict keyed "0", "1", ...), each under its global index, and the attributes named (dotted paths) as
-    belonging to the first or last stage set to None elsewhere (the model's forward skips None parts)."""
+    belonging to the first or last stage set to None elsewhere (the model's forward skips None parts).
+    `split`: how many blocks each stage takes, in stage order (e.g. [3, 5]: the first stage, which also
+    embeds, takes fewer); by default the blocks are split evenly, earlier stages taking the remainder."""
     owner, name = _owner(model, layers)
     blocks = getattr(owner, name)
     if not isinstance(blocks, torch.nn.ModuleList | torch.nn.ModuleDict):
@@ -73,9 +76,18 @@ def cut_stage(
         raise BadInput(f"cut_stage: model.{layers} is a ModuleDict keyed {keys[:3]}..., not '0', '1', ...")
     for path in (*first_stage_only, *last_stage_only):
         _owner(model, path)  # every name is checked on every stage, not only where it is dropped
+    if split is not None:
+        split = list(split)
+        if len(split) != pp or any(type(k) is not int or k < 1 for k in split) or sum(split) != len(blocks):
+            raise BadInput(
+                f"cut_stage: split={split} must give each of the pp = {pp} stages at least one block, "
+                f"{len(blocks)} blocks in all"
+            )
     if pp == 1:
         return model
-    keep = {str(i) for i in stage_layers(len(blocks), pp, stage)}
+    start = sum(split[:stage]) if split else 0
+    mine = range(start, start + split[stage]) if split else stage_layers(len(blocks), pp, stage)
+    keep = {str(i) for i in mine}
     for key in keys:
         if key not in keep:
             # straight from _modules: ModuleList's own __delitem__ renumbers what is left, which would rename
