@@ -13,6 +13,11 @@ alike:
 - per-parameter: one all_reduce per gradient after backward, what the page documented before.
 The ratio is median(hpcscale) / median(ddp); target <= 1.05 in most repetitions.
 
+The sharded row is a second `hpcscale run` per repetition with `parallel.dp_shard: 2`: `ctx.parallelize(model)`
+(FSDP2 per encoder layer and at the root, the job's settings) against the same model under a plain script's
+`fully_shard` calls (per layer, then the root, over the same two ranks), alternating in the same way; the
+ratio is median(hpcscale) / median(fully_shard), target <= 1.05.
+
     python scripts/bench/user_entry.py [--repeat 5] [--steps 60] [--json]
 """
 
@@ -32,6 +37,10 @@ REPO = Path(__file__).resolve().parents[2]
 TARGET = 1.05
 
 
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def bench_entry(ctx) -> None:
     """The entry point each rank runs (train.entry: user_entry:bench_entry)."""
     import torch
@@ -48,13 +57,26 @@ def bench_entry(ctx) -> None:
         return Classifier(dim=p["dim"], layers=p["layers"], heads=p["heads"])
 
     ours = ctx.parallelize(build())
-    ddp = nn.parallel.DistributedDataParallel(build(), process_group=dp_group)
-    plain = build()
-    setups = {
-        "hpcscale": (ours, torch.optim.AdamW(ours.parameters(), lr=1e-4)),
-        "ddp": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)),
-        "per_parameter": (plain, torch.optim.AdamW(plain.parameters(), lr=1e-4)),
-    }
+    if p["sharded"]:  # parallel.dp_shard = 2: FSDP2 by ctx.parallelize against fully_shard called by hand
+        from torch.distributed.fsdp import fully_shard
+
+        other = build()
+        for layer in other.encoder.layers:
+            fully_shard(layer, mesh=ctx.mesh["dp_shard"])
+        fully_shard(other, mesh=ctx.mesh["dp_shard"])
+        setups = {
+            "hpcscale": (ours, torch.optim.AdamW(ours.parameters(), lr=1e-4)),
+            "fully_shard": (other, torch.optim.AdamW(other.parameters(), lr=1e-4)),
+        }
+    else:
+        ddp = nn.parallel.DistributedDataParallel(build(), process_group=dp_group)
+        other = ddp.module
+        plain = build()
+        setups = {
+            "hpcscale": (ours, torch.optim.AdamW(ours.parameters(), lr=1e-4)),
+            "ddp": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)),
+            "per_parameter": (plain, torch.optim.AdamW(plain.parameters(), lr=1e-4)),
+        }
     ctx.checkpoint.restore(ours, setups["hpcscale"][1])
     data = Batches(ctx, batch=p["batch"])
     tokens, labels = data.next()
@@ -85,11 +107,11 @@ def bench_entry(ctx) -> None:
     for _ in range(blocks):
         for kind in setups:
             times[kind] += [step(kind) for _ in range(max(1, p["steps"] // blocks))]
-    a = torch.cat([q.detach().reshape(-1) for q in ours.parameters()])
-    b = torch.cat([q.detach().reshape(-1) for q in ddp.module.parameters()])
+    a = torch.cat([_local(q).detach().reshape(-1) for q in ours.parameters()])
+    b = torch.cat([_local(q).detach().reshape(-1) for q in other.parameters()])
     if ctx.rank == 0:
         doc = {
-            "params": sum(q.numel() for q in plain.parameters()),
+            "params": sum(q.numel() for q in other.parameters()),
             "times": times,
             "same_weights": bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5)),
         }
@@ -103,18 +125,26 @@ def doc_model(dest: Path) -> None:
     (dest / "mymodel.py").write_text(code)
 
 
-def one_run(tmp: Path, args) -> dict:
+def one_run(tmp: Path, args, *, sharded: bool = False) -> dict:
     import yaml
 
     spec = {
         "name": "bench-user-entry",
         "site": "local",
         "tasks_per_node": 2,
+        "parallel": {"dp_shard": 2 if sharded else 1},
         "environment": {"PYTHONPATH": f"{tmp}:{Path(__file__).resolve().parent}"},
         "checkpoint": {"every_steps": 0},
         "train": {
             "entry": "user_entry:bench_entry",
-            "params": {"steps": args.steps, "batch": args.batch, "dim": args.dim, "layers": args.layers, "heads": 8},
+            "params": {
+                "steps": args.steps,
+                "batch": args.batch,
+                "dim": args.dim,
+                "layers": args.layers,
+                "heads": 8,
+                "sharded": sharded,
+            },
         },
     }
     run = tmp / f"run-{time.monotonic_ns()}"
@@ -129,10 +159,14 @@ def one_run(tmp: Path, args) -> dict:
         sys.exit(f"hpcscale run failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     doc = json.loads((run / "bench.json").read_text())
     med = {kind: statistics.median(t) for kind, t in doc["times"].items()}
-    return {
+    out = {
         "params": doc["params"],
         "same_weights": doc["same_weights"],
         **{f"{kind}_step_s": round(v, 4) for kind, v in med.items()},
+    }
+    if sharded:
+        return out | {"ratio": round(med["hpcscale"] / med["fully_shard"], 3)}
+    return out | {
         "ratio": round(med["hpcscale"] / med["ddp"], 3),
         "per_parameter_ratio": round(med["per_parameter"] / med["ddp"], 3),
     }
@@ -150,10 +184,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         doc_model(tmp)
-        runs = [one_run(tmp, args) for _ in range(args.repeat)]
+        runs, sharded = [], []
+        for _ in range(args.repeat):
+            runs.append(one_run(tmp, args))
+            sharded.append(one_run(tmp, args, sharded=True))
     met = sum(r["ratio"] <= TARGET for r in runs)
+    met_sharded = sum(r["ratio"] <= TARGET for r in sharded)
     if args.json:
-        print(json.dumps({"runs": runs, "target": TARGET, "met": met}, indent=2))
+        doc = {"runs": runs, "sharded": sharded, "target": TARGET, "met": met, "met_sharded": met_sharded}
+        print(json.dumps(doc, indent=2))
         return 0
     print(
         f"docs/context-api.md's Classifier (dim {args.dim}, {args.layers} layers, {runs[0]['params'] / 1e6:.1f} M "
@@ -167,6 +206,14 @@ def main() -> int:
             + ("" if r["same_weights"] else "  (weights differ from DDP's!)")
         )
     print(f"target: ratio <= {TARGET}; met in {met} of {len(runs)} runs")
+    print("sharded (parallel.dp_shard 2): ctx.parallelize against fully_shard by hand, same model and batch")
+    print(f"  {'run':>3} {'hpcscale ms':>12} {'fully_shard ms':>15} {'ratio':>6}")
+    for i, r in enumerate(sharded, 1):
+        print(
+            f"  {i:3d} {r['hpcscale_step_s'] * 1000:12.1f} {r['fully_shard_step_s'] * 1000:15.1f} {r['ratio']:6.3f}"
+            + ("" if r["same_weights"] else "  (weights differ from fully_shard's!)")
+        )
+    print(f"target: ratio <= {TARGET}; met in {met_sharded} of {len(sharded)} runs")
     return 0
 
 
