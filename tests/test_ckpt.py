@@ -135,6 +135,9 @@ def test_incremental_save_writes_only_changed_chunks(mpi, tmp_path):
     # saving different steps rewrites changed tensors, and the frozen one is referenced, not rewritten
     assert _mpirun(str(root), "save", "2").returncode == 0
     infos = {i["step"]: i for i in json.loads(run_cli("ckpt", "ls", str(root), "--json").stdout)["checkpoints"]}
+    # into a pipe (not a terminal) the table is whole: no column cut to fit 80 characters
+    table = run_cli("ckpt", "ls", str(root), env={"COLUMNS": ""}).stdout
+    assert "verified" in table and "…" not in table and max(map(len, table.splitlines())) > 80, table
     frozen = 512 * 512 * 4
     assert infos[2]["bytes"] == infos[1]["bytes"]
     assert infos[2]["new_bytes"] == infos[2]["bytes"] - frozen

@@ -50,6 +50,31 @@ def test_version():
     assert __version__ in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["manifest", "verify", "{tmp}/manifest.json"], 2),
+        (["ckpt", "ls", "/nonexistent/run"], 2),
+        (["status", "{tmp}"], 2),
+        (["resume", "{tmp}", "--dry-run"], 2),
+        (["ckpt", "verify", "{tmp}/step-00000001"], None),
+    ],
+    ids=["manifest-verify", "ckpt-ls-usage", "status", "resume", "ckpt-verify"],
+)
+def test_an_error_with_json_is_a_json_document(tmp_path, args, code):
+    """A script that asked for JSON can parse the failure too: stdout is one JSON document with the message and
+    the exit code, which the process exits with; the message still goes to stderr."""
+    (tmp_path / "step-00000001").mkdir()
+    (tmp_path / "manifest.json").write_text('{"format": 1}')
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    r = run_cli(*args, "--json")
+    assert r.returncode != 0 and (code is None or r.returncode == code), r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["exit_code"] == r.returncode and doc["error"] and doc["error"] in r.stderr, (doc, r.stderr)
+    plain = run_cli(*args)
+    assert plain.returncode == r.returncode and plain.stdout == ""
+
+
 def test_unknown_command_is_usage_error():
     result = run_cli("frobnicate")
     assert result.returncode == 2

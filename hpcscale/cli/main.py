@@ -53,17 +53,31 @@ class LazyGroup(click.Group):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["hpcscale.json"] = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):
         from hpcscale.errors import HpcscaleError
 
         try:
             return super().invoke(ctx)
+        except click.ClickException as e:  # a bad option or argument: click's own message, and JSON when asked
+            if ctx.meta.get("hpcscale.json"):
+                from hpcscale.cli.options import print_json
+
+                print_json({"error": e.format_message(), "exit_code": e.exit_code})
+            raise
         except HpcscaleError as e:
             from hpcscale.util.trust import clean
 
             # An error may quote a file's or a remote's words: shown without their control characters.
             text = clean(str(e), limit=20_000, newlines=True)
             click.echo(f"error: {text}" if e.exit_code != 2 else text, err=True)
+            if ctx.meta.get("hpcscale.json"):  # a script that asked for JSON gets JSON, failures included
+                from hpcscale.cli.options import print_json
+
+                print_json({"error": text, "exit_code": e.exit_code})
             sys.exit(e.exit_code)
 
 
@@ -76,7 +90,7 @@ def cli(verbose: bool) -> None:
     \b
     Examples:
       hpcscale doctor --site localcluster
-      hpcscale config validate site_configs/*.yaml examples/*.yaml
+      hpcscale config validate site_configs/*.yaml docs/examples/*.yaml
       hpcscale config show localcluster
       hpcscale render job.yaml
       hpcscale submit job.yaml && hpcscale status <run dir>

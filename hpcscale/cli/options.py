@@ -32,11 +32,19 @@ def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
 
 
+PIPED_WIDTH = 1000  # wide enough that no table is cut or folded when the output goes to a file or a pipe
+
+
 def console(stderr: bool = False):
-    """A rich Console (imported lazily: rich costs start-up time that `--help` should not pay)."""
+    """A rich Console (imported lazily: rich costs start-up time that `--help` should not pay). Into a pipe or
+    a file (no terminal, no COLUMNS) tables are whole, not cut at rich's default 80 columns."""
+    import os
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    piped = not stream.isatty() and not os.environ.get("COLUMNS")
+    return Console(stderr=stderr, highlight=False, width=PIPED_WIDTH if piped else None)
 
 
 def load_job_warning(job: str, site: str | None, params: tuple[str, ...] = ()):
