@@ -180,9 +180,18 @@ def test_doc_example_stop_signal_checkpoints_then_resumes_exactly(reference, tmp
     assert stop["event"] == "stop" and stop["signal"] and stop["stop_s"] is not None, stop
     saved = [r["checkpoint"] for r in rows(run) if "checkpoint" in r]
     assert saved == [stop["step"] + 1], saved  # the stop's own save, at the step every rank agreed on
+    assert out.splitlines()[0] == f"run directory: {run}", out[:500]  # first: what every later command takes
     r = run_local(job, run, "--reuse")
     assert r.returncode == 0, r.stderr[-3000:]
     assert_matches(run, reference)
+    # status shows the two local runs as jobs: how each ended, its exit code, where and for how long
+    st = json.loads(run_cli("status", str(run), "--json").stdout)
+    jobs = [s["jobs"][0] for s in st["submissions"]]
+    assert [(j["job_id"], j["state"], j["exit_code"]) for j in jobs] == [
+        ("local", "STOPPED", "75"),
+        ("local", "COMPLETED", "0"),
+    ]
+    assert all(j["nodes"] and j["elapsed"] for j in jobs) and st["source"] == "attempts", st
 
 
 def test_doc_example_under_slurm_killed_rank_then_resume(local_cluster, tmp_path):

@@ -182,10 +182,8 @@ def status(run: Path, as_json: bool) -> None:
         )
     if st.last_metrics:
         m = st.last_metrics
-        out.print(
-            f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}, "
-            f"{_num(m.get('tokens_per_s', 0), '.0f')} tokens/s"
-        )
+        rate = f", {_num(m['tokens_per_s'], '.0f')} tokens/s" if "tokens_per_s" in m else ""  # a user loop may log none
+        out.print(f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}{rate}")
     if st.timing:
         for line in format_timing(st.timing, run):
             out.print(line)

@@ -118,9 +118,11 @@ def run_local(
         "--run-dir",
         str(run_dir),
     ]
+    index = rd.next_index()
+    begun = rd.next_attempt()  # the number the attempt this run starts will get
     rd.record(
         Submission(
-            index=rd.next_index(),
+            index=index,
             job_id=None,
             cluster=None,
             time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -131,6 +133,7 @@ def run_local(
     )
     env = {**site.environment.variables, **spec.environment, **local_env(), "OMP_NUM_THREADS": "1"}
     out = _Output(log, echo=echo, warn=warn or echo)
+    out.line(f"run directory: {run_dir}")  # first: every later command (status, resume, report) takes it
     # Handlers go in before mpirun starts: a signal during start-up is queued and forwarded, not lost.
     with contextlib.closing(out), StopForwarder(grace_s=spec.timeout_seconds + STOP_SAVE_S, notify=out.line) as stop:
         child = proc.Session(args, env=env)
@@ -152,7 +155,34 @@ def run_local(
         # The user asked for the stop: exit 75 even where the ranks had to be killed; a resume starts from
         # the newest checkpoint that verifies. How it went is in `forced` and `failure`.
         code = STOPPED_EXIT_CODE
+    _record_end(rd, index, begun, code, failure, warn=warn or echo)
     return LocalResult(run_dir, code, failure, log, stopped_by=stop.requested, forced=stop.forced)
+
+
+LOCAL_CAUSES = {0: "completed", STOPPED_EXIT_CODE: "stopped"}  # any other exit code: "failed"
+
+
+def _record_end(rd: RunDir, index: int, begun: int, code: int, failure: str | None, *, warn) -> None:
+    """How this `run --local` ended, as an attempt event (`status` and `report` show local runs from it, as
+    Slurm's accounting shows jobs): the submission it belongs to, the attempt it began (None when no rank got
+    as far as beginning one), the exit code and cause. A run directory that cannot take it (a full disk) costs
+    a warning, not the run's result."""
+    attempt = begun if rd.next_attempt() > begun else None
+    event = {
+        "event": "end",
+        "time": datetime.now(timezone.utc).isoformat(),
+        "job_id": None,
+        "local": True,
+        "submission": index,
+        "attempt": attempt,
+        "exit_code": code,
+        "cause": LOCAL_CAUSES.get(code, "failed"),
+        "failure": failure,
+    }
+    try:
+        rd.add_attempt_event(event)
+    except OSError as e:
+        warn(f"warning: cannot record how the run ended in {rd.path}: {e.strerror}")
 
 
 class _Output:

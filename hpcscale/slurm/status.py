@@ -89,6 +89,10 @@ def run_status(path: Path) -> RunStatus:
             if job_id not in states:
                 states[job_id] = _scontrol(client, job_id)
                 sources.add("scontrol")
+    local = [s for s in subs if s.template == "local"]
+    if local:
+        states.update(_local_states(rd, local))
+        sources.add("attempts")
     source = ", ".join(sorted(sources)) or "none"
     notes: list[str] = []
     rows = _metric_rows(rd.metrics, notes)
@@ -96,13 +100,56 @@ def run_status(path: Path) -> RunStatus:
         rd.path,
         _job_name(rd),
         source,
-        [SubmissionStatus(s, states.get(s.job_id or "", [])) for s in subs],
+        [SubmissionStatus(s, states.get(s.job_id or f"local:{s.index}", [])) for s in subs],
         _latest_checkpoint(rd),
         _last_metrics(rows),
         _timing(rd, notes),
         _last_metrics(rows, key="checkpoint_interval"),
         notes,
     )
+
+
+def _local_states(rd: RunDir, local: list[Submission]) -> dict[str, list[JobState]]:
+    """`run --local` runs as jobs, from RUN/attempts.jsonl (keyed "local:INDEX"): the end event the front end
+    wrote (COMPLETED, STOPPED or FAILED, its exit code, the time from the submission to it), RUNNING while the
+    newest one's rank 0 is alive, UNKNOWN when a front end ended without saying how (killed itself)."""
+    from hpcscale.launch.resume import diagnose_local
+
+    events = rd.attempt_events()
+    out: dict[str, list[JobState]] = {}
+    for sub in local:
+        end = next((e for e in events if e.get("event") == "end" and e.get("submission") == sub.index), None)
+        attempt = end.get("attempt") if end is not None else None
+        begin = next((e for e in events if e.get("event") == "begin" and e.get("attempt") == attempt), None)
+        hosts = begin.get("nodes") if begin is not None and type(attempt) is int else None
+        nodes = ",".join(str(n) for n in hosts) if isinstance(hosts, list) else ""
+        if end is not None:
+            cause = str(end.get("cause", ""))
+            state = {"completed": "COMPLETED", "stopped": "STOPPED"}.get(cause, "FAILED")
+            code, finished = str(end.get("exit_code", "")), str(end.get("time", ""))
+        elif sub is local[-1] and diagnose_local(rd, sub).active:
+            state, code, finished = "RUNNING", "", ""
+        else:
+            state, code, finished = "UNKNOWN", "", ""
+        out[f"local:{sub.index}"] = [
+            JobState("local", "", state, code, nodes, _elapsed(sub.time, finished), sub.time, finished)
+        ]
+    return out
+
+
+def _elapsed(start: str, end: str) -> str:
+    """[D-]HH:MM:SS between two ISO times, as sacct writes it; empty when either is missing or unreadable."""
+    from datetime import datetime
+
+    try:
+        seconds = int((datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds())
+    except (TypeError, ValueError):
+        return ""
+    if seconds < 0:
+        return ""
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
 
 
 def _job_name(rd: RunDir) -> str | None:
