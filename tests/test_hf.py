@@ -186,3 +186,29 @@ def test_data_prepare_refuses_a_tokenizer_it_cannot_read_naming_it(tmp_path):
         )
         assert r.returncode == 2 and tok in r.stderr, r.stderr
         assert not (tmp_path / "ds").exists()
+
+
+def test_a_transformers_model_built_on_meta_materializes_to_the_model_built_whole():
+    """transformers' own per-module initializer as ctx.parallelize's `init`: weights, the rotary buffers
+    to_empty leaves empty, and so the logits, bitwise those of the model built whole and initialized alike."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpcscale.parallel.init import initialize, materialize
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    materialize(meta, meta._init_weights, seed=0, device=torch.device("cpu"))
+    whole = LlamaForCausalLM(cfg)
+    initialize(whole, whole._init_weights, seed=0)
+    got = dict((*meta.named_parameters(), *meta.named_buffers()))
+    want = dict((*whole.named_parameters(), *whole.named_buffers()))
+    assert sorted(got) == sorted(want) and any("inv_freq" in n for n in got)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    x = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(meta(input_ids=x).logits, whole(input_ids=x).logits)
