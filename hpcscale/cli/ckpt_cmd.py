@@ -27,6 +27,15 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _layout(layout: dict | None) -> str:
+    """pp,dp,tp as the column heads it; a sharded layout's dp_shard after it ("1,4,1 shard 4")."""
+    if not layout:
+        return "-"
+    text = f"{layout.get('pp')},{layout.get('dp')},{layout.get('tp')}"
+    shard = layout.get("dp_shard", 1)
+    return text if shard in (1, None) else f"{text} shard {shard}"
+
+
 def format_checkpoints(infos):
     from rich.table import Table
 
@@ -35,7 +44,7 @@ def format_checkpoints(infos):
         table.add_column(col, justify="right" if col in ("step", "size", "new in it") else "left")
     for i in infos:
         when = datetime.fromtimestamp(i.time).strftime("%Y-%m-%d %H:%M:%S") if i.time else "-"
-        layout = f"{i.layout.get('pp')},{i.layout.get('dp')},{i.layout.get('tp')}" if i.layout else "-"
+        layout = _layout(i.layout)
         table.add_row(
             str(i.step),
             when,
