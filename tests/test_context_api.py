@@ -81,6 +81,8 @@ def reference(mpi, tmp_path_factory) -> dict[int, list[float]]:
     assert last < 0.6 * first, "the example must learn something"
     saved = [r["checkpoint"] for r in rows(tmp / "run") if "checkpoint" in r]
     assert saved == [50, 100, 150, 200], saved  # the policy's period; the end is saved once
+    said = [line for line in r.stdout.splitlines() if line.startswith("hpcscale: checkpoint ")]
+    assert [int(line.split()[2]) for line in said] == saved, said  # each save said as it happens
     return ref
 
 

@@ -320,6 +320,8 @@ class Checkpointer:
         self._background_before = (before.background_s or None) if before is not None else None
         blocking = waited + stats.blocking_s
         self._ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=round(blocking, 6))
+        how = "the rest written in the background" if asynchronous else "written"
+        self._ctx.metrics.print(f"hpcscale: checkpoint {done_steps} saved: {blocking:.2f} s blocking, {how}")
         return blocking
 
     def close(self) -> None:

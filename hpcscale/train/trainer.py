@@ -251,9 +251,11 @@ def train(ctx: Context) -> None:
             loader=asdict(loader.state),
         )
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            left = (cfg.steps - step - 1) * step_s  # at this step's pace
             ctx.metrics.print(
                 f"step {step:6d}  loss {loss_value:.4f}  lr {lr:.2e}  {step_s * 1000:6.1f} ms/step  "
-                f"{tokens_per_step / step_s:8.0f} tok/s"
+                f"{tokens_per_step / step_s:8.0f} tok/s  {cfg.steps - step - 1} steps left, about "
+                f"{int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
             )
         checkpoint.step(step, data_s=data_s)  # watchdog, stop signal, periodic save, round, per-rank timing
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
