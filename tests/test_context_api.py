@@ -83,6 +83,13 @@ def reference(mpi, tmp_path_factory) -> dict[int, list[float]]:
     assert saved == [50, 100, 150, 200], saved  # the policy's period; the end is saved once
     said = [line for line in r.stdout.splitlines() if line.startswith("hpcscale: checkpoint ")]
     assert [int(line.split()[2]) for line in said] == saved, said  # each save said as it happens
+    # hpcscale times every step of the loop, and with tokens_per_step set gives its throughput: in the
+    # metrics, in status and in the report
+    timed = {x["step"]: x for x in rows(tmp / "run") if "step_time_s" in x and "loss" not in x}
+    assert sorted(timed) == list(range(STEPS)) and all(x["tokens_per_s"] > 0 for x in timed.values())
+    assert "ms/step" in run_cli("status", str(tmp / "run")).stdout
+    summary = json.loads(run_cli("report", str(tmp / "run"), "-o", str(tmp / "report"), "--json").stdout)["summary"]
+    assert summary["median_tokens_per_s"] > 0, summary
     return ref
 
 

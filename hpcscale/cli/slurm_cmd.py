@@ -108,6 +108,18 @@ def submit(
         click.echo(f"run directory: {r.run_dir}", err=True)
 
 
+def _finite(value) -> bool:
+    """A figure from a run's files that arithmetic can take (not a bool, not inf/nan, not an int beyond floats)."""
+    import math
+
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and abs(value) < 1e30
+    except OverflowError:
+        return False
+
+
 def _num(value, fmt: str) -> str:
     """A figure from a run's files, formatted when it is a finite number; shown as found (cleaned) otherwise."""
     import math
@@ -182,8 +194,10 @@ def status(run: Path, as_json: bool) -> None:
         )
     if st.last_metrics:
         m = st.last_metrics
-        rate = f", {_num(m['tokens_per_s'], '.0f')} tokens/s" if "tokens_per_s" in m else ""  # a user loop may log none
-        out.print(f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}{rate}")
+        # a user loop's line has what it logged, and hpcscale's step time (tokens/s once it gives tokens_per_step)
+        pace = f", {_num(m['step_time_s'] * 1000, '.1f')} ms/step" if _finite(m.get("step_time_s")) else ""
+        rate = f", {_num(m['tokens_per_s'], '.0f')} tokens/s" if "tokens_per_s" in m else ""
+        out.print(f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}{pace}{rate}")
     if st.timing:
         for line in format_timing(st.timing, run):
             out.print(line)

@@ -112,6 +112,9 @@ class Checkpointer:
         self.defer_staging = False  # async saves copy to host memory until the optimizers' next step()
         self.rebuild = None  # () -> (model, optimizer): a fresh build, when every checkpoint was refused dirty
         self._saves = None  # launch.timing.SaveSchedule, made at restore (it plans from the start step)
+        # a metrics line per step with step_time_s (and tokens_per_s): not for the built-in trainer, whose own
+        # line per step carries them
+        self._log_step_times = getattr(ctx.job.train, "entry", None) != "builtin"
         self._t_last: float | None = None  # when the last step() (or restore) returned: per-rank timing
         self._dp_wait_last = 0.0
         self._background_before: float | None = None
@@ -280,7 +283,20 @@ class Checkpointer:
             ckpt_s=ckpt_s,
         )
         self._dp_wait_last = dp_wait
+        if self._log_step_times:
+            self._ctx.metrics.log(**self._step_line(step, work_s + ckpt_s))
         self._t_last = time.perf_counter()
+
+    def _step_line(self, step: int, step_s: float) -> dict:
+        """What hpcscale measures of a step for any entry point: its wall time (from the previous step() to this
+        one's end, saves included) and, with tokens_per_step set, the throughput."""
+        line = {"step": step, "step_time_s": round(step_s, 6)}
+        tokens = self.tokens_per_step
+        if type(tokens) not in (int, float) or tokens < 0:
+            raise BadInput(f"ctx.checkpoint.tokens_per_step is {tokens!r}: the tokens of one global step (0: unknown)")
+        if tokens and step_s > 0:
+            line["tokens_per_s"] = round(tokens / step_s, 3)
+        return line
 
     # ---- the rest -------------------------------------------------------------------------------------------
     def save(self, done_steps: int, *, asynchronous: bool | None = None) -> float:

@@ -39,6 +39,7 @@ MAX_FIGURE = 1e100  # a figure beyond this is not plotted (matplotlib's transfor
 PLOT_ROWS = 128  # rows of the per-rank heatmap; more ranks are binned
 MAX_STEP = 10**15  # a step number beyond this is damage, not a step
 KEPT = ("loss", "tokens_per_s", "step_time_s", "time", "attempt")  # what the report keeps of a training line
+TIMED = ("tokens_per_s", "step_time_s")  # what ctx.checkpoint.step adds to a user loop's line
 
 
 @dataclass
@@ -106,6 +107,10 @@ def read_run(path: Path) -> RunData:
                 first_step[attempt] = min(first_step.get(attempt, step), step)
         else:
             data.skipped += "loss" in row
+            if step in data.train and "loss" not in row:
+                # hpcscale's own line for a user loop's step (ctx.checkpoint.step): its time and throughput
+                # belong with the loss the loop logged for that step just before
+                data.train[step].update({k: row[k] for k in TIMED if k in row})
         if _finite(row.get("val_loss")):
             data.val[step] = float(row["val_loss"])
         saved = row.get("checkpoint")

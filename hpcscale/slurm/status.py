@@ -102,7 +102,7 @@ def run_status(path: Path) -> RunStatus:
         source,
         [SubmissionStatus(s, states.get(s.job_id or f"local:{s.index}", [])) for s in subs],
         _latest_checkpoint(rd),
-        _last_metrics(rows),
+        _last_training_line(rows),
         _timing(rd, notes),
         _last_metrics(rows, key="checkpoint_interval"),
         notes,
@@ -204,6 +204,24 @@ def _metric_rows(path: Path, notes: list[str]) -> list[bytes]:
         notes.append(f"{path.name} skipped: {e}")
         return []
     return [] if tail is None else tail.data.splitlines()[::-1]
+
+
+def _last_training_line(lines: list[bytes]) -> dict | None:
+    """The newest line with a loss, with the step time and throughput hpcscale logged for the same step on a
+    line of its own (a user loop's: ctx.checkpoint.step) when the line has none."""
+    row = _last_metrics(lines)
+    if row is None or "step_time_s" in row:
+        return row
+    for line in lines[:64]:  # hpcscale's line follows the loop's, so it is among the newest
+        if b"step_time_s" not in line:
+            continue
+        try:
+            timed = loads_json(line, source="metrics.jsonl", max_bytes=1 << 20)
+        except BadInput:
+            continue
+        if isinstance(timed, dict) and timed.get("step") == row.get("step") and "loss" not in timed:
+            return {**row, **{k: timed[k] for k in ("step_time_s", "tokens_per_s") if k in timed}}
+    return row
 
 
 def _last_metrics(lines: list[bytes], *, key: str = "loss") -> dict | None:
