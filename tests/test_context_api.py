@@ -184,7 +184,9 @@ def test_doc_example_stop_signal_checkpoints_then_resumes_exactly(reference, tmp
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 75, out[-3000:]
-    stop = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()][-1]
+    events = [json.loads(line) for line in (run / "attempts.jsonl").read_text().splitlines()]
+    stop = [e for e in events if e["event"] == "stop"][-1]
+    assert events[-1]["event"] == "end" and events[-1]["exit_code"] == 75  # the front end's record, last
     # the front end forwards the stop as the job's signal (USR2 by default)
     assert stop["event"] == "stop" and stop["signal"] and stop["stop_s"] is not None, stop
     saved = [r["checkpoint"] for r in rows(run) if "checkpoint" in r]
