@@ -63,10 +63,7 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except click.ClickException as e:  # a bad option or argument: click's own message, and JSON when asked
-            if ctx.meta.get("hpcscale.json"):
-                from hpcscale.cli.options import print_json
-
-                print_json({"error": e.format_message(), "exit_code": e.exit_code})
+            _json_error(ctx, e.format_message(), e.exit_code)
             raise
         except HpcscaleError as e:
             from hpcscale.util.trust import clean
@@ -74,11 +71,16 @@ class LazyGroup(click.Group):
             # An error may quote a file's or a remote's words: shown without their control characters.
             text = clean(str(e), limit=20_000, newlines=True)
             click.echo(f"error: {text}" if e.exit_code != 2 else text, err=True)
-            if ctx.meta.get("hpcscale.json"):  # a script that asked for JSON gets JSON, failures included
-                from hpcscale.cli.options import print_json
-
-                print_json({"error": text, "exit_code": e.exit_code})
+            _json_error(ctx, text, e.exit_code)
             sys.exit(e.exit_code)
+
+
+def _json_error(ctx: click.Context, text: str, code: int) -> None:
+    """A script that asked for JSON (--json) gets JSON, failures included: the message and the exit code."""
+    if ctx.meta.get("hpcscale.json"):
+        from hpcscale.cli.options import print_json
+
+        print_json({"error": text, "exit_code": code})
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -108,20 +108,9 @@ def submit(
         click.echo(f"run directory: {r.run_dir}", err=True)
 
 
-def _finite(value) -> bool:
-    """A figure from a run's files that arithmetic can take (not a bool, not inf/nan, not an int beyond floats)."""
-    import math
-
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value) and abs(value) < 1e30
-    except OverflowError:
-        return False
-
-
-def _num(value, fmt: str) -> str:
-    """A figure from a run's files, formatted when it is a finite number; shown as found (cleaned) otherwise."""
+def _num(value, fmt: str, scale: float = 1.0) -> str:
+    """A figure from a run's files (times `scale`), formatted when it is a finite number; shown as found
+    (cleaned) otherwise."""
     import math
 
     from hpcscale.util.trust import clean_markup
@@ -129,7 +118,7 @@ def _num(value, fmt: str) -> str:
     if isinstance(value, int | float) and not isinstance(value, bool):
         try:
             if math.isfinite(value):  # an integer beyond any float: OverflowError
-                return format(value, fmt)
+                return format(value * scale, fmt)
         except (ValueError, OverflowError):
             pass
     return clean_markup(repr(value), limit=60)
@@ -195,7 +184,7 @@ def status(run: Path, as_json: bool) -> None:
     if st.last_metrics:
         m = st.last_metrics
         # a user loop's line has what it logged, and hpcscale's step time (tokens/s once it gives tokens_per_step)
-        pace = f", {_num(m['step_time_s'] * 1000, '.1f')} ms/step" if _finite(m.get("step_time_s")) else ""
+        pace = f", {_num(m['step_time_s'], '.1f', scale=1000)} ms/step" if "step_time_s" in m else ""
         rate = f", {_num(m['tokens_per_s'], '.0f')} tokens/s" if "tokens_per_s" in m else ""
         out.print(f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}{pace}{rate}")
     if st.timing:

@@ -4,7 +4,7 @@ By default tokens are bytes (vocabulary 256, uint8): no tokenizer needed. With a
 file (`--tokenizer tokenizer.json`: local, nothing downloaded; the `hf` extra installs the library) each file's
 text is encoded by it and the ids are stored as uint16 (uint32 for a vocabulary over 65536); the tokenizer file
 is copied into the dataset as `tokenizer.json`, so the manifest hashes it like any shard and the dataset carries
-the tokenizer that made it wherever it is staged, and `meta` records its hash and vocabulary size.
+the tokenizer that made it wherever it is staged; `meta` records its hash, the dataset its vocabulary size.
 
 Files are read in sorted order and joined with a blank line (bytes), or encoded one by one and their ids
 concatenated (a tokenizer), so the same corpus gives the same shards byte for byte. The output directory

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hpcscale.errors import BadInput
+from hpcscale.parallel.init import on_meta
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -57,8 +58,7 @@ def parallelize(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, tp_plan)
-    on_meta = any(t.is_meta for t in model.parameters())
-    if dp_group is not None and dist.get_world_size(dp_group) > 1 and not on_meta:
+    if dp_group is not None and dist.get_world_size(dp_group) > 1 and not on_meta(model):
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(_local(t), group=dp_group, group_src=0)

@@ -110,10 +110,10 @@ def materialize(model: nn.Module, init: Init | None, *, seed: int, device: torch
     with torch.no_grad():
         for name, module in _post_order(model):
             own = dict(module.named_parameters(recurse=False))
-            bufs = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
+            bufs = {k: b for k, b in module.named_buffers(recurse=False) if b.is_floating_point()}
             if not own and not bufs and init is None:
                 continue
-            for b in bufs:
+            for b in bufs.values():
                 b.fill_(math.nan)
             full = {k: _nan_like(p) for k, p in own.items()}
             for k, t in full.items():
@@ -129,8 +129,8 @@ def materialize(model: nn.Module, init: Init | None, *, seed: int, device: torch
                     raise BadInput(f"ctx.parallelize: init left parameter {where} (partly) unset")
                 target = p.to_local() if hasattr(p, "to_local") else p
                 target.copy_(_local(full[k].data, p))
-            for bname, b in module.named_buffers(recurse=False):
-                if b.is_floating_point() and torch.isnan(b).any():
+            for bname, b in bufs.items():
+                if torch.isnan(b).any():
                     where = f"{name}.{bname}" if name else bname
                     raise BadInput(
                         f"ctx.parallelize: init left buffer {where} unset (to_empty leaves buffers uninitialized: "
