@@ -394,6 +394,27 @@ class RunDir:
                 out.append(row)
         return out
 
+    def local_attempt_pid(self, settle_s: float = 10.0) -> int | None:
+        """Rank 0's pid when the newest attempt was begun on this host and its rank 0 still runs, else None. A
+        rank that is just exiting gets `settle_s`: mpirun (and so `run --local`) may return once every rank
+        has finalized, before the last has exited."""
+        import time
+
+        from hpcscale.portable.lock import process_alive
+
+        begins = [e for e in self.attempt_events() if e["event"] == "begin"]
+        if not begins or begins[-1].get("host") != os.uname().nodename:
+            return None
+        pid, start = begins[-1].get("pid"), begins[-1].get("pid_start")
+        if not (type(pid) is int and pid > 0 and type(start) is int):
+            return None
+        deadline = time.monotonic() + settle_s
+        while process_alive(pid, start):
+            if time.monotonic() > deadline:
+                return pid
+            time.sleep(0.1)
+        return None
+
     def next_attempt(self) -> int:
         """The number the attempt starting now gets: 1 + the attempts begun before it."""
         return 1 + sum(1 for e in self.attempt_events() if e["event"] == "begin")

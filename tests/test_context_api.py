@@ -351,7 +351,10 @@ def _checker(**objects):
     from hpcscale.launch.checkpointing import Checkpointer
     from hpcscale.layout import ParallelDims
 
-    ctx = SimpleNamespace(job=SimpleNamespace(checkpoint=None, xsite=None), dims=ParallelDims(tp=1, pp=1, dp=1))
+    ctx = SimpleNamespace(
+        job=SimpleNamespace(checkpoint=None, xsite=None, train=SimpleNamespace(entry="user.py")),
+        dims=ParallelDims(tp=1, pp=1, dp=1),
+    )
     c = Checkpointer(ctx)
     c._register(None, None, objects)
     return c

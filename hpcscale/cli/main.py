@@ -76,8 +76,9 @@ class LazyGroup(click.Group):
 
 
 def _json_error(ctx: click.Context, text: str, code: int) -> None:
-    """A script that asked for JSON (--json) gets JSON, failures included: the message and the exit code."""
-    if ctx.meta.get("hpcscale.json"):
+    """A script that asked for JSON (--json) gets one JSON document, failures included: the command's own report
+    when it wrote one before failing (verify's list of bad files), else the message and the exit code."""
+    if ctx.meta.get("hpcscale.json") and not ctx.meta.get("hpcscale.json_written"):
         from hpcscale.cli.options import print_json
 
         print_json({"error": text, "exit_code": code})

@@ -30,6 +30,9 @@ param_option = click.option(
 
 def print_json(doc: Any) -> None:
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:  # a command that wrote its own document (a failed verify's report) gets no second one
+        ctx.find_root().meta["hpcscale.json_written"] = True
 
 
 PIPED_WIDTH = 1000  # wide enough that no table is cut or folded when the output goes to a file or a pipe

@@ -299,12 +299,11 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     events = rd.attempt_events()
     begins = [e for e in events if e.get("event") == "begin"]
     d = Diagnosis(None, "LOCAL", "", "", "attempts")
-    if begins:
-        b = begins[-1]
-        if b.get("host") == os.uname().nodename and _still_running(b.get("pid"), b.get("pid_start")):
-            d.active = True
-            d.explanation = f"the local run is still going (rank 0 is pid {b.get('pid')})"
-            return d
+    pid = rd.local_attempt_pid()
+    if pid is not None:
+        d.active = True
+        d.explanation = f"the local run is still going (rank 0 is pid {pid})"
+        return d
     lines = _read_logs(rd, [Path(sub.script).name]) if sub.script else []
     stops = [e for e in events if e.get("event") == "stop" and begins and e.get("attempt") == begins[-1].get("attempt")]
     dims, placement = rank_nodes(events, None)
@@ -318,24 +317,6 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     else:
         d.explanation = "the last local run ended without a failure line or a stop"
     return d
-
-
-def _still_running(pid, start, settle_s: float = 10.0) -> bool:
-    """Whether rank 0 of the last local attempt still runs, after giving a rank that is just exiting a moment:
-    mpirun (and so `run --local`) may return once every rank has finalized, before the last has exited."""
-    import time
-
-    deadline = time.monotonic() + settle_s
-    while _pid_alive(pid, start):
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-def _pid_alive(pid, start) -> bool:
-    """The process of a begin record (pid and start time, as the stage lock names its holder) still runs."""
-    return isinstance(pid, int) and pid > 0 and isinstance(start, int) and run_lock.process_alive(pid, start)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------

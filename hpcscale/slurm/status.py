@@ -113,8 +113,6 @@ def _local_states(rd: RunDir, local: list[Submission]) -> dict[str, list[JobStat
     """`run --local` runs as jobs, from RUN/attempts.jsonl (keyed "local:INDEX"): the end event the front end
     wrote (COMPLETED, STOPPED or FAILED, its exit code, the time from the submission to it), RUNNING while the
     newest one's rank 0 is alive, UNKNOWN when a front end ended without saying how (killed itself)."""
-    from hpcscale.launch.resume import diagnose_local
-
     events = rd.attempt_events()
     out: dict[str, list[JobState]] = {}
     for sub in local:
@@ -127,7 +125,7 @@ def _local_states(rd: RunDir, local: list[Submission]) -> dict[str, list[JobStat
             cause = str(end.get("cause", ""))
             state = {"completed": "COMPLETED", "stopped": "STOPPED"}.get(cause, "FAILED")
             code, finished = str(end.get("exit_code", "")), str(end.get("time", ""))
-        elif sub is local[-1] and diagnose_local(rd, sub).active:
+        elif sub is local[-1] and rd.local_attempt_pid() is not None:
             state, code, finished = "RUNNING", "", ""
         else:
             state, code, finished = "UNKNOWN", "", ""
