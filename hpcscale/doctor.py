@@ -261,14 +261,14 @@ def _scratch_info(scratch: Path, site: SiteConfig | None) -> CheckResult:
 
 
 def _flock_check(probe_dir: Path) -> CheckResult:
-    """Information for the operator: hpcscale itself never takes a lock (checkpoints and staged files are
-    committed by rename), so scratch without flock (common on Lustre/GPFS) is fine for hpcscale."""
+    """Information for the operator: hpcscale never uses flock (checkpoints and staged files are committed by
+    rename; its locks are files made with O_EXCL), so scratch without flock (common on Lustre/GPFS) is fine."""
     try:
         with open(probe_dir / "flock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(f, fcntl.LOCK_UN)
     except OSError as e:
-        return CheckResult("flock", "ok", f"unavailable ({e.strerror}); hpcscale never locks, so this is fine")
+        return CheckResult("flock", "ok", f"unavailable ({e.strerror}); hpcscale never uses flock, so this is fine")
     return CheckResult("flock", "ok", "works (hpcscale never relies on it)")
 
 

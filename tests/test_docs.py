@@ -75,3 +75,50 @@ def test_every_public_call_of_the_context_api_is_on_its_page_with_every_paramete
             elif not any(re.fullmatch(rf"(\w+\.)*{re.escape(name)}", s) for s in spans):
                 problems.append(f"{cls.__name__}.{name}: not named on the page")
     assert not problems, "\n".join(problems)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces to hyphens."""
+    import re
+
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path) -> set[str]:
+    import re
+
+    seen: dict[str, int] = {}
+    out = set()
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    for m in re.finditer(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = _slug(m.group(1))
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_link_and_named_file_in_the_docs_exists():
+    """Every relative link in README.md and docs/ reaches a file (and the heading its #anchor names), and
+    every repository path a doc names in backticks (docs/..., scripts/..., hpcscale/..., tests/...) exists: a
+    renamed file or heading fails here, not in a reader's hands."""
+    import re
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    problems = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not checked offline
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                problems.append(f"{page.relative_to(REPO)}: link to {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                problems.append(f"{page.relative_to(REPO)}: link to {target}: no such heading")
+        for named in re.findall(r"`((?:docs|scripts|hpcscale|tests|site_configs|examples)/[\w./-]+)`", text):
+            if not (REPO / named.rstrip("/.")).exists():
+                problems.append(f"{page.relative_to(REPO)}: names {named}, which does not exist")
+    assert not problems, "\n".join(problems)

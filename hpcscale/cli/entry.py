@@ -1,11 +1,11 @@
 """The console script `hpcscale` (and `python -m hpcscale`): nothing runs at import time.
 
 `hpcscale stage` over ssh spends most of a no-op rerun waiting for ssh to connect, so `main` starts ssh before
-click and the command modules load (about 50 ms earlier; hpcscale.xsite.channel.prelaunch). The stage command
+click and the command modules load (hpcscale.xsite.channel.prelaunch). The stage command
 adopts that connection only if its parsed options ask for the same endpoint; otherwise it is closed.
 
 When `stage` is done and its output written, the process ends without the interpreter's teardown (freeing
-every module of ~190, 13 ms of a 0.46 s cron-driven no-op rerun over ssh): stdout, stderr and logging are
+every module, a measurable part of a cron-driven no-op rerun over ssh): stdout, stderr and logging are
 flushed first, and nothing of stage's is left for a finalizer (ssh and every thread are waited for inside).
 """
 

@@ -98,7 +98,8 @@ def cli(verbose: bool) -> None:
       hpcscale render job.yaml
       hpcscale submit job.yaml && hpcscale status <run dir>
 
-    Exit codes: 0 success, 1 runtime failure, 2 bad input, 3 verification failure.
+    Exit codes: 0 success, 1 runtime failure, 2 bad input, 3 verification failure, 75 stopped on request
+    (run, launch, resume: the last step checkpointed).
     """
     if verbose:
         import logging

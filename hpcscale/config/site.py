@@ -124,7 +124,9 @@ class Filesystems:
         check=check_abs_path,
     )
     type: Literal["lustre", "gpfs", "beegfs", "nfs", "local"] = setting(
-        "Filesystem type of scratch; parallel filesystems get large sequential writes.", default="local"
+        "Filesystem type of scratch, as the site expects it: `hpcscale doctor` checks that scratch is mounted "
+        "with this type. How files are written does not depend on it.",
+        default="local",
     )
 
 
@@ -137,7 +139,7 @@ class Staging:
         "processes. An explicit `-j` wins.",
         default=8,
         min=1,
-        max=256,
+        max=64,
     )
     bandwidth_limit_mbps: float | None = setting(
         "Cap on the transfer rate of `hpcscale stage --site`, in MB/s (10^6 bytes/s), all streams together "

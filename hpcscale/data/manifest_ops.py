@@ -1,7 +1,7 @@
 """`hpcscale manifest build | diff | verify`: what a dataset directory holds, proven by hashes.
 
-Hashing runs in a thread pool (reading and xxh3 both release the GIL; xxh3 runs at ~18 GB/s on one core here,
-so the disk is the limit, not the hash). A rebuild reuses the hash of every file whose size and mtime are
+Hashing runs in a thread pool (reading and xxh3 both release the GIL; xxh3 is much faster than a
+disk, so the disk is the limit, not the hash). A rebuild reuses the hash of every file whose size and mtime are
 unchanged since the previous manifest, unless rehash is asked for.
 """
 

@@ -1,7 +1,7 @@
 """The math of a cross-site (DiLoCo) round: the contribution Δ, its wire encodings, the checks made on it, the
 aggregation rules and the outer optimizer. A pure library: no files, no network, no Slurm.
 
-The round (docs: DESIGN.md §4 "Cross-site round"; Douillard et al., "DiLoCo", arXiv:2311.08105):
+The round (docs/cross-site.md, "The algorithm"; Douillard et al., "DiLoCo", arXiv:2311.08105):
 1. every site starts from the published global θ(r−1) and takes H inner steps, reaching θ_i;
 2. it contributes Δ_i = θ(r−1) − θ_i (`delta`). THE SIGN: Δ points the way a gradient points, against the
    direction the site moved, so the outer optimizer *descends* along it. A site whose weights went up by +1
