@@ -55,6 +55,7 @@ from hpcscale.config.render import to_plain
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.yamlsrc import YamlSource, parse_yaml
 from hpcscale.errors import BadInput
+from hpcscale.portable.files import atomic_write
 from hpcscale.util.bounded import MiB, loads_json, read_bounded
 from hpcscale.util.paths import expand_path
 from hpcscale.util.trust import clean, read_trusted
@@ -504,20 +505,8 @@ def _atomic_write(path: Path, text: str, *, mode: int = 0o644, run_dir: Path | N
     has a random name and is created with O_CREAT|O_EXCL|O_NOFOLLOW in the directory's descriptor: a symlink
     planted at any name is replaced (rename does not follow it), never written through."""
     dfd = _open_parent(path, run_dir if run_dir is not None else _run_dir_of(path))
-    tmp = f".{path.name}.{secrets.token_hex(8)}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dfd)
-        try:
-            os.fchmod(fd, mode)
-            _write_all(fd, text.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
-        except OSError:
-            os.unlink(tmp, dir_fd=dfd)
-            raise
+        atomic_write(path.name, text, dir_fd=dfd, mode=mode, exact_mode=True)
     finally:
         os.close(dfd)
 

@@ -43,6 +43,7 @@ from hpcscale.ckpt.integrity import (
     valid_digest_text,
 )
 from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.portable.files import atomic_write
 from hpcscale.portable.hashing import XXH128
 from hpcscale.util.bounded import read_bounded
 
@@ -466,12 +467,7 @@ def write_index(path: Path, index: Index) -> str:
 
 def write_digest_file(step_dir: Path, digest: str) -> None:
     """DIGEST: one line, the root digest; what a signature covers without parsing HDF5. Durable before return."""
-    tmp = step_dir / f".{DIGEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(digest + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / DIGEST)
+    atomic_write(step_dir / DIGEST, digest + "\n")
 
 
 class _Damaged(Exception):
@@ -687,14 +683,6 @@ def committed_steps(root: Path) -> list[int]:
         return []
     steps = [s for p in root.iterdir() if (s := step_of(p.name)) is not None and (p / INDEX).is_file()]
     return sorted(steps, reverse=True)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def open_data_file(path: Path) -> int:

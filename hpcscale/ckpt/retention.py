@@ -28,6 +28,7 @@ from pathlib import Path
 from hpcscale.ckpt.faults import fault
 from hpcscale.ckpt.format import DIGEST, INDEX, committed_steps, read_index, step_dir_name, step_of
 from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.portable.files import atomic_write
 from hpcscale.util.bounded import loads_json, read_bounded
 
 
@@ -68,17 +69,7 @@ def write_pins(root: Path, pins: dict[int, str]) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         return
-    tmp = root / f".{PINNED}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({str(k): v for k, v in sorted(pins.items())}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    atomic_write(path, json.dumps({str(k): v for k, v in sorted(pins.items())}))
 
 
 def mark_writer(tmp_dir: Path) -> None:

@@ -42,7 +42,6 @@ from hpcscale.ckpt.format import (
     ChunkRef,
     Index,
     Rows,
-    fsync_dir,
     index_of_rows,
     rows_of,
     step_dir_name,
@@ -52,6 +51,7 @@ from hpcscale.ckpt.format import (
 from hpcscale.ckpt.integrity import DTYPE_SIZES
 from hpcscale.ckpt.rng import rng_state  # noqa: F401 - re-exported: tests build indexes with it
 from hpcscale.ckpt.shards import LocalShard
+from hpcscale.portable.files import atomic_write, fsync_dir
 
 ALIGN = 4096  # O_DIRECT's alignment for memory, file offsets and lengths (every device's logical block divides it)
 
@@ -531,10 +531,7 @@ def commit(
         raise FileExistsError(f"{final} is already committed")
     os.replace(tmp, final)
     fsync_dir(root)
-    latest_tmp = root / f".{LATEST}.tmp"
-    latest_tmp.write_text(name + "\n")
-    os.replace(latest_tmp, root / LATEST)
-    fsync_dir(root)
+    atomic_write(root / LATEST, name + "\n")
     from hpcscale.ckpt.retention import apply_retention
 
     # own_saves: this save is committed and the job runs one at a time, so any .tmp-* left is a crashed one

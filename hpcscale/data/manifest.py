@@ -13,7 +13,6 @@ BadInput (exit 2) naming the manifest and the entry.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from typing import Any
 from hpcscale.errors import BadInput
 from hpcscale.portable import hashing, paths
 from hpcscale.portable.errors import StageError
+from hpcscale.portable.files import atomic_write
 from hpcscale.portable.hashing import HASH_ALGORITHMS
 from hpcscale.util.bounded import loads_json, read_bounded
 
@@ -141,15 +141,7 @@ def manifest_text(manifest: Manifest) -> str:
 
 def write_manifest(path: Path, manifest: Manifest) -> None:
     """Atomically: a reader sees the old manifest or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)  # never through a symlink
-    with open(fd, "w") as f:
-        f.write(manifest_text(manifest))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, manifest_text(manifest))
 
 
 MAX_MANIFEST_BYTES = 1 << 30  # a million-file manifest is ~100 MB

@@ -23,12 +23,12 @@ from __future__ import annotations
 import errno
 import math
 import os
-import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from hpcscale.errors import BadInput
+from hpcscale.portable.files import atomic_write
 from hpcscale.rundir import JOB, METRICS, TIMING, RunDir
 from hpcscale.util.bounded import loads_json, read_bounded, read_tail
 from hpcscale.util.trust import clean
@@ -197,21 +197,9 @@ def _open_out(out: Path) -> int:
 
 
 def _write(dfd: int, name: str, data: bytes) -> None:
-    """Replace `name` in the directory `dfd` atomically: a temporary of a random name created with
-    O_CREAT|O_EXCL|O_NOFOLLOW, renamed over `name` (a symlink planted at `name` is replaced, never followed)."""
-    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-    except OSError:
-        os.unlink(tmp, dir_fd=dfd)
-        raise
+    """Replace `name` in the directory `dfd` whole or not at all, durably (hpcscale.portable.files.atomic_write:
+    a symlink planted at `name` is replaced, never followed)."""
+    atomic_write(name, data, dir_fd=dfd)
 
 
 def _save(fig) -> bytes:

@@ -19,15 +19,16 @@ FIFO or a device planted in a run directory (a symlink to /dev/zero) is refused,
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpcscale.errors import BadInput
+from hpcscale.portable import files
 
 MiB = 1 << 20
 DEFAULT_MAX_BYTES = 1024 * MiB
@@ -75,46 +76,34 @@ def read_bounded(path: str | Path, *, max_bytes: int, what: str = "file") -> byt
     waiting on it. Any failure is BadInput naming the file."""
     p = Path(path)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise BadInput(f"{p}: no such {what}") from None
+        return files.read_regular(p, max_bytes=max_bytes)[0]
     except OSError as e:
-        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInput(f"{p}: not a regular file")
-        if st.st_size > max_bytes:
-            raise BadInput(f"{p}: {st.st_size} bytes, over the limit of {max_bytes} for a {what}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(max_bytes + 1)
-        if len(data) > max_bytes:  # it grew since fstat
-            raise BadInput(f"{p}: over the limit of {max_bytes} bytes for a {what}")
-        return data
-    except OSError as e:
-        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
-    finally:
-        os.close(fd)
+        raise BadInput(f"{p}: {file_problem(e, what)}") from None
+
+
+def file_problem(e: OSError, what: str = "file") -> str:
+    """What went wrong, in words, when hpcscale.portable.files opened or read a `what` (for a message that
+    names the file first)."""
+    if isinstance(e, FileNotFoundError):
+        return f"no such {what}"
+    if isinstance(e, files.NotRegularFile):
+        return "not a regular file"
+    if isinstance(e, files.TooLarge):
+        return f"{e.size} bytes, over the limit of {e.limit} for a {what}"
+    if e.errno == errno.ELOOP:
+        return f"is a symlink; a {what} is read only as a regular file"
+    return f"cannot read the {what} ({e.strerror})"
 
 
 def _open_regular(p: Path, what: str) -> tuple[int, os.stat_result]:
     """A descriptor of the regular file `p` (O_NONBLOCK: a FIFO is never waited on) and its fstat; BadInput
-    naming the file for anything else."""
+    naming the file for anything else (FileNotFoundError passes)."""
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return files.open_regular(p)
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        os.close(fd)
-        raise BadInput(f"{p}: cannot read the {what} ({e.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise BadInput(f"{p}: not a regular file (a {what} must be one)")
-    return fd, st
+        raise BadInput(f"{p}: {file_problem(e, what)}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ fd 0, as length-prefixed blobs (a 10-digit length and a newline, then the bytes)
   4. one blob per module: its source.
 
 A remote python with the same magic number (the same minor version, as for .pyc files) runs the compiled
-code, saving the ~8 ms compile on the critical path of every connection; any other compiles the sources.
+code, saving the compile on the critical path of every connection; any other compiles the sources.
 Each module is then installed under its own name in sys.modules (its parent packages created empty) and
 executed, in AGENT_MODULES order, so that `from hpcscale.portable.wire import send` in one of them finds the
 module installed before it; last, BOOT calls the agent's `main`. The installed packages hide any hpcscale of
@@ -32,6 +32,7 @@ import os
 # In the order they are executed remotely: each after every module it imports. The last one is the agent.
 AGENT_MODULES = (
     "hpcscale.portable.errors",
+    "hpcscale.portable.files",
     "hpcscale.portable.hashing",
     "hpcscale.portable.paths",
     "hpcscale.portable.threads",

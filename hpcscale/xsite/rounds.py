@@ -55,6 +55,7 @@ from hpcscale.config.xsite import XsiteConfig, XsiteSite
 from hpcscale.errors import BadInput
 from hpcscale.portable import lock as tick_lock
 from hpcscale.portable.errors import StageError
+from hpcscale.portable.files import atomic_write
 from hpcscale.portable.hashing import SHA256
 from hpcscale.util.paths import expand_path
 from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # one owner of the record names
@@ -124,19 +125,8 @@ def _fault(point: str) -> None:
 
 def _atomic_bytes(path: Path, data: bytes) -> None:
     """`path` replaced whole by `data`, durably; on any failure (a full disk) the old file stays and no
-    temporary file is left behind."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    temporary file is left behind (hpcscale.portable.files.atomic_write)."""
+    atomic_write(path, data)
 
 
 def _round_checkpoints(run: Path) -> list[tuple[int, dict]]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import errno
 import hashlib
 import os
 import re
@@ -33,6 +32,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from hpcscale.errors import BadInput, RuntimeFailure
+from hpcscale.portable import files
+from hpcscale.util.bounded import file_problem
 
 # A site name reaches file names (`<site>.pub`, `contrib-<site>-r000001.json`): one path component, no leading
 # dot or dash, bounded. Ending in `.<digits>` is refused because `<site>.<n>.pub` is a key generation.
@@ -124,33 +125,15 @@ def generate_key(directory: str | Path, site: str, *, generation: int | None = N
         with contextlib.suppress(OSError):
             os.unlink(private_path)
         raise
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    files.fsync_dir(directory)
     return KeyFiles(private_path, public_path)
 
 
 def _read_key_file(path: Path, what: str) -> tuple[bytes, os.stat_result]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise BadInput(f"{path}: no such {what}") from None
+        return files.read_regular(path, max_bytes=MAX_KEY_FILE_BYTES, follow_symlinks=False)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise BadInput(f"{path}: is a symlink; key files are read only as regular files") from None
-        raise BadInput(f"{path}: cannot read the {what} ({e.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BadInput(f"{path}: not a regular file")
-        if st.st_size > MAX_KEY_FILE_BYTES:
-            raise BadInput(f"{path}: {st.st_size} bytes, over the limit of {MAX_KEY_FILE_BYTES} for a {what}")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read(MAX_KEY_FILE_BYTES + 1), st
-    finally:
-        os.close(fd)
+        raise BadInput(f"{path}: {file_problem(e, what)}") from None
 
 
 def load_private(path: str | Path) -> Ed25519PrivateKey:

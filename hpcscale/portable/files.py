@@ -1,0 +1,124 @@
+"""Safe file I/O, one copy for all of hpcscale (stdlib only: the staging agent ships it to other sites).
+
+- `open_regular` / `read_regular`: a regular file's descriptor or bytes, never waiting on a FIFO or a device
+  (O_NONBLOCK, then fstat on the descriptor opened: no window between the check and the open), optionally
+  never through a symbolic link at the last component (O_NOFOLLOW), and, for reads, refused before reading
+  when over a size limit (and when it grew past it while read).
+- `atomic_write`: a file replaced whole or not at all.
+- `fsync_dir`: a directory's entries made durable (a rename or a create survives a power cut once it returns).
+
+Failures are OSError, so each caller words them for its own readers: FileNotFoundError, errno ELOOP for a
+symbolic link refused, `NotRegularFile` and `TooLarge` below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+
+__all__ = ["NotRegularFile", "TooLarge", "atomic_write", "fsync_dir", "open_regular", "read_regular"]
+
+
+class NotRegularFile(OSError):
+    """The path names a FIFO, a device, a socket or a directory."""
+
+    def __init__(self, path, st):
+        super().__init__(errno.EINVAL, "not a regular file", str(path))
+        self.stat = st
+
+
+class TooLarge(OSError):
+    """The file holds more than the caller's limit (`size` is what fstat said, or limit + 1 if it grew)."""
+
+    def __init__(self, path, size, limit):
+        super().__init__(errno.EFBIG, f"{size} bytes, over the limit of {limit}", str(path))
+        self.size, self.limit = size, limit
+
+
+def open_regular(path, *, dir_fd=None, follow_symlinks=True):
+    """(descriptor, its fstat) of the regular file at `path` (relative to `dir_fd` when given), opened
+    read-only, close-on-exec, without blocking. The caller closes the descriptor."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW)
+    fd = os.open(path, flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(path, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_regular(path, *, max_bytes, dir_fd=None, follow_symlinks=True):
+    """(bytes, fstat) of the regular file at `path`, of at most `max_bytes`: refused (TooLarge) before a byte
+    is read when fstat says more, and after reading `max_bytes + 1` when it grew meanwhile."""
+    fd, st = open_regular(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+    try:
+        if st.st_size > max_bytes:
+            raise TooLarge(path, st.st_size, max_bytes)
+        parts, left = [], max_bytes + 1
+        while left > 0:
+            block = os.read(fd, min(left, 1 << 24))
+            if not block:
+                break
+            parts.append(block)
+            left -= len(block)
+        data = b"".join(parts)
+        if len(data) > max_bytes:
+            raise TooLarge(path, max_bytes + 1, max_bytes)
+        return data, st
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory) -> None:
+    """fsync a directory (a path, or a descriptor opened on one) so that the names created or renamed in it
+    survive a crash of the machine."""
+    if isinstance(directory, int):
+        os.fsync(directory)
+        return
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, data, *, dir_fd=None, mode=0o644, exact_mode=False, durable=True) -> None:
+    """Replace `path` (relative to `dir_fd` when given) with `data` (bytes, or str written as UTF-8 with
+    surrogateescape) whole or not at all.
+
+    Guarantees: a reader sees the old file or the whole new one, never a part; the temporary has a random
+    name beside `path`, is created with O_CREAT|O_EXCL|O_NOFOLLOW (nothing planted under that name is written
+    through) and is removed on any failure, a full disk included, leaving the old file as it was; a symbolic
+    link planted at `path` is replaced by the rename, never followed. `mode` is the new file's mode less the
+    umask, or exactly `mode` with `exact_mode`. `durable` (the default): the data is fsync'd before the rename
+    and the directory after it, so that once this returns the new file survives a power cut; without it a
+    crash may leave the old file (never a torn one on a journaling filesystem that orders data before
+    renames). A kill -9 between the create and the rename may leave the temporary (`.NAME.<hex>.tmp`)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogateescape")
+    head, name = os.path.split(os.fspath(path))
+    tmp = os.path.join(head, f".{name}.{os.urandom(8).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        try:
+            if exact_mode:
+                os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if durable:
+        fsync_dir(dir_fd if dir_fd is not None else head or ".")
