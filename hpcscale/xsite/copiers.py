@@ -2,9 +2,9 @@
 
 Why processes, not threads: every file costs a dozen short system calls (open, fadvise, read, a new inode,
 write, utime, link, fstat, close), and a thread gives up the GIL at each one. With two copier threads and an
-opener beside them, each of those became a hand-over between threads: 29 futex calls per file, ~0.9 s of
-CPU for a 10,000-file copy on two cores (perf), more than the Python work itself (docs/benchmarks.md, staging
-run W). A process of its own does the same calls without anyone to hand over to.
+opener beside them, each of those became a hand-over between threads: dozens of futex calls per file, more CPU
+than the Python work itself (docs/benchmarks.md, "Staging"). A process of its own does the same calls without
+anyone to hand over to.
 
 How: the parent plans, holds the destination lock and commits, as before (hpcscale.xsite.stage). It cuts the
 files into units (each large file alone, the small ones in runs of neighbours in the manifest's order, so

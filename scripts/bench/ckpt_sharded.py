@@ -9,7 +9,7 @@ Every rank writes only its own shard. Five repetitions, each side by side:
   load   a verified load into the same layout (each rank reads only its own shard, hashes checked) vs a raw
          sequential read of that rank's bytes, page cache dropped before each; target >= 0.8 in >= 4 of 5
 
-    python scripts/bench/ckpt_sharded.py [--dir /var/tmp/hpcscale-bench] [--json]     (root: drops the cache)
+    python scripts/bench/ckpt_sharded.py [--dir /var/tmp/hpcscale-bench-sharded] [--json]     (root: drops the cache)
 """
 
 from __future__ import annotations
