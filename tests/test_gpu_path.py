@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcscale.launch.bootstrap import DeviceChoiceError, choose_gpu, duplicate_gpus
+from hpcscale.launch.failure import rank_failure
 from hpcscale.launch.nccl_failure import NcclTimeout, describe_nccl_timeouts, nccl_timeouts
-from hpcscale.launch.resume import rank_failure, rank_nodes
+from hpcscale.launch.resume import rank_nodes
 from hpcscale.layout import ParallelDims
 
 # ---- which GPU a rank takes -------------------------------------------------------------------------------

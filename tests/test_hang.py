@@ -18,18 +18,18 @@ import yaml
 from conftest import REPO, processes_of, run_cli
 from trainjobs import job_spec, losses
 
-from hpcscale.launch.local import describe_failure
-from hpcscale.launch.main import failure_line
-from hpcscale.launch.watchdog import (
+from hpcscale.launch.failure import (
     FailureLine,
     Hang,
     HungRanks,
-    Watchdog,
+    describe_failure,
+    failure_line,
     hang_line,
     hung_ranks,
     stall_text,
     stalled_nodes,
 )
+from hpcscale.launch.watchdog import Watchdog
 
 HANG_S = 8  # the job's hang_timeout_seconds
 COLLECTIVE_S = 60  # its timeout_seconds: the job must end well before a collective would time out

@@ -402,9 +402,7 @@ def test_rank_failure_names_the_cause_not_the_ranks_srun_ended_after_it():
     """What `resume` blames, on lines as the ranks and srun write them: a rank's own failure beats srun's
     "Terminated" for the survivors it ends; a hang blames the stuck rank's node (from the line it writes once
     continued); a task killed without a word (kill -9, the OOM killer) blames its node."""
-    from hpcscale.launch.main import failure_line
-    from hpcscale.launch.resume import rank_failure
-    from hpcscale.launch.watchdog import hang_line, stall_text
+    from hpcscale.launch.failure import failure_line, hang_line, rank_failure, stall_text
 
     crash = [
         failure_line(ValueError("bad batch"), rank="0", mpi_rank=0, node="n1"),

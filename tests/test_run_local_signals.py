@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, need, processes_of
 from trainjobs import job_spec, losses
 
-from hpcscale.launch.local import describe_failure
+from hpcscale.launch.failure import describe_failure
 
 
 def _start(tmp_path: Path, *, tp: int = 1, pp: int = 2, ranks: int = 2, reuse: bool = False, **params):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import shutil
 import signal
 import sys
@@ -30,15 +29,13 @@ from hpcscale.config.load import LoadedJob, check_job
 from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
+from hpcscale.launch.failure import FailureLine, describe_failure
 from hpcscale.launch.signals import RANKS_READY, STOP_SAVE_S, StopForwarder
-from hpcscale.launch.watchdog import FailureLine, HungRanks, hung_ranks
 from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
 
 # mpirun's own words when a rank dies: "process rank 2 with PID 123 on node vm exited on signal 9 (Killed)"
-_DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)(?: \(([^)]*)\))?")
-_EXITED = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +209,7 @@ class _Output:
 
     def line(self, text: str) -> None:
         with self._lock:
-            if _RankFailure.parse(text) is not None and len(self.failure_lines) < 100_000:
+            if FailureLine.parse(text) is not None and len(self.failure_lines) < 100_000:
                 self.failure_lines.append(text + "\n")
             else:
                 self.tail.append(text + "\n")
@@ -250,59 +247,3 @@ class _Output:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def describe_failure(lines) -> str | None:
-    """One line naming the rank that failed first, and how.
-
-    A hang (watchdogs' lines, and no rank failing of its own accord before them: launch/watchdog.hung_ranks)
-    names the stuck ranks, those that wrote no such line; the others were waiting on them. A rank killed by a
-    signal (mpirun: "process rank 2 ... exited on signal 9") is the cause: the others fail after it with
-    connection errors ("after losing a peer"), and a rank that raises calls MPI_Abort, after which mpirun
-    reports no signal deaths. The exception is SIGABRT, which a rank may also die of in the aftermath (a torch
-    thread's std::terminate while the process exits): it yields to a rank that raised for a reason of its own.
-    Among ranks that raised, the first with a reason of its own (each failure line carries its time and the
-    peer mark, launch/main.py), else the first. Under run --local all ranks are on one node, where placement
-    keeps MPI order, so MPI rank = hpcscale rank.
-    """
-    lines = list(lines)
-    if (hung := hung_ranks(lines)) is not None:
-        return _describe_hang(hung)
-    failures = [f for line in lines for f in _RankFailure.parse_all(line)]
-    own = [f for f in failures if not f.peer_lost]
-    m = _DIED.search("".join(lines))
-    if m and not (int(m.group(3)) == signal.SIGABRT and own):
-        rank, node, signum, name = m.groups()
-        how = f"signal {signum}" + (f" ({name})" if name else "")
-        others = f"; {len(failures)} other rank(s) failed after it (see the log)" if failures else ""
-        return f"rank {rank} (MPI rank {rank}) on node {node} was killed by {how}{others}"
-    if failures:
-        first = min(failures, key=lambda f: (f.peer_lost, f.time or "~"))
-        more = len(failures) - 1
-        return first.line + (f"; {more} other rank(s) failed too (see the log)" if more else "")
-    if m := _EXITED.search("".join(lines)):
-        return f"rank {m.group(1)} (MPI rank) exited with code {m.group(2)}"
-    return None
-
-
-def _describe_hang(hung: HungRanks) -> str:
-    waited = sorted(set(range(hung.world_size)) - set(hung.stuck))
-    seconds = f"{hung.seconds:.0f}" if hung.seconds >= 10 else f"{hung.seconds:.1f}"
-    if not hung.stuck:
-        return (
-            f"every rank stopped making progress (no step in {seconds} s; each one's watchdog fired, so all were "
-            "waiting in Python: see every rank's stacks in the log)"
-        )
-    plural = len(hung.stuck) > 1
-    return (
-        f"{_ranks(hung.stuck)} stopped making progress (no step in {seconds} s; "
-        f"{_ranks(waited) if waited else 'no rank'} waited on {'them' if plural else 'it'})"
-    )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
-
-
-# A rank's own failure line (its format and parse live with the watchdog, which Slurm logs are read with too).
-_RankFailure = FailureLine

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import socket
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
+from hpcscale.launch.failure import failure_line
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.portable.lock import process_start_time
 from hpcscale.rundir import METRICS, TENSORBOARD, RunDir, Submission, link_checkpoints, site_checkpoint_root
@@ -61,30 +61,6 @@ def _order_nodes(loaded: LoadedJob) -> Callable[[list[str]], list[str]]:
         return place_job(sized, nodes, tree=tree).nodes
 
     return order
-
-
-# A peer that died or hung shows up in the survivors as these (gloo, MPI, sockets): consequences, not causes.
-_PEER_LOST = re.compile(
-    r"Connection (closed|reset|refused)|closed by peer|Broken pipe|ECONNRESET|EPIPE|timed? ?out|Timeout", re.IGNORECASE
-)
-
-
-def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> str:
-    """`hpcscale launch: rank R (MPI rank M) on node N failed: Type: first line [at TIME(, after losing a peer)]`.
-
-    The time (UTC, microseconds) and the peer mark let `run --local` name the rank that failed first for a
-    reason of its own (launch/local.describe_failure), not the survivors that failed because it was gone."""
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    chain, seen = [], set()
-    cause: BaseException | None = e
-    while cause is not None and id(cause) not in seen:  # the exception and what it was raised from or during
-        seen.add(id(cause))
-        chain.append(f"{type(cause).__name__}: {cause}")
-        cause = cause.__cause__ or cause.__context__
-    at = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    peer = ", after losing a peer" if any(_PEER_LOST.search(c) for c in chain) else ""
-    who = f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node}"
-    return f"{who} failed: {type(e).__name__}: {first} [at {at}{peer}]"
 
 
 def _attempt_event(work_dir: Path, event: str, attempt: int | None, **fields) -> None:

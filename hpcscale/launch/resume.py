@@ -36,6 +36,7 @@ from pathlib import Path
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput, HpcscaleError
+from hpcscale.launch.failure import describe_failure, rank_failure
 from hpcscale.launch.requeue import grace_advice
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
@@ -52,9 +53,6 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
 RESUME_LOG = "resume.jsonl"
-_SRUN_TASK = re.compile(
-    r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Exited with exit code \d+|Terminated|Aborted|Segmentation fault)"
-)
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 LOG_TAIL = 8 << 20  # bytes read from the end of each job log: a long run's log can be large
@@ -193,45 +191,6 @@ def rank_nodes(events: list[dict], job_id: str | None) -> tuple[ParallelDims | N
     return dims, [str(nodes[r // per_node]) for r in range(world)]
 
 
-def rank_failure(
-    lines: list[str], *, dims: ParallelDims | None = None, placement: list[str] | None = None
-) -> tuple[str | None, list[str]]:
-    """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines.
-
-    The ranks' own failure lines come first (hpcscale.launch.local.describe_failure): the first rank that failed
-    for a reason of its own is named and its node blamed (srun then terminates the others: that blames nobody).
-    Then a hang: the rank that stopped making progress, and its node from the line it writes once continued.
-    Otherwise a task srun saw killed without a word (the OOM killer, kill -9, its node gone) is the cause, and
-    its node is blamed."""
-    from hpcscale.launch.local import describe_failure
-    from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
-    from hpcscale.launch.watchdog import FailureLine, hung_ranks, stalled_nodes
-
-    tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
-    summary = describe_failure([line + "\n" for line in lines])
-    own = [f for line in lines for f in FailureLine.parse_all(line) if not f.peer_lost and not f.hang and f.node]
-    if own:  # srun terminates the others after a rank's own failure: their "Terminated" blames nobody
-        return summary, [own[0].node]
-    nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
-    if nccl is not None:  # NCCL's watchdog aborted the ranks that waited: no line of ours, srun says "Aborted"
-        return nccl.line, nccl.blamed_nodes
-    hung = hung_ranks(lines)
-    if hung is not None and hung.stuck:  # the stuck rank's node, from its own line once it was continued
-        where = stalled_nodes(lines)
-        return summary, list(dict.fromkeys(where[r] for r in hung.stuck if r in where))
-    signalled = [m for m in tasks if m.group(3) in ("Killed", "Aborted", "Segmentation fault")] or [
-        m for m in tasks if m.group(3) == "Terminated"
-    ]
-    if signalled:  # killed without a word: the OOM killer, kill -9, its node gone
-        m = signalled[0]
-        return f"MPI task {m.group(2)} on node {m.group(1)} was {m.group(3).lower()} (srun)", [m.group(1)]
-    failed = [m for m in tasks if m.group(3) != "Exited with exit code 75"]
-    if failed and summary is None:
-        m = failed[0]
-        return f"MPI task {m.group(2)} on node {m.group(1)}: {m.group(3).lower()} (srun)", []
-    return summary, []
-
-
 def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosis:
     job_id = sub.job_id or ""
     source = "sacct"
@@ -293,7 +252,6 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
 
 
 def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
-    from hpcscale.launch.local import describe_failure
     from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
 
     events = rd.attempt_events()

@@ -20,7 +20,7 @@ evaluation) runs inside `paused(reason)`; the clock stops there, and the interva
 excludes it, so one checkpoint does not raise the timeout for the rest of the run.
 
 When it fires, in this order:
-1. one line to stderr in the format of every rank failure (launch/main.failure_line), so `run --local`, the
+1. one line to stderr in the format of every rank failure (launch/failure.py), so `run --local`, the
    Slurm log readers and people parse it alike:
    `hpcscale launch: rank R (MPI rank M) on node N failed: Hang: no step finished in X s (last finished step S;
    world W) [at TIME, after losing a peer]`. Always "after losing a peer": a rank whose loop waits on a
@@ -36,11 +36,11 @@ asked, the process was stopped (SIGSTOP, a suspended Slurm job) or starved, and 
 one line saying so. A job suspended and resumed whole goes on; and a SIGSTOPped rank, which mpirun and srun
 continue (SIGCONT) on their way to killing it, says it was not running instead of reporting a hang of its own.
 
-Who is to blame (hung_ranks). A stopped rank's watchdog is stopped with it, and a rank stuck in C code holding
-the GIL cannot run its watchdog either: the stuck ranks are those of the world that wrote no hang line, and
-any that say they were not running for as long as the others waited (a live rank starved for a few seconds
-on a loaded machine says so too, then fires: it waited). A deadlock in Python releases the GIL, so there every
-rank writes its line and the stacks show where. Lines are read in pieces, from wherever one of ours starts on
+Who is to blame (launch/failure.hung_ranks). A stopped rank's watchdog is stopped with it, and a rank stuck in C
+code holding the GIL cannot run its watchdog either: the stuck ranks are those of the world that wrote no hang
+line, and any that say they were not running for as long as the others waited (a live rank starved for a few
+seconds on a loaded machine says so too, then fires: it waited). A deadlock in Python releases the GIL, so there
+every rank writes its line and the stacks show where. Lines are read in pieces, from wherever one of ours starts on
 a line: mpirun can glue one rank's line to another's unfinished one on a loaded machine.
 
 `beat` costs one clock read and a few attribute stores, no lock: a single float (`_since`, the beat time
@@ -52,15 +52,13 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import re
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+
+from hpcscale.launch.failure import hang_line, stall_text
 
 GRACE_S = 5.0  # from a rank's hang line to its MPI_Abort: time for the other live ranks to write theirs
 STALL_S = 3.0  # the thread woke this much later than asked: its process was not running (stopped, starved)
@@ -70,155 +68,6 @@ _POLL_S = 1.0  # the thread's longest sleep: how late a stop() or the end of a p
 # through whole; each chunk of stacks names its rank, so chunks of different ranks may interleave harmlessly.
 _CHUNK = 4096
 _CHUNK_GAP_S = 0.05
-
-# hpcscale's rank failure line (launch/main.failure_line), "hpcscale launch: rank R (MPI rank M) on node N failed:
-# Type: message [at 2026-01-02T03:04:05.678901Z, after losing a peer]" (the peer mark only where it applies)
-_FAILURE = re.compile(r"hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on node (\S+) failed: (.*)$")
-# Where a line of ours starts: at the start of the line, or after the unfinished last line of another rank's
-# output (mpirun forwards each rank's output in reads of up to 4096 bytes: on a loaded machine one read can end
-# mid-line, and the next rank's line is glued to it). A line is read as the pieces that start there.
-_OURS = "hpcscale launch: rank "
-# Not anchored at the end: another process writing to the same log (slurmstepd's "*** STEP ... CANCELLED") can
-# append to the line before its newline; the last mark on the line is this rank's.
-_FAILED_AT = re.compile(r" \[at ([^\],\s]+)(, after losing a peer)?\]")
-_HANG = re.compile(r"^Hang: no step finished in ([\d.]+) s \(last finished step (-?\d+); world (\d+)\)")
-_STALL = re.compile(
-    r"hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for (?P<lost>[\d.]+) s "
-    r".*\[at (?P<at>[^\]\s]+)\]"
-)
-
-
-def utc_stamp() -> str:
-    """The time in a failure line: UTC with microseconds, as launch/main.failure_line writes it (sorts as text)."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def hang_line(*, rank: int, mpi_rank: int, node: str, seconds: float, last_step: int, world_size: int) -> str:
-    return (
-        f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node} failed: Hang: no step finished in "
-        f"{seconds:.1f} s (last finished step {last_step}; world {world_size}) [at {utc_stamp()}, after losing a peer]"
-    )
-
-
-def stall_text(seconds: float) -> str:
-    return (
-        f" was not running for {seconds:.1f} s (stopped or starved); its hang timeout does not count that time "
-        f"[at {utc_stamp()}]"
-    )
-
-
-class Hang(NamedTuple):
-    seconds: float  # without a finished step when the watchdog fired
-    last_step: int  # the last step this rank finished (-1: none)
-    world_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class FailureLine:
-    """One rank's failure line, parsed. Lines from older versions may lack the time and the peer mark."""
-
-    line: str
-    time: str | None  # ISO 8601 UTC: sorts as text
-    peer_lost: bool
-    rank: int | None = None  # hpcscale (torch) rank; None when the rank failed before it had one ("?")
-    hang: Hang | None = None  # what a watchdog's line says; None for any other failure
-    node: str | None = None  # the node the rank ran on
-
-    @classmethod
-    def parse(cls, line: str) -> FailureLine | None:
-        """The last failure line of ours on a physical line (see parse_all), or None."""
-        found = cls.parse_all(line)
-        return found[-1] if found else None
-
-    @classmethod
-    def parse_all(cls, line: str) -> list[FailureLine]:
-        """Every failure line of ours on a physical line: usually one; more where mpirun glued one rank's line
-        to another's unfinished one. A piece cut short by the next one has lost its end, time and peer mark
-        included: it counts only if it still says which rank hung (a hang line's own words come first)."""
-        pieces = _pieces(line)
-        found = []
-        for n, text in enumerate(pieces):
-            f = cls._parse_piece(text)
-            if f is not None and (n == len(pieces) - 1 or f.time is not None or f.hang is not None):
-                found.append(f)
-        return found
-
-    @classmethod
-    def _parse_piece(cls, text: str) -> FailureLine | None:
-        if " failed: " not in text:
-            return None
-        at = next(reversed(list(_FAILED_AT.finditer(text))), None)
-        m = _FAILURE.match(text)
-        rank = int(m.group(1)) if m and m.group(1).isdigit() else None
-        h = _HANG.match(m.group(4)) if m else None
-        hang = Hang(float(h.group(1)), int(h.group(2)), int(h.group(3))) if h else None
-        node = m.group(3) if m else None
-        return cls(text, at.group(1) if at else None, bool(at and at.group(2)), rank, hang, node)
-
-
-class HungRanks(NamedTuple):
-    """What the watchdogs' lines say: the stuck ranks (see hung_ranks), of how many, after how long. A tuple
-    too: `stuck, world_size, seconds = hung_ranks(lines)`."""
-
-    stuck: list[int]
-    world_size: int
-    seconds: float  # the shortest wait reported: no step finished in at least this long
-
-
-def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
-    """The ranks to blame for a hang, from a job's output (a `run --local` log, a Slurm job's log); None when
-    the job did not end in a hang: no watchdog line, or a rank failed for a reason of its own before the first.
-
-    Stuck: every rank of the world that wrote no hang line, and every rank that says it was not running, when
-    the hang was reported, for at least as long as the others waited (a SIGSTOPped rank that srun or mpirun
-    continue on their way to killing it, which may then fail "after losing a peer" like any survivor, or even
-    write a hang line of its own: neither proves anything about it). A live rank starved for less than that
-    (a loaded machine) waited. Empty when every rank wrote a hang line and none was stopped: all were waiting
-    in Python (a deadlock among them), and their stacks say where.
-    """
-    lines = list(lines)
-    failures = [f for line in lines for f in FailureLine.parse_all(line)]
-    hangs = [f for f in failures if f.hang is not None]
-    if not hangs:
-        return None
-    first_hang = min((f.time for f in hangs if f.time), default=None)
-    timed = any(f.time for f in failures)  # lines of a version that writes times: one without was cut short
-    for f in failures:
-        if f.hang is None and not f.peer_lost and (first_hang is None or f.time is None or f.time < first_hang):
-            if f.time is None and timed:
-                continue  # its end (time, peer mark) was lost to mpirun's interleaving: it proves nothing
-            return None  # a rank failed of its own accord first: that is the story, not the hang it caused
-    world = max(f.hang.world_size for f in hangs)
-    waited = min(f.hang.seconds for f in hangs)
-    waiting = {f.rank for f in hangs if f.rank is not None}
-    # Not running, from the first hang on, for as long as the others waited: stopped, and what they waited on,
-    # whatever it wrote once continued. A live rank starved for a few seconds on a loaded machine writes the
-    # same kind of line, then its own hang line (its clock skips the lost time): it waited like the others.
-    stopped = {
-        int(m.group(1))
-        for line in lines
-        for m in _stalls(line)
-        if (first_hang is None or m.group("at") >= first_hang) and float(m.group("lost")) >= waited
-    }
-    stuck = (set(range(world)) - waiting) | stopped
-    return HungRanks(sorted(stuck), world, waited)
-
-
-def stalled_nodes(lines: Iterable[str]) -> dict[int, str]:
-    """rank -> node of every rank that says it was not running (SIGSTOPped, then continued to be killed)."""
-    return {int(m.group(1)): m.group("node") for line in lines for m in _stalls(line)}
-
-
-def _pieces(line: str) -> list[str]:
-    """The pieces of a physical line that start where one of ours does (see _OURS), each up to the next."""
-    if _OURS not in line:
-        return []
-    starts = [m.start() for m in re.finditer(re.escape(_OURS), line)]
-    return [line[a:b].strip() for a, b in zip(starts, [*starts[1:], len(line)], strict=True)]
-
-
-def _stalls(line: str) -> list[re.Match[str]]:
-    return [m for text in _pieces(line) if (m := _STALL.match(text))]
 
 
 def _exit_now() -> None:
