@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_stage import build, make_tree, same_tree, stage, stage_json
 
 from hpcscale.portable import hashing, paths
@@ -169,3 +171,47 @@ def test_the_agent_runs_on_python_3_8(tmp_path, sshd):
         build(src, "--algorithm", "xxh128")
         r = stage(m, str(src), sshd.url(tmp_path / "remote2"), *args)
         assert r.returncode == 2 and "xxhash" in r.stderr
+
+
+_ENTRY_PART = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(1 << 64), max_value=1 << 64),
+    st.sampled_from([0, 0o644, 0o777, 0o1000, -1, (1 << 63) - 1, 1 << 63, -(1 << 63)]),
+    st.text(max_size=70),
+    st.sampled_from(["a/b", "../x", "/abs", "a//b", ".", "ok.bin", "d/.x.0123456789abcdef.hpcscale-part"]),
+    st.text(alphabet="0123456789abcdefABCDEF", min_size=30, max_size=66),
+    st.floats(allow_nan=True),
+)
+
+
+@st.composite
+def _near_valid_entry(draw):
+    """A valid xxh128 entry, with one field (or none) swapped for anything."""
+    entry = [
+        draw(st.sampled_from(["a", "d/e.bin", "x y/z"])),
+        draw(st.integers(0, (1 << 63) - 1)),
+        draw(st.integers(-(1 << 63), (1 << 63) - 1)),
+        draw(st.text(alphabet="0123456789abcdef", min_size=32, max_size=32)),
+        draw(st.none() | st.integers(0, 0o777)),
+    ]
+    k = draw(st.integers(0, 5))
+    if k < 5:
+        entry[k] = draw(_ENTRY_PART)
+    return draw(st.sampled_from([entry, tuple(entry)]))
+
+
+@given(
+    entry=st.one_of(
+        _near_valid_entry(),
+        st.lists(_ENTRY_PART, min_size=0, max_size=6),
+        st.tuples(_ENTRY_PART, _ENTRY_PART, _ENTRY_PART, _ENTRY_PART, _ENTRY_PART),
+        _ENTRY_PART,
+    ),
+    algorithm=st.sampled_from(["xxh128", "sha256", "blake3", "md5"]),
+)
+@settings(max_examples=400, deadline=None)
+def test_one_entry_predicate_whose_fast_path_agrees_with_its_words(entry, algorithm):
+    """The plan's check of a file entry is paths.check_entry alone: its one-expression fast path accepts
+    exactly what the field-by-field checks accept (lists and tuples alike), so a refusal is always worded."""
+    assert (paths.check_entry(entry, algorithm) is None) == (paths._entry_problem(entry, algorithm) is None)

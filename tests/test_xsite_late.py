@@ -91,7 +91,7 @@ def test_a_newer_contribution_supersedes_a_late_one(tmp_path):
 
 def test_overlapped_adoption_keeps_the_steps_taken_since_the_boundary():
     """adopt: overlap: θ ← θ(r) + (θ_now − θ_boundary), exactly, for every parameter."""
-    from hpcscale.launch.rounds import Rounds
+    from hpcscale.launch.site_rounds import Rounds
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
@@ -186,7 +186,7 @@ def test_a_stray_round_name_in_an_inbox_deletes_nothing_and_blocks_nothing(tmp_p
 
 def test_a_compiled_model_adopts_the_weights_checkpoints_name():
     """torch.compile names parameters `_orig_mod.<name>`; checkpoints (and so θ) name them `<name>`."""
-    from hpcscale.launch.rounds import Rounds
+    from hpcscale.launch.site_rounds import Rounds
 
     r = object.__new__(Rounds)
     r.model = torch.compile(torch.nn.Linear(4, 2))

@@ -172,7 +172,7 @@ def test_retention_keeps_a_pinned_step():
 def test_the_start_checkpoint_is_pinned_until_round_0_is_adopted():
     from types import SimpleNamespace
 
-    from hpcscale.launch.rounds import Rounds
+    from hpcscale.launch.site_rounds import Rounds
 
     class Pins(SimpleNamespace):  # the CheckpointManager's pin calls (it also writes them to PINNED)
         def pin(self, step: int, why: str) -> None:
@@ -186,10 +186,17 @@ def test_the_start_checkpoint_is_pinned_until_round_0_is_adopted():
     r.ctx = SimpleNamespace(hooks={"checkpoint": manager})
     r.site, r.tokens_per_step, r.base, r.since, r.start = "a", 4, -1, 0, 0
     r.begin_at(1005)
-    assert r.tag(1005) == {"base_round": -1, "site": "a", "start": 1005} and manager.pinned == {1005}
-    assert r.tag(1010)["base_round"] == -1 and manager.pinned == {1005}  # a wait that timed out: still pinned
+    assert r.state_for_save(1005) == {"base_round": -1, "site": "a", "start": 1005} and manager.pinned == {1005}
+    assert r.state_for_save(1010)["base_round"] == -1 and manager.pinned == {1005}  # a timed-out wait: pinned
     r.base, r.since = 0, 1005
-    assert r.tag(1015) == {"base_round": 0, "since": 1005, "steps": 10, "tokens": 40, "site": "a", "start": 1005}
+    assert r.state_for_save(1015) == {
+        "base_round": 0,
+        "since": 1005,
+        "steps": 10,
+        "tokens": 40,
+        "site": "a",
+        "start": 1005,
+    }
     assert manager.pinned == set()
 
 
@@ -203,7 +210,7 @@ def test_a_hand_edited_start_reads_as_a_step_or_as_0(value):
     anything else (absent, bool, float, negative, text) is 0, as tags written before `start` existed."""
     from types import SimpleNamespace
 
-    from hpcscale.launch.rounds import Rounds
+    from hpcscale.launch.site_rounds import Rounds
     from hpcscale.xsite.rounds import TAG, _start
 
     tag = {"base_round": 3} if value is None else {"base_round": 3, "start": value}

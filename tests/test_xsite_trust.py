@@ -238,7 +238,7 @@ def test_a_site_refuses_a_non_finite_round_and_takes_the_next_valid_one(tmp_path
 def test_the_trainer_never_adopts_weights_that_are_not_its_models_or_not_finite():
     import types
 
-    from hpcscale.launch.rounds import Rounds
+    from hpcscale.launch.site_rounds import Rounds
 
     model = torch.nn.Linear(3, 2)
     fake = types.SimpleNamespace(model=model)

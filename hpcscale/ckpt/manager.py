@@ -89,7 +89,7 @@ class CheckpointManager:
         self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
         self.keep_last, self.keep_every = keep_last, keep_every
         # steps retention keeps whatever keep_last/keep_every say (rank 0's set counts, written to PINNED so
-        # `ckpt gc` honours it too): a cross-site start checkpoint until round 0 is adopted (launch.rounds)
+        # `ckpt gc` honours it too): a cross-site start checkpoint until round 0 is adopted (launch.site_rounds)
         self.pinned: set[int] = set()
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training

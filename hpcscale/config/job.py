@@ -24,7 +24,7 @@ def check_job_name(value: str) -> str | None:
     return None
 
 
-def check_entry(value: str) -> str | None:
+def check_entry_point(value: str) -> str | None:
     if value == "builtin" or _ENTRY.match(value):
         return None
     return f"'{value}' is neither 'builtin' nor 'package.module:function'"
@@ -70,7 +70,7 @@ class Train:
     entry: str = setting(
         "`builtin` (the reference GPT trainer) or your `package.module:function`, called with a Context.",
         default="builtin",
-        check=check_entry,
+        check=check_entry_point,
     )
     params: dict[str, Any] = setting("Parameters for the entry point (model size, steps, batch, lr...).", factory=dict)
 

@@ -106,7 +106,7 @@ class Checkpointer:
         self._stepped = False  # step() ran in this attempt
         self._done: int | None = None  # steps finished at the last step() call
         self._restored_step: int | None = None
-        self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.launch.rounds
+        self._rounds = None  # a site of a cross-site training (the job's `xsite:`): hpcscale.launch.site_rounds
         self.tokens_per_step = 0  # cross-site weighting by tokens: set it before restore(); 0 counts steps alike
         self.steps: int | None = None  # the training's length, when the code says (set before restore())
         self.defer_staging = False  # async saves copy to host memory until the optimizers' next step()
@@ -146,7 +146,7 @@ class Checkpointer:
             )
         pretrained = False  # xsite.start_from: a fresh site starts from that checkpoint (not its data or RNG)
         if restored is None and self._ctx.job.xsite is not None and self._ctx.job.xsite.start_from:
-            from hpcscale.launch.rounds import load_start_from
+            from hpcscale.launch.site_rounds import load_start_from
 
             restored = load_start_from(
                 self._ctx, self._ctx.dims, tensors, check_state=self._state_problem, steps=self.steps
@@ -311,7 +311,7 @@ class Checkpointer:
         if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
             from hpcscale.xsite.rounds import TAG
 
-            state[TAG] = self._rounds.tag(done_steps)
+            state[TAG] = self._rounds.state_for_save(done_steps)
         if optim_sd is not None:
             state["optimizer"] = {
                 "param_groups": _jsonable(optim_sd["param_groups"], "optimizer.param_groups"),
@@ -398,7 +398,7 @@ class Checkpointer:
             return False
         if self._model is None:
             raise BadInput("the job is a cross-site site (xsite:): ctx.checkpoint.restore needs the model")
-        from hpcscale.launch.rounds import Rounds
+        from hpcscale.launch.site_rounds import Rounds
 
         self._rounds = Rounds(self._ctx, self._model, tokens_per_step=int(self.tokens_per_step))
         if saved is not None:

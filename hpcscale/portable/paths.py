@@ -14,7 +14,7 @@ both ends, because the remote end cannot trust what arrives any more than the lo
 
 import os
 
-from hpcscale.portable.hashing import check_digest
+from hpcscale.portable.hashing import HEX_DIGITS, check_digest
 
 STATE_DIR = ".hpcscale-stage"  # at a destination root: the record of what was verified there, and journals
 RECORD = "verified.json"  # in STATE_DIR
@@ -92,7 +92,27 @@ def check_dir_entry(entry):
 
 def check_entry(entry, algorithm):
     """None if `entry` ([path, size, mtime_ns, hash, mode], mode may be None) is safe to act on, else why not,
-    naming the path. Type checks first, the cheap ones: this runs for every file of every plan."""
+    naming the path. This runs for every file of every plan (a no-op rerun of a million files): a valid entry
+    passes one expression; the checks one by one run only to word a refusal, and say the same."""
+    if (
+        type(entry) in (list, tuple)
+        and len(entry) == 5
+        and type(entry[1]) is int
+        and 0 <= entry[1] < INT64
+        and type(entry[2]) is int
+        and -INT64 <= entry[2] < INT64
+        and type(entry[3]) is str
+        and len(entry[3]) == HEX_DIGITS.get(algorithm, -1)
+        and _HEX.issuperset(entry[3])
+        and (entry[4] is None or (type(entry[4]) is int and 0 <= entry[4] <= MODE_BITS))
+        and check_relpath(entry[0]) is None
+    ):
+        return None
+    return _entry_problem(entry, algorithm)
+
+
+def _entry_problem(entry, algorithm):
+    """Why `entry` is refused, in words (check_entry's slow path; None if it is not)."""
     if type(entry) not in (list, tuple) or len(entry) != 5:
         return f"file entry {str(entry)[:80]} is not [path, size, mtime_ns, hash, mode]"
     path, size, mtime_ns, digest, mode = entry

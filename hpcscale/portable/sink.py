@@ -43,9 +43,8 @@ import threading
 from hpcscale.portable import lock as dest_lock
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.files import atomic_write, open_regular
-from hpcscale.portable.hashing import HEX_DIGITS, blocks, check_algorithm, hash_fd, hasher
+from hpcscale.portable.hashing import blocks, check_algorithm, hash_fd, hasher
 from hpcscale.portable.paths import (
-    INT64,
     MODE_BITS,
     RECORD,
     STATE_DIR,
@@ -80,7 +79,6 @@ PRIVATE = 0o600  # a file in transit is readable by its owner only, whatever mod
 NO_FOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK  # never a symlink; never block in open() on a FIFO
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW  # each level of a destination path: never a symlink
 DIR_FDS = 64  # directory descriptors a Sink keeps open (one open per directory per stage, in path order)
-_HEX = "0123456789abcdef"
 
 
 class Writer:
@@ -727,24 +725,11 @@ class Sink:
         present = []  # (index, reldir, name) of entries whose directory exists
         known = set()  # directories found there
         planned = self._planned_dirs
-        digits, relpath = HEX_DIGITS[self.algorithm], check_relpath
+        algorithm = self.algorithm
         for i, entry in enumerate(entries):
-            # every entry checked before anything acts on it; the common case in one expression (this runs for
-            # every file of a no-op rerun), the message from the rule (hpcscale.portable.paths.check_entry)
-            if not (
-                type(entry) is list
-                and len(entry) == 5
-                and relpath(entry[0]) is None
-                and type(entry[1]) is int
-                and 0 <= entry[1] < INT64
-                and type(entry[2]) is int
-                and -INT64 <= entry[2] < INT64
-                and type(entry[3]) is str
-                and len(entry[3]) == digits
-                and not entry[3].strip(_HEX)
-                and (entry[4] is None or (type(entry[4]) is int and 0 <= entry[4] <= MODE_BITS))
-            ):
-                raise StageError(f"files[{i}]: {check_entry(entry, self.algorithm) or 'bad entry'}", "input")
+            problem = check_entry(entry, algorithm)  # every entry checked before anything acts on it
+            if problem is not None:
+                raise StageError(f"files[{i}]: {problem}", "input")
             reldir, _, fname = entry[0].rpartition("/")
             if reldir not in known:
                 if reldir in absent:

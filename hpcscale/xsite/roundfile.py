@@ -150,7 +150,10 @@ class Contribution:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class OuterStep:
+class OuterStepRecord:
+    """The outer step a round record says was taken (its parameters and rule), not the optimizer itself
+    (hpcscale.xsite.outer.OuterStep)."""
+
     lr: float
     momentum: float
     nesterov: bool
@@ -181,7 +184,7 @@ class PublishedRound:
     aggregator: str  # whose key signed it (read_round's argument; a round names no site itself)
     round: int
     parent: int | None  # round - 1; None for round 0, the initial weights
-    outer: OuterStep
+    outer: OuterStepRecord
     accepted: tuple[AcceptedContribution, ...]
     rejected: tuple[RejectedContribution, ...]
     created: str
@@ -275,7 +278,7 @@ def _specs(value: object, allowed_dtypes: frozenset[str]) -> dict[str, TensorSpe
     return specs
 
 
-def _outer(value: object) -> OuterStep:
+def _outer(value: object) -> OuterStepRecord:
     if not isinstance(value, dict) or not {"lr", "momentum", "nesterov", "rule"} <= set(value) <= _OUTER_KEYS:
         raise Rejected("field 'outer': expected an object with lr, momentum, nesterov, rule (and maybe encoding)")
     if type(value["nesterov"]) is not bool:
@@ -283,7 +286,7 @@ def _outer(value: object) -> OuterStep:
     encoding = value.get("encoding")
     if encoding is not None and (not isinstance(encoding, str) or encoding not in ENCODINGS):
         raise Rejected(f"field 'outer.encoding': {_show(encoding)}, expected one of {', '.join(ENCODINGS)}")
-    return OuterStep(
+    return OuterStepRecord(
         encoding=encoding,
         lr=_float(value["lr"], "outer.lr", 0.0, 1e6),
         momentum=_float(value["momentum"], "outer.momentum", 0.0, 1.0),
@@ -839,7 +842,7 @@ def write_round(
     *,
     round: int,
     parent: int | None,
-    outer: OuterStep | Mapping[str, Any],
+    outer: OuterStepRecord | Mapping[str, Any],
     accepted: Sequence[AcceptedContribution | Mapping[str, Any]],
     rejected: Sequence[RejectedContribution | Mapping[str, Any]],
     theta: Mapping[str, torch.Tensor],
@@ -899,7 +902,7 @@ def _without_none(entry: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def _outer_json(outer: OuterStep | Mapping[str, Any]) -> dict[str, Any]:
+def _outer_json(outer: OuterStepRecord | Mapping[str, Any]) -> dict[str, Any]:
     out = _as_dict(outer, ("lr", "momentum", "nesterov", "rule", "encoding"))
     if out.get("encoding") is None:
         out.pop("encoding", None)

@@ -24,7 +24,7 @@ tokens and against bytes sent), under --out.
 --outer sets the outer step per H (η, μ; the paper's 0.7, 0.9 was tuned for H = 500 over ~180 rounds; with
 40-200 rounds a shorter momentum horizon does better here: docs/cross-site.md has the sweep). --overlap H:D adds,
 for that H, the overlapped variant: θ(r) lands D steps after the boundary and is adopted on top of the steps taken
-meanwhile (hpcscale.launch.rounds). --sync-warmup W trains W synchronous steps first (their gradients count as
+meanwhile (hpcscale.launch.site_rounds). --sync-warmup W trains W synchronous steps first (their gradients count as
 bytes sent). --shared-start W is the paper's protocol: every run, the synchronous one too, starts from the
 synchronous run's weights and optimizer state at step W (what `xsite.start_from` gives the sites), and bytes are
 counted from W on, for every run.

@@ -1,5 +1,5 @@
 """One rank of the test that a round-0 mismatch seen by one tensor-parallel rank only is refused by every
-rank together (hpcscale.launch.rounds.Rounds._same_start): 2 ranks, tp = 2, θ(0) differs from the weights in
+rank together (hpcscale.launch.site_rounds.Rounds._same_start): 2 ranks, tp = 2, θ(0) differs from the weights in
 rank 0's shard alone. Writes OUT/rank-N.json (OUT: the first argument): what this rank raised. A file, not
 stdout, where mpirun may glue two ranks' lines into one."""
 
@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module  # noqa: E402
 
-from hpcscale.launch.rounds import Rounds  # noqa: E402
+from hpcscale.launch.site_rounds import Rounds  # noqa: E402
 
 store = dist.TCPStore("127.0.0.1", 0, comm.size, is_master=True, wait_for_workers=False) if comm.rank == 0 else None
 port = comm.bcast(store.port if store else None, root=0)

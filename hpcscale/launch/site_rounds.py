@@ -59,19 +59,22 @@ class Rounds:
         self.refused: set[int] = set()  # global rounds found unfit to adopt (_unfit): never taken, never waited for
 
     # ---- state carried in checkpoints ------------------------------------------------------------------------
-    def tag(self, step: int) -> dict:
-        """The `xsite` entry of a checkpoint's trainer state; at the start step the start checkpoint's (base −1).
-        `start` only when the rounds did not start at 0 (what older checkpoints lack means 0).
-
-        Called before every save, it also pins the start checkpoint against retention until θ(0) is adopted:
-        the aggregator's tick publishes round 0 from it, and a trainer whose wait for θ(0) timed out trains on
-        and saves, which keep_last alone would let delete it (round 0 would never come)."""
+    def state_for_save(self, step: int) -> dict:
+        """Called before every save: the `xsite` entry of that checkpoint's trainer state (`tag`), after pinning
+        the start checkpoint against retention until θ(0) is adopted (and unpinning it after): the aggregator's
+        tick publishes round 0 from it, and a trainer whose wait for θ(0) timed out trains on and saves, which
+        keep_last alone would let delete it (round 0 would never come)."""
         manager = self.ctx.hooks.get("checkpoint")
         if manager is not None:
             if self.base == -1:
                 manager.pin(self.start, "cross-site start checkpoint: round 0 is published from it")
             else:
                 manager.unpin(self.start)
+        return self.tag(step)
+
+    def tag(self, step: int) -> dict:
+        """The `xsite` entry of a checkpoint's trainer state; at the start step the start checkpoint's (base −1).
+        `start` only when the rounds did not start at 0 (what older checkpoints lack means 0)."""
         where = {"start": self.start} if self.start else {}
         if step == self.start and self.base == -1:
             return {"base_round": -1, "site": self.site, **where}
