@@ -10,6 +10,7 @@ RUN/
   metrics.jsonl         rank 0's metrics, one JSON line per step, each naming its attempt
   attempts.jsonl        one JSON line per event of an attempt (a start of the job's ranks): begin (rank 0),
                         stop (rank 0, stopped on a signal), end (the batch script's decision: requeue or not)
+  resume.jsonl          one JSON line per `hpcscale resume` decision: the diagnosis, checkpoint, excluded nodes
   .resume/lock          held by `hpcscale resume` while it decides and submits (one resume at a time)
   .submitted.json       mode 0600: the sha256 and text of job.yaml and site.yaml as last submitted (written with
                         them by every submit, `run --local` and resume); `resume` refuses a run whose files
@@ -71,6 +72,7 @@ CHECKPOINTS = "checkpoints"
 RUN_ID = "run-id"
 ATTEMPTS = "attempts.jsonl"
 RESUME_STATE = ".resume"
+RESUME_LOG = "resume.jsonl"
 RECORD = ".submitted.json"  # what was submitted: job.yaml's and site.yaml's digests and texts (mode 0600)
 MAX_RECORD_LINES = 64 * MiB  # submissions.jsonl, attempts.jsonl: far more than any run writes
 MAX_DIFF_LINES = 200  # of the difference `resume` shows between what was submitted and the files now
@@ -378,6 +380,10 @@ class RunDir:
     def add_attempt_event(self, event: dict) -> None:
         """Append one attempt event (begin, stop, end) to attempts.jsonl, fsynced."""
         append_json_line(self.path / ATTEMPTS, event)
+
+    def add_resume_decision(self, doc: dict) -> None:
+        """Append one `hpcscale resume` decision to resume.jsonl, fsynced."""
+        append_json_line(self.path / RESUME_LOG, doc)
 
     def attempt_events(self) -> list[dict]:
         """Every attempt event, oldest first; a line cut short by a crash is skipped."""

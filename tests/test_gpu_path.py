@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hpcscale.launch.bootstrap import DeviceChoiceError, choose_gpu, duplicate_gpus
 from hpcscale.launch.failure import rank_failure
 from hpcscale.launch.nccl_failure import NcclTimeout, describe_nccl_timeouts, nccl_timeouts
-from hpcscale.launch.resume import rank_nodes
 from hpcscale.layout import ParallelDims
+from hpcscale.recovery.resume import rank_nodes
 
 # ---- which GPU a rank takes -------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ LAYERS = [
     "slurm",  # render, sbatch/squeue/sacct/scontrol, the switch tree of a live site
     "parallel",  # torch-native TP / PP / DP applied to a model
     "launch",  # rank bootstrap, signals, the Context handed to entry points
+    "recovery",  # the scheduler's side of a job's end: resume on a login node, the batch script's requeue decision
     "train",  # the reference GPT and its trainer: an entry point like a user's
     "smoke",  # `hpcscale smoke`: real jobs that check new nodes, judged from their run directories
     "doctor",  # checks every layer below
@@ -93,6 +94,24 @@ def test_imports_run_down_the_layers():
             if rank[_unit(target)] > rank[_unit(module)]:
                 upward.append(f"{module} imports {target} ({_unit(module) or 'hpcscale'} < {_unit(target)})")
     assert not upward, "imports up the layers:\n" + "\n".join(sorted(upward))
+
+
+# What the rank side (launch/, parallel/, train/) may know of the scheduler: the allocation it runs in and the
+# switch tree it is placed on, both read-only (slurm/allocation.py). Submitting, requeueing, cancelling and
+# reading a job's state belong to the login side (slurm/ and recovery/), above it.
+RANK_SIDE = ("launch", "parallel", "train")
+RANK_SIDE_MAY_IMPORT = {"hpcscale.slurm.allocation"}
+
+
+def test_the_rank_side_reads_the_allocation_and_no_more_of_the_scheduler():
+    reaching = sorted(
+        f"{module} imports {target}"
+        for module, targets in _graph().items()
+        if _unit(module) in RANK_SIDE
+        for target in targets
+        if _unit(target) in ("slurm", "recovery") and target not in RANK_SIDE_MAY_IMPORT
+    )
+    assert not reaching, "the rank side reaching into the scheduler's side:\n" + "\n".join(reaching)
 
 
 def test_no_import_cycles():

@@ -25,7 +25,7 @@ from conftest import REPO, run_cli, wait_for_job
 from trainjobs import job_spec, losses
 
 from hpcscale.config.job import JobSpec, Restart, Signals
-from hpcscale.launch.requeue import classify, decide
+from hpcscale.recovery.requeue import classify, decide
 
 STEPS = 300  # long enough that a fault after step 80 lands mid-run (about 35 ms a step here)
 

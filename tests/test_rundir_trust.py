@@ -30,7 +30,7 @@ from trainjobs import job_spec
 from hpcscale.cli.main import cli
 from hpcscale.config.load import load_job
 from hpcscale.errors import BadInput
-from hpcscale.launch.resume import Plan, check_submitted, plan_resume, what_it_runs
+from hpcscale.recovery.resume import Plan, check_submitted, plan_resume, what_it_runs
 from hpcscale.rundir import RunDir, Submission, append_json_line
 from hpcscale.util.bounded import read_tail
 from hpcscale.util.trust import UntrustedFile, clean
@@ -460,7 +460,7 @@ def test_a_sourced_file_others_can_write_is_refused(tmp_path):
 def test_requeue_reads_planted_metrics_as_a_bounded_tail(tmp_path):
     """The batch script's requeue decision reads RUN/metrics.jsonl: a FIFO there is not waited on, a symlink to
     /dev/zero is not read without end, and a real file's last lines are what it gets."""
-    from hpcscale.launch.requeue import _tail_rows
+    from hpcscale.recovery.requeue import _tail_rows
 
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
@@ -558,7 +558,7 @@ def test_checkpoint_pointers_planted_as_fifos_or_dev_zero_are_not_read(tmp_path)
 def test_grace_advice_ignores_durations_that_are_not_measurements(tmp_path, value):
     """stop_s, step_time_s and checkpoint_blocking_s come from files others may write: a 400-digit integer,
     1e999 or a string is ignored, never an OverflowError in the batch script's requeue decision."""
-    from hpcscale.launch.requeue import grace_advice
+    from hpcscale.recovery.requeue import grace_advice
 
     rd = _local_run(tmp_path)
     (rd.path / "metrics.jsonl").write_text(f'{{"step": 1, "step_time_s": {value}, "checkpoint_blocking_s": {value}}}\n')

@@ -78,7 +78,7 @@ def validate(
 def _grace_against(results, run_dir: Path) -> None:
     """Hold each valid job spec's grace time against the stops and saves an earlier run measured."""
     from hpcscale.config.errors import ConfigIssue
-    from hpcscale.launch.requeue import grace_advice
+    from hpcscale.recovery.requeue import grace_advice
     from hpcscale.rundir import RunDir
 
     rd = RunDir.open(run_dir)

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "status": ("hpcscale.cli.slurm_cmd", "status", "A run's submissions and their Slurm states."),
     "report": ("hpcscale.cli.report_cmd", "report", "Plots and a summary of a run: loss, throughput, per-rank time."),
     "resume": ("hpcscale.cli.resume_cmd", "resume", "Explain how a run stopped; resubmit from a verified checkpoint."),
+    "requeue": ("hpcscale.cli.resume_cmd", "requeue", "In a batch script, after the ranks: requeue the job or not."),
     "topo": ("hpcscale.cli.topo_cmd", "topo", "Show the switch tree; plan rank placement."),
     "run": ("hpcscale.cli.train_cmd", "run", "Run a job on this machine through mpirun (--local)."),
     "launch": ("hpcscale.cli.train_cmd", "launch", "One rank of a job, under srun or mpirun."),

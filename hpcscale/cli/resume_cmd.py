@@ -1,4 +1,4 @@
-"""`hpcscale resume`."""
+"""`hpcscale resume` (a login node's recovery) and `hpcscale requeue` (the batch script's decision)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from hpcscale.errors import STOPPED_EXIT_CODE
 )
 @dry_run_option
 @json_option
-@click.option("--in-job", is_flag=True, hidden=True, help="Called by the batch script after its ranks end.")
+@click.option("--in-job", is_flag=True, hidden=True, help="Kept for batch scripts written for 0.1: `requeue`.")
 @click.option("--exit-code", type=int, default=None, hidden=True, help="With --in-job: the ranks' exit code.")
 def resume(
     run: Path,
@@ -67,15 +67,13 @@ def resume(
     """
     from hpcscale.rundir import RunDir
 
-    if in_job:
-        from hpcscale.launch.requeue import after_step
-
+    if in_job:  # what `hpcscale requeue` does, under the name batch scripts of hpcscale 0.1 call
         if exit_code is None:
             raise click.UsageError("--in-job needs --exit-code")
-        after_step(run, exit_code, say=lambda line: click.echo(line, err=True))
+        _requeue(run, exit_code)
         return
 
-    from hpcscale.launch.resume import check_submitted, plan_resume, record, resume_lock, submit_resume, what_it_runs
+    from hpcscale.recovery.resume import check_submitted, plan_resume, record, resume_lock, submit_resume, what_it_runs
 
     rd = RunDir.open(run.resolve())
     with resume_lock(rd):
@@ -159,3 +157,27 @@ def _show(plan) -> None:
         click.echo(f"sbatch script (template {clean(runs['template'])}):")
         for line in runs["script"].splitlines():
             click.echo(f"  | {clean(line, limit=1000)}")
+
+
+@click.command()
+@click.argument("run", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--exit-code", type=int, required=True, help="The ranks' exit code (srun's, or mpirun's).")
+def requeue(run: Path, exit_code: int) -> None:
+    """The batch script's decision after its ranks end: record how the attempt ended and requeue the job
+    itself (scontrol requeue) after a stop signal, a time limit or a failure, while the job spec's restart
+    budgets allow. Every built-in template calls it; a batch script of your own calls it right after srun:
+
+    \b
+      srun ... hpcscale launch --run-dir "$RUN" &
+      wait $!; rc=$?
+      hpcscale requeue "$RUN" --exit-code "$rc"
+
+    It prints its decision on stderr and exits 0 whatever it decides (the job's state says the rest).
+    """
+    _requeue(run, exit_code)
+
+
+def _requeue(run: Path, exit_code: int) -> None:
+    from hpcscale.recovery.requeue import after_step
+
+    after_step(run, exit_code, say=lambda line: click.echo(line, err=True))

@@ -1,6 +1,6 @@
 """The rank-failure line: its format, its parser, and the summary of a job's output (who failed first and how,
 which nodes to blame). One owner: every rank writes it (launch/main.py for an exception, the watchdog for a
-hang), `run --local` and the Slurm diagnosis (launch/resume.py) read it, all through this module.
+hang), `run --local` and the Slurm diagnosis (recovery/resume.py) read it, all through this module.
 
 The line: `hpcscale launch: rank R (MPI rank M) on node N failed: Type: first line [at TIME(, after losing a
 peer)]`. TIME is UTC with microseconds (sorts as text); the peer mark says the failure is a consequence of

@@ -345,7 +345,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         if ctx._checkpoint is not None:  # ctx.checkpoint: the last step's save, and the wait for one in flight
             ctx._checkpoint.close()
     except StopRequested as e:
-        if info.rank == 0:  # the batch script's requeue decision reads it (hpcscale.launch.requeue)
+        if info.rank == 0:  # the batch script's requeue decision reads it (hpcscale.recovery.requeue)
             # stop_s: from the signal to the committed checkpoint, what the stop took of the grace time
             took = None if stop.at is None else round(time.monotonic() - stop.at, 2)
             _attempt_event(work_dir, "stop", attempt, signal=_signal_name(stop.signal), step=_stop_step(e), stop_s=took)

@@ -362,7 +362,7 @@ def compare_resume(layout: JobOutcome, resumed: JobOutcome | None, half: int) ->
 
 def diagnose_timeout(outcome: JobOutcome, plan: SmokePlan) -> Check:
     """What `resume --dry-run` would say of the forced timeout."""
-    from hpcscale.launch.resume import plan_resume
+    from hpcscale.recovery.resume import plan_resume
     from hpcscale.rundir import RunDir
 
     late = plan.layout.world - 1

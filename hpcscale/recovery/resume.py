@@ -37,12 +37,12 @@ from hpcscale.config.load import LoadedJob
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.failure import describe_failure, rank_failure
-from hpcscale.launch.requeue import grace_advice
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
 from hpcscale.portable.errors import StageError
-from hpcscale.rundir import LOGS, RESUME_STATE, TIMING, RunDir, Submission, append_json_line
+from hpcscale.recovery.requeue import grace_advice
+from hpcscale.rundir import LOGS, RESUME_STATE, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.bounded import read_tail
@@ -52,7 +52,6 @@ from hpcscale.util.trust import check_fd, clean
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
-RESUME_LOG = "resume.jsonl"
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 LOG_TAIL = 8 << 20  # bytes read from the end of each job log: a long run's log can be large
@@ -496,4 +495,4 @@ def _check_named_files(loaded: LoadedJob) -> None:
 
 
 def record(rd: RunDir, plan: Plan) -> None:
-    append_json_line(rd.path / RESUME_LOG, {"time": datetime.now(timezone.utc).isoformat(), **plan.to_json()})
+    rd.add_resume_decision({"time": datetime.now(timezone.utc).isoformat(), **plan.to_json()})
