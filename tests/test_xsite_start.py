@@ -183,7 +183,7 @@ def test_the_start_checkpoint_is_pinned_until_round_0_is_adopted():
 
     manager = Pins(pinned=set())
     r = object.__new__(Rounds)
-    r.ctx = SimpleNamespace(hooks={"checkpoint": manager})
+    r.pins = lambda: manager
     r.site, r.tokens_per_step, r.base, r.since, r.start = "a", 4, -1, 0, 0
     r.begin_at(1005)
     assert r.state_for_save(1005) == {"base_round": -1, "site": "a", "start": 1005} and manager.pinned == {1005}
@@ -208,7 +208,6 @@ def test_the_start_checkpoint_is_pinned_until_round_0_is_adopted():
 def test_a_hand_edited_start_reads_as_a_step_or_as_0(value):
     """The tick and the trainer read a checkpoint tag's `start` alike: a non-negative int is the start step,
     anything else (absent, bool, float, negative, text) is 0, as tags written before `start` existed."""
-    from types import SimpleNamespace
 
     from hpcscale.launch.site_rounds import Rounds
     from hpcscale.xsite.rounds import TAG, _start
@@ -217,7 +216,7 @@ def test_a_hand_edited_start_reads_as_a_step_or_as_0(value):
     expected = value if type(value) is int and value >= 0 else 0
     assert _start(tag) == expected
     r = object.__new__(Rounds)
-    r.ctx = SimpleNamespace(hooks={})
+    r.pins = lambda: None
     r.start = 0
     r.restore({TAG: tag})
     assert r.start == expected and r.base == 3

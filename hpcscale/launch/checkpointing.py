@@ -384,11 +384,11 @@ class Checkpointer:
         self._saves = SaveSchedule(
             self._policy.every_steps,
             start=start,
-            mtbf=ctx.hooks.get("mtbf"),
+            mtbf=ctx._mtbf_s,
             log=ctx.metrics.log,
             say=ctx.metrics.print,
         )
-        self._times = ctx.hooks.get("timing") or NoStepTimes()
+        self._times = ctx.step_times or NoStepTimes()
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
         self._t_last = time.perf_counter()
 
@@ -400,7 +400,9 @@ class Checkpointer:
             raise BadInput("the job is a cross-site site (xsite:): ctx.checkpoint.restore needs the model")
         from hpcscale.launch.site_rounds import Rounds
 
-        self._rounds = Rounds(self._ctx, self._model, tokens_per_step=int(self.tokens_per_step))
+        self._rounds = Rounds(
+            self._ctx, self._model, tokens_per_step=int(self.tokens_per_step), pins=lambda: self.manager
+        )
         if saved is not None:
             self._rounds.restore(saved)
         return True
@@ -435,12 +437,11 @@ class Checkpointer:
                 timeout_s=ctx.job.timeout_seconds,
                 owner=ctx.run_id,
             )
-            ctx.hooks["checkpoint"] = self._manager
         return self._manager
 
     @property
     def _watchdog(self):
-        return self._ctx.hooks.get("watchdog") or NoWatchdog()
+        return self._ctx.watchdog or NoWatchdog()
 
     def _register(self, model, optimizer, state: dict[str, Any]) -> None:
         if self._registered:

@@ -96,7 +96,9 @@ class Context:
     sweep_point: dict[str, Any] = field(default_factory=dict)
     scratch: Path | None = None  # the site's scratch directory
     run_id: str | None = None  # the run directory's id (RUN/run-id): its checkpoints carry it as their owner
-    hooks: dict[str, Any] = field(default_factory=dict)  # filled by the checkpoint and data layers
+    watchdog: Any = None  # the rank's hang watchdog (launch/watchdog.py): .beat(step), .paused(reason)
+    step_times: Any = None  # per-rank step times (launch/timing.StepTimes): .record(step, step_s=..., ...)
+    _mtbf_s: float | None = field(default=None, repr=False)  # checkpoint.every_steps: auto: the job's MTBF
     _syncs: list[Any] = field(default_factory=list, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
     _models: list[Any] = field(default_factory=list, repr=False)  # ctx.parallelize's; _syncs[i] is _models[i]'s

@@ -334,12 +334,12 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         min_seconds=spec.hang_timeout_seconds,
         on_hang=_abort_job,
     ).start()
-    ctx.hooks["watchdog"] = watchdog  # the entry point beats it after each step (hpcscale.train.trainer)
+    ctx.watchdog = watchdog  # the entry point beats it after each step (ctx.checkpoint.step does)
     from hpcscale.launch.timing import StepTimes
 
-    ctx.hooks["timing"] = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
+    ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
     if spec.checkpoint.every_steps == "auto":  # the job's MTBF, the same figure in every rank
-        ctx.hooks["mtbf"] = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
+        ctx._mtbf_s = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
     try:
         resolve_entry(spec.train.entry)(ctx)
         if ctx._checkpoint is not None:  # ctx.checkpoint: the last step's save, and the wait for one in flight

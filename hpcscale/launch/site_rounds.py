@@ -41,12 +41,13 @@ POLL_S = 1.0
 
 
 class Rounds:
-    def __init__(self, ctx, model: torch.nn.Module, *, tokens_per_step: int):
+    def __init__(self, ctx, model: torch.nn.Module, *, tokens_per_step: int, pins=lambda: None):
+        """`pins()`: the CheckpointManager whose retention the start checkpoint is pinned against (None: none)."""
         spec = ctx.job.xsite
         self.cfg: XsiteConfig = load_xsite(expand_path(spec.config))
         self.site = spec.site
         self.H = self.cfg.round_steps
-        self.ctx, self.model, self.tokens_per_step = ctx, model, tokens_per_step
+        self.ctx, self.model, self.tokens_per_step, self.pins = ctx, model, tokens_per_step, pins
         self.run: Path = ctx.run_dir
         self.base = -1  # the global round the current weights started from (-1: none adopted yet)
         self.since = 0  # the step at which they were adopted
@@ -64,7 +65,7 @@ class Rounds:
         the start checkpoint against retention until θ(0) is adopted (and unpinning it after): the aggregator's
         tick publishes round 0 from it, and a trainer whose wait for θ(0) timed out trains on and saves, which
         keep_last alone would let delete it (round 0 would never come)."""
-        manager = self.ctx.hooks.get("checkpoint")
+        manager = self.pins()
         if manager is not None:
             if self.base == -1:
                 manager.pin(self.start, "cross-site start checkpoint: round 0 is published from it")
