@@ -111,3 +111,17 @@ def sshd(tmp_path_factory):
     server = LoopbackSshd(tmp_path_factory.mktemp("sshd")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def run_2x2x2(mpi, tmp_path_factory) -> Path:
+    """The reference trainer's 20 steps at tp=2, pp=2, dp=2 (8 ranks; 1F1B), a checkpoint every 5 steps, the
+    last 3 kept: one run that several files read (the layout matrix, the checkpoint tests). Treat it as
+    read-only: a test that changes a run directory copies it first (shutil.copytree(..., symlinks=True))."""
+    from trainjobs import job_spec
+
+    tmp = tmp_path_factory.mktemp("run-2x2x2")
+    job = job_spec(tmp / "job.yaml", tp=2, pp=2, ranks=8, steps=20, checkpoint={"every_steps": 5, "keep_last": 3})
+    result = run_cli("run", str(job), "--local", "--run-dir", str(tmp / "run"), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp / "run"

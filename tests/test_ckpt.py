@@ -31,10 +31,9 @@ def _run(job: Path, run: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(mpi, tmp_path_factory) -> dict[int, float]:
-    tmp = tmp_path_factory.mktemp("ref")
-    _run(_spec(tmp / "job.yaml", tp=2, pp=2, ranks=8), tmp / "run")
-    return _losses(tmp / "run")
+def uninterrupted(run_2x2x2) -> dict[int, float]:
+    """The losses of _spec(tp=2, pp=2, ranks=8) run without a stop: the shared run is that job."""
+    return _losses(run_2x2x2)
 
 
 def test_stop_and_resume_reproduce_the_uninterrupted_run_bit_for_bit(uninterrupted, tmp_path):
@@ -50,11 +49,14 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bit_for_bit(uninterrupt
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.2)
     pids = subprocess.run(["pgrep", "-f", f"hpcscale launch --run-dir {run}"], capture_output=True, text=True).stdout
-    rank = next(int(p) for p in pids.split() if Path(f"/proc/{p}/comm").read_text().startswith("python"))
-    os.kill(rank, signal.SIGUSR1)
+    ranks = [int(p) for p in pids.split() if Path(f"/proc/{p}/comm").read_text().startswith("python")]
+    os.kill(ranks[1], signal.SIGUSR1)  # one rank only (not the first started): the others must follow it
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 75, out[-2000:]
+    assert "stop requested: stopping after step" in out, out[-2000:]
     stopped = len(_losses(run))
+    # rank 0 logged exactly the steps every rank completed, and the stop checkpointed the last of them
+    assert stopped == int(out.split("stop requested: stopping after step")[1].split()[0]) + 1
     assert stopped < 20
     resumed = _run(job, run, "--reuse")
     assert f"resumed from checkpoint step {stopped}" in resumed.stdout
@@ -62,11 +64,19 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bit_for_bit(uninterrupt
 
 
 @pytest.fixture(scope="module")
-def saved_at_2_2_2(mpi, tmp_path_factory) -> Path:
-    """A run of 10 steps at tp=2, pp=2, dp=2 (8 ranks), its checkpoint at step 10: each layout below copies it."""
-    tmp = tmp_path_factory.mktemp("saved")
-    _run(_spec(tmp / "first.yaml", tp=2, pp=2, ranks=8, steps=10), tmp / "run")
-    return tmp / "run"
+def saved_at_2_2_2(run_2x2x2, tmp_path_factory) -> Path:
+    """A run at tp=2, pp=2, dp=2 (8 ranks) as it stood after step 10, its newest checkpoint at step 10: each
+    layout below copies it. The shared 20-step run cut back: its metrics before step 10 and its checkpoints up
+    to 10 (all 20 steps are in the learning-rate warmup, so its state at 10 is a 10-step run's)."""
+    run = tmp_path_factory.mktemp("saved") / "run"
+    shutil.copytree(run_2x2x2, run, symlinks=True)
+    assert not (run / "checkpoints").is_symlink()
+    for step in (15, 20):
+        shutil.rmtree(run / "checkpoints" / f"step-{step:08d}")
+    (run / "checkpoints" / "LATEST").write_text("step-00000010\n")
+    rows = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(r for r in rows if json.loads(r).get("step", 0) < 10))
+    return run
 
 
 @pytest.mark.parametrize(("tp", "pp", "ranks"), [(1, 1, 1), (2, 1, 8), (1, 2, 4)], ids=["1-1-1", "tp2-dp4", "pp2-dp2"])
@@ -291,11 +301,11 @@ def test_inspect_and_export(saved, tmp_path):
     assert not (tmp_path / "m3.st").exists()
 
 
-def test_export_of_a_trained_model_loads_with_safetensors(uninterrupted, tmp_path):
+def test_export_of_a_trained_model_loads_with_safetensors(run_2x2x2, tmp_path):
     run = tmp_path / "run"
-    _run(_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=8, steps=5), run)
+    shutil.copytree(run_2x2x2, run, symlinks=True)
     out = tmp_path / "model.safetensors"
-    result = run_cli("ckpt", "export", str(run / "checkpoints" / "step-00000005"), "-o", str(out), "--json")
+    result = run_cli("ckpt", "export", str(run / "checkpoints" / "step-00000020"), "-o", str(out), "--json")
     assert result.returncode == 0, result.stderr
     from safetensors.torch import load_file
 
@@ -303,7 +313,7 @@ def test_export_of_a_trained_model_loads_with_safetensors(uninterrupted, tmp_pat
     assert weights["layers.0.attn.q.weight"].shape == (32, 32)  # full, not a tp shard
     assert "tok_emb.weight" in weights and "output.weight" in weights  # first and last pipeline stages
     status = json.loads(run_cli("status", str(run), "--json").stdout)
-    assert status["latest_checkpoint"]["step"] == 5
+    assert status["latest_checkpoint"]["step"] == 20
 
 
 def test_unchanged_tensors_are_neither_copied_nor_hashed(tmp_path):

@@ -248,7 +248,7 @@ def _run(store, data: st.DataObject, *, sealed: bool) -> None:
 
 
 FUZZ = settings(
-    max_examples=800,
+    max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

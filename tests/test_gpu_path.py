@@ -292,7 +292,7 @@ def test_smoke_runs_its_cpu_half_on_the_slurm_cluster_and_says_what_it_skipped(l
     from conftest import run_cli
 
     result = run_cli("smoke", "--site", "localcluster", "--run-dir", str(tmp_path / "smoke"), "--json",
-                     env=local_cluster, timeout=600)  # fmt: skip
+                     "--steps", "4", env=local_cluster, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     status = {c["name"]: c["status"] for c in report["checks"]}

@@ -258,7 +258,7 @@ def _real(args: list[str]) -> tuple[int, str]:
     return r.returncode, r.stdout + r.stderr
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(manifests())
 def test_no_manifest_makes_verify_or_stage_misbehave(text):
     _run_example(text, _in_process)

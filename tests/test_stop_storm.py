@@ -1,6 +1,7 @@
-"""Stop signals at random moments (during start-up, during a step, during an async save), 20 times on one
-run: every stop ends with exit 75 and a durable, verifying checkpoint of the last step the ranks finished
-(no older than one step before the signal), and every earlier checkpoint still verifies."""
+"""Stop signals at random moments (during start-up, during a step, during an async save), 10 times on one run,
+alternating a moment in start-up with one among the steps: every stop ends with exit 75 and a durable, verifying
+checkpoint of the last step the ranks finished (no older than one step before the signal), and every earlier
+checkpoint still verifies."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 from conftest import REPO, run_cli
 from trainjobs import job_spec
 
-SIGNALS = 20
+SIGNALS = 10
 
 
 def _newest(run) -> int | None:
@@ -32,7 +33,8 @@ def test_twenty_stops_at_random_moments_each_leave_a_verified_checkpoint(mpi, tm
         args = ["hpcscale", "run", str(job), "--local", "--run-dir", str(run)] + (["--reuse"] if i else [])
         proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
-            time.sleep(rng.uniform(0.5, 9.0))  # start-up takes ~4-6 s here: some land before the first step
+            # start-up takes ~4-6 s here: even stops land in it (or just after), odd ones among steps and saves
+            time.sleep(rng.uniform(0.5, 3.0) if i % 2 == 0 else rng.uniform(6.0, 9.5))
             proc.send_signal(signal.SIGTERM)
             out, _ = proc.communicate(timeout=180)
         finally:
@@ -52,4 +54,4 @@ def test_twenty_stops_at_random_moments_each_leave_a_verified_checkpoint(mpi, tm
         outcomes.append("step" if done else "start-up")
     for step_dir in sorted((run / "checkpoints").glob("step-*")):  # every kept checkpoint, not just the newest
         assert run_cli("ckpt", "verify", str(step_dir)).returncode == 0, step_dir
-    assert outcomes.count("step") >= 10, outcomes
+    assert outcomes.count("step") >= 4, outcomes

@@ -28,7 +28,7 @@ from test_render import GOLDEN, TEMPLATES, golden_spec
 pytestmark = [pytest.mark.wheel, pytest.mark.timeout(900)]
 
 SITE = "example-dgx-h100"  # a shipped Slurm site with a topology file, modules and GPUs: every #SBATCH line
-PIP = ["-m", "pip", "install", "-q", "--disable-pip-version-check"]
+PIP = ["-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile"]  # modules compile when imported
 
 
 @dataclass(frozen=True, slots=True)
