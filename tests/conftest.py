@@ -125,3 +125,28 @@ def run_2x2x2(mpi, tmp_path_factory) -> Path:
     result = run_cli("run", str(job), "--local", "--run-dir", str(tmp / "run"), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return tmp / "run"
+
+
+@pytest.fixture(scope="session")
+def ckpt_saved_1_2(mpi, tmp_path_factory) -> Path:
+    """A checkpoints root with steps 1 and 2 saved by two real ranks (tests/helpers/ckpt_job.py save 1 2):
+    read-only, copied by the tests that damage it."""
+    import sys
+
+    root = tmp_path_factory.mktemp("ckpt-1-2") / "ckpt"
+    env = {
+        **os.environ,
+        "OMPI_MCA_btl": "self,tcp",
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    }
+    helper = REPO / "tests" / "helpers" / "ckpt_job.py"
+    out = subprocess.run(
+        ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(helper), str(root), "save", "1", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return root

@@ -55,11 +55,8 @@ def _mpirun(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def pristine(mpi, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pristine") / "ckpt"
-    out = _mpirun(str(root), "save", "1", "2")
-    assert out.returncode == 0, out.stdout + out.stderr
-    return root
+def pristine(ckpt_saved_1_2) -> Path:
+    return ckpt_saved_1_2
 
 
 @pytest.fixture()

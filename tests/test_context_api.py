@@ -208,7 +208,7 @@ def test_doc_example_stop_signal_checkpoints_then_resumes_exactly(reference, tmp
 def test_doc_example_under_slurm_killed_rank_then_resume(local_cluster, tmp_path):
     """Two ranks on two emulated nodes; one rank SIGKILLed mid-run; `hpcscale resume` finishes the run. The
     steps run twice (between the checkpoint and the kill) have the same loss in both attempts."""
-    steps = 800  # long enough to kill mid-run under Slurm (the kill comes at checkpoint 100)
+    steps = 400  # long enough to kill mid-run under Slurm (the kill comes at checkpoint 100)
     code = tmp_path / "code"
     doc_example(code)
     spec = yaml.safe_load((code / "job.yaml").read_text())
