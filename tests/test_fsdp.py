@@ -67,6 +67,15 @@ def single(mpi, tmp_path_factory) -> Path:
     return tmp / "run"
 
 
+@pytest.fixture(scope="module")
+def hsdp2x2(mpi, tmp_path_factory) -> Path:
+    """The entry point at dp_shard 2 x 2 replicas (4 ranks), 12 steps, built whole: one of the layouts below,
+    and the uninterrupted run the sharded-checkpoint test stops and resumes against. Read-only."""
+    tmp = tmp_path_factory.mktemp("hsdp2x2")
+    _run(tmp, tmp / "run", ranks=4, dp_shard=2)
+    return tmp / "run"
+
+
 def _state_bytes(run: Path, ranks: int) -> list[int]:
     return [int((run / f"state_bytes.{r}").read_text()) for r in range(ranks)]
 
@@ -76,11 +85,14 @@ def _state_bytes(run: Path, ranks: int) -> list[int]:
     [(1, 1, 4, True), (1, 1, 2, False), (2, 1, 2, True), (1, 2, 2, True), (1, 2, 1, True)],
     ids=["dp_shard4-meta", "hsdp2x2", "tp2-dp_shard2-meta", "pp2-dp_shard2-meta", "pp2-dp2-meta"],
 )
-def test_user_model_at_every_layout_gives_the_single_process_losses(single, tmp_path, tp, pp, dp_shard, meta):
+def test_user_model_at_every_layout_gives_the_single_process_losses(single, request, tmp_path, tp, pp, dp_shard, meta):
     """The single process builds the model whole; `meta` layouts build it on the meta device and each rank
     materializes only its shards: the same initial weights, so the same losses."""
-    run = tmp_path / "run"
-    _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard, meta=meta)
+    if (tp, pp, dp_shard, meta) == (1, 1, 2, False):
+        run = request.getfixturevalue("hsdp2x2")  # shared with the sharded-checkpoint test
+    else:
+        run = tmp_path / "run"
+        _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard, meta=meta)
     got = losses(run)
     assert len(got) == 12
     _close(got, losses(single))
@@ -97,7 +109,7 @@ def test_user_model_at_every_layout_gives_the_single_process_losses(single, tmp_
         assert held <= 1.2 * whole / n + block, (held, whole)
 
 
-def test_sharded_checkpoints_are_written_shard_by_shard_and_load_into_every_layout(single, tmp_path):
+def test_sharded_checkpoints_are_written_shard_by_shard_and_load_into_every_layout(single, hsdp2x2, tmp_path):
     """dp_shard 4 -> tp 2 x dp 2 (replicated) -> pp 2 x dp_shard 2 -> 1 rank, 4 steps each, then a stop and a
     resume on the same sharded layout: the single process's losses, and bit for bit on the same layout."""
     run = tmp_path / "run"
@@ -134,8 +146,7 @@ def test_sharded_checkpoints_are_written_shard_by_shard_and_load_into_every_layo
     _close(losses(run), losses(single))
 
     # the same layout: a run stopped at step 8 and resumed gives the uninterrupted run's losses exactly
-    whole, parts = tmp_path / "whole", tmp_path / "parts"
-    _run(tmp_path, whole, ranks=4, dp_shard=2, steps=12)
+    whole, parts = hsdp2x2, tmp_path / "parts"
     _run(tmp_path, parts, ranks=4, dp_shard=2, steps=8)
     out = _run(tmp_path, parts, "--reuse", ranks=4, dp_shard=2, steps=12)
     assert "resumed from checkpoint step 8" in out and "resharded" not in out
