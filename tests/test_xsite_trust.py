@@ -352,7 +352,7 @@ def test_a_full_disk_leaves_no_temporary_file_and_no_holderless_lock(tmp_path, f
     os.truncate(filler, os.path.getsize(filler) - 4096)  # one page: the lock fits, the quorum record does not
     report = rounds.tick(config, "a", now=101.0)
     assert not report.locked_out and any("No space left" in e for e in report.errors), report.errors
-    leftovers = [p.name for p in agg.rglob("*") if ".tmp-" in p.name]
+    leftovers = [p.name for p in agg.rglob("*") if ".tmp-" in p.name or p.name.endswith(".tmp")]
     assert leftovers == [], leftovers
     filler.unlink()  # space again: the next tick works, no one had to remove anything by hand
     assert not rounds.tick(config, "a", now=102.0).locked_out

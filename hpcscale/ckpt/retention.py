@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from hpcscale.ckpt.faults import fault
-from hpcscale.ckpt.format import DIGEST, INDEX, committed_steps, read_index, step_dir_name, step_of
+from hpcscale.ckpt.format import DIGEST, INDEX, LATEST, committed_steps, read_index, step_dir_name, step_of
 from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.portable.files import atomic_write
 from hpcscale.util.bounded import loads_json, read_bounded
@@ -113,8 +113,8 @@ def referenced_files(root: Path, steps: list[int]) -> set[str]:
 
 def remove_unfinished(root: Path, *, dry_run: bool = False, all_of_them: bool = False) -> list[str]:
     """Remove the .tmp-* save directories whose writer is provably gone (`all_of_them`: every one, what the job
-    that owns them does: at its start, and after each commit, no save of its own is in progress); returns those
-    left, with why."""
+    that owns them does: at its start, and after each commit, no save of its own is in progress; then also the
+    temporaries of LATEST a killed commit left); returns those left, with why."""
     left = []
     for tmp in sorted(root.glob(".tmp-*")):
         if not tmp.is_dir() or tmp.is_symlink():
@@ -124,6 +124,10 @@ def remove_unfinished(root: Path, *, dry_run: bool = False, all_of_them: bool = 
             left.append(f"{tmp.name}: {why}")
         elif not dry_run:
             shutil.rmtree(tmp, ignore_errors=True)
+    if all_of_them and not dry_run:  # LATEST's temporaries of a commit killed before its rename (the one
+        for stale in root.glob(f".{LATEST}.*.tmp"):  # writer of LATEST is the thread that calls this)
+            if stale.is_file() and not stale.is_symlink():
+                stale.unlink(missing_ok=True)
     return left
 
 

@@ -103,6 +103,22 @@ class Context:
     _checkpoint: Any = field(default=None, repr=False)
     _models: list[Any] = field(default_factory=list, repr=False)  # ctx.parallelize's; _syncs[i] is _models[i]'s
 
+    @property
+    def hooks(self) -> dict[str, Any]:
+        """Deprecated (entry points written for hpcscale 0.1): {"watchdog", "timing", "checkpoint"} as a dict, read
+        only. Use ctx.watchdog, ctx.step_times and ctx.checkpoint.manager."""
+        import warnings
+
+        warnings.warn(
+            "ctx.hooks is deprecated: use ctx.watchdog, ctx.step_times and ctx.checkpoint.manager",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        out = {"watchdog": self.watchdog, "timing": self.step_times}
+        if self._checkpoint is not None and self._checkpoint._manager is not None:
+            out["checkpoint"] = self._checkpoint._manager
+        return out
+
     def parallelize(
         self,
         model: Any,

@@ -197,6 +197,7 @@ def _stalls(line: str) -> list[re.Match[str]]:
 
 
 # ---- the summary of a job's output ----
+# mpirun's own words when a rank dies: "process rank 2 with PID 123 on node vm exited on signal 9 (Killed)"
 _DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)(?: \(([^)]*)\))?")
 _EXITED = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
 # srun's words for a task that ended badly: its node, the task ids, how
@@ -255,9 +256,6 @@ def _describe_hang(hung: HungRanks) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
-
-
-# A rank's own failure line (its format and parse live with the watchdog, which Slurm logs are read with too).
 
 
 def rank_failure(

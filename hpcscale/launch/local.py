@@ -35,8 +35,6 @@ from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
 
-# mpirun's own words when a rank dies: "process rank 2 with PID 123 on node vm exited on signal 9 (Killed)"
-
 
 @dataclass(frozen=True, slots=True)
 class LocalResult:

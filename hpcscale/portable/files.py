@@ -52,23 +52,23 @@ def open_regular(path, *, dir_fd=None, follow_symlinks=True):
     return fd, st
 
 
-def read_regular(path, *, max_bytes, dir_fd=None, follow_symlinks=True):
+def read_regular(path, *, max_bytes, dir_fd=None, follow_symlinks=True, check=None):
     """(bytes, fstat) of the regular file at `path`, of at most `max_bytes`: refused (TooLarge) before a byte
-    is read when fstat says more, and after reading `max_bytes + 1` when it grew meanwhile."""
+    is read when fstat says more, and when it grew past the limit while read. `check(stat)`, when given, runs
+    on the fstat before any byte is read (raising refuses the file: a record whose size is already wrong).
+    The bytes are read into one buffer of the size fstat gave (plus one byte, to see growth)."""
     fd, st = open_regular(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
     try:
         if st.st_size > max_bytes:
             raise TooLarge(path, st.st_size, max_bytes)
-        parts, left = [], max_bytes + 1
-        while left > 0:
-            block = os.read(fd, min(left, 1 << 24))
-            if not block:
-                break
-            parts.append(block)
-            left -= len(block)
-        data = b"".join(parts)
+        if check is not None:
+            check(st)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(st.st_size + 1)
+            if len(data) > st.st_size:  # it grew since fstat: the rest, up to one byte past the limit
+                data += f.read(max_bytes + 1 - len(data))
         if len(data) > max_bytes:
-            raise TooLarge(path, max_bytes + 1, max_bytes)
+            raise TooLarge(path, len(data), max_bytes)
         return data, st
     finally:
         os.close(fd)
@@ -102,6 +102,8 @@ def atomic_write(path, data, *, dir_fd=None, mode=0o644, exact_mode=False, durab
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogateescape")
     head, name = os.path.split(os.fspath(path))
+    if dir_fd is not None and head:  # the directory fsync'd must be the one the name is in
+        raise ValueError(f"atomic_write: with dir_fd, {path!r} must be a name in that directory")
     tmp = os.path.join(head, f".{name}.{os.urandom(8).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:

@@ -1,7 +1,8 @@
-"""The batch script's decision after its ranks end: requeue the job, or let it end (`hpcscale resume --in-job`).
+"""The batch script's decision after its ranks end: requeue the job, or let it end (`hpcscale requeue`).
 
 The default template runs the ranks in the background and waits for them (so a SIGTERM to the batch shell is
-trapped, not fatal), then calls `hpcscale resume "$RUN" --in-job --exit-code $rc`, which lands here:
+trapped, not fatal), then calls `hpcscale requeue "$RUN" --exit-code $rc` (`hpcscale resume "$RUN" --in-job
+--exit-code $rc` in scripts written for 0.1), which lands here:
 
 1. How the attempt ended (`classify`): exit 0 is `completed`; a stop on a signal (rank 0 recorded a `stop`
    event for this attempt, the ranks exited 75, or the step died of SIGUSR1 or SIGUSR2: only `--signal` and

@@ -405,12 +405,15 @@ def _reason(value: object) -> str:
 
 def _read_regular(path: Path, *, max_bytes: int, what: str, expected_size: int | None = None) -> bytes:
     """The bytes of a regular file, never through a symlink, refused before reading when too large."""
+
+    def size_as_recorded(st: os.stat_result) -> None:  # before a byte is read
+        if expected_size is not None and st.st_size != expected_size:
+            raise Rejected(f"{what} {path.name}: {st.st_size} bytes, the record says {expected_size}")
+
     try:
-        data, st = files.read_regular(path, max_bytes=max_bytes, follow_symlinks=False)
+        data, st = files.read_regular(path, max_bytes=max_bytes, follow_symlinks=False, check=size_as_recorded)
     except OSError as e:
         raise Rejected(f"{what} {path.name}: {file_problem(e)}") from None
-    if expected_size is not None and st.st_size != expected_size:
-        raise Rejected(f"{what} {path.name}: {st.st_size} bytes, the record says {expected_size}")
     if len(data) != st.st_size:
         raise Rejected(f"{what} {path.name} changed while it was read")
     return data
