@@ -171,7 +171,7 @@ def test_round_round_trip(tmp_path, keys, keyring):
         tmp_path,
         round=5,
         parent=4,
-        outer=rf.OuterStep(lr=0.7, momentum=0.9, nesterov=True, rule="mean", encoding="bf16"),
+        outer=rf.OuterStepRecord(lr=0.7, momentum=0.9, nesterov=True, rule="mean", encoding="bf16"),
         accepted=[rf.AcceptedContribution(site="a", payload_sha256="0" * 64, tokens=10, steps=2)],
         rejected=[{"site": "b", "reason": "payload sha256 mismatch ≠ what was signed"}],
         theta=theta,
@@ -181,7 +181,7 @@ def test_round_round_trip(tmp_path, keys, keyring):
     assert path.name == "round-000005.json"
     p = rf.read_round(path, keyring=keyring, aggregator="agg", expected_round=5)
     assert (p.round, p.parent, p.aggregator) == (5, 4, "agg")
-    assert p.outer == rf.OuterStep(lr=0.7, momentum=0.9, nesterov=True, rule="mean", encoding="bf16")
+    assert p.outer == rf.OuterStepRecord(lr=0.7, momentum=0.9, nesterov=True, rule="mean", encoding="bf16")
     assert p.accepted == (rf.AcceptedContribution(site="a", payload_sha256="0" * 64, tokens=10, steps=2),)
     assert p.rejected == (rf.RejectedContribution(site="b", reason="payload sha256 mismatch ≠ what was signed"),)
     assert set(p.specs) == {f"{k}/{n}" for k in ("theta", "momentum") for n in theta}
