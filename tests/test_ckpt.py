@@ -535,3 +535,19 @@ print(os.getpriority(os.PRIO_PROCESS, 0), os.getpriority(os.PRIO_PROCESS, t.nati
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(rank_nice), str(thread_nice)]
+
+
+def test_a_commit_killed_before_renaming_latest_leaves_no_temporary_for_ever(tmp_path):
+    """LATEST is replaced through a temporary of a random name (hpcscale.portable.files.atomic_write); a kill -9
+    between its create and its rename leaves one. The job's own cleanup (at its start and after each commit)
+    removes it; `ckpt gc`, which may run beside a live job, leaves it."""
+    from hpcscale.ckpt.retention import remove_unfinished
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    stale = root / ".LATEST.0123456789abcdef.tmp"
+    stale.write_text("step-00000005\n")
+    (root / ".LATEST.link.tmp").symlink_to(tmp_path / "elsewhere")  # never followed, never removed
+    assert remove_unfinished(root) == [] and stale.exists()  # gc beside a live job: not its to remove
+    remove_unfinished(root, all_of_them=True)
+    assert not stale.exists() and (root / ".LATEST.link.tmp").is_symlink()
