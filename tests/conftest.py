@@ -127,26 +127,32 @@ def run_2x2x2(mpi, tmp_path_factory) -> Path:
     return tmp / "run"
 
 
-@pytest.fixture(scope="session")
-def ckpt_saved_1_2(mpi, tmp_path_factory) -> Path:
-    """A checkpoints root with steps 1 and 2 saved by two real ranks (tests/helpers/ckpt_job.py save 1 2):
-    read-only, copied by the tests that damage it."""
+def ckpt_job(*args: str, env: dict | None = None, ranks: int = 2) -> subprocess.CompletedProcess[str]:
+    """tests/helpers/ckpt_job.py ARGS on `ranks` real MPI ranks (save or load a checkpoints root)."""
     import sys
 
-    root = tmp_path_factory.mktemp("ckpt-1-2") / "ckpt"
-    env = {
+    full = {
         **os.environ,
         "OMPI_MCA_btl": "self,tcp",
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+        **(env or {}),
     }
     helper = REPO / "tests" / "helpers" / "ckpt_job.py"
-    out = subprocess.run(
-        ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(helper), str(root), "save", "1", "2"],
+    return subprocess.run(
+        ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, str(helper), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=full,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="session")
+def ckpt_saved_1_2(mpi, tmp_path_factory) -> Path:
+    """A checkpoints root with steps 1 and 2 saved by two real ranks (tests/helpers/ckpt_job.py save 1 2):
+    read-only, copied by the tests that damage it."""
+    root = tmp_path_factory.mktemp("ckpt-1-2") / "ckpt"
+    out = ckpt_job(str(root), "save", "1", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     return root

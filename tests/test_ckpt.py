@@ -13,11 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import ckpt_job, run_cli
 from trainjobs import job_spec
 from trainjobs import losses as _losses
-
-HELPER = REPO / "tests" / "helpers" / "ckpt_job.py"
 
 
 def _spec(path: Path, *, tp: int, pp: int, ranks: int, steps: int = 20, keep_last: int = 3) -> Path:
@@ -89,25 +87,8 @@ def test_saved_at_2_2_2_loads_into_another_layout(uninterrupted, saved_at_2_2_2,
     assert max(abs(losses[k] - uninterrupted[k]) / abs(uninterrupted[k]) for k in uninterrupted) <= 1e-5
 
 
-def _mpirun(*args: str, env: dict | None = None, ranks: int = 2) -> subprocess.CompletedProcess:
-    full = {
-        **os.environ,
-        "OMPI_MCA_btl": "self,tcp",
-        "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-        **(env or {}),
-    }
-    return subprocess.run(
-        ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, str(HELPER), *args],
-        capture_output=True,
-        text=True,
-        env=full,
-        timeout=300,
-    )
-
-
 def _load(root: Path) -> dict:
-    out = _mpirun(str(root), "load")
+    out = ckpt_job(str(root), "load")
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
 
@@ -115,8 +96,8 @@ def _load(root: Path) -> dict:
 @pytest.mark.parametrize("point", ["data_written@1", "data_durable@0", "index_written"])
 def test_killed_during_a_save_leaves_the_previous_checkpoint(mpi, tmp_path, point):
     root = tmp_path / "ckpt"
-    assert _mpirun(str(root), "save", "1").returncode == 0
-    crashed = _mpirun(str(root), "save", "2", env={"HPCSCALE_CKPT_FAULT": point})
+    assert ckpt_job(str(root), "save", "1").returncode == 0
+    crashed = ckpt_job(str(root), "save", "2", env={"HPCSCALE_CKPT_FAULT": point})
     assert crashed.returncode != 0
     assert list(root.glob(".tmp-*")), "the crash should have left a partial save"
     assert not (root / "step-00000002").exists()
@@ -127,8 +108,8 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint(mpi, tmp_path, poin
 
 def test_killed_during_gc_never_breaks_a_kept_checkpoint(mpi, tmp_path):
     root = tmp_path / "ckpt"
-    assert _mpirun(str(root), "save", "1", "2", "3").returncode == 0
-    crashed = _mpirun(str(root), "save", "4", env={"HPCSCALE_CKPT_FAULT": "gc", "KEEP": "1"})
+    assert ckpt_job(str(root), "save", "1", "2", "3").returncode == 0
+    crashed = ckpt_job(str(root), "save", "4", env={"HPCSCALE_CKPT_FAULT": "gc", "KEEP": "1"})
     assert crashed.returncode != 0
     assert run_cli("ckpt", "verify", str(root / "step-00000004")).returncode == 0
     assert _load(root) == {"step": 4, "matches": True}
@@ -139,11 +120,11 @@ def test_killed_during_gc_never_breaks_a_kept_checkpoint(mpi, tmp_path):
 
 def test_incremental_save_writes_only_changed_chunks(mpi, tmp_path):
     root = tmp_path / "ckpt"
-    assert _mpirun(str(root), "save", "1", "1").returncode == 0  # the same step twice: second is a no-op
+    assert ckpt_job(str(root), "save", "1", "1").returncode == 0  # the same step twice: second is a no-op
     infos = json.loads(run_cli("ckpt", "ls", str(root), "--json").stdout)["checkpoints"]
     assert len(infos) == 1
     # saving different steps rewrites changed tensors, and the frozen one is referenced, not rewritten
-    assert _mpirun(str(root), "save", "2").returncode == 0
+    assert ckpt_job(str(root), "save", "2").returncode == 0
     infos = {i["step"]: i for i in json.loads(run_cli("ckpt", "ls", str(root), "--json").stdout)["checkpoints"]}
     # into a pipe (not a terminal) the table is whole: no column cut to fit 80 characters
     table = run_cli("ckpt", "ls", str(root), env={"COLUMNS": ""}).stdout
@@ -181,7 +162,7 @@ def test_flipped_byte_fails_verify_with_exit_3_and_load_falls_back(saved):
     result = run_cli("ckpt", "verify", str(saved / "step-00000002"))
     assert result.returncode == 3
     assert f"tensor {name}: chunk {chunk.hash}" in result.stderr and "does not match its hash" in result.stderr
-    out = _mpirun(str(saved), "load")
+    out = ckpt_job(str(saved), "load")
     assert "refusing checkpoint step-00000002" in out.stderr + out.stdout
     assert json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{"))) == {
         "step": 1,

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, ckpt_job, run_cli
 
 sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from ckpt_tamper import (
@@ -34,24 +33,7 @@ from ckpt_tamper import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-HELPER = REPO / "tests" / "helpers" / "ckpt_job.py"
 STEP2 = "step-00000002"
-
-
-def _mpirun(*args: str) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "OMPI_MCA_btl": "self,tcp",
-        "OMPI_ALLOW_RUN_AS_ROOT": "1",
-        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-    }
-    return subprocess.run(
-        ["mpirun", "-n", "2", "--oversubscribe", sys.executable, str(HELPER), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +50,7 @@ def saved(pristine, tmp_path) -> Path:
 
 def _assert_load_falls_back(root: Path) -> None:
     """Every rank refuses step 2 and loads step 1 intact; no rank raises."""
-    out = _mpirun(str(root), "load")
+    out = ckpt_job(str(root), "load")
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert "Traceback" not in text

@@ -171,7 +171,7 @@ def build(run: Path, out: Path) -> dict:
     dfd = _open_out(out)
     try:
         for name, content in files.items():
-            _write(dfd, name, content)
+            atomic_write(name, content, dir_fd=dfd)  # a symlink planted at name is replaced, never followed
     finally:
         os.close(dfd)
     return {"run": str(run), "out": str(out), "files": [str(out / n) for n in files], "summary": summary}
@@ -194,12 +194,6 @@ def _open_out(out: Path) -> int:
         if e.errno == errno.ENOTDIR:
             raise BadInput(f"-o {out}: exists and is not a directory") from None
         raise BadInput(f"-o {out}: cannot open the directory ({e.strerror})") from None
-
-
-def _write(dfd: int, name: str, data: bytes) -> None:
-    """Replace `name` in the directory `dfd` whole or not at all, durably (hpcscale.portable.files.atomic_write:
-    a symlink planted at `name` is replaced, never followed)."""
-    atomic_write(name, data, dir_fd=dfd)
 
 
 def _save(fig) -> bytes:

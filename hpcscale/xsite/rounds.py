@@ -123,12 +123,6 @@ def _fault(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    """`path` replaced whole by `data`, durably; on any failure (a full disk) the old file stays and no
-    temporary file is left behind (hpcscale.portable.files.atomic_write)."""
-    atomic_write(path, data)
-
-
 def _round_checkpoints(run: Path) -> list[tuple[int, dict]]:
     """(step, xsite tag) of every committed checkpoint of the run that is a round checkpoint, oldest first."""
     from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name
@@ -226,7 +220,7 @@ def _append_log(state: Path, events: list[dict[str, Any]]) -> None:
         with open(path, "rb") as f:
             f.seek(-(LOG_MAX_BYTES // 2), os.SEEK_END)
             tail = f.read()
-        _atomic_bytes(path, tail[tail.find(b"\n") + 1 :])  # from the first whole line
+        atomic_write(path, tail[tail.find(b"\n") + 1 :])  # from the first whole line
 
 
 def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, clock: TickClock) -> None:
@@ -363,7 +357,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
             tensors = encode(d, cfg.encoding)
         except BadInput as e:  # this round's Δ cannot be sent; the tick goes on (a later round's can)
             reason = f"no contribution for round {base + 1}: {e}"
-            _atomic_bytes(state / OUTBOX / f".skipped-{stem}", reason.encode())  # decided once, not every tick
+            atomic_write(state / OUTBOX / f".skipped-{stem}", reason.encode())  # decided once, not every tick
             report.add("skipped", base_round=base, step=step, reason=reason)
             continue
         path = write_contribution(
@@ -545,7 +539,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
         seen = _read_json(state / REJECTED)
         if seen.get(f"{r}/!outer") != problem:  # said once, like a rejection
             seen[f"{r}/!outer"] = problem
-            _atomic_bytes(state / REJECTED, json.dumps(seen).encode())
+            atomic_write(state / REJECTED, json.dumps(seen).encode())
             report.add("not published", round=r, reason=problem, accepted=sorted(c.site for c in valid))
         return
     write_round(
@@ -681,7 +675,7 @@ def _report_rejections(state: Path, r: int, rejected: list, report: TickReport) 
         seen[f"{r}/{x.site}"] = x.reason
         report.add("rejected", round=r, site=x.site, reason=x.reason)
     if fresh:
-        _atomic_bytes(state / REJECTED, json.dumps(seen).encode())
+        atomic_write(state / REJECTED, json.dumps(seen).encode())
     return fresh
 
 
@@ -692,7 +686,7 @@ def _quorum(cfg: XsiteConfig, state: Path, r: int, on_time: list[str], clock: Ti
     waited = clock.waited(stamp) if stamp is not None else None
     if on_time and waited is None:  # the first contribution, or a start the clock put in the future: from now
         quorum[str(r)] = clock.stamp()
-        _atomic_bytes(state / QUORUM, json.dumps(quorum).encode())
+        atomic_write(state / QUORUM, json.dumps(quorum).encode())
         waited = 0.0
     waited = waited or 0.0
     ready = len(on_time) >= cfg.quorum.min_sites or (bool(on_time) and waited >= cfg.quorum.timeout_seconds)
@@ -833,12 +827,12 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
             if problem:
                 raise Rejected(problem)
         except Rejected as e:
-            _atomic_bytes(refused, e.reason.encode())
+            atomic_write(refused, e.reason.encode())
             report.add("rejected", file=f"{INBOX}/{round_stem(r)}.json", reason=e.reason)
             continue
         _write_global(run, r, published, report)
         if published.training and not (state / TRAINING).is_file():  # the training this site follows from now on
-            _atomic_bytes(state / TRAINING, published.training.encode())
+            atomic_write(state / TRAINING, published.training.encode())
         return
 
 
@@ -922,7 +916,7 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
             record = _read_json(state / name)
             kept = {k: v for k, v in record.items() if (_record_round(k) or 0) >= oldest}
             if len(kept) != len(record):
-                _atomic_bytes(state / name, json.dumps(kept).encode())
+                atomic_write(state / name, json.dumps(kept).encode())
                 records += len(record) - len(kept)
     if removed or records:
         report.add("pruned", before_round=oldest, files=removed, records=records)
