@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, need
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_stage import build, make_tree, same_tree, stage, stage_json
@@ -151,8 +151,7 @@ def test_the_agent_runs_on_python_3_8(tmp_path, sshd):
     """The oldest python the agent promises (a different bytecode magic: it compiles the shipped sources):
     push, no-op rerun and pull of a sha256 tree, a large file (part-file path) among small ones."""
     py38 = _python38()
-    if py38 is None:
-        pytest.skip("no python 3.8 on this machine")  # the proof needs that interpreter
+    need(py38 is not None, "python 3.8 (the oldest the agent promises)")  # the proof needs that interpreter
     src = make_tree(tmp_path / "src", small=6, big_mb=9)
     build(src, "--algorithm", "sha256")
     m = src / "manifest.json"

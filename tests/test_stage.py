@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from conftest import REPO, run_cli
+from conftest import REPO, need, run_cli
 
 from hpcscale.data.manifest import read_manifest
 
@@ -673,11 +673,9 @@ def test_the_agent_needs_only_python3_on_the_remote(tmp_path, sshd):
     """Debian's own /usr/bin/python3 (no hpcscale, no xxhash) runs the agent for sha256 manifests, and
     refuses xxh128 ones naming the missing module."""
     debian_py = "/usr/bin/python3"
-    if not os.path.exists(debian_py):
-        pytest.skip("no system python3 beside the test interpreter")  # the proof needs a second interpreter
+    need(os.path.exists(debian_py), "a system python3 beside the test interpreter")  # a second interpreter
     probe = subprocess.run([debian_py, "-c", "import xxhash"], capture_output=True)
-    if probe.returncode == 0:
-        pytest.skip("/usr/bin/python3 has xxhash here")  # the proof needs a python3 without it
+    need(probe.returncode != 0, "a /usr/bin/python3 without xxhash")  # the proof needs a python3 without it
     src = make_tree(tmp_path / "src", small=4)
     build(src, "--algorithm", "sha256")
     args = ["--ssh", sshd.ssh_string(), "--remote-python", debian_py]
