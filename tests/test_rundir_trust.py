@@ -296,14 +296,14 @@ def test_report_writes_into_the_directory_it_opened_even_when_swapped(tmp_path, 
     out.unlink()
     aside.rename(out)
 
-    def swap_after_open(dfd, name, data, _write=report._write):
+    def swap_after_open(name, data, _write=report.atomic_write, **kwargs):
         if out.is_dir() and not out.is_symlink():
             out.rename(aside)
             out.symlink_to(elsewhere)
-        _write(dfd, name, data)
+        _write(name, data, **kwargs)
 
     monkeypatch.setattr(report, "summarize", real)
-    monkeypatch.setattr(report, "_write", swap_after_open)
+    monkeypatch.setattr(report, "atomic_write", swap_after_open)
     report.build(run, out)
     assert list(elsewhere.iterdir()) == []
     assert sorted(p.name for p in aside.iterdir()) == ["loss.png", "summary.md", "throughput.png"]
