@@ -36,6 +36,29 @@ def processes_of(run_dir: Path) -> dict[int, str]:
     return found
 
 
+# What the test command's workers (pytest-xdist, --dist loadgroup) must not split or run side by side.
+SHARED_SETUP = ("run_2x2x2", "ckpt_saved_1_2")  # session fixtures that train or save: built once, on one worker
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group the tests that must share a worker: every test on the local Slurm cluster runs on one worker, one
+    after the other (they wait for its nodes and name them); the users of an expensive session fixture share
+    the worker that built it; the tests of a module with a module-scoped fixture stay together. The rest go
+    to whichever worker is free."""
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if "local_cluster" in names:
+            group = "slurm"
+        elif shared := next((n for n in SHARED_SETUP if n in names), None):
+            group = shared
+        elif any(d and d[-1].scope in ("module", "package") for n, d in defs.items() if n in names):
+            group = item.module.__name__
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def need(ok: bool, what: str) -> None:
     """Skip for lack of `what` on a developer machine; fail in CI, where nothing may be skipped."""
     if ok:

@@ -857,11 +857,11 @@ def test_a_record_read_ahead_is_used_only_while_the_record_file_is_unchanged(tmp
                 fresh = record.with_name("fresh.tmp")
                 fresh.write_text(json.dumps({"hash_algorithm": m.hash_algorithm, "files": {}}))
                 os.replace(fresh, record)  # as a commit replaces it: another inode
-            statuses, info = sink.plan(entries)
-            assert all(s == -1 for s in statuses)  # every file is in place either way
-            return info
+            result = sink.plan(entries)
+            assert result.up_to_date == len(entries)  # every file is in place either way
+            return result
         finally:
             sink.close()
 
-    assert plan(replace_record=False)["hashed"] == 0  # proven by the record read ahead
-    assert plan(replace_record=True)["hashed"] == len(entries)  # the stale read ahead was not used
+    assert plan(replace_record=False).hashed == 0  # proven by the record read ahead
+    assert plan(replace_record=True).hashed == len(entries)  # the stale read ahead was not used

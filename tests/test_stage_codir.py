@@ -343,20 +343,20 @@ def test_the_plan_says_why_it_ignored_the_record(tmp_path, how):
     entries = [[f.path, f.size, f.mtime_ns, f.hash, f.mode] for f in m.files]
     sink = Sink(str(dst), m.hash_algorithm, jobs=1)
     try:
-        statuses, info = sink.plan(entries)
+        plan = sink.plan(entries)
     finally:
         sink.close()
-    why = info["record_ignored"]
+    why = plan.record_ignored
     assert isinstance(why, str) and ".hpcscale-stage" in why
     assert {"other-uid": f"uid {OTHER_UID}", "writable": "writable by", "open-dir": "writable by"}[how] in why
-    assert info["hashed"] == len(entries)  # every file there hashed, as with --check hash
-    assert statuses.count(0) == 1  # the replaced one, caught
+    assert plan.hashed == len(entries)  # every file there hashed, as with --check hash
+    assert plan.statuses.count(0) == 1  # the replaced one, caught
     # a trusted record: no such field (the reply stays as it was); a state directory others can write is left
     # open (a team may share it) and stays untrusted
     stage_json(src / "manifest.json", str(src), str(dst))
     sink = Sink(str(dst), m.hash_algorithm, jobs=1)
     try:
-        assert ("record_ignored" in sink.plan(entries)[1]) == (how == "open-dir")
+        assert ("record_ignored" in sink.plan(entries).info()) == (how == "open-dir")
     finally:
         sink.close()
 

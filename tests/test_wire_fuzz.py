@@ -121,12 +121,14 @@ def _entries(sizes):
 def test_a_plan_reply_is_checked_field_by_field(reply, sizes):
     entries = _entries(sizes)
     try:
-        statuses, info = check_plan(reply, entries)
+        plan = check_plan(reply, entries)
     except ProtocolError:
         return
-    assert len(statuses) == len(entries)
-    assert all(type(s) is int and (s == -1 or 0 <= s <= e[1]) for s, e in zip(statuses, entries, strict=True))
-    assert type(info) is dict and 0 <= info.get("proven", 0) <= statuses.count(-1)
+    assert len(plan.statuses) == len(entries)
+    assert all(type(s) is int and (s == -1 or 0 <= s <= e[1]) for s, e in zip(plan.statuses, entries, strict=True))
+    assert all(type(getattr(plan, k)) is int and getattr(plan, k) >= 0 for k in plan.COUNTS)
+    assert plan.proven <= plan.up_to_date
+    assert plan.record_ignored is None or type(plan.record_ignored) is str
 
 
 @FUZZ

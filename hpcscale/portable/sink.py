@@ -40,6 +40,7 @@ import os
 import stat
 import threading
 
+from hpcscale.portable import journal as journals_
 from hpcscale.portable import lock as dest_lock
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.files import atomic_write, open_regular
@@ -318,6 +319,46 @@ def _read_regular(name, dir_fd, limit=None, vouching=False):
         return (data, None) if vouching else data
     finally:
         os.close(fd)
+
+
+UP_TO_DATE = -1  # a plan's status for a file the destination holds, proven: nothing to send
+
+
+class Plan:
+    """What a stage must send, and what finding out cost (Sink.plan; the agent sends it as `statuses` and
+    `info`, hpcscale.xsite.stage.check_plan reads it back):
+    - statuses: one per manifest entry, UP_TO_DATE or the offset to send from (0, or a part file's length);
+    - hashed, hashed_bytes: files and bytes hashed at the destination to prove them (or find them stale);
+    - proven: how many of the UP_TO_DATE files hashing proved (the others the record vouched for by stat);
+    - parts: complete part files of a killed transfer that hashing proved and named;
+    - record_ignored: why the record of verified files was not used (it could have been forged), or None."""
+
+    __slots__ = ("hashed", "hashed_bytes", "parts", "proven", "record_ignored", "statuses")
+    COUNTS = ("hashed", "hashed_bytes", "proven", "parts")
+
+    def __init__(self, statuses, hashed=0, hashed_bytes=0, proven=0, parts=0, record_ignored=None):
+        self.statuses = statuses
+        self.hashed = hashed
+        self.hashed_bytes = hashed_bytes
+        self.proven = proven
+        self.parts = parts
+        self.record_ignored = record_ignored
+
+    def info(self):
+        """The wire form of everything but the statuses."""
+        info = {k: getattr(self, k) for k in self.COUNTS}
+        if self.record_ignored is not None:
+            info["record_ignored"] = self.record_ignored
+        return info
+
+    @classmethod
+    def from_wire(cls, statuses, info):
+        """A Plan from a reply's statuses and info (checked by the caller: hpcscale.xsite.stage.check_plan)."""
+        return cls(statuses, *(info.get(k, 0) for k in cls.COUNTS), record_ignored=info.get("record_ignored"))
+
+    @property
+    def up_to_date(self):
+        return self.statuses.count(UP_TO_DATE)
 
 
 class Sink:
@@ -661,80 +702,76 @@ class Sink:
             return {}, False
         records = dict(self._record_now())
         names = [] if committed_only else os.listdir(state)
-        mine = f"journal-{self.lock_token}-" if self.lock_token else None
+        mine = journals_.own_prefix(self.lock_token)
         names = sorted(names, key=lambda n: (mine is not None and n.startswith(mine), n))
         journals = False
         for name in names:
-            if name.startswith("journal-") and name.endswith(".jsonl"):
+            if journals_.is_journal(name):
                 journals = True
                 own = mine is not None and name.startswith(mine)
                 if self.state_distrust is not None and not own:
                     continue
                 data, _why = _read_regular(name, state, vouching=True)
-                text = (data or b"").decode("utf-8", "replace")
-                for line in _journal_lines(text):
-                    if type(line) is not list or len(line) not in (3, 4):
-                        continue
-                    alg, path, rec = line[:3]
-                    where = line[3] if len(line) == 4 else None  # the directory it was placed in (dev, ino)
-                    if alg == self.algorithm and type(path) is str:
-                        records[path] = rec
-                        if fresh is not None:
-                            if own:
-                                fresh[path] = where
-                            else:
-                                fresh.pop(path, None)
+                for path, rec, where in journals_.entries((data or b"").decode("utf-8", "replace"), self.algorithm):
+                    records[path] = rec
+                    if fresh is not None:
+                        if own:
+                            fresh[path] = where
+                        else:
+                            fresh.pop(path, None)
         return records, journals
-
-    def _record_line(self, path, st, digest, where=None):
-        if self._journal is None:
-            name = f"journal-{self.lock_token}-{os.urandom(8).hex()}.jsonl"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND
-            fd = os.open(name, flags, PRIVATE, dir_fd=self.state_fd(create=True))
-            self._journal = os.fdopen(fd, "a")
-        rec = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, digest]
-        line = [self.algorithm, path, rec] if where is None else [self.algorithm, path, rec, list(where)]
-        self._journal.write(json.dumps(line) + "\n")
 
     # -- plan -------------------------------------------------------------------------------------------
     def plan(self, entries, check="stat", manifest_sha256=None, name="manifest.json", dirs=None):
-        """For each [path, size, mtime_ns, hash, mode]: -1 if the destination already holds it (proven, with
-        its mode), else the offset to send from (0, or the length of a part file a killed transfer left).
+        """What must move for `entries` ([path, size, mtime_ns, hash, mode] each): a Plan with one status per
+        entry, UP_TO_DATE where the destination already holds it (proven, with its mode), else the offset to
+        send from (0, or the length of a part file a killed transfer left).
 
-        If anything is to be written and the destination holds another manifest than this stage's (sha256 of
-        its text, `manifest_sha256`; None: this stage writes none), that manifest is removed first: it would
-        vouch for files this stage is about to replace, and a destination with a manifest must be a complete
-        copy of it. It comes back, the new one, at commit.
+        Steps, in order: every entry and listed directory is checked (StageError('input') names the first bad
+        one) before anything acts on it; the destination lock is taken (not in a dry run); each file is
+        classified from one lstat (`_classify`); if anything is to be written, room is made (`_make_room`);
+        the files a stat could not vouch for are hashed (`_prove`).
 
-        `dirs`: [[path, mode]] of every directory the manifest lists (None: it lists none); they are created and
-        given their modes (minus the umask) at commit; `dirs_clean` says whether they already are.
+        check='stat': trust the record when size, mtime, ctime and inode are unchanged; other files of the right
+        size are hashed. check='hash': hash every file that is there.
 
-        Takes the destination lock first (not in a dry run). check='stat': trust the record when size, mtime,
-        ctime and inode are unchanged; other files of the right size are hashed. check='hash': hash every file
-        that is there. Returns (statuses, {"hashed": files hashed here, "hashed_bytes": n, "parts": parts
-        completed, and "record_ignored": why, only where the record could have been forged (untrusted) and
-        was not used}). A directory on a listed path that is a symlink or not a directory: StageError('input')."""
+        `manifest_sha256`: sha256 of the manifest this stage commits (None: it writes none). `dirs`: [[path,
+        mode]] of every directory the manifest lists (None: it lists none); they are created and given their
+        modes (minus the umask) at commit; `dirs_clean` says whether they already are. A directory on a listed
+        path that is a symlink or not a directory: StageError('input')."""
         if type(entries) is not list:
             raise StageError("plan: entries must be a list", "input")
+        for i, entry in enumerate(entries):
+            problem = check_entry(entry, self.algorithm)
+            if problem is not None:
+                raise StageError(f"files[{i}]: {problem}", "input")
         locked = self._plan_dirs(dirs)
         self.take_lock()
         records = self.load_records(committed_only=True)[0] if check == "stat" else {}
-        todo = []  # (index, reldir, name, kind): files to hash
+        statuses, todo = self._classify(entries, records)
+        plan = Plan(statuses, record_ignored=self.record_ignored if check == "stat" else None)
+        if not self.dry_run and (todo or any(x != UP_TO_DATE for x in statuses)):
+            self._make_room(manifest_sha256, name, locked)
+        if todo:
+            self._prove(entries, todo, plan)
+        return plan
+
+    def _classify(self, entries, records):
+        """(statuses, todo) from one lstat of each file and of its part file: UP_TO_DATE where the record vouches
+        for the file as it is (same size, mtime, ctime, inode and hash), the length of a part file to resume
+        from, else 0; `todo`: (index, reldir, name, 'final' or 'part') of the files of the right size, and the
+        complete part files, that only hashing them can prove. A directory where the manifest lists a file:
+        StageError('input'). The lstats run in parallel: on a cold metadata cache each one is a disk read."""
         statuses = [0] * len(entries)
-        absent = set()  # directories that do not exist: nothing in them to stat
+        todo = []
         present = []  # (index, reldir, name) of entries whose directory exists
-        known = set()  # directories found there
-        planned = self._planned_dirs
-        algorithm = self.algorithm
+        absent, known = set(), set()  # directories missing (nothing in them to stat) and found
         for i, entry in enumerate(entries):
-            problem = check_entry(entry, algorithm)  # every entry checked before anything acts on it
-            if problem is not None:
-                raise StageError(f"files[{i}]: {problem}", "input")
             reldir, _, fname = entry[0].rpartition("/")
             if reldir not in known:
                 if reldir in absent:
                     continue
-                planned.add(reldir)
+                self._planned_dirs.add(reldir)
                 slot = self.dir_slot(reldir)
                 if slot is None:
                     absent.add(reldir)
@@ -742,12 +779,10 @@ class Sink:
                 self.release(slot)
                 known.add(reldir)
             present.append((i, reldir, fname))
-        # lstat in parallel: on a cold metadata cache each one is a disk read, and they overlap
-        sts = parallel_map(self._stat_in, present, self.jobs, batch=256)
         parts = []  # (index, reldir, part name): files not there; a killed transfer may have left a part file
         isreg, isdir, imode = stat.S_ISREG, stat.S_ISDIR, stat.S_IMODE
         umask = self.umask
-        for (i, reldir, fname), st in zip(present, sts):
+        for (i, reldir, fname), st in zip(present, parallel_map(self._stat_in, present, self.jobs, batch=256)):
             rel, size, _mtime, digest, mode = entries[i]
             if st is not None and isreg(st.st_mode) and st.st_size == size:
                 if mode is not None and imode(st.st_mode) != mode & ~umask:
@@ -762,7 +797,7 @@ class Sink:
                     and rec[3] == st.st_ino
                     and rec[0] == size
                 ):
-                    statuses[i] = -1
+                    statuses[i] = UP_TO_DATE
                 else:
                     todo.append((i, reldir, fname, "final"))
                 continue
@@ -778,64 +813,68 @@ class Sink:
                 todo.append((i, reldir, part, "part"))
             else:
                 statuses[i] = pst.st_size
-        info = {"hashed": 0, "hashed_bytes": 0, "proven": 0, "parts": 0}
-        if self.record_ignored is not None and check == "stat":
-            info["record_ignored"] = self.record_ignored
-        if not self.dry_run and (todo or any(x != -1 for x in statuses)):
-            if manifest_sha256 is not None:
-                self._retire(manifest_sha256, name)
-            for rel, mode in locked:  # a directory we cannot write into until commit gives it its mode again
-                self._chmod_dir(rel, mode | 0o700)
-        if not todo:
-            return statuses, info
+        return statuses, todo
 
-        def prove(item):
-            """Hash a file that is there, through its directory's descriptor; a part file that matches is
-            named, a final one journalled, both with the fstat of the descriptor hashed (the file that was
-            proven, not whatever has the name by then). (digest or None, bytes hashed)."""
-            i, reldir, fname, kind = item
-            slot = self.dir_slot(reldir)
-            if slot is None:
+    def _make_room(self, manifest_sha256, name, locked):
+        """Before anything is written: a manifest of another stage goes (it would vouch for files this stage
+        is about to replace, and a destination with a manifest must be a complete copy of it; this stage's
+        comes back at commit), and a listed directory without owner rwx (`locked`: [(path, mode)]) is opened
+        to its owner until commit gives it its mode again."""
+        if manifest_sha256 is not None:
+            self._retire(manifest_sha256, name)
+        for rel, mode in locked:
+            self._chmod_dir(rel, mode | 0o700)
+
+    def _prove(self, entries, todo, plan):
+        """Hash the files of `todo` (in parallel) and mark those that match their manifest hash UP_TO_DATE in
+        `plan`; the others are sent again (a stale part file is replaced from offset 0). Then flush the journal."""
+        proofs = parallel_map(lambda item: self._prove_one(entries, item), todo, self.jobs, batch=8)
+        for (i, _reldir, _fname, kind), (digest, n) in zip(todo, proofs):
+            plan.hashed += 1
+            plan.hashed_bytes += n
+            if digest != entries[i][3]:
+                continue
+            plan.statuses[i] = UP_TO_DATE
+            plan.proven += 1
+            if kind == "part" and not self.dry_run:
+                plan.parts += 1
+        self.flush()
+
+    def _prove_one(self, entries, item):
+        """Hash a file that is there, through its directory's descriptor; a part file that matches is named, a
+        final one journalled, both with the fstat of the descriptor hashed (the file that was proven, not
+        whatever has the name by then). (digest or None, bytes hashed)."""
+        i, reldir, fname, kind = item
+        slot = self.dir_slot(reldir)
+        if slot is None:
+            return None, 0
+        try:
+            try:
+                fd = os.open(fname, os.O_RDONLY | NO_FOLLOW, dir_fd=slot[0])
+            except OSError:
                 return None, 0
             try:
-                try:
-                    fd = os.open(fname, os.O_RDONLY | NO_FOLLOW, dir_fd=slot[0])
-                except OSError:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or (kind == "part" and st.st_nlink != 1):
                     return None, 0
-                try:
-                    st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode) or (kind == "part" and st.st_nlink != 1):
-                        return None, 0
-                    digest, n = hash_fd(fd, self.algorithm, limit=st.st_size)  # the size known: no second fstat
-                    rel, _size, mtime, want, mode = entries[i]
-                    if digest != want or self.dry_run:
-                        return digest, n
-                    if kind == "part":
-                        os.fchmod(fd, self.final_mode(mode))
-                        os.utime(fd, ns=(mtime, mtime))
-                        name = rel.rpartition("/")[2]
-                        os.rename(fname, name, src_dir_fd=slot[0], dst_dir_fd=slot[0])
-                    after = os.fstat(fd)
-                    if kind == "final" and _identity(after) != _identity(st):
-                        return None, n  # written while it was hashed: not proven, sent again
-                    self.placed(rel, after, want, slot[3])
+                digest, n = hash_fd(fd, self.algorithm, limit=st.st_size)  # the size known: no second fstat
+                rel, _size, mtime, want, mode = entries[i]
+                if digest != want or self.dry_run:
                     return digest, n
-                finally:
-                    os.close(fd)
+                if kind == "part":
+                    os.fchmod(fd, self.final_mode(mode))
+                    os.utime(fd, ns=(mtime, mtime))
+                    name = rel.rpartition("/")[2]
+                    os.rename(fname, name, src_dir_fd=slot[0], dst_dir_fd=slot[0])
+                after = os.fstat(fd)
+                if kind == "final" and _identity(after) != _identity(st):
+                    return None, n  # written while it was hashed: not proven, sent again
+                self.placed(rel, after, want, slot[3])
+                return digest, n
             finally:
-                self.release(slot)
-
-        for (i, _reldir, _fname, kind), (digest, n) in zip(todo, parallel_map(prove, todo, self.jobs, batch=8)):
-            info["hashed"] += 1
-            info["hashed_bytes"] += n
-            if digest != entries[i][3]:
-                continue  # send it again (a stale part is replaced from offset 0)
-            statuses[i] = -1
-            info["proven"] += 1
-            if kind == "part" and not self.dry_run:
-                info["parts"] += 1
-        self.flush()
-        return statuses, info
+                os.close(fd)
+        finally:
+            self.release(slot)
 
     def _stat_in(self, item):
         """lstat of item[2] in directory item[1] (through the walk); None if it is not there."""
@@ -915,13 +954,20 @@ class Sink:
         """Journal a file this stage put in place: `st`, the fstat of its own descriptor once named; `where`,
         the (st_dev, st_ino) of the directory it was named in (checked at commit)."""
         with self._lock:
-            self._record_line(rel, st, digest, where)
+            if self._journal is None:
+                self._journal = journals_.Journal(self.state_fd(create=True), self.lock_token, self.algorithm)
+        self._journal.add(rel, st, digest, where)
 
     def flush(self):
         """Push the journal to the OS (a killed agent loses no line of a file already in place)."""
+        if self._journal is not None:
+            self._journal.flush()
+
+    def _close_journal(self):
         with self._lock:
-            if self._journal is not None:
-                self._journal.flush()
+            journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.close()
 
     # -- commit -----------------------------------------------------------------------------------------
     def commit(self, manifest_text=None, name="manifest.json"):
@@ -934,11 +980,7 @@ class Sink:
             raise StageError("the manifest to commit is not text", "input")
         if self.lock_token is None:
             raise StageError(f"{self.root}: commit without the destination's lock", "runtime")
-        self.flush()
-        with self._lock:
-            if self._journal is not None:
-                self._journal.close()
-                self._journal = None
+        self._close_journal()
         self._drop_slots()  # from here, every directory is walked again from the root
         self._apply_dirs()
         self._check_dirs()
@@ -970,7 +1012,7 @@ class Sink:
             text = json.dumps({"hash_algorithm": self.algorithm, "files": records}, separators=(",", ":"))
             atomic_write(RECORD, text, dir_fd=state, mode=PRIVATE)
             for n in os.listdir(state):
-                if n.startswith("journal-"):
+                if n.startswith(journals_.PREFIX):
                     _unlink(n, state)
         if manifest_text is not None:
             old = _read_regular(name, self.root_fd())
@@ -1017,7 +1059,7 @@ class Sink:
 
         try:
             state = self.state_fd()
-            if state is None or any(n.startswith("journal-") for n in os.listdir(state)):
+            if state is None or any(n.startswith(journals_.PREFIX) for n in os.listdir(state)):
                 return False
         except (OSError, StageError):
             return False
@@ -1029,10 +1071,7 @@ class Sink:
         return data is not None and hashlib.sha256(data).hexdigest() == manifest_sha256
 
     def close(self):
-        with self._lock:
-            if self._journal is not None:
-                self._journal.close()
-                self._journal = None
+        self._close_journal()
         if self._lock_owner and self._state_fd is not None:
             dest_lock.release(self._state_fd, self.lock_token)
             self._lock_owner = False
@@ -1048,25 +1087,3 @@ class Sink:
             if fd is not None:
                 os.close(fd)
                 setattr(self, attr, None)
-
-
-_decode = json.JSONDecoder().raw_decode
-
-
-def _journal_lines(text):
-    """The JSON value of each whole line of a journal, skipping any other line (one a kill cut short). One
-    decoder call a line, no wrapper: json.loads per line costs half again as much."""
-    out = []
-    i, n = 0, len(text)
-    while i < n:
-        end = text.find("\n", i)
-        if end < 0:
-            end = n
-        try:
-            value, stop = _decode(text, i)
-            if stop == end:  # the value is this line, all of it, and no more
-                out.append(value)
-        except (ValueError, RecursionError):
-            pass
-        i = end + 1
-    return out

@@ -112,17 +112,17 @@ def serve(role, root, inp, out):
                     if "manifest_sha256" in req:  # None: no manifest is written, and nothing to commit can be
                         is_clean = in_background(end.is_clean, req["manifest_sha256"], req.get("name", "manifest.json"))
                     name = req.get("name", "manifest.json")
-                    statuses, info = end.plan(
+                    plan = end.plan(
                         req["entries"], req.get("check", "stat"), req.get("manifest_sha256"), name, req.get("dirs")
                     )
                     clean = (
                         is_clean is not None
-                        and info["hashed"] == 0
+                        and plan.hashed == 0
                         and end.dirs_clean
-                        and all(x < 0 for x in statuses)
+                        and plan.up_to_date == len(plan.statuses)
                         and is_clean()
                     )
-                    reply({"statuses": statuses, "info": info, "clean": clean, "lock": end.lock_token})
+                    reply({"statuses": plan.statuses, "info": plan.info(), "clean": clean, "lock": end.lock_token})
                 elif op == "put":
                     n = req.get("n")
                     if type(n) is not int or not 0 <= n < 1 << 63:  # how many bytes follow is unknown: the end

@@ -39,6 +39,7 @@ AGENT_MODULES = (
     "hpcscale.portable.wire",
     "hpcscale.portable.source",
     "hpcscale.portable.lock",
+    "hpcscale.portable.journal",
     "hpcscale.portable.sink",
     "hpcscale.xsite.agent",
 )

@@ -31,7 +31,7 @@ from hpcscale.data.manifest import Manifest, manifest_text
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.hashing import BLOCK
-from hpcscale.portable.sink import TMPFILE_MAX, Sink
+from hpcscale.portable.sink import TMPFILE_MAX, UP_TO_DATE, Plan, Sink
 from hpcscale.portable.source import Source
 from hpcscale.portable.wire import TokenBucket, pump, send
 from hpcscale.util.progress import Progress
@@ -254,11 +254,8 @@ def _sha256(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()
 
 
-_INFO_COUNTS = ("hashed", "hashed_bytes", "proven", "parts")
-
-
-def check_plan(reply: dict, entries: list) -> tuple[list[int], dict]:
-    """A remote plan reply's (statuses, info), each field checked against the request (ProtocolError): one
+def check_plan(reply: dict, entries: list) -> Plan:
+    """A remote plan reply's Plan, each field checked against the request (ProtocolError): one
     status per entry, each -1 (up to date) or an offset within the file's manifest size; info an object whose
     counts are integers >= 0, 'proven' at most the number of entries up to date; 'clean' a boolean, 'lock' a
     short string or null."""
@@ -272,7 +269,7 @@ def check_plan(reply: dict, entries: list) -> tuple[list[int], dict]:
     info = reply.get("info", {})
     if type(info) is not dict:
         raise ProtocolError(f"a plan reply whose info is {shown(repr(info), 40)}")
-    for key in _INFO_COUNTS:
+    for key in Plan.COUNTS:
         value = info.get(key, 0)
         if type(value) is not int or value < 0:
             raise ProtocolError(f"a plan reply whose info.{key} is {shown(repr(value), 40)}")
@@ -287,7 +284,7 @@ def check_plan(reply: dict, entries: list) -> tuple[list[int], dict]:
     ignored = info.get("record_ignored")
     if ignored is not None and (type(ignored) is not str or len(ignored) > 2000):
         raise ProtocolError(f"a plan reply whose info.record_ignored is {shown(repr(ignored), 40)}")
-    return statuses, info
+    return Plan.from_wire(statuses, info)
 
 
 def check_ack(msg: dict, inflight: dict) -> tuple[str | None, tuple[str, str] | None]:
@@ -327,18 +324,18 @@ def check_get(msg: dict, entry: list, offset: int) -> tuple[str, str] | None:
     return None
 
 
-def _apply_plan(entries: list, statuses: list[int], info: dict, run: _Run) -> list[tuple[list, int]]:
+def _apply_plan(entries: list, plan: Plan, run: _Run) -> list[tuple[list, int]]:
     r = run.result
     todo = []
-    for entry, status in zip(entries, statuses, strict=True):
-        if status < 0:
+    for entry, status in zip(entries, plan.statuses, strict=True):
+        if status == UP_TO_DATE:
             r.up_to_date += 1
         else:
             todo.append((entry, status))
-    r.proven_by_hash = info.get("proven", 0)
+    r.proven_by_hash = plan.proven
     r.verified += r.proven_by_hash
-    if isinstance(info.get("record_ignored"), str):  # a local sink's, or one check_plan let through
-        r.record_ignored = shown(info["record_ignored"], 2000)
+    if isinstance(plan.record_ignored, str):  # a local sink's, or one check_plan let through
+        r.record_ignored = shown(plan.record_ignored, 2000)
     r.would_send = [e[0] for e, _ in todo]
 
     # Large files first, largest first, so that parallel streams finish together; then the small ones in path
@@ -378,8 +375,7 @@ def _commit(sink: Sink, manifest_text: str | None, run: _Run, todo: int) -> None
 
 
 def _local(entries, dirs, manifest_text, source: Source, sink: Sink, opts: StageOptions, run: _Run) -> None:
-    statuses, info = sink.plan(entries, opts.check, _sha256(manifest_text), dirs=dirs)
-    todo = _apply_plan(entries, statuses, info, run)
+    todo = _apply_plan(entries, sink.plan(entries, opts.check, _sha256(manifest_text), dirs=dirs), run)
     if opts.dry_run:
         return
     n = copiers.processes_for(opts.jobs, len(todo))
@@ -433,19 +429,19 @@ def _push(entries, dirs, manifest_text, source: Source, dst: Endpoint, opts: Sta
     first = [ch0]
     try:
         # init and plan in one round trip
-        plan = {"op": "plan", "entries": entries, "check": opts.check, "manifest_sha256": _sha256(manifest_text)}
+        request = {"op": "plan", "entries": entries, "check": opts.check, "manifest_sha256": _sha256(manifest_text)}
         if dirs is not None:
-            plan["dirs"] = dirs
-        reply = ch0.call({"op": "init", "opts": agent_opts}, plan)
+            request["dirs"] = dirs
+        reply = ch0.call({"op": "init", "opts": agent_opts}, request)
         try:
-            statuses, info = check_plan(reply, entries)
+            plan = check_plan(reply, entries)
         except ProtocolError as e:
             raise ch0.violation(str(e)) from None
     except BaseException:
         ch0.close()
         raise
     log.debug("push: planned at %.3f s", time.perf_counter() - t0)
-    todo = _apply_plan(entries, statuses, info, run)
+    todo = _apply_plan(entries, plan, run)
     agent_opts["lock"] = reply.get("lock")  # extra streams join the lock the first one took
     channels = first
     try:
@@ -626,8 +622,7 @@ def _receiver_ended(ch: Channel, run: _Run, e: BaseException, doing: str) -> Non
 
 
 def _pull(entries, dirs, manifest_text, src: Endpoint, sink: Sink, opts: StageOptions, run: _Run, early) -> None:
-    statuses, info = sink.plan(entries, opts.check, _sha256(manifest_text), dirs=dirs)
-    todo = _apply_plan(entries, statuses, info, run)
+    todo = _apply_plan(entries, sink.plan(entries, opts.check, _sha256(manifest_text), dirs=dirs), run)
     if opts.dry_run:
         return
     if todo:
