@@ -209,7 +209,8 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
             world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp, dp_shard=spec.parallel.dp_shard
         )
         _check_train_params(spec, dec, dims=dims)
-    _check_stopping(spec, site, dec)
+    limit_s = parse_duration(spec.time_limit)
+    _check_stopping(spec, site, dec, limit_s)
     if spec.xsite is not None:
         _check_xsite(spec, dec)
     if spec.train is not None and spec.train.entry != "builtin":
@@ -267,7 +268,7 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
             f"--cpu-bind={site.launcher.cpu_bind} --distribution=block:block they sit on the first socket(s), far from "
             f"the other sockets' GPUs; set cpus_per_task: {part.cpus_per_node // spec.tasks_per_node}",
         )
-    if part.max_time is not None and parse_duration(spec.time_limit) > parse_duration(part.max_time):
+    if part.max_time is not None and limit_s > parse_duration(part.max_time):
         dec.error(("time_limit",), f"{spec.time_limit} is over {where}'s limit of {part.max_time}")
 
 
@@ -300,10 +301,11 @@ def _check_xsite(spec: JobSpec, dec: Decoder) -> None:
         dec.error(("xsite", "site"), f"'{spec.xsite.site}' is not a site of {cfg.name}{hint}")
 
 
-def _check_stopping(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
-    """The stop signal and the timeouts: the mistakes a spec can make about them (docs/runbook.md, tuning)."""
+def _check_stopping(spec: JobSpec, site: SiteConfig, dec: Decoder, limit_s: int) -> None:
+    """The stop signal and the timeouts: the mistakes a spec can make about them (docs/runbook.md, tuning);
+    `limit_s`: the time limit in seconds."""
     trainer = spec.command is None
-    if site.scheduler == "slurm" and spec.signals.grace_seconds >= parse_duration(spec.time_limit):
+    if site.scheduler == "slurm" and spec.signals.grace_seconds >= limit_s:
         dec.error(
             ("signals", "grace_seconds"),
             f"{spec.signals.grace_seconds} s is not shorter than the time limit ({spec.time_limit}): the stop "

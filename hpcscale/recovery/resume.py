@@ -462,7 +462,7 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
 
         out["environment"] = {**env, **local_env(), "OMP_NUM_THREADS": "1"}  # as run_local sets it
         return out
-    from hpcscale.slurm.render import choose_template, render_script
+    from hpcscale.slurm.render import choose_template, render_chosen
     from hpcscale.slurm.submit import resolve_for_slurm
 
     client = SlurmClient.for_site(site)
@@ -472,7 +472,7 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
     out["template"] = name
     program = ["hpcscale", "launch", "--run-dir", str(rd.path)]
     out["command"] = list(spec.command) if spec.command is not None else program
-    out["script"] = render_script(job, name)
+    out["script"] = render_chosen(job, name)
     return out
 
 

@@ -17,7 +17,7 @@ from hpcscale.errors import BadInput
 from hpcscale.slurm.resolve import ResolvedJob
 from hpcscale.util.hostlist import compress
 from hpcscale.util.resources import templates_dir
-from hpcscale.util.slurmtime import format_duration, parse_duration
+from hpcscale.util.slurmtime import format_duration
 
 BUILTIN_TEMPLATES = ("default", "container", "array")
 
@@ -68,7 +68,7 @@ def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
             "tasks_per_node": spec.tasks_per_node,
             "cpus_per_task": spec.cpus_per_task,
             "gpus_per_node": gpu_request,
-            "time": format_duration(parse_duration(spec.time_limit)),
+            "time": format_duration(job.time_limit_s),
             "partition": job.partition.name,
             "account": spec.account,
             "qos": spec.qos,
@@ -117,10 +117,15 @@ def _directive_values_one_line(ctx: dict[str, Any]) -> None:
 
 
 def render_script(job: ResolvedJob, template: str | None = None) -> str:
-    """The sbatch script for `job` from a built-in template name or a path to the user's own template."""
+    """The sbatch script for `job` from a built-in template name or a path to the user's own template (None:
+    the built-in the spec implies)."""
+    return render_chosen(job, choose_template(job, template))
+
+
+def render_chosen(job: ResolvedJob, name: str) -> str:
+    """The sbatch script for `job` from template `name`, as choose_template returned it."""
     import jinja2
 
-    name = choose_template(job, template)
     if name in BUILTIN_TEMPLATES:
         loader: jinja2.BaseLoader = jinja2.FileSystemLoader(templates_dir())
         filename = f"{name}.sbatch.j2"

@@ -15,6 +15,7 @@ from hpcscale.config.site import Partition, SiteConfig
 from hpcscale.errors import BadInput
 from hpcscale.topology.tree import SwitchTree
 from hpcscale.util.hostlist import expand
+from hpcscale.util.slurmtime import parse_duration
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -23,6 +24,7 @@ class ResolvedJob:
     site: SiteConfig
     partition: Partition
     run_dir: Path
+    time_limit_s: int  # spec.time_limit in seconds, parsed once (resolve)
     switches: int | None = None  # fewest leaf switches that can hold the job; None: no tree or one switch is moot
     excluded: tuple[str, ...] = field(default_factory=tuple)
 
@@ -55,5 +57,11 @@ def resolve(
         candidates = [n for n in expand(partition.nodes) if n not in set(excluded)]
         switches = min_leaf_switches(tree, candidates, spec.nodes)
     return ResolvedJob(
-        spec=spec, site=site, partition=partition, run_dir=run_dir, switches=switches, excluded=tuple(excluded)
+        spec=spec,
+        site=site,
+        partition=partition,
+        run_dir=run_dir,
+        switches=switches,
+        excluded=tuple(excluded),
+        time_limit_s=parse_duration(spec.time_limit),
     )

@@ -10,7 +10,7 @@ from hpcscale.config.load import LoadedJob
 from hpcscale.rundir import JOB, RunDir, Submission, default_run_dir
 from hpcscale.slurm.allocation import site_tree
 from hpcscale.slurm.client import SlurmClient
-from hpcscale.slurm.render import choose_template, render_script
+from hpcscale.slurm.render import choose_template, render_chosen, render_script
 from hpcscale.slurm.resolve import ResolvedJob, resolve
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
@@ -57,7 +57,7 @@ def submit_job(
     client = SlurmClient.for_site(loaded.site.config)
     job = resolve_for_slurm(loaded, run_dir=run_dir, excluded=excluded, client=client)
     name = choose_template(job, template)
-    text = render_script(job, name)  # before touching the disk: a bad template leaves nothing behind
+    text = render_chosen(job, name)  # before touching the disk: a bad template leaves nothing behind
     existed = job.run_dir.exists()
     rd = RunDir.create(job.run_dir, reuse=reuse)
     index = rd.next_index()
