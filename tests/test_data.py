@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hpcscale.data.loader import TokenLoader
 from hpcscale.data.manifest import check_relpath, read_manifest
-from hpcscale.data.prepare import prepare
+from hpcscale.data.prepare import document_order, prepare
 from hpcscale.errors import BadInput
 
 
@@ -87,6 +87,39 @@ def test_validation_samples_are_held_out(dataset):
     assert val and not (val & train)
 
 
+def _held_out_documents(tmp: Path, seed: int, fraction: float) -> tuple[set[str], set[str]]:
+    """(documents seen only in validation, documents seen in training) of a corpus of 40 files, each written
+    in a letter of its own, prepared with `seed`."""
+    src = tmp / "src"
+    if not src.exists():
+        src.mkdir()
+        for i in range(40):
+            (src / f"doc{i:02d}.txt").write_text(chr(ord("A") + i) * (200 + 37 * i))
+    ds = tmp / f"ds-{seed}"
+    prepare(src, ds, sample_len=33, shard_samples=64, seed=seed)
+    loader = TokenLoader(ds / "manifest.json", seq_len=32, global_batch=4, dp_rank=0, dp_size=1, seed=1,
+                         val_fraction=fraction)  # fmt: skip
+
+    def letters(rows):
+        return {chr(b) for x in rows for b in x.reshape(-1).astype(np.uint8).tolist()} - {"\n"}
+
+    val = letters(x for x, _ in loader.val_batches(10_000))
+    train = letters(loader.next_batch()[0] for _ in range(loader.batches_per_epoch))
+    return val - train, train
+
+
+def test_validation_holds_out_a_seeded_sample_of_whole_documents(tmp_path):
+    """The held-out samples are whole documents (only the one the split cuts is on both sides), the last ones
+    of the seeded document order, not the corpus's last files by name; another seed holds out others."""
+    only_val, train = _held_out_documents(tmp_path, 0, 0.25)
+    names = [chr(ord("A") + i) for i in range(40)]
+    order = [names[i] for i in document_order(40, 0)]
+    assert len(only_val) >= 5 and only_val <= set(order[-len(only_val) - 1 :])  # whole documents, drawn by seed
+    assert len(set(names) - train - only_val) <= 1  # every document is somewhere (the cut one may be both)
+    assert only_val != set(names[-len(only_val) :])  # not a corner of the corpus
+    assert _held_out_documents(tmp_path, 1, 0.25)[0] != only_val
+
+
 def test_seq_len_longer_than_samples_is_bad_input(dataset):
     with pytest.raises(BadInput, match="samples hold 33 tokens"):
         TokenLoader(dataset, seq_len=40, global_batch=8, dp_rank=0, dp_size=1, seed=0)
@@ -119,6 +152,7 @@ def test_data_prepare_cli(tmp_path):
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["sample_len"] == 64 and doc["samples"] == 30000 // 64
+    assert doc["documents"] == 1 and doc["document_order"] == "shuffled, seed 0"
     again = run_cli("data", "prepare", str(tmp_path / "corpus.txt"), "--out", str(tmp_path / "ds"))
     assert again.returncode == 2 and "exists" in again.stderr
 
@@ -141,8 +175,8 @@ WORDS = st.lists(st.sampled_from(["alpha", "beta", "gamma", "delta", "eps", "x",
 def test_prepare_with_a_tokenizer_stores_each_files_ids_in_order_with_the_tokenizer_hashed(
     tmp_path_factory, docs, sample_len, shard_samples
 ):
-    """Shards hold the ids of every file's text, file after file, cut into whole samples; the tokenizer file
-    travels in the dataset, listed and hashed; the manifest reads back as written."""
+    """Shards hold the ids of every file's text, file after file in the seeded document order, cut into whole
+    samples; the tokenizer file travels in the dataset, listed and hashed; the manifest reads back as written."""
     from tokenizers import Tokenizer
 
     from hpcscale.data.manifest import hasher
@@ -154,7 +188,8 @@ def test_prepare_with_a_tokenizer_stores_each_files_ids_in_order_with_the_tokeni
         (src / f"f{i}.txt").write_text(" ".join(words))
     _word_tokenizer(tmp / "tok.json", ["alpha", "beta", "gamma", "delta", "eps", "x", "hpcscale"])  # no "!"
     tok = Tokenizer.from_file(str(tmp / "tok.json"))
-    ids = [i for words in docs for i in tok.encode(" ".join(words), add_special_tokens=False).ids]
+    order = document_order(len(docs), 0)  # f0..f4 sort by name as they are numbered
+    ids = [i for k in order for i in tok.encode(" ".join(docs[k]), add_special_tokens=False).ids]
     n = len(ids) // sample_len
     if n == 0:
         with pytest.raises(BadInput, match="fewer than one sample"):

@@ -124,6 +124,13 @@ def data() -> None:
 @click.option("--shard-samples", type=int, default=4096, show_default=True, help="Samples per shard file.")
 @click.option("--max-mb", type=float, default=None, help="Stop after this many MB of text.")
 @click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the document order (training holds out the last samples: a seeded sample of whole documents).",
+)
+@click.option(
     "--tokenizer",
     type=click.Path(path_type=Path),
     default=None,
@@ -131,7 +138,14 @@ def data() -> None:
 )
 @json_option
 def prepare(
-    src: Path, out: Path, seq_len: int, shard_samples: int, max_mb: float | None, tokenizer: Path | None, as_json: bool
+    src: Path,
+    out: Path,
+    seq_len: int,
+    shard_samples: int,
+    max_mb: float | None,
+    seed: int,
+    tokenizer: Path | None,
+    as_json: bool,
 ) -> None:
     """Turn a text corpus (a file, or every text file under a directory) into token shards and a manifest:
     byte-level tokens, or a local tokenizers file's (copied into the dataset and hashed in the manifest).
@@ -150,6 +164,7 @@ def prepare(
         shard_samples=shard_samples,
         max_bytes=int(max_mb * 2**20) if max_mb else None,
         tokenizer=tokenizer,
+        seed=seed,
     )
     doc = {
         "out": str(out),
@@ -159,6 +174,8 @@ def prepare(
         "sample_len": m.dataset.sample_len,
         "vocab_size": m.dataset.vocab_size,
         "tokenizer": m.meta.get("tokenizer"),
+        "documents": m.meta["documents"],
+        "document_order": m.meta["document_order"],
         "bytes": sum(f.size for f in m.files),
     }
     if as_json:

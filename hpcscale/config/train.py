@@ -43,7 +43,13 @@ class TrainConfig:
     schedule: Literal["1f1b", "gpipe"] = setting("Pipeline schedule when pp > 1.", default="1f1b")
     eval_every: int = setting("Validation loss every N steps (and at the end); 0 turns it off.", default=50, min=0)
     eval_batches: int = setting("Global batches of held-out samples per validation.", default=2, min=1)
-    val_fraction: float = setting("Share of samples held out for validation.", default=0.02, min=0, max=0.5)
+    val_fraction: float = setting(
+        "Share of samples held out for validation: the dataset's last samples, a seeded sample of whole documents "
+        "(data prepare shuffles the document order).",
+        default=0.02,
+        min=0,
+        max=0.5,
+    )
     log_every: int = setting("Print progress every N steps (metrics.jsonl gets every step).", default=10, min=1)
     bf16: bool = setting("bf16 autocast on GPUs (ignored on CPU, where runs stay fp32).", default=False)
     tf32: bool = setting(

@@ -66,8 +66,14 @@ def prepare(
     max_bytes: int | None = None,
     hash_algorithm: str = "xxh128",
     tokenizer: Path | None = None,
+    seed: int = 0,
 ) -> Manifest:
-    """Write token shards of `shard_samples` samples × `sample_len` tokens and `manifest.json` into `out`."""
+    """Write token shards of `shard_samples` samples × `sample_len` tokens and `manifest.json` into `out`.
+
+    The documents (the corpus's files, read in name order up to `max_bytes`) are written in an order shuffled
+    with `seed` (document_order), so that the last samples, which training holds out for validation
+    (train.val_fraction), are a seeded sample of whole documents from across the corpus (but the one the
+    split cuts), never its last files by name."""
     if out.exists():
         raise BadInput(f"{out} exists; choose a new --out (prepared datasets are never overwritten)")
     parts: list[bytes] = []
@@ -80,6 +86,7 @@ def prepare(
         total += len(data) + 2
         if max_bytes is not None and total >= max_bytes:
             break
+    parts = [parts[i] for i in document_order(len(parts), seed)]
     if tokenizer is None:
         tokens = np.frombuffer(b"\n\n".join(parts), dtype=np.uint8)
         vocab, meta = 256, {"source": str(src), "tokenizer": "bytes"}
@@ -90,6 +97,7 @@ def prepare(
         encoded = tok.encode_batch([p.decode("utf-8", errors="replace") for p in parts], add_special_tokens=False)
         tokens = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encoded] or [np.empty(0, dtype)])
         meta = {"source": str(src), "tokenizer": TOKENIZER_NAME}
+    meta |= {"documents": len(parts), "document_order": f"shuffled, seed {seed}"}
     n_samples = len(tokens) // sample_len
     if n_samples == 0:
         raise BadInput(f"{src}: corpus has {len(tokens)} tokens, fewer than one sample of {sample_len}")
@@ -117,10 +125,15 @@ def prepare(
     return manifest
 
 
+def document_order(n: int, seed: int) -> list[int]:
+    """The order `prepare` writes `n` documents in: a permutation drawn from numpy's PCG64 seeded with `seed`."""
+    return np.random.Generator(np.random.PCG64(seed)).permutation(n).tolist()
+
+
 def default_corpus_dataset(scratch: Path, *, sample_len: int) -> Path:
     """Python's own standard library sources as a dataset (a corpus every machine has), prepared once per
     scratch directory and sample length. Returns the manifest path."""
-    out = scratch / "hpcscale-data" / f"pystdlib-{sample_len}"
+    out = scratch / "hpcscale-data" / f"pystdlib-shuffled-{sample_len}"
     manifest = out / MANIFEST_NAME
     if not manifest.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
