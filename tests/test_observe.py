@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from conftest import run_cli
@@ -426,3 +427,23 @@ def test_status_shows_big_jobs_per_node_and_names_the_straggler(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("│ n")]
     assert [r.split()[1] for r in rows] == [f"n{i}" for i in range(1, 9)]  # one row per node, not per rank
     assert "straggler: rank 13 on node n4" in text and "--exclude-slow" in text
+
+
+def test_the_per_rank_plot_covers_every_attempt_even_after_a_move_to_other_nodes():
+    """ranks.png has a column for each window of each attempt: a resume that moved off a slow node, or ran on
+    fewer ranks, leaves the earlier attempt's columns (the straggler's) in the picture; a rank an attempt did
+    not have is blank; the labels name every node a rank ran on."""
+    from hpcscale.observe.report import _nodes_of, rank_grid
+
+    first = _windows([[0.01, 0.03, 0.01, 0.01]] * 3, nodes=["n1", "n1", "n2", "n2"])
+    second = [parse_line(_window([0.01, 0.01], step=40 + i, attempt=2, nodes=["n3", "n3"])) for i in range(2)]
+    grid, per_row = rank_grid(first + second)
+    assert per_row == 1 and grid.shape == (4, 5)
+    assert grid[1, :3].tolist() == [30.0] * 3 and grid[1, 3:].tolist() == [10.0] * 2  # the slow attempt stays
+    assert np.isnan(grid[2:, 3:]).all() and not np.isnan(grid[:, :3]).any()
+    assert _nodes_of(first + second, 1) == "n1→n3" and _nodes_of(first + second, 3) == "n2"
+    many = [parse_line(_window([0.01] * 300, step=1 + i, attempt=1)) for i in range(2)]
+    many.append(parse_line(_window([0.01] * 100 + [0.05], step=3, attempt=2)))
+    grid, per_row = rank_grid(many)
+    assert per_row == 3 and grid.shape == (100, 3)
+    assert grid[33, 2] == 50.0 and np.isnan(grid[34:, 2]).all() and not np.isnan(grid[:, :2]).any()

@@ -278,31 +278,54 @@ def _plot_throughput(data: RunData) -> bytes:
     return _save(fig)
 
 
+def _nodes_of(windows, rank: int) -> str:
+    """The node(s) `rank` ran on, in the order of the attempts (a resume may have moved it), for its label."""
+    seen = list(dict.fromkeys(w.nodes[rank] for w in windows if rank < len(w.nodes)))
+    shown = [clean(n, limit=24) for n in seen[-3:]]
+    return ("…→" if len(seen) > 3 else "") + "→".join(shown)
+
+
+def rank_grid(windows):
+    """(rows x windows array of own ms/step, ranks per row) for ranks.png: one column per window of every
+    attempt, NaN where an attempt had no such rank; over PLOT_ROWS ranks, contiguous ranks share a row holding
+    their slowest."""
+    import numpy as np
+
+    n = max(len(w.ranks) for w in windows)
+    grid = np.full((n, len(windows)), np.nan)
+    for j, w in enumerate(windows):
+        grid[: len(w.ranks), j] = [row["own_s"] * 1000 for row in w.ranks]
+    grid = np.clip(grid, 0.0, MAX_FIGURE)
+    per_row = -(-n // PLOT_ROWS)
+    if per_row > 1:
+        rows = -(-n // per_row)
+        padded = np.full((rows * per_row, len(windows)), np.nan)
+        padded[:n] = grid
+        blocks = padded.reshape(rows, per_row, len(windows))
+        seen = ~np.isnan(blocks).all(axis=1)
+        grid = np.where(seen, np.where(np.isnan(blocks), -np.inf, blocks).max(axis=1), np.nan)
+    return grid, per_row
+
+
 def _plot_ranks(windows, verdict) -> bytes:
-    """Own time per rank and window; over PLOT_ROWS ranks, contiguous ranks share a row showing their slowest."""
+    """Own time per rank and window over every attempt (a rank an attempt did not have is grey); over PLOT_ROWS
+    ranks, contiguous ranks share a row showing their slowest."""
     import matplotlib.pyplot as plt
     import numpy as np
 
-    newest = windows[-1]
-    same = [w for w in windows if w.nodes == newest.nodes and w.pp == newest.pp]
-    grid = np.array([[row["own_s"] * 1000 for row in w.ranks] for w in same], dtype=float).T  # ranks x windows
-    grid = np.clip(grid, 0.0, MAX_FIGURE)
-    n = len(newest.nodes)
-    per_row = -(-n // PLOT_ROWS)  # ranks per row
-    if per_row > 1:
-        rows = -(-n // per_row)
-        padded = np.zeros((rows * per_row, grid.shape[1]))
-        padded[:n] = grid
-        grid = padded.reshape(rows, per_row, grid.shape[1]).max(axis=1)
+    n = max(len(w.ranks) for w in windows)
+    grid, per_row = rank_grid(windows)
     nrows = grid.shape[0]
     fig, ax = plt.subplots(figsize=(8, max(2.5, 0.25 * nrows + 1.5)))
-    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("lightgrey")
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap=cmap)
     fig.colorbar(image, ax=ax, label="own ms/step (window mean)" + (", slowest of the row" if per_row > 1 else ""))
     slow = set(verdict.slow_ranks) if verdict is not None else set()
     slow_rows = {r // per_row for r in slow}
     ax.set_yticks(range(nrows))
     if per_row == 1:
-        labels = [f"{'straggler ' if i in slow else ''}{i} ({clean(newest.nodes[i], limit=40)})" for i in range(n)]
+        labels = [f"{'straggler ' if i in slow else ''}{i} ({_nodes_of(windows, i)})" for i in range(n)]
     else:
         labels = [
             f"{'straggler ' if i in slow_rows else ''}{i * per_row}-{min(n, (i + 1) * per_row) - 1}"
@@ -312,15 +335,15 @@ def _plot_ranks(windows, verdict) -> bytes:
     for i, label in enumerate(ax.get_yticklabels()):
         if i in slow_rows:
             label.set_color("tab:red")
-    ticks = list(range(0, len(same), max(1, len(same) // 10)))
+    ticks = list(range(0, len(windows), max(1, len(windows) // 10)))
     ax.set_xticks(ticks)
-    ax.set_xticklabels([str(same[i].step) for i in ticks], fontsize=8)
-    for i in range(1, len(same)):
-        if same[i].attempt != same[i - 1].attempt:
+    ax.set_xticklabels([str(windows[i].step) for i in ticks], fontsize=8)
+    for i in range(1, len(windows)):
+        if windows[i].attempt != windows[i - 1].attempt:
             ax.axvline(i - 0.5, color="white", ls="--", lw=1.5)  # a restart
     ax.set_xlabel("window's last step")
     ax.set_ylabel("rank (node)" if per_row == 1 else f"ranks ({per_row} a row)")
-    ax.set_title("per-rank own time, not waiting on others (dashed: a restart)")
+    ax.set_title("per-rank own time over every attempt, not waiting on others (dashed: a restart)")
     return _save(fig)
 
 
