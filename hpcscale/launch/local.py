@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import sys
@@ -30,7 +31,7 @@ from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
 from hpcscale.launch.failure import FailureLine, describe_failure
-from hpcscale.launch.signals import RANKS_READY, STOP_SAVE_S, StopForwarder
+from hpcscale.launch.signals import RANKS_READY, STOP_LINE, STOP_SAVE_S, StopForwarder
 from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
@@ -131,6 +132,7 @@ def run_local(
     out.line(f"run directory: {run_dir}")  # first: every later command (status, resume, report) takes it
     # Handlers go in before mpirun starts: a signal during start-up is queued and forwarded, not lost.
     with contextlib.closing(out), StopForwarder(grace_s=spec.timeout_seconds + STOP_SAVE_S, notify=out.line) as stop:
+        out.stop = stop
         child = proc.Session(args, env=env)
         stop.watch(child)
         try:
@@ -144,7 +146,10 @@ def run_local(
             child.finish()
             raise
         stop.stop_watching()  # before the reap: the thread must not signal a reused pid
-        code = child.finish()
+        quiet = out.stopping()  # mpirun's helpers outliving a stop are expected: the log says, not the user
+        code = child.finish(quiet=quiet)
+        if child.left_behind and quiet:
+            out.line(f"killed what {args[0]} left behind: {', '.join(child.left_behind)}", log_only=True)
     failure = None if code in (0, STOPPED_EXIT_CODE) else describe_failure([*out.failure_lines, *out.tail])
     if stop.requested is not None and code != 0:
         # The user asked for the stop: exit 75 even where the ranks had to be killed; a resume starts from
@@ -180,10 +185,27 @@ def _record_end(rd: RunDir, index: int, begun: int, code: int, failure: str | No
         warn(f"warning: cannot record how the run ended in {rd.path}: {e.strerror}")
 
 
+# mpirun frames its notices in rules of 74 dashes. Once the ranks stop on request (exit 75), Open MPI 4 says
+# "Primary job terminated normally, but 1 process returned a non-zero exit code..." and "mpirun detected that
+# one or more processes exited with non-zero status ... Exit code: 75", Open MPI 5 "prterun detected ..." and
+# "PMIX ERROR: PMIX_ERR_UNREACH": a clean stop, which users would read as a failure. They go to the log only.
+MPI_RULE = "-" * 74
+_STOP_NOTICES = (
+    re.compile(r"terminated normally, but \d+ process(es)? returned\s+a non-zero exit code"),
+    re.compile(rf"exited with non-zero status.*Exit code:\s+{STOPPED_EXIT_CODE}\b", re.DOTALL),
+)
+_STOP_NOISE = re.compile(r"PMIX ERROR: PMIX_ERR_UNREACH")
+_NOTICE_MAX_LINES = 40  # a rule that opens no notice of mpirun's is shown once this many lines followed it
+
+
 class _Output:
     """mpirun's output and the front end's notices: to the log, line by line as they arrive (one write(2) per
     line, no buffer to lose if the front end is killed), to the user, and into the tail kept for
     describe_failure. The forwarder thread writes here too, hence the lock.
+
+    While the ranks stop on request (the front end forwarded a signal, or rank 0 said "stop requested"),
+    mpirun's notices that a rank exited 75 are not shown, only logged: a notice framed in MPI_RULE lines is
+    held until its closing rule, then shown unless it is one of _STOP_NOTICES.
 
     A log write that fails (ENOSPC, EIO, a quota) is reported in one line and logging stops; the run goes on,
     still shown to the user: a full disk should not kill hours of training for the sake of its log (a
@@ -199,19 +221,46 @@ class _Output:
         self._echo, self._warn = echo, warn
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self.stop = None  # the StopForwarder, whose `requested` says the front end forwarded a stop
+        self._ranks_stopping = False  # rank 0 said it stops on request
+        self._held: list[str] | None = None  # a notice of mpirun's, from its opening rule
         try:
             # O_EXCL: never truncate (or write through) whatever someone planted at the log's predictable name
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             self._failed(e)
 
-    def line(self, text: str) -> None:
+    def stopping(self) -> bool:
+        """Whether the ranks are stopping on request."""
+        return self._ranks_stopping or (self.stop is not None and self.stop.requested is not None)
+
+    def line(self, text: str, *, log_only: bool = False) -> None:
         with self._lock:
             if FailureLine.parse(text) is not None and len(self.failure_lines) < 100_000:
                 self.failure_lines.append(text + "\n")
             else:
                 self.tail.append(text + "\n")
             self._write((text + "\n").encode("utf-8", "replace"))
+            if text.startswith(STOP_LINE):
+                self._ranks_stopping = True
+            if log_only:
+                return
+            if self._held is not None:
+                self._held.append(text)
+                if text == MPI_RULE or len(self._held) > _NOTICE_MAX_LINES:
+                    self._release()
+            elif text == MPI_RULE:
+                self._held = [text]
+            elif not (self.stopping() and _STOP_NOISE.search(text)):
+                self._say(self._echo, text)
+
+    def _release(self) -> None:
+        """The notice held: shown, unless it says that ranks stopped on request."""
+        held, self._held = self._held or [], None
+        notice = "\n".join(held)
+        if self.stopping() and any(p.search(notice) for p in _STOP_NOTICES):
+            return
+        for text in held:
             self._say(self._echo, text)
 
     def _write(self, data: bytes) -> None:
@@ -241,6 +290,9 @@ class _Output:
                 self._warn = None
 
     def close(self) -> None:
+        with self._lock:
+            if self._held is not None:  # a notice cut short: shown as it is
+                self._release()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):

@@ -49,6 +49,8 @@ STOP_SAVE_S = 120.0  # on top of timeout_seconds: the stop step's checkpoint
 KILL_AFTER_S = 10.0  # from SIGTERM to mpirun to SIGKILL of the whole session
 # Printed by rank 0 once every rank has passed the bootstrap (and so installed its stop handler).
 RANKS_READY = "hpcscale launch: every rank is up; stop signals armed"
+# Printed by rank 0 once every rank saved the stop's checkpoint: the ranks exit 75 next.
+STOP_LINE = "stop requested: stopping after step"
 
 
 class StopRequested(Exception):

@@ -83,6 +83,7 @@ class Session:
 
     def __init__(self, args: Sequence[str], *, env: Mapping[str, str] | None = None, death_signal=signal.SIGTERM):
         full_env = {**os.environ, **env} if env else None
+        self.left_behind: list[str] = []  # what finish() killed, once it ran
         log.debug("session: %s", shlex.join(args))
         try:
             self._p = subprocess.Popen(
@@ -132,16 +133,18 @@ class Session:
         except ChildProcessError:
             return True
 
-    def finish(self) -> int:
+    def finish(self, *, quiet: bool = False) -> int:
         """Wait for the child, kill what it left in its session, reap it; returns its exit code (128 + N for a
-        signal N, as a shell reports it)."""
+        signal N, as a shell reports it). What was killed is in `left_behind` (pid and command of each), and
+        logged as a warning unless `quiet`."""
         if self._p.returncode is None:
             with contextlib.suppress(ChildProcessError):
                 os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
         left = [pid for pid in session_members(self.pid) if pid != self.pid]
         names = [_describe(pid) for pid in left]
         self.kill_all(signal.SIGKILL)
-        if left:
+        self.left_behind = names
+        if left and not quiet:
             log.warning("killed what %s left behind: %s", self._p.args[0], ", ".join(names))
         code = self._p.wait()
         if self._p.stdout is not None:
