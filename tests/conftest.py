@@ -17,6 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_ROOT = Path(os.environ.get("HPCSCALE_CLUSTER_ROOT", "/var/tmp/hpcscale-localcluster"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist gives its workers COLUMNS=80 and LINES=24; the commands the tests run have their output piped
+    # and must see no terminal size, as when a user pipes them
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 
 def processes_of(run_dir: Path) -> dict[int, str]:
