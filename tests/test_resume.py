@@ -235,6 +235,10 @@ def test_killed_rank_is_named_and_resume_continues_off_its_node(local_cluster, r
     assert victims, "no rank on n2"
     os.kill(victims[0], signal.SIGKILL)
     assert _wait_gone(job_id, local_cluster) == "FAILED"
+    # the attempt ended with the killed task's 137, not srun's 1 (the survivors' exit outranks a signal)
+    ends = [e for e in map(json.loads, (run / "attempts.jsonl").read_text().splitlines()) if e["event"] == "end"]
+    assert ends[-1]["exit_code"] == 137 and type(ends[-1]["srun_exit_code"]) is int, ends[-1]
+    assert "ended: failed (exit 137: task " in _log(run) and " died of signal 9; srun exited " in _log(run)
     dry = run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster)
     assert dry.returncode == 0, dry.stderr
     plan = json.loads(dry.stdout)

@@ -290,3 +290,19 @@ def test_a_full_log_disk_is_one_warning_not_a_traceback(mpi, tmp_path, full_log_
     assert "step     59  loss" in text
     (log,) = (run_dir / "logs").glob("local-*.out")
     assert "step      0  loss" in log.read_text()  # what fitted was written
+
+
+def test_a_task_srun_saw_killed_is_how_the_attempt_ended():
+    """srun's words for a task that died of its own signal name it; --kill-on-bad-exit's SIGTERM to the others
+    ("Terminated") and plain exit codes do not."""
+    from hpcscale.launch.failure import signalled_task
+
+    lines = [
+        "srun: error: n1: tasks 0-1: Exited with exit code 1",
+        "srun: error: n2: tasks 2,4: Terminated",
+        "srun: error: n2: task 3: Killed",
+        "srun: error: n3: task 5: Segmentation fault",
+    ]
+    assert signalled_task(lines) == ("n2", "3", 9)
+    assert signalled_task(lines[:2]) is None
+    assert signalled_task([lines[3]]).signum == 11

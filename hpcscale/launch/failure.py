@@ -208,6 +208,27 @@ _SRUN_TASK = re.compile(
 )
 
 
+# the signal of each way srun says a task died of one of its own (not the SIGTERM --kill-on-bad-exit sends the rest)
+_TASK_SIGNALS = {"Killed": signal.SIGKILL, "Aborted": signal.SIGABRT, "Segmentation fault": signal.SIGSEGV}
+
+
+class SignalledTask(NamedTuple):
+    node: str
+    tasks: str  # as srun writes them: "3", "0-2", "1,3"
+    signum: int
+
+
+def signalled_task(lines: Iterable[str]) -> SignalledTask | None:
+    """The first task srun saw die of a signal of its own ("srun: error: n2: task 3: Killed"): killed (the OOM
+    killer, kill -9, its node gone), aborted or a segmentation fault; None if none did. srun's own exit code
+    does not say so: it reports the highest wait status of its tasks, and the survivors' exit 1 (they lost a
+    peer) outranks a death by signal 9."""
+    for line in lines:
+        if (m := _SRUN_TASK.search(line)) and m.group(3) in _TASK_SIGNALS:
+            return SignalledTask(m.group(1), m.group(2), int(_TASK_SIGNALS[m.group(3)]))
+    return None
+
+
 def describe_failure(lines) -> str | None:
     """One line naming the rank that failed first, and how.
 

@@ -43,7 +43,9 @@ from pathlib import Path
 from hpcscale.ckpt.format import committed_steps
 from hpcscale.config.job import JobSpec
 from hpcscale.errors import STOPPED_EXIT_CODE
+from hpcscale.launch.failure import signalled_task
 from hpcscale.launch.signals import STOP_SIGNALS
+from hpcscale.recovery.joblog import attempt_lines
 from hpcscale.rundir import RunDir
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
@@ -220,18 +222,23 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
     except OSError:
         steps = []
     decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=steps[0] if steps else None)
+    # A task that died of a signal is how the attempt ended, whatever srun's exit code (see signalled_task)
+    died = signalled_task(attempt_lines(rd, job_id)) if cause == "failed" and job_id else None
+    code = 128 + died.signum if died else exit_code
     rd.add_attempt_event(
         {
             "event": "end",
             "time": datetime.now(timezone.utc).isoformat(),
             "job_id": job_id,
             "restart_count": int(env.get("SLURM_RESTART_COUNT", "0") or 0),
-            "exit_code": exit_code,
+            "exit_code": code,
+            "srun_exit_code": exit_code,
             "seconds_left": None if seconds_left is None else round(seconds_left),
             **asdict(decision),
         }
     )
-    say(f"hpcscale: attempt {decision.attempt} ended: {cause} (exit {exit_code}); {decision.why}")
+    how = f": task {died.tasks} on {died.node} died of signal {died.signum}; srun exited {exit_code}" if died else ""
+    say(f"hpcscale: attempt {decision.attempt} ended: {cause} (exit {code}{how}); {decision.why}")
     if cause in ("time_limit", "preempted") and (advice := grace_advice(rd, spec.signals.grace_seconds)):
         say(f"hpcscale: warning: {advice}")
     if decision.requeue and job_id:

@@ -20,7 +20,7 @@ What it resubmits is what was submitted: RUN/job.yaml and RUN/site.yaml must be 
 root, writable by no one else: hpcscale.util.trust) and unchanged since the last submission (their record,
 RUN/.submitted.json); a change is refused with its diff unless accepted (`check_submitted`). The plan carries
 everything the resubmission runs (`Plan.runs`: the script, the command, the environment, the site and its
-SLURM_CONF), so `--dry-run` shows it whole. Logs are read through bounded tails (LOG_TAIL bytes each; FIFOs
+SLURM_CONF), so `--dry-run` shows it whole. Logs are read through bounded tails (joblog.LOG_TAIL bytes each; FIFOs
 and devices refused), never whole.
 """
 
@@ -41,11 +41,11 @@ from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
 from hpcscale.portable.errors import StageError
+from hpcscale.recovery.joblog import attempt_lines, read_logs
 from hpcscale.recovery.requeue import grace_advice
-from hpcscale.rundir import LOGS, RESUME_STATE, TIMING, RunDir, Submission
+from hpcscale.rundir import RESUME_STATE, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
-from hpcscale.util.bounded import read_tail
 from hpcscale.util.hostlist import expand
 from hpcscale.util.trust import check_fd, clean
 
@@ -54,7 +54,6 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
-LOG_TAIL = 8 << 20  # bytes read from the end of each job log: a long run's log can be large
 
 
 @dataclass(slots=True)
@@ -147,28 +146,6 @@ def _unhealthy(client: SlurmClient, nodes: list[str]) -> list[str]:
     return bad
 
 
-def _read_logs(rd: RunDir, names: list[str]) -> list[str]:
-    """The last LOG_TAIL bytes of each log, as lines; a log that is missing, or is not a regular file (a FIFO,
-    a device), is skipped: never waited on, never read whole."""
-    lines: list[str] = []
-    for name in names:
-        try:
-            tail = read_tail(rd.path / LOGS / name, max_bytes=LOG_TAIL, what="job log", missing_ok=True)
-        except HpcscaleError:
-            continue
-        if tail is not None:
-            lines += tail.data.decode("utf-8", "replace").splitlines()
-    return lines
-
-
-def _last_attempt(lines: list[str]) -> list[str]:
-    """The lines of the last attempt in a log appended to across requeues (from the template's marker on)."""
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("=== hpcscale: job "):
-            return lines[i:]
-    return lines
-
-
 def rank_nodes(events: list[dict], job_id: str | None) -> tuple[ParallelDims | None, list[str] | None]:
     """(the layout, the node of each global rank) of the job's last attempt, from its begin record (nodes in
     placement order, ranks filling each node in turn); None for what it does not record usably."""
@@ -208,10 +185,7 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
         d.active = True
         d.explanation = f"job {job_id} is {state}: nothing to resume while it is in the queue or running"
         return d
-    lines = [
-        *_last_attempt(_read_logs(rd, [f"slurm-{job_id}.err"])),
-        *_last_attempt(_read_logs(rd, [f"slurm-{job_id}.out"])),
-    ]
+    lines = attempt_lines(rd, job_id)
     steps = [r for r in rows if r["JobID"].startswith(f"{job_id}.") and not r["JobID"].endswith((".batch", ".extern"))]
     step = steps[-1] if steps else None
     stepd = [m for line in lines if (m := _STEPD.search(line))]
@@ -261,7 +235,7 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
         d.active = True
         d.explanation = f"the local run is still going (rank 0 is pid {pid})"
         return d
-    lines = _read_logs(rd, [Path(sub.script).name]) if sub.script else []
+    lines = read_logs(rd, [Path(sub.script).name]) if sub.script else []
     stops = [e for e in events if e.get("event") == "stop" and begins and e.get("attempt") == begins[-1].get("attempt")]
     dims, placement = rank_nodes(events, None)
     nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
