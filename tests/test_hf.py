@@ -112,6 +112,10 @@ def test_a_transformers_model_trains_at_every_layout_stops_resumes_and_exports(c
     _run(_job(code, "page"), run, "--reuse")
     assert losses(run) == losses(whole)
     # exported beside the config the entry point saved: from_pretrained gives the trained model's val loss
+    _export_gives_the_val_loss(code, run)
+
+
+def _export_gives_the_val_loss(code: Path, run: Path) -> None:
     r = run_cli("ckpt", "export", str(run), "-o", str(run / "export" / "model.safetensors"), timeout=300)
     assert r.returncode == 0, r.stderr
     probe = f"""
@@ -136,6 +140,21 @@ def test_a_transformers_model_fully_sharded_gives_the_single_process_losses(code
     run = tmp_path / "dp_shard4"
     _run(_job(code, "dp_shard4", parallel={"dp_shard": 4}), run)
     _close(losses(run), losses(single))
+
+
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"pp": 2, "dp_shard": 2}], ids=["pp2-dp2", "pp2-dp_shard2"])
+def test_a_transformers_model_pipelined_gives_the_single_process_losses_and_exports_whole(
+    code, single, tmp_path, parallel
+):
+    """The page's entry point at pp 2 (its stage_forward on each half of the decoder layers, the first stage
+    embedding, the last projecting) with the replicas averaged or sharded: one process's losses and validation
+    loss; the stages' checkpoint exports as one model that from_pretrained loads."""
+    run = tmp_path / "run"
+    _run(_job(code, "pp", parallel=parallel), run)
+    _close(losses(run), losses(single))
+    assert abs(_val_loss(run) - _val_loss(single)) <= 1e-5 * _val_loss(single)
+    if "dp_shard" in parallel:
+        _export_gives_the_val_loss(code, run)
 
 
 def test_a_dataset_with_more_token_ids_than_the_model_is_refused_at_start(code, tmp_path):
