@@ -219,7 +219,7 @@ class _Output:
         self.failure_lines: list[str] = []  # every rank's own failure line, however long the tracebacks after it
         self.log_error: str | None = None
         self._echo, self._warn = echo, warn
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a failed log write closes the log from inside line()
         self._fd: int | None = None
         self.stop = None  # the StopForwarder, whose `requested` says the front end forwarded a stop
         self._ranks_stopping = False  # rank 0 said it stops on request
