@@ -117,6 +117,7 @@ class Checkpointer:
         self._log_step_times = getattr(ctx.job.train, "entry", None) != "builtin"
         self._t_last: float | None = None  # when the last step() (or restore) returned: per-rank timing
         self._dp_wait_last = 0.0
+        self._collective_last = 0.0
         self._background_before: float | None = None
 
     # ---- the two calls --------------------------------------------------------------------------------------
@@ -258,7 +259,9 @@ class Checkpointer:
             self._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
             raise StopRequested(step)
         t_saves = time.perf_counter()
-        sync_s = t_saves - t_sync
+        # the stop flag's all-reduce, and the step's other collectives made for the code (ctx._collective_s)
+        sync_s = t_saves - t_sync + self._ctx._collective_s - self._collective_last
+        self._collective_last = self._ctx._collective_s
         work_s = t_saves - self._t_last  # the user's step, from the previous step() to this one's stop check
         self._saves.step(work_s)
         ckpt_s = 0.0
@@ -390,6 +393,7 @@ class Checkpointer:
         )
         self._times = ctx.step_times or NoStepTimes()
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
+        self._collective_last = ctx._collective_s
         self._t_last = time.perf_counter()
 
     # ---- cross-site rounds (docs/cross-site.md) -------------------------------------------------------------------

@@ -100,6 +100,9 @@ class Context:
     step_times: Any = None  # per-rank step times (launch/timing.StepTimes): .record(step, step_s=..., ...)
     _mtbf_s: float | None = field(default=None, repr=False)  # checkpoint.every_steps: auto: the job's MTBF
     _syncs: list[Any] = field(default_factory=list, repr=False)
+    # seconds this rank spent in the step's collectives that hpcscale makes for it (clip_grad_norm_'s all-reduces,
+    # the reference trainer's loss all-reduce): waiting for peers, which per-rank timing counts as sync
+    _collective_s: float = field(default=0.0, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
     _models: list[Any] = field(default_factory=list, repr=False)  # ctx.parallelize's; _syncs[i] is _models[i]'s
 
@@ -244,7 +247,10 @@ class Context:
             parameters = [q for m in self._models for q in m.parameters()]
         params = [q for q in parameters if q.requires_grad]
         pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
-        return clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device)
+        waited: list[float] = []
+        norm = clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device, waited=waited)
+        self._collective_s += sum(waited)
+        return norm
 
     def token_batches(
         self,

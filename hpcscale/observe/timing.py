@@ -13,7 +13,8 @@ the window's steps, in seconds (so step_s = own_s + dp_wait_s + sync_s and own_s
 - step_s:    the step's wall time as the rank saw it;
 - data_s:    waiting for the next batch (loading and the copy to the device);
 - dp_wait_s: blocked on the data-parallel gradient all-reduce (the part not hidden behind backward);
-- sync_s:    the step-end all-reduce (loss, stop flag): where every rank waits for the slowest;
+- sync_s:    the step's other collectives made for the code: the stop flag's all-reduce, ctx.clip_grad_norm_'s
+             and the reference trainer's loss all-reduce: where every rank waits for the slowest;
 - ckpt_s:    blocked in a checkpoint save (0 in steps without one);
 - compute_s: the rest: forward, backward, the optimizer step, with tensor- and pipeline-parallel communication
              inside them (they are issued from inside the model; torch does not time them apart);

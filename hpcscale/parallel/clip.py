@@ -18,9 +18,13 @@ both all-reduces.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from hpcscale.parallel.device import settle
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -49,10 +53,14 @@ def clip_grad_norm(
     *,
     pp_group: dist.ProcessGroup | None,
     device: torch.device | None = None,
+    waited: list[float] | None = None,
 ) -> float:
     """Clip the gradients of `params` in place to a global norm of `max_norm` (0: measure only) and return the
     global norm before clipping. A collective over the sharded dimensions' groups and `pp_group` (None: pp is
-    1); every rank of a stage holds the same parameters, so all of them make the same calls."""
+    1); every rank of a stage holds the same parameters, so all of them make the same calls. `waited`: gets
+    the seconds spent in those all-reduces appended (where a rank waits for its slowest peer: per-rank timing
+    books it as waiting, not as the rank's own time); on a GPU the stream is settled before the clock starts,
+    so the local norms' kernels are not counted in it."""
     grads = [p.grad for p in params if p.grad is not None]
     if device is None:
         device = _local(grads[0]).device if grads else torch.device("cpu")
@@ -67,13 +75,19 @@ def clip_grad_norm(
             groups[key] = [g.device_mesh.get_group(name) for name in key] if key else []
         sums[key] += square
     total = torch.zeros((), dtype=torch.float64, device=device)
+    collective = any(groups[key] for key in sums) or (pp_group is not None and dist.get_world_size(pp_group) > 1)
+    if waited is not None and collective:
+        settle(device)
+        t0 = time.perf_counter()
     for key in sorted(sums):  # the same order on every rank of the stage
         for group in groups[key]:
             dist.all_reduce(sums[key], group=group)
         total += sums[key]
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(total, group=pp_group)
-    norm = float(total.sqrt())
+    norm = float(total.sqrt())  # the host waits for the all-reduces here
+    if waited is not None and collective:
+        waited.append(time.perf_counter() - t0)
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
