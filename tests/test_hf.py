@@ -136,9 +136,10 @@ with torch.no_grad():
     assert abs(exported - _val_loss(run)) <= 1e-6 * _val_loss(run), (exported, _val_loss(run))
 
 
-def test_a_transformers_model_fully_sharded_gives_the_single_process_losses(code, single, tmp_path):
-    run = tmp_path / "dp_shard4"
-    _run(_job(code, "dp_shard4", parallel={"dp_shard": 4}), run)
+@pytest.mark.parametrize("shards", [2, 4])
+def test_a_transformers_model_fully_sharded_gives_the_single_process_losses(code, single, tmp_path, shards):
+    run = tmp_path / f"dp_shard{shards}"
+    _run(_job(code, f"dp_shard{shards}", tasks_per_node=shards, parallel={"dp_shard": shards}), run)
     _close(losses(run), losses(single))
 
 
