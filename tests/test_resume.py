@@ -256,6 +256,25 @@ def test_killed_rank_is_named_and_resume_continues_off_its_node(local_cluster, r
     _assert_matches(run, reference)
 
 
+def test_under_pypis_open_mpi_5_a_killed_rank_is_named_and_its_node_excluded(local_cluster, openmpi5, tmp_path):
+    """README.md installs Open MPI 5 from PyPI: a job whose PATH finds it (its ranks load its libmpi, over
+    srun's PMIx) is diagnosed as under Debian's Open MPI 4: the killed task's node blamed and excluded, the
+    attempt's exit code 137."""
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 0}, environment={"PATH": openmpi5["PATH"]})
+    job_id = _submit(job, run, local_cluster)
+    _wait_steps(run, 30)
+    venv_lib = str(Path(openmpi5["python"]).parent.parent / "lib")
+    for pid in _rank_pids(run):
+        assert f"{venv_lib}/libmpi.so" in Path(f"/proc/{pid}/maps").read_text(), pid
+    os.kill(_rank_pids(run, "n2")[0], signal.SIGKILL)
+    assert _wait_gone(job_id, local_cluster) == "FAILED"
+    ends = [e for e in map(json.loads, (run / "attempts.jsonl").read_text().splitlines()) if e["event"] == "end"]
+    assert ends[-1]["exit_code"] == 137, ends[-1]
+    plan = json.loads(run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster).stdout)
+    assert plan["exclude"] == ["n2"] and "killed" in plan["diagnosis"]["explanation"], plan
+
+
 def test_node_down_is_excluded_and_the_run_finishes_on_fewer_nodes(local_cluster, reference, tmp_path):
     env = {**os.environ, **local_cluster}
     run = tmp_path / "run"
