@@ -45,6 +45,7 @@ def processes_of(run_dir: Path) -> dict[int, str]:
 SHARED_SETUP = ("run_2x2x2", "ckpt_saved_1_2")  # session fixtures that train or save: built once, on one worker
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """Group the tests that must share a worker: every test on the local Slurm cluster runs on one worker, one
     after the other (they wait for its nodes and name them); the users of an expensive session fixture share
