@@ -373,7 +373,10 @@ g = m.weight.grad.clone()
 both = [torch.zeros_like(g) for _ in range(2)]
 dist.all_gather(both, g)
 print("averaged", torch.equal(both[0], both[1]), float(g[0, 0]))
+dist.barrier()  # both ranks are done before either tears the group down
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # no interpreter teardown, where a gloo thread outliving the group aborts it (as hpcscale launch exits)
 """
 
 
