@@ -956,12 +956,15 @@ class Sink:
         with self._lock:
             if self._journal is None:
                 self._journal = journals_.Journal(self.state_fd(create=True), self.lock_token, self.algorithm)
-        self._journal.add(rel, st, digest, where)
+            journal = self._journal  # taken under the lock: close() may drop it meanwhile
+        journal.add(rel, st, digest, where)
 
     def flush(self):
         """Push the journal to the OS (a killed agent loses no line of a file already in place)."""
-        if self._journal is not None:
-            self._journal.flush()
+        with self._lock:
+            journal = self._journal
+        if journal is not None:
+            journal.flush()
 
     def _close_journal(self):
         with self._lock:
