@@ -75,7 +75,8 @@ def clip_grad_norm(
             groups[key] = [g.device_mesh.get_group(name) for name in key] if key else []
         sums[key] += square
     total = torch.zeros((), dtype=torch.float64, device=device)
-    collective = any(groups[key] for key in sums) or (pp_group is not None and dist.get_world_size(pp_group) > 1)
+    across_stages = pp_group is not None and dist.get_world_size(pp_group) > 1
+    collective = across_stages or any(groups[key] for key in sums)
     if waited is not None and collective:
         settle(device)
         t0 = time.perf_counter()
@@ -83,7 +84,7 @@ def clip_grad_norm(
         for group in groups[key]:
             dist.all_reduce(sums[key], group=group)
         total += sums[key]
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+    if across_stages:
         dist.all_reduce(total, group=pp_group)
     norm = float(total.sqrt())  # the host waits for the all-reduces here
     if waited is not None and collective:
