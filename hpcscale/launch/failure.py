@@ -34,16 +34,23 @@ def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> st
     The time (UTC, microseconds) and the peer mark let `run --local` name the rank that failed first for a
     reason of its own (describe_failure), not the survivors that failed because it was gone."""
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    chain, seen = [], set()
-    cause: BaseException | None = e
-    while cause is not None and id(cause) not in seen:  # the exception and what it was raised from or during
-        seen.add(id(cause))
-        chain.append(f"{type(cause).__name__}: {cause}")
-        cause = cause.__cause__ or cause.__context__
     at = utc_stamp()
-    peer = ", after losing a peer" if any(_PEER_LOST.search(c) for c in chain) else ""
+    peer = ", after losing a peer" if lost_a_peer(e) else ""
     who = f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node}"
     return f"{who} failed: {type(e).__name__}: {first} [at {at}{peer}]"
+
+
+def lost_a_peer(e: BaseException) -> bool:
+    """Whether the exception, or what it was raised from or during, is the mark of another rank's failure (a
+    connection closed or reset, a collective timed out)."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if _PEER_LOST.search(f"{type(cause).__name__}: {cause}"):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 # hpcscale's rank failure line (failure_line), "hpcscale launch: rank R (MPI rank M) on node N failed:

@@ -1,10 +1,11 @@
 """What `hpcscale launch` does in every rank: read the run directory, bootstrap, build the mesh, run the entry.
 
 Failures end the whole job fast: an exception in any rank is printed with its rank and node, then the rank
-calls MPI_Abort, which makes srun/mpirun kill every rank at once; a rank that dies without a word is noticed
-by srun (--kill-on-bad-exit) or mpirun; every collective has a timeout (job spec `timeout_seconds`); and a rank
-that stops making progress without dying is named by its peers' watchdogs (launch/watchdog.py,
-`hang_timeout_seconds`), which write their stacks and abort the job.
+calls MPI_Abort, which makes srun/mpirun kill every rank at once (a rank that failed because it lost a peer
+waits PEER_LOST_GRACE_S first, so srun/mpirun report the peer's death, not its abort); a rank that dies
+without a word is noticed by srun (--kill-on-bad-exit) or mpirun; every collective has a timeout (job spec
+`timeout_seconds`); and a rank that stops making progress without dying is named by its peers' watchdogs
+(launch/watchdog.py, `hang_timeout_seconds`), which write their stacks and abort the job.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.failure import failure_line
+from hpcscale.launch.failure import failure_line, lost_a_peer
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.portable.lock import process_start_time
 from hpcscale.rundir import METRICS, TENSORBOARD, RunDir, Submission, link_checkpoints, site_checkpoint_root
@@ -194,6 +195,9 @@ def apply_environment(loaded: LoadedJob) -> None:
             os.environ.setdefault(name, value)
 
 
+PEER_LOST_GRACE_S = 3.0  # from a survivor's failure line to its MPI_Abort (see launch)
+
+
 def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     """Run this rank. A rank that finished exits here, with every rank (_exit_together); otherwise returns the
     process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
@@ -233,6 +237,11 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         # bad input the user can fix (an entry point's refused argument, a job spec the ranks reject) ends the
         # job with its exit code, 2, as the CLI's own refusals do; anything else 1
         code = e.exit_code if isinstance(e, BadInput) else 1
+        if lost_a_peer(e):
+            # A survivor: give srun/mpirun time to notice the rank that died first (kill -9, the OOM killer) and
+            # kill this one. A survivor's MPI_Abort that reaches mpirun first makes it report the abort, not the
+            # death, and the log would then name no cause (Open MPI 4 on a loaded machine did).
+            time.sleep(PEER_LOST_GRACE_S)
         MPI.COMM_WORLD.Abort(code)
         return code
     return code
