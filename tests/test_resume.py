@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -254,6 +255,44 @@ def test_killed_rank_is_named_and_resume_continues_off_its_node(local_cluster, r
     assert subs[-1]["excluded"] == ["n2"] and subs[-1]["reason"].startswith(f"resume from step {plan['checkpoint']}")
     assert "#SBATCH --exclude=n2" in (run / subs[-1]["script"]).read_text()
     _assert_matches(run, reference)
+
+
+def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(local_cluster, reference, tmp_path):
+    """checkpoint.local: every 5 steps to each node's own directory (the cluster's per-node TmpFS), a partner
+    copy on the other node. A rank on n2 killed and n2's directory gone (the node lost): the resume runs without
+    n2, from the newest node-local step, n2's part taken from n1's partner copy and moved over the process group
+    to the replacement node; nothing is read from the shared tier, and the losses are the uninterrupted run's."""
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 0})
+    spec = yaml.safe_load(job.read_text())
+    spec["checkpoint"]["local"] = {"every_steps": 5}
+    job.write_text(yaml.safe_dump(spec))
+    job_id = _submit(job, run, local_cluster)
+    node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
+    try:
+        _wait_steps(run, 80)
+        os.kill(_rank_pids(run, "n2")[0], signal.SIGKILL)
+        assert _wait_gone(job_id, local_cluster) == "FAILED"
+        mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
+        assert list((node_dirs / "n1" / mine).glob("step-*/index.h5")), _log(run)[-3000:]
+        shutil.rmtree(node_dirs / "n2" / mine)  # n2 is lost with its disk
+        dry = json.loads(run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster).stdout)
+        assert dry["tier"] == "node-local" and dry["nodelist"] == ["n1"] and dry["exclude"] == ["n2"], dry
+        assert (
+            "#SBATCH --nodelist=n1" in dry["runs"]["script"]
+            and "reads nothing from the shared tier" in dry["tier_reason"]
+        )
+        out = run_cli("resume", str(run), "--json", env=local_cluster)
+        assert out.returncode == 0, out.stderr
+        assert _wait_gone(json.loads(out.stdout)["submitted"], local_cluster) == "COMPLETED", _log(run)[-3000:]
+        log = _log(run)
+        m = re.search(r"resumed from checkpoint step (\d+) of the node-local tier \((\d+) data file", log)
+        assert m and int(m.group(1)) % 5 == 0 and int(m.group(2)) >= 1, log[-3000:]
+        assert "nothing read from the shared tier" in log
+        _assert_matches(run, reference)
+    finally:
+        for node in node_dirs.glob("n*"):
+            shutil.rmtree(node / f"hpcscale-{(run / 'run-id').read_text().strip()}", ignore_errors=True)
 
 
 def test_under_pypis_open_mpi_5_a_killed_rank_is_named_and_its_node_excluded(local_cluster, openmpi5, tmp_path):

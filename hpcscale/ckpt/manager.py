@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import threading
 import time
@@ -27,15 +28,24 @@ import torch
 import torch.distributed as dist
 
 from hpcscale.ckpt import faults
-from hpcscale.ckpt.format import INDEX, REFUSED, committed_steps, read_index, step_dir_name
+from hpcscale.ckpt.format import DIGEST, INDEX, REFUSED, committed_steps, read_index, step_dir_name
+from hpcscale.ckpt.nodelocal import (
+    NodeLocal,
+    complete_steps,
+    holdings,
+    needed_files,
+    transfer,
+    write_node_local_record,
+)
 from hpcscale.ckpt.reader import load_shards
 from hpcscale.ckpt.retention import apply_retention
 from hpcscale.ckpt.rng import rng_problem, rng_state
 from hpcscale.ckpt.shards import local_shards, writers
 from hpcscale.ckpt.shards import mine as pieces_to_write
-from hpcscale.ckpt.writer import ShardWriter, commit
+from hpcscale.ckpt.writer import ShardWriter, commit, install, prepare_index
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.layout import ParallelDims
+from hpcscale.portable.files import atomic_write
 
 CKPT_GROUP_MIN_TIMEOUT_S = 1800  # gloo's own default: a save may wait this long for a slow filesystem
 
@@ -73,6 +83,7 @@ class CheckpointManager:
         device: torch.device | None = None,
         timeout_s: float | None = None,
         owner: str | None = None,
+        node_local: NodeLocal | None = None,
     ):
         """read_only: only `load_latest` (another run's checkpoints: xsite.start_from). Nothing under `root` is
         created, cleaned or set aside, and `save` refuses.
@@ -82,8 +93,18 @@ class CheckpointManager:
         GPU, not GPU 0. timeout_s: the job's timeout_seconds; the checkpoint group's collective timeout is that
         or CKPT_GROUP_MIN_TIMEOUT_S, whichever is longer. owner: the run's id; the directory is claimed for it
         (hpcscale.rundir.claim_checkpoints) before anything in it is written or removed, and a directory another
-        run owns is refused on every rank (BadInput)."""
+        run owns is refused on every rank (BadInput).
+
+        node_local: `root` is a directory on each node's own storage (the node-local tier, hpcscale.ckpt.nodelocal):
+        every node writes its ranks' data and its own copy of the index, partner nodes keep copies of the data,
+        each save stands alone (no chunk of an earlier step is referenced), and load_node_local gathers a step
+        from what the surviving nodes hold. The node's lowest rank does there what rank 0 does in a shared root."""
         self.root, self.dims, self.rank = root, dims, rank
+        self.node_local = node_local
+        # node-local tier: where rank 0 records which nodes hold the newest step (read by `hpcscale resume`)
+        self.record: Path | None = None
+        # who keeps `root` tidy: rank 0 of a shared root, each node's lowest rank of a node-local one
+        self._keeper = rank == (node_local.leader(node_local.node_of[rank]) if node_local else 0)
         self.read_only = read_only
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
         self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
@@ -101,7 +122,9 @@ class CheckpointManager:
         )
         self.device = device if device is not None else torch.device("cpu")
         refusal: list = [None]
-        if rank == 0 and not read_only:
+        if node_local is not None and self._keeper:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)  # others who can write there could plant files
+        if rank == 0 and not read_only and node_local is None:
             root.mkdir(parents=True, exist_ok=True)
             if owner is not None:
                 from hpcscale.rundir import claim_checkpoints
@@ -114,7 +137,7 @@ class CheckpointManager:
             dist.broadcast_object_list(refusal, src=0, group=self.group)
             if refusal[0] is not None:
                 raise BadInput(refusal[0])
-        if rank == 0 and not read_only:
+        if self._keeper and not read_only:
             leftovers = list(root.glob(".tmp-*"))
             if leftovers:
                 try:
@@ -163,7 +186,9 @@ class CheckpointManager:
 
     def _adopt_newest(self) -> None:
         """Dedup new saves against the newest committed checkpoint already on disk (a fresh process, a resumed
-        run). A damaged index is skipped: its chunks are simply written again."""
+        run). A damaged index is skipped: its chunks are simply written again. Node-local saves dedup nothing."""
+        if self.node_local is not None:
+            return
         try:
             steps = committed_steps(self.root)
             if not steps:
@@ -202,6 +227,8 @@ class CheckpointManager:
             self._set_aside([step])
         t0 = time.perf_counter()
         faults.slow(step)  # tests only: HPCSCALE_CKPT_SLOW, a filesystem that got slower
+        if self.node_local is not None:
+            self.writer.forget()  # every node-local step stands alone
         shards = local_shards(tensors)
         table = self._writer_table(shards)
         mine = pieces_to_write(shards, table, self.rank)
@@ -293,6 +320,8 @@ class CheckpointManager:
         dist.gather_object(
             {"rank": self.rank, "rows": rows, "rng": rng, "error": error}, parts, dst=0, group=self.group
         )
+        if self.node_local is not None:
+            return self._commit_node_local(step, parts, parent, trainer_state, result)
         outcome: list = [None]
         if self.rank == 0:
             errors = [p["error"] for p in parts if p["error"]]
@@ -323,6 +352,88 @@ class CheckpointManager:
         self.last_step = step
         return result
 
+    def _commit_node_local(self, step, parts, parent, trainer_state, result):
+        """Every rank, after the gather: rank 0 writes the index, every node's lowest rank installs the same
+        bytes in its own root and commits there, then each rank's data file is copied to its node's partners.
+        The save fails (on every rank alike) unless every node committed; a partner copy that fails is said,
+        not fatal: the step is then only as safe as the nodes that hold it."""
+        nl = self.node_local
+        name = step_dir_name(step)
+        payload: list = [None]
+        if self.rank == 0:
+            errors = [p["error"] for p in parts if p["error"]]
+            if errors:
+                payload = [("failed", "; ".join(errors))]
+            else:
+                try:
+                    index = prepare_index(
+                        self.root, step, parts, layout=self.dims.as_dict(), parent=parent, trainer_state=trainer_state
+                    )
+                    tmp = self.root / f".tmp-{name}"
+                    blobs = {f: (tmp / f).read_bytes() for f in (INDEX, DIGEST)}
+                    payload = [("ok", (blobs, sorted(index.files())))]
+                except Exception as e:
+                    payload = [("failed", f"rank 0 index: {type(e).__name__}: {e}")]
+        dist.broadcast_object_list(payload, src=0, group=self.group)
+        status, detail = payload[0]
+        problem = None
+        if status == "ok" and self._keeper:
+            try:
+                tmp = self.root / f".tmp-{name}"
+                if self.rank != 0:
+                    tmp.mkdir(parents=True, exist_ok=True)
+                    for f, blob in detail[0].items():
+                        atomic_write(tmp / f, blob)
+                keep = frozenset(self.pinned)
+                # a step of an abandoned timeline (saved, then the job restarted from an older one): node-local
+                # steps stand alone, so nothing else refers to it
+                shutil.rmtree(self.root / name, ignore_errors=True)
+                install(self.root, step, keep_last=self.keep_last, keep_every=self.keep_every, keep=keep)
+            except Exception as e:
+                problem = f"node {nl.node_of[self.rank]}: {type(e).__name__}: {e}"
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem, group=self.group)
+        if status != "ok" or any(problems):
+            self.writer.failed()
+            why = detail if status != "ok" else next(p for p in problems if p)
+            raise RuntimeFailure(f"node-local checkpoint of step {step} failed: {why}")
+        files = detail[1]
+        copies = [
+            (r, nl.leader(p), f)
+            for r in range(len(nl.node_of))
+            for f in [f"{name}/data/rank-{r:05d}.bin"]
+            if f in files
+            for p in nl.partners[nl.node_of[r]]
+        ]
+        mine = transfer(copies, rank=self.rank, root=self.root, group=self.group)
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, mine, group=self.group)
+        if self.rank == 0 and any(failed):
+            lost = "; ".join(p for ps in failed for p in ps)
+            self.log(f"hpcscale: warning: node-local {name}: partner copies failed: {lost}")
+        if self.rank == 0 and self.record is not None:
+            holders = {f: [nl.node_of[int(f[-9:-4])]] for f in files if f.startswith(f"{name}/data/rank-")}
+            for src, dst, f in copies:  # a copy counts once neither side said it failed
+                if not any(f in p for p in failed[src] + failed[dst]):
+                    holders[f].append(nl.node_of[dst])
+            try:
+                write_node_local_record(self.record, step=step, nodes=nl.nodes, holders=holders)
+            except OSError as e:
+                self.log(f"hpcscale: warning: cannot record the node-local tier in {self.record}: {e}")
+        self.writer.committed([])
+        self.last_step = step
+        return result
+
+    def discard_after(self, step: int | None) -> None:
+        """Node-local tier: remove this node's steps newer than `step` (the one the run restarted from; None:
+        from scratch). They belong to a timeline the run abandoned, and recovery must never prefer them."""
+        if self.node_local is None or not self._keeper:
+            return
+        for s in committed_steps(self.root):
+            if step is None or s > step:
+                (self.root / step_dir_name(s) / INDEX).unlink(missing_ok=True)  # not a step any more, first
+                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error if it failed, or that the writer thread
         died."""
@@ -346,6 +457,17 @@ class CheckpointManager:
             self.wait()
         finally:
             self._bg.close()
+
+    def newest_committed(self) -> int | None:
+        """The newest committed step in `root` (rank 0 lists it, every rank gets it), None when there is none."""
+        listing: list = [None]
+        if self.rank == 0:
+            try:
+                listing = [next(iter(committed_steps(self.root)), None)]
+            except OSError as e:  # rank 0 raising alone would leave the others in the broadcast
+                self.log(f"hpcscale: cannot list checkpoints in {self.root}: {e}")
+        dist.broadcast_object_list(listing, src=0, group=self.group)
+        return listing[0]
 
     # ---- loading --------------------------------------------------------------------------------------------
     def load_latest(
@@ -429,6 +551,94 @@ class CheckpointManager:
                 "hpcscale: no checkpoint left to load, and a refused one had already been partly read into the "
                 "model and optimizer state"
             )
+        return None
+
+    def load_node_local(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        at_least: int | None,
+        check_state: Callable[[dict], str | None] | None = None,
+    ) -> Restored | None:
+        """Node-local tier: load the newest step, no older than `at_least`, that the nodes of this job hold whole
+        between them, reading nothing from any shared filesystem. Each node's lowest rank verifies what its node
+        holds (every chunk hashed: a corrupt copy does not count); a node that lacks the index, or a data file
+        one of its ranks needs, gets it from a node that holds it, over the checkpoint group; then every rank
+        loads from its own node as load_latest does (any layout). A step some rank cannot load is refused on
+        every rank and the next older one tried. None when none is left (`tensors_dirty` as in load_latest)."""
+        nl = self.node_local
+        self.tensors_dirty = False
+        held = holdings(self.root, verify=True, log=self.log) if self._keeper else None
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, held, group=self.group)
+        per_node = {nl.node_of[r]: h for r, h in enumerate(everyone) if h is not None}
+        targets = local_shards(tensors)
+        dirty = False
+        self.moved = (0, 0)  # data files, bytes sent between nodes by the load that succeeded
+        for step in complete_steps(per_node):
+            if at_least is not None and step < at_least:
+                break
+            name = step_dir_name(step)
+            have = {nd: set(h[step][1]) if step in h else None for nd, h in per_node.items()}
+            source = {}  # file -> the first node (in node order) that holds a verified copy
+            for nd in nl.nodes:
+                for f in have.get(nd) or ():
+                    source.setdefault(f, nd)
+            with_index = next(nd for nd in nl.nodes if have.get(nd) is not None)
+            moves = [
+                (nl.leader(with_index), nl.leader(nd), f"{name}/{f}")
+                for nd in nl.nodes
+                if have.get(nd) is None
+                for f in (DIGEST, INDEX)  # the index last: a directory with it is a committed step
+            ]
+            problem, wrote, needed = None, False, set()
+            problems = transfer(moves, rank=self.rank, root=self.root, group=self.group)
+            dist.barrier(group=self.group)  # the node's index in place before its other ranks read it
+            try:
+                if not problems:
+                    index = read_index(self.root / name / INDEX)
+                    needed = needed_files(index, targets)
+            except Exception as e:
+                problems.append(f"{self.root / name}: {type(e).__name__}: {e}")
+            wants: list = [None] * dist.get_world_size()
+            dist.all_gather_object(wants, (problems, sorted(needed)), group=self.group)
+            bad = [p for ps, _ in wants for p in ps]
+            if not bad:
+                missing = sorted(
+                    {(nl.node_of[r], f) for r, (_, fs) in enumerate(wants) for f in fs}
+                    - {(nd, f) for nd, fs in have.items() for f in fs or ()}
+                )
+                moves = [(nl.leader(source[f]), nl.leader(nd), f) for nd, f in missing]
+                received: list[int] = []
+                moved = transfer(moves, rank=self.rank, root=self.root, group=self.group, received=received)
+                problem = "; ".join(moved) or None
+                same_layout = False
+                dist.barrier(group=self.group)  # every file in place on every node before any rank reads
+                try:
+                    if problem is None:
+                        same_layout = index.layout == self.dims.as_dict()
+                        problem = _state_problem(index.trainer_state, check_state) or (
+                            rng_problem(index.rng.get(self.rank), self.device) if same_layout else None
+                        )
+                    if problem is None:
+                        wrote = True
+                        load_shards(index, self.root, targets)
+                except VerificationFailure as e:
+                    problem = str(e)
+                except Exception as e:
+                    problem = f"{self.root / name}: unexpected {type(e).__name__}: {e}"
+                outcome: list = [None] * dist.get_world_size()
+                dist.all_gather_object(outcome, (problem, wrote, sum(received)), group=self.group)
+                bad = [p for p, _, _ in outcome if p]
+                dirty = dirty or any(w for _, w, _ in outcome)
+                self.moved = (len(moves), sum(n for _, _, n in outcome))
+            if bad:
+                if self.rank == 0:
+                    self.log(f"hpcscale: refusing node-local {name}: {bad[0]}; trying an older one")
+                continue
+            self.last_step = step
+            return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
+        self.tensors_dirty = dirty
         return None
 
     def _set_aside(self, steps: list[int]) -> None:

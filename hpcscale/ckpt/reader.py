@@ -160,7 +160,7 @@ def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype:
     return region
 
 
-def _overlapping(view: TensorView, t: LocalShard) -> list:
+def overlapping(view: TensorView, t: LocalShard) -> list:
     """The saved shards of `view` that overlap target piece `t`, in the index's order. One vectorised test over
     all of them (a tensor of a 4096-rank checkpoint has thousands of shards; a Python test per shard and target
     made planning a load quadratic in the ranks), and only the overlapping shards' records are built."""
@@ -194,7 +194,7 @@ def plan_reads(index: Index, targets: list[LocalShard]) -> tuple[list, list, lis
             )
         dtype = _torch_dtype(rec.dtype)
         covered = 0
-        for shard in _overlapping(rec, t):
+        for shard in overlapping(rec, t):
             lo, hi = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))
             dest = t.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, t.offset, strict=True))]
             whole = list(lo) == list(shard.offset) and tuple(h - a for a, h in zip(lo, hi, strict=True)) == shard.shape

@@ -490,6 +490,13 @@ class ShardWriter:
         """Dedup against a checkpoint loaded at start-up."""
         self.known.adopt(index)
 
+    def forget(self) -> None:
+        """The next save writes every chunk of every tensor into its own files, referencing nothing saved before
+        (a node-local save: each step must stand alone)."""
+        self.known.clear()
+        self._versions.clear()
+        self._last_refs.clear()
+
 
 def commit(
     root: Path,
@@ -506,8 +513,15 @@ def commit(
     """Rank 0: build and write the index, rename everything into place, apply retention (`keep`: steps it keeps
     whatever the policy says).
     Returns the data files retention removed."""
-    name = step_dir_name(step)
-    tmp = root / f".tmp-{name}"
+    prepare_index(root, step, gathered, layout=layout, parent=parent, trainer_state=trainer_state)
+    return install(root, step, keep_last=keep_last, keep_every=keep_every, keep=keep)
+
+
+def prepare_index(
+    root: Path, step: int, gathered: list[dict], *, layout: dict, parent: str | None, trainer_state: dict
+) -> Index:
+    """Write `.tmp-step-N/index.h5` and `DIGEST`, both durable (the first half of commit); returns the index."""
+    tmp = root / f".tmp-{step_dir_name(step)}"
     index = index_of_rows(
         gathered,
         step=step,
@@ -520,6 +534,15 @@ def commit(
     digest = write_index(tmp / f"{INDEX}.tmp", index)
     write_digest_file(tmp, digest)  # inside the directory the rename below commits, with the index
     os.replace(tmp / f"{INDEX}.tmp", tmp / INDEX)
+    index.digest = digest
+    return index
+
+
+def install(root: Path, step: int, *, keep_last: int, keep_every: int, keep: frozenset[int] = frozenset()) -> list[str]:
+    """The second half of commit: `.tmp-step-N` (its index and DIGEST in place) becomes `step-N`, LATEST names
+    it, retention runs. Returns the data files retention removed."""
+    name = step_dir_name(step)
+    tmp = root / f".tmp-{name}"
     from hpcscale.ckpt.retention import WRITER
 
     (tmp / WRITER).unlink(missing_ok=True)  # an unfinished save's mark: a committed one needs none

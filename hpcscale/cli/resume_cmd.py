@@ -135,8 +135,14 @@ def _show(plan) -> None:
     click.echo(
         f"resume from: checkpoint step {plan.checkpoint}" if plan.checkpoint is not None else "resume from: the start"
     )
+    if plan.tier_reason:
+        click.echo(f"checkpoint tier: {plan.tier} ({clean(plan.tier_reason)})")
     if plan.kind == "slurm":
-        click.echo(f"nodes: {plan.nodes}" + (f", excluding {clean(','.join(plan.exclude))}" if plan.exclude else ""))
+        click.echo(
+            f"nodes: {plan.nodes}"
+            + (f", excluding {clean(','.join(plan.exclude))}" if plan.exclude else "")
+            + (f", including {clean(','.join(plan.nodelist))}" if plan.nodelist else "")
+        )
     runs = plan.runs
     if not runs:
         return

@@ -76,6 +76,31 @@ class Train:
 
 
 @dataclass(kw_only=True, slots=True)
+class NodeLocalTier:
+    """Checkpoints on each node's own storage, with partner copies on other nodes (docs/checkpoint-format.md)."""
+
+    every_steps: int = setting(
+        "Save to the node-local tier every N steps; 0 (the default) turns the tier off. Independent of "
+        "`checkpoint.every_steps`, the shared tier's period: a node-local save is cheap, so it can be frequent.",
+        default=0,
+        min=0,
+    )
+    keep_last: int = setting("Keep the newest K node-local steps on each node.", default=2, min=1)
+    partners: int = setting(
+        "How many other nodes hold a copy of each node's node-local data (capped at the job's nodes - 1). 0: a "
+        "lost node takes its part of every node-local step with it, and recovery falls back to the shared tier.",
+        default=1,
+        min=0,
+    )
+    partner_switch: Literal["other", "same"] = setting(
+        "Where partners sit in the switch tree. `other`: under another leaf switch, so a switch (or its power) "
+        "failing never takes a node and its copies together. `same`: under the same leaf switch: copies cross no "
+        "uplink (faster on an oversubscribed tree), but one switch failure can lose both.",
+        default="other",
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class CheckpointPolicy:
     """When to checkpoint and what to keep."""
 
@@ -101,6 +126,9 @@ class CheckpointPolicy:
         default=0,
         min=0,
         max=19,
+    )
+    local: NodeLocalTier = setting(
+        "The node-local tier, below the shared one (off unless `local.every_steps` is set).", factory=NodeLocalTier
     )
 
 

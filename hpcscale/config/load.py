@@ -211,6 +211,11 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         _check_train_params(spec, dec, dims=dims)
     limit_s = parse_duration(spec.time_limit)
     _check_stopping(spec, site, dec, limit_s)
+    if spec.checkpoint.local.every_steps and site.filesystems.node_local is None:
+        dec.error(
+            ("checkpoint", "local", "every_steps"),
+            f"the node-local tier needs a directory on each node: site '{site.name}' sets no filesystems.node_local",
+        )
     if spec.xsite is not None:
         _check_xsite(spec, dec)
     if spec.train is not None and spec.train.entry != "builtin":

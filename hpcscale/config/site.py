@@ -123,6 +123,12 @@ class Filesystems:
         default=None,
         check=check_abs_path,
     )
+    node_local: str | None = setting(
+        "A directory on each compute node's own storage (local NVMe, a tmpfs) for the node-local checkpoint tier "
+        "(job spec `checkpoint.local`). `$VARS` expand on the node, in the job's environment: "
+        "`/local/$SLURM_JOB_ID`, or `$TMPDIR`. hpcscale keeps each run under `hpcscale-<run id>` in it.",
+        default=None,
+    )
     type: Literal["lustre", "gpfs", "beegfs", "nfs", "local"] = setting(
         "Filesystem type of scratch, as the site expects it: `hpcscale doctor` checks that scratch is mounted "
         "with this type. How files are written does not depend on it.",

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.launch.signals import STOP_LINE, StopRequested
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.device import settle
@@ -98,6 +98,7 @@ class Checkpointer:
         self._ctx = ctx
         self._policy = ctx.job.checkpoint
         self._manager = None
+        self._local_manager = None  # the node-local tier's manager (checkpoint.local), built on first use
         self._model: torch.nn.Module | None = None
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
         self._objects: dict[str, Any] = {}
@@ -130,14 +131,20 @@ class Checkpointer:
         tensors, model_sd, optim_sd = self._tensors()
         dist.barrier()  # restore_s is the load alone, not a peer's slower start-up
         t0 = time.perf_counter()
-        restored = manager.load_latest(tensors, check_state=self._state_problem)
-        if restored is None and manager.tensors_dirty and self.rebuild is not None:  # every rank alike
+        restored, tier, dirty = self._restore_node_local(tensors), "node-local", False
+        if restored is None:
+            dirty = self._local is not None and self._local.tensors_dirty
+            restored, tier = manager.load_latest(tensors, check_state=self._state_problem), "shared"
+        dirty = restored is None and (dirty or manager.tensors_dirty)
+        if self._local is not None:  # node-local steps newer than where the run restarts are of another timeline
+            self._local.discard_after(restored.step if restored is not None else None)
+        if dirty and self.rebuild is not None:  # every rank alike
             self._model, optimizer = self.rebuild()
             self._optimizers = tuple(optimizer) if isinstance(optimizer, list | tuple) else (optimizer,)
             self._optimizers = tuple(o for o in self._optimizers if o is not None)
             self._hook_optimizers()
             tensors, model_sd, optim_sd = self._tensors()  # what xsite.start_from below loads into: the new ones
-        elif restored is None and manager.tensors_dirty:  # every rank alike: load_latest agreed on it
+        elif dirty:  # every rank alike: load_latest (or load_node_local) agreed on it
             raise VerificationFailure(
                 f"every checkpoint in {manager.root} was refused (the lines above say why), and one was refused "
                 "only after part of it had been read into your model, so it cannot start from scratch either: "
@@ -226,8 +233,17 @@ class Checkpointer:
         self._ctx.metrics.log(
             step=restored.step - 1, restored_from=restored.step, restore_s=round(time.perf_counter() - t0, 4)
         )
+        where = ""
+        if self._local is not None and tier == "node-local":
+            files, nbytes = self._local.moved
+            where = (
+                f" of the node-local tier ({files} data file(s), {nbytes / 2**20:.1f} MiB moved between nodes; "
+                "nothing read from the shared tier)"
+            )
+        elif self._local is not None:
+            where = " of the shared tier (the node-local tier holds no complete step as new)"
         self._ctx.metrics.print(
-            f"hpcscale: resumed from checkpoint step {restored.step}"
+            f"hpcscale: resumed from checkpoint step {restored.step}{where}"
             + ("" if restored.rng is not None else " (new layout: resharded)")
         )
         self._restored_step = restored.step
@@ -273,6 +289,9 @@ class Checkpointer:
         elif self._saves.due(step + 1):
             ckpt_s = self.save(step + 1, asynchronous=self._policy.asynchronous)
             self._saves.saved(step + 1, ckpt_s, self._background_before)
+        local_every = self._policy.local.every_steps
+        if self._local is not None and local_every and (step + 1) % local_every == 0 and not last:
+            ckpt_s += self._save_local(step + 1)
         if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1) and not last:
             self.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
             self._rounds.poll(step + 1)  # adopt the round in flight if it has landed
@@ -309,22 +328,7 @@ class Checkpointer:
             raise BadInput("ctx.checkpoint.save() before ctx.checkpoint.restore(...): restore registers the state")
         if asynchronous is None:
             asynchronous = self._ctx.job.checkpoint.asynchronous
-        tensors, _, optim_sd = self._tensors()
-        state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
-        if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
-            from hpcscale.xsite.rounds import TAG
-
-            state[TAG] = self._rounds.state_for_save(done_steps)
-        if optim_sd is not None:
-            state["optimizer"] = {
-                "param_groups": _jsonable(optim_sd["param_groups"], "optimizer.param_groups"),
-                "group_sizes": self._group_sizes,
-                "state": {
-                    fqn: _jsonable({k: v for k, v in s.items() if not torch.is_tensor(v)}, f"optimizer.state.{fqn}")
-                    for fqn, s in optim_sd["state"].items()
-                    if any(not torch.is_tensor(v) for v in s.values())
-                },
-            }
+        tensors, state = self._state_for_save(done_steps)
         with self._watchdog.paused("checkpoint"):
             t = time.perf_counter()
             self.manager.wait()
@@ -343,10 +347,116 @@ class Checkpointer:
         self._ctx.metrics.print(f"hpcscale: checkpoint {done_steps} saved: {blocking:.2f} s blocking, {how}")
         return blocking
 
+    def _state_for_save(self, done_steps: int) -> tuple[dict, dict]:
+        """(the tensors, the JSON state) a save of the state after `done_steps` steps writes."""
+        tensors, _, optim_sd = self._tensors()
+        state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
+        if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
+            from hpcscale.xsite.rounds import TAG
+
+            state[TAG] = self._rounds.state_for_save(done_steps)
+        if optim_sd is not None:
+            state["optimizer"] = {
+                "param_groups": _jsonable(optim_sd["param_groups"], "optimizer.param_groups"),
+                "group_sizes": self._group_sizes,
+                "state": {
+                    fqn: _jsonable({k: v for k, v in s.items() if not torch.is_tensor(v)}, f"optimizer.state.{fqn}")
+                    for fqn, s in optim_sd["state"].items()
+                    if any(not torch.is_tensor(v) for v in s.values())
+                },
+            }
+        return tensors, state
+
+    def _save_local(self, done_steps: int) -> float:
+        """Save to the node-local tier (checkpoint.local), asynchronously as checkpoint.async says; returns the
+        seconds the caller was blocked. A node-local save that fails (a full local disk, a node's directory
+        gone) is said and skipped: training and the shared tier go on."""
+        local = self._local
+        tensors, state = self._state_for_save(done_steps)
+        with self._watchdog.paused("checkpoint"):
+            t = time.perf_counter()
+            self._local_wait()
+            try:
+                local.save(done_steps, tensors, state, asynchronous=self._policy.asynchronous)
+            except (RuntimeFailure, OSError) as e:  # the same on every rank: the outcome is agreed on
+                self._ctx.metrics.print(f"hpcscale: warning: node-local checkpoint {done_steps} skipped: {e}")
+            blocking = time.perf_counter() - t
+        self._ctx.metrics.log(
+            step=done_steps - 1, local_checkpoint=done_steps, local_checkpoint_blocking_s=round(blocking, 6)
+        )
+        return blocking
+
+    def _local_wait(self) -> None:
+        """Wait for the node-local save in flight; a failure of it is said, not raised."""
+        try:
+            self._local.wait()
+        except RuntimeFailure as e:  # raised on every rank alike (the commit's outcome is broadcast)
+            self._ctx.metrics.print(f"hpcscale: warning: a node-local checkpoint was not saved: {e}")
+
+    def _restore_node_local(self, tensors: dict) -> Any:
+        """The newest step the node-local tier holds whole across this job's nodes, if it is at least as new as
+        the shared tier's newest; None otherwise (and when the job has no node-local tier)."""
+        local = self._local
+        if local is None:
+            return None
+        newest_shared = self.manager.newest_committed()
+        return local.load_node_local(tensors, at_least=newest_shared, check_state=self._state_problem)
+
+    @property
+    def _local(self):
+        """The node-local tier's CheckpointManager (hpcscale.ckpt.nodelocal), None when the job has none (created
+        on first use: a collective)."""
+        ctx = self._ctx
+        if self._local_manager is None and ctx._node_local is not None:
+            from hpcscale.ckpt import nodelocal
+            from hpcscale.ckpt.manager import CheckpointManager
+
+            tier = ctx.job.checkpoint.local
+            node_of: list = [None] * ctx.world_size
+            dist.all_gather_object(node_of, ctx.node)
+            leaf_of, leaf_order = {}, []
+            if len(set(node_of)) > 1 and ctx._site is not None:
+                from hpcscale.errors import HpcscaleError
+                from hpcscale.slurm.allocation import site_tree
+
+                try:
+                    tree = site_tree(ctx._site)
+                    leaf_of, leaf_order = tree.leaf_of, tree.leaf_order()
+                except HpcscaleError as e:
+                    ctx.metrics.print(f"hpcscale: switch tree unavailable ({e}): partners chosen as if flat")
+            layout = nodelocal.build(
+                node_of,
+                tier.partners,
+                leaf_of,
+                leaf_order,
+                tier.partner_switch,
+            )
+            self._local_manager = CheckpointManager(
+                ctx._node_local,
+                dims=ctx.dims,
+                rank=ctx.rank,
+                keep_last=tier.keep_last,
+                direct_io=ctx.job.checkpoint.direct_io,
+                background_nice=ctx.job.checkpoint.background_nice,
+                log=ctx.metrics.print,
+                device=ctx.device,
+                timeout_s=ctx.job.timeout_seconds,
+                node_local=layout,
+            )
+            from hpcscale.ckpt.nodelocal import RECORD
+
+            if ctx.rank == 0:
+                self._local_manager.record = ctx.run_dir / RECORD
+            ctx.metrics.print(f"hpcscale: node-local tier in {ctx._node_local}; partner copies: {layout.describe()}")
+        return self._local_manager
+
     def close(self) -> None:
         """After the entry point returned (launch calls it): save the last finished step if the job has a
         checkpoint period and that step is not saved yet, and wait for a save in flight; then end the manager's
         writer thread."""
+        if self._local_manager is not None:
+            self._local_wait()
+            self._local_manager.close()
         if self._manager is None:
             return
         done = self._done

@@ -96,6 +96,10 @@ class Context:
     sweep_point: dict[str, Any] = field(default_factory=dict)
     scratch: Path | None = None  # the site's scratch directory
     run_id: str | None = None  # the run directory's id (RUN/run-id): its checkpoints carry it as their owner
+    # this node's root of the node-local checkpoint tier, when the job uses it (checkpoint.local)
+    _node_local: Path | None = field(default=None, repr=False)
+    # the site's config (hpcscale.config.site.SiteConfig): its switch tree places partner copies
+    _site: Any = field(default=None, repr=False)
     watchdog: Any = None  # the rank's hang watchdog (launch/watchdog.py): .beat(step), .paused(reason)
     step_times: Any = None  # per-rank step times (launch/timing.StepTimes): .record(step, step_s=..., ...)
     _mtbf_s: float | None = field(default=None, repr=False)  # checkpoint.every_steps: auto: the job's MTBF

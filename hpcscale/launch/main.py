@@ -311,6 +311,16 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         if sweep_index is not None:
             target = target / "sweep" / work_dir.name
         link_checkpoints(work_dir, target, run_id=run_id)
+    node_local = None  # this node's directory of the node-local checkpoint tier (checkpoint.local)
+    if spec.checkpoint.local.every_steps and loaded.site.config.filesystems.node_local:
+        node_local = expand_path(loaded.site.config.filesystems.node_local) / f"hpcscale-{run_id}"
+        if "$" in str(node_local):
+            raise BadInput(
+                f"{loaded.site.path}: filesystems.node_local of site '{loaded.site.config.name}' expands to "
+                f"{node_local} on node {info.node}: a variable it names is not set in the job's environment"
+            )
+        if sweep_index is not None:
+            node_local = node_local / "sweep" / work_dir.name
     attempt = _begin_attempt(work_dir, info, dims) if info.rank == 0 else None
     tensorboard = work_dir / TENSORBOARD / f"attempt-{attempt}" if spec.metrics.tensorboard else None
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)
@@ -334,6 +344,8 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         sweep_point=point,
         scratch=expand_path(loaded.site.config.filesystems.scratch),
         run_id=run_id,
+        _node_local=node_local,
+        _site=loaded.site.config,
     )
     watchdog = Watchdog(
         rank=info.rank,

@@ -85,6 +85,9 @@ class Plan:
     warnings: list[str] = field(default_factory=list)  # what to tune before it happens again
     runs: dict | None = None  # what the resubmission runs (what_it_runs): script, command, environment, site
     accepted_changes: list[str] = field(default_factory=list)  # the diff --accept-changes accepted
+    tier: str = "shared"  # where the ranks will load from: "shared", or "node-local" (checkpoint.local)
+    tier_reason: str = ""  # why that tier
+    nodelist: list[str] = field(default_factory=list)  # nodes the resubmission must include (the node-local holders)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -358,11 +361,33 @@ def plan_resume(
             if slow
             else "--exclude-slow: status names no straggler in the last attempt; no node added"
         )
+    if not local and spec.checkpoint.local.every_steps:
+        _choose_tier(plan, rd, client, n)
     if not local and (advice := grace_advice(rd, spec.signals.grace_seconds)):
         plan.warnings.append(advice)
     if n != spec.nodes:
         loaded = _resized(loaded, n)
     return plan, loaded
+
+
+def _choose_tier(plan: Plan, rd: RunDir, client: SlurmClient, nodes: int) -> None:
+    """The node-local tier when its newest recorded step is at least as new as the shared tier's newest
+    verified one and the nodes that hold it whole survive (not excluded, not down): the resubmission must then
+    run on them (`--nodelist`), and the ranks load it without reading the shared tier. Otherwise the shared
+    tier, and why."""
+    from hpcscale.ckpt.nodelocal import RECORD, plan_from_record
+
+    lost = set(plan.exclude)
+    choice = plan_from_record(rd.path / RECORD, lost=lost, max_nodes=nodes)
+    if choice.step is not None and (down := _unhealthy(client, choice.nodes)):
+        choice = plan_from_record(rd.path / RECORD, lost=lost | set(down), max_nodes=nodes)
+    if choice.step is None:
+        plan.tier_reason = f"{choice.why}: the shared tier"
+    elif plan.checkpoint is not None and choice.step < plan.checkpoint:
+        plan.tier_reason = f"the shared tier's step {plan.checkpoint} is newer than node-local step {choice.step}"
+    else:
+        plan.tier, plan.nodelist, plan.checkpoint = "node-local", choice.nodes, choice.step
+        plan.tier_reason = f"{choice.why}: the job runs on them (--nodelist) and reads nothing from the shared tier"
 
 
 def _resized(loaded: LoadedJob, nodes: int) -> LoadedJob:
@@ -383,7 +408,14 @@ def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob) -> str | None:
 
     reason = f"resume from step {plan.checkpoint}" if plan.checkpoint is not None else "resume from the start"
     reason += f" after: {plan.diagnosis.explanation}"[:400]
-    r = submit_job(loaded, run_dir=rd.path, reuse=True, excluded=tuple(plan.exclude), reason=reason)
+    r = submit_job(
+        loaded,
+        run_dir=rd.path,
+        reuse=True,
+        excluded=tuple(plan.exclude),
+        required=tuple(plan.nodelist),
+        reason=reason,
+    )
     plan.submitted = r.job_id
     record(rd, plan)
     return r.job_id
@@ -440,7 +472,9 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
     from hpcscale.slurm.submit import resolve_for_slurm
 
     client = SlurmClient.for_site(site)
-    job = resolve_for_slurm(loaded, run_dir=rd.path, excluded=tuple(plan.exclude), client=client)
+    job = resolve_for_slurm(
+        loaded, run_dir=rd.path, excluded=tuple(plan.exclude), required=tuple(plan.nodelist), client=client
+    )
     name = choose_template(job, None)
     out["slurm_conf"] = client.check_conf()  # as handed to Slurm (vetted, symlinks resolved); None: the default
     out["template"] = name

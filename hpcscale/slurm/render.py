@@ -75,6 +75,7 @@ def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
             "switches": job.switches,
             "switches_wait": site.topology.switches_max_wait,
             "exclude": compress(list(job.excluded)) if job.excluded else None,
+            "nodelist": compress(list(job.required)) if job.required else None,
             "signal": spec.signals.signal,
             "grace_seconds": spec.signals.grace_seconds,
             "requeue": spec.signals.requeue,
@@ -104,7 +105,8 @@ def _directive_values_one_line(ctx: dict[str, Any]) -> None:
     exported variable may hold a newline; whatever template (a site's own too) puts these on directive lines.
     The excluded nodes come from files others may write (RUN/submissions.jsonl, timing.jsonl, the logs)."""
     job = ctx["job"]
-    values = {f"job.{k}": job[k] for k in ("name", "partition", "account", "qos", "exclude", "gpus_per_node")}
+    keys = ("name", "partition", "account", "qos", "exclude", "nodelist", "gpus_per_node")
+    values = {f"job.{k}": job.get(k) for k in keys}
     values |= {"run_dir": ctx["run_dir"], "logs.out": ctx["logs"]["out"], "logs.err": ctx["logs"]["err"]}
     for key, value in values.items():
         text = "" if value is None else str(value)

@@ -27,6 +27,7 @@ class ResolvedJob:
     time_limit_s: int  # spec.time_limit in seconds, parsed once (resolve)
     switches: int | None = None  # fewest leaf switches that can hold the job; None: no tree or one switch is moot
     excluded: tuple[str, ...] = field(default_factory=tuple)
+    required: tuple[str, ...] = field(default_factory=tuple)  # nodes the job must include (--nodelist)
 
 
 def min_leaf_switches(tree: SwitchTree, candidates: list[str], nodes: int) -> int | None:
@@ -42,7 +43,12 @@ def min_leaf_switches(tree: SwitchTree, candidates: list[str], nodes: int) -> in
 
 
 def resolve(
-    loaded: LoadedJob, *, run_dir: Path, tree: SwitchTree | None, excluded: tuple[str, ...] = ()
+    loaded: LoadedJob,
+    *,
+    run_dir: Path,
+    tree: SwitchTree | None,
+    excluded: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
 ) -> ResolvedJob:
     spec, site = loaded.spec, loaded.site.config
     if site.scheduler != "slurm":
@@ -63,5 +69,6 @@ def resolve(
         run_dir=run_dir,
         switches=switches,
         excluded=tuple(excluded),
+        required=tuple(required),
         time_limit_s=parse_duration(spec.time_limit),
     )

@@ -28,14 +28,19 @@ class SubmitResult:
 
 
 def resolve_for_slurm(
-    loaded: LoadedJob, *, run_dir: Path | None, excluded: tuple[str, ...] = (), client: SlurmClient | None = None
+    loaded: LoadedJob,
+    *,
+    run_dir: Path | None,
+    excluded: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
+    client: SlurmClient | None = None,
 ) -> ResolvedJob:
     site = loaded.site.config
     if run_dir is None:
         run_dir = default_run_dir(expand_path(site.filesystems.run_root), loaded.spec.name)
     client = client or SlurmClient.for_site(site)
     tree = site_tree(site, client) if site.scheduler == "slurm" else None
-    return resolve(loaded, run_dir=run_dir.resolve(), tree=tree, excluded=excluded)
+    return resolve(loaded, run_dir=run_dir.resolve(), tree=tree, excluded=excluded, required=required)
 
 
 def render_job(loaded: LoadedJob, *, run_dir: Path | None = None, template: str | None = None) -> str:
@@ -50,12 +55,13 @@ def submit_job(
     dry_run: bool = False,
     reuse: bool = False,
     excluded: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
     reason: str = "submit",
 ) -> SubmitResult:
     """Render, create the run directory, sbatch --parsable, record. Slurm's refusal is a CommandFailed
     carrying sbatch's own message; a run directory created by this call is then removed again."""
     client = SlurmClient.for_site(loaded.site.config)
-    job = resolve_for_slurm(loaded, run_dir=run_dir, excluded=excluded, client=client)
+    job = resolve_for_slurm(loaded, run_dir=run_dir, excluded=excluded, required=required, client=client)
     name = choose_template(job, template)
     text = render_chosen(job, name)  # before touching the disk: a bad template leaves nothing behind
     existed = job.run_dir.exists()

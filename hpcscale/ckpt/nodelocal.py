@@ -1,0 +1,317 @@
+"""The node-local checkpoint tier: saves to each node's own storage, partner copies on other nodes, and recovery
+that gathers a complete step from what the surviving nodes hold (docs/checkpoint-format.md#node-local-tier).
+
+A node-local step is an ordinary checkpoint spread over nodes. Every node that took part holds its index
+(`step-N/index.h5` and `DIGEST`, the same bytes on every node) and the data files of its own ranks; each
+node's partners (other nodes, `checkpoint.local.partners` of them) hold copies of those data files too, at the
+same paths. A node-local save is self-contained: it references no earlier step's files (each rank writes all of
+its chunks), so a step is complete as soon as, for every data file its index names, some node holds a copy
+whose chunks hash to what the index says, and retention on one node never touches what another step needs.
+
+Moving files between nodes goes over the checkpoint's own gloo group (send/recv of the file's bytes): there
+is no shared filesystem on that path at all. Every transfer of a plan is listed in the same order on every
+rank, and each rank takes part in its own in that order, so the pairs meet without a deadlock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+
+from hpcscale.ckpt.format import INDEX, Index, committed_steps, open_data_file, read_index, step_dir_name
+from hpcscale.portable.files import fsync_dir
+
+PIECE = 16 << 20  # bytes per send/recv of a file's transfer
+
+
+@dataclass(frozen=True)
+class NodeLocal:
+    """Where each rank runs and which nodes hold copies of which: the same on every rank."""
+
+    node_of: tuple[str, ...]  # node of each rank
+    partners: dict[str, tuple[str, ...]]  # node -> the nodes that hold copies of its files
+    other_switch: dict[str, tuple[bool, ...]]  # node -> for each partner, whether it is under another leaf switch
+
+    def leader(self, node: str) -> int:
+        """The lowest rank on `node`: it writes the node's index and receives what is sent to the node."""
+        return self.node_of.index(node)
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(dict.fromkeys(self.node_of))
+
+    def describe(self) -> str:
+        parts = []
+        for node, held in self.partners.items():
+            sides = zip(held, self.other_switch[node], strict=True)
+            where = [f"{p} ({'another' if o else 'the same'} leaf switch)" for p, o in sides]
+            parts.append(f"{node} -> {', '.join(where) if where else 'none'}")
+        return "; ".join(parts)
+
+
+def plan_partners(
+    order: list[str], k: int, leaf_of: dict[str, str], *, rule: str = "other"
+) -> dict[str, tuple[str, ...]]:
+    """node -> the k nodes that hold its copies. A ring over the nodes in switch-tree order, shifted: every node
+    holds exactly k others' copies, so partner traffic and space are even. `other` picks the shifts
+    that put the most partners under another leaf switch (a switch or its power failing takes no node together
+    with its copies), the longest first; `same` the most under the same one (partner copies cross no
+    uplink: faster, but a leaf switch's failure can take a node and its partner together), the shortest first."""
+    if rule not in ("other", "same"):
+        raise ValueError(f"partner rule {rule!r}: 'other' or 'same'")
+    n = len(order)
+    k = min(k, n - 1)
+    if k <= 0:
+        return {node: () for node in order}
+
+    def crossing(shift: int) -> int:
+        return sum(leaf_of.get(order[i], "") != leaf_of.get(order[(i + shift) % n], "") for i in range(n))
+
+    shifts = list(range(1, n))
+    if rule == "other":
+        shifts.sort(key=lambda s: (-crossing(s), -min(s, n - s), s))
+    else:
+        shifts.sort(key=lambda s: (crossing(s), min(s, n - s), s))
+    chosen = shifts[:k]
+    return {order[i]: tuple(order[(i + s) % n] for s in chosen) for i in range(n)}
+
+
+def build(node_of: list[str], k: int, leaf_of: dict[str, str], leaf_order: list[str], rule: str) -> NodeLocal:
+    rank_order = list(dict.fromkeys(node_of))
+    position = {leaf: i for i, leaf in enumerate(leaf_order)}
+    order = sorted(rank_order, key=lambda nd: (position.get(leaf_of.get(nd, ""), len(position)), rank_order.index(nd)))
+    partners = plan_partners(order, k, leaf_of, rule=rule)
+    other = {
+        node: tuple(leaf_of.get(node, "") != leaf_of.get(p, "") or not leaf_of for p in held)
+        for node, held in partners.items()
+    }
+    return NodeLocal(tuple(node_of), partners, other)
+
+
+# ---- what a node holds ------------------------------------------------------------------------------------------
+def file_problem(root: Path, index: Index, rel: str) -> str | None:
+    """None when `root/rel` holds every chunk `index` places in it with the right hash; else what is wrong."""
+    t = index.tables
+    names = [s.decode() for s in t.strings["files"]]
+    if rel not in names:
+        return f"{rel}: not a file of {step_dir_name(index.step)}"
+    rows = t.chunks[t.chunks["file"] == names.index(rel)]
+    try:
+        fd = open_data_file(root / rel)
+    except OSError as e:
+        return f"{root / rel}: {e.strerror or e}"
+    try:
+        for row in np.sort(rows, order="offset"):
+            length = int(row["length"])
+            data = os.pread(fd, length, int(row["offset"]))
+            if len(data) != length or xxhash.xxh3_128_hexdigest(data) != row["hash"].decode():
+                return f"{root / rel}: the chunk at offset {int(row['offset'])} does not match its hash"
+    except OSError as e:
+        return f"{root / rel}: {e.strerror or e}"
+    finally:
+        os.close(fd)
+    return None
+
+
+def holdings(root: Path, *, verify: bool, log=None) -> dict[int, tuple[str, list[str], list[str]]]:
+    """step -> (root digest, the data files held here whose chunks all hash right, every data file its index
+    names) for every committed step under this node's `root`; a step whose index fails is left out (and said
+    so)."""
+    out: dict[int, tuple[str, list[str], list[str]]] = {}
+    for step in committed_steps(root):
+        try:
+            index = read_index(root / step_dir_name(step) / INDEX)
+        except Exception as e:
+            if log:
+                log(f"hpcscale: node-local {step_dir_name(step)} on this node is refused: {e}")
+            continue
+        held = []
+        for rel in sorted(index.files()):
+            if not (root / rel).is_file():
+                continue
+            problem = file_problem(root, index, rel) if verify else None
+            if problem is None:
+                held.append(rel)
+            elif log:
+                log(f"hpcscale: node-local copy refused: {problem}")
+        out[step] = (index.digest, held, sorted(index.files()))
+    return out
+
+
+def complete_steps(per_node: dict[str, dict[int, tuple[str, list[str], list[str]]]]) -> list[int]:
+    """Every step that the nodes together hold whole, newest first: the nodes that hold its index agree on the
+    digest, and every file that index names is held (and verified) by at least one node."""
+    steps = sorted({s for held in per_node.values() for s in held}, reverse=True)
+    out = []
+    for step in steps:
+        copies = [held[step] for held in per_node.values() if step in held]
+        if len({digest for digest, _, _ in copies}) != 1:
+            continue
+        have = {f for _, files, _ in copies for f in files}
+        if set(copies[0][2]) <= have:
+            out.append(step)
+    return out
+
+
+def needed_files(index: Index, targets) -> set[str]:
+    """The data files holding a chunk of a saved shard that overlaps one of `targets` (this rank's pieces)."""
+    from hpcscale.ckpt.format import tensor_view
+    from hpcscale.ckpt.reader import overlapping
+
+    out: set[str] = set()
+    for t in targets:
+        view = tensor_view(index, t.name)
+        if view is None:
+            continue  # the load says so
+        for shard in overlapping(view, t):
+            out.update(c.file for c in shard.chunks)
+    return out
+
+
+# ---- moving files between nodes -------------------------------------------------------------------------------
+def transfer(
+    transfers: list[tuple[int, int, str]], *, rank: int, root: Path, group, received: list | None = None
+) -> list[str]:
+    """Run `transfers` ((source rank, destination rank, path under root), the same list on every rank): each
+    source sends its node's copy of the file, each destination writes it under its node's root (a temporary
+    name, fsynced, then renamed). Returns the problems this rank met; a transfer that fails on one side is
+    still completed on the other (a source that cannot read sends a length of -1), so no rank is left waiting.
+    `received`, when given, gets the size of each file this rank received."""
+    problems = []
+    for src, dst, rel in transfers:
+        if rank == src:
+            problems += _send(root / rel, dst, group)
+        elif rank == dst:
+            problems += _recv(root / rel, src, group, received)
+    return problems
+
+
+def _send(path: Path, dst: int, group) -> list[str]:
+    try:
+        fd = open_data_file(path)
+        size = os.fstat(fd).st_size
+    except OSError as e:
+        dist.send(torch.tensor([-1], dtype=torch.int64), dst=dst, group=group)
+        return [f"{path}: {e.strerror or e}"]
+    try:
+        dist.send(torch.tensor([size], dtype=torch.int64), dst=dst, group=group)
+        for start in range(0, size, PIECE):
+            n = min(PIECE, size - start)
+            data = os.pread(fd, n, start)
+            buf = torch.frombuffer(bytearray(data.ljust(n, b"\0")), dtype=torch.uint8)
+            dist.send(buf, dst=dst, group=group)
+    finally:
+        os.close(fd)
+    return []
+
+
+def _recv(path: Path, src: int, group, received: list | None) -> list[str]:
+    head = torch.zeros(1, dtype=torch.int64)
+    dist.recv(head, src=src, group=group)
+    size = int(head[0])
+    if size < 0:
+        return [f"{path}: the node sending it could not read it"]
+    if received is not None:
+        received.append(size)
+    problem = None
+    part = path.with_name(path.name + ".partial")
+    fd = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        problem = f"{path}: {e.strerror or e}"
+    for start in range(0, size, PIECE):
+        buf = torch.empty(min(PIECE, size - start), dtype=torch.uint8)
+        dist.recv(buf, src=src, group=group)
+        if fd is not None and problem is None:
+            try:
+                os.pwrite(fd, buf.numpy().tobytes(), start)
+            except OSError as e:  # a full disk: the rest is still received, and dropped
+                problem = f"{path}: {e.strerror or e}"
+    if fd is not None:
+        try:
+            if problem is None:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if problem is None:
+            os.replace(part, path)
+            fsync_dir(path.parent)
+        else:
+            with contextlib.suppress(OSError):
+                part.unlink()
+    return [problem] if problem else []
+
+
+# ---- the record `hpcscale resume` reads ---------------------------------------------------------------------
+RECORD = "node-local.json"  # in the run directory: which nodes hold the newest node-local step
+RECORD_MAX_BYTES = 4 << 20
+
+
+def write_node_local_record(path: Path, *, step: int, nodes: list[str], holders: dict[str, list[str]]) -> None:
+    """Rank 0, after each node-local save: the step, the nodes that took part (each holds the index), and for
+    each data file the nodes that hold a copy."""
+    import json
+
+    from hpcscale.portable.files import atomic_write
+
+    atomic_write(path, json.dumps({"step": step, "nodes": nodes, "holders": holders}, sort_keys=True) + "\n")
+
+
+@dataclass(frozen=True)
+class LocalChoice:
+    step: int | None  # the node-local step a job on `nodes` can load; None when there is none
+    nodes: list[str]  # surviving nodes that together hold it (the resubmission must include them)
+    why: str
+
+
+def plan_from_record(path: Path, *, lost: set[str], max_nodes: int) -> LocalChoice:
+    """What the node-local tier can give a resubmission that avoids the nodes in `lost`: the newest node-local
+    step (as recorded by the job) if the other nodes that hold it cover every one of its data files, and are no
+    more than the job's nodes. The record is the job's own file in the run directory: read bounded, every field
+    checked; whatever is wrong with it means "no node-local step", said in `why`."""
+    from hpcscale.util.bounded import load_json
+
+    try:
+        data = load_json(path, max_bytes=RECORD_MAX_BYTES, what="node-local record")
+    except FileNotFoundError:
+        return LocalChoice(None, [], "no node-local step recorded")
+    except (OSError, ValueError) as e:
+        return LocalChoice(None, [], f"{path}: unreadable: {e}")
+    ok = (
+        isinstance(data, dict)
+        and type(data.get("step")) is int
+        and data["step"] >= 0
+        and isinstance(data.get("nodes"), list)
+        and all(isinstance(n, str) for n in data["nodes"])
+        and isinstance(data.get("holders"), dict)
+        and all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in data["holders"].values())
+    )
+    if not ok:
+        return LocalChoice(None, [], f"{path}: not a node-local record")
+    step, holders = data["step"], data["holders"]
+    survivors = [n for n in data["nodes"] if n not in lost]
+    uncovered = sorted(f for f, held in holders.items() if not set(held) - lost)
+    if not survivors or uncovered:
+        gone = ", ".join(sorted(lost & set(data["nodes"]))) or "none"
+        return LocalChoice(
+            None, [], f"node-local step {step}: {len(uncovered)} data file(s) held only by lost nodes ({gone})"
+        )
+    # the fewest survivors that hold every file (greedy): those the new job must run on
+    need, chosen = set(holders), []
+    while need:
+        best = max(survivors, key=lambda n: (sum(n in holders[f] for f in need), -survivors.index(n)))
+        chosen.append(best)
+        need = {f for f in need if best not in holders[f]}
+    chosen = chosen or survivors[:1]
+    if len(chosen) > max_nodes:
+        return LocalChoice(None, [], f"node-local step {step}: needs {len(chosen)} nodes, the job has {max_nodes}")
+    return LocalChoice(step, sorted(chosen), f"node-local step {step} is held whole by {', '.join(sorted(chosen))}")

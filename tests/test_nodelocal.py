@@ -1,0 +1,125 @@
+"""The node-local checkpoint tier with real gloo ranks and real files, each emulated node a directory of its
+own: partner copies, recovery from what the surviving nodes hold (a lost node's part from its partner, moved
+over the process group), a corrupt copy refused for the partner's, two lost partners leaving no complete step,
+a full node-local disk failing the save on every rank alike. On the Slurm cluster: tests/test_resume.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, need
+
+from hpcscale.ckpt import nodelocal
+
+HELPER = REPO / "tests" / "helpers" / "nodelocal_ranks.py"
+
+
+def _run(tmp: Path, name: str, *, nodes: list[str], action: str, partners: int = 1, **extra) -> list[dict]:
+    spec = {
+        "world": len(nodes),
+        "store": str(tmp / f"store-{name}"),
+        "base": str(tmp / "nodes"),
+        "out": str(tmp / name),
+        "nodes": nodes,
+        "partners": partners,
+        "action": action,
+        **extra,
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPER), json.dumps(spec), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(len(nodes))
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
+    _run.logs = "\n".join(logs)
+    return [json.loads(Path(f"{tmp / name}.rank-{r}").read_text()) for r in range(len(nodes))]
+
+
+def _files(node_dir: Path, step: int) -> set[str]:
+    return {p.name for p in (node_dir / f"step-{step:08d}" / "data").glob("*.bin")}
+
+
+def test_partners_sit_under_another_leaf_switch_or_the_same_one():
+    order = ["n1", "n2", "n3", "n4"]
+    leaf = {"n1": "s1", "n2": "s1", "n3": "s2", "n4": "s2"}
+    other = nodelocal.plan_partners(order, 1, leaf, rule="other")
+    assert all(leaf[p] != leaf[n] for n, (p,) in other.items())
+    same = nodelocal.plan_partners(order, 1, leaf, rule="same")
+    assert sum(leaf[p] == leaf[n] for n, (p,) in same.items()) >= 2  # a ring: n2 -> n3 crosses either way
+    held = [p for ps in nodelocal.plan_partners(order, 2, leaf, rule="other").values() for p in ps]
+    assert sorted(held) == sorted(order * 2)  # every node holds exactly k others' copies
+    assert nodelocal.plan_partners(["n1"], 3, {}) == {"n1": ()}
+
+
+def test_a_lost_node_is_recovered_from_its_partner_and_a_new_node_gets_what_its_ranks_need(tmp_path):
+    nodes = ["a", "a", "b", "b"]
+    saved = _run(tmp_path, "save", nodes=nodes, action="save", steps=[10, 20])
+    assert all(s == {"10": "saved", "20": "saved"} for s in saved), saved
+    base = tmp_path / "nodes"
+    both = _files(base / "a", 20)
+    assert both == _files(base / "b", 20) and len(both) >= 3  # each node: its own ranks' files and its partner's
+    assert sorted(p.name for p in (base / "a").iterdir() if p.name.startswith("step-")) == [
+        "step-00000010",
+        "step-00000020",
+    ]
+    shutil.rmtree(base / "b")  # node b is lost; c replaces it, empty
+    loaded = _run(tmp_path, "load", nodes=["a", "a", "c", "c"], action="load")
+    assert [r["step"] for r in loaded] == [20] * 4 and all(r["ok"] for r in loaded), loaded
+    files, nbytes = loaded[0]["moved"]
+    assert files >= 1 and nbytes > 0  # c's ranks' data came from a, over the process group
+    assert (base / "c" / "step-00000020" / "index.h5").is_file()
+
+
+def test_a_corrupt_copy_is_refused_and_the_partners_copy_is_taken(tmp_path):
+    nodes = ["a", "b", "c", "d"]  # flat: partners two apart, a <-> c, b <-> d
+    _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])
+    base = tmp_path / "nodes"
+    mine = base / "a" / "step-00000010" / "data" / "rank-00000.bin"
+    assert mine.is_file() and (base / "c" / "step-00000010" / "data" / "rank-00000.bin").is_file()
+    data = bytearray(mine.read_bytes())
+    data[100] ^= 0xFF
+    mine.write_bytes(bytes(data))
+    loaded = _run(tmp_path, "load", nodes=nodes, action="load")
+    assert [r["step"] for r in loaded] == [10] * 4 and all(r["ok"] for r in loaded), loaded
+    assert "rank-00000.bin: the chunk at offset" in _run.logs  # said, then replaced by c's copy
+    assert loaded[0]["moved"][0] >= 1
+
+
+def test_two_lost_nodes_that_partner_each_other_leave_no_complete_step(tmp_path):
+    nodes = ["a", "b", "c", "d"]
+    _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])
+    base = tmp_path / "nodes"
+    shutil.rmtree(base / "a")
+    shutil.rmtree(base / "c")  # a's partner
+    loaded = _run(tmp_path, "load", nodes=["e", "b", "f", "d"], action="load")
+    assert [r["step"] for r in loaded] == [None] * 4  # the caller falls back to the shared tier
+
+
+def test_a_step_older_than_the_shared_tiers_newest_is_not_taken(tmp_path):
+    nodes = ["a", "b"]
+    _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])
+    loaded = _run(tmp_path, "load", nodes=nodes, action="load", at_least=11)
+    assert [r["step"] for r in loaded] == [None, None]
+
+
+def test_a_full_node_local_disk_fails_the_save_on_every_rank_alike_and_keeps_the_older_step(tmp_path):
+    base = tmp_path / "nodes"
+    (base / "b").mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(base / "b")], capture_output=True)
+    need(mounted.returncode == 0, f"mounting a tmpfs (root): {mounted.stderr.decode().strip()}")
+    try:
+        saved = _run(tmp_path, "save", nodes=["a", "b"], action="save", steps=[10])
+    finally:
+        subprocess.run(["umount", "-l", str(base / "b")], check=False)
+    # rank 1 (node b) writes about 200 KB: it fails, and so does the save on both ranks, with the same words
+    assert saved[0] == saved[1] and "No space left on device" in saved[0]["10"], saved
+    assert not list((base / "a").glob("step-*"))  # committed on every node or on none
