@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, need
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hpcscale.ckpt import nodelocal
 
@@ -123,3 +125,56 @@ def test_a_full_node_local_disk_fails_the_save_on_every_rank_alike_and_keeps_the
     # rank 1 (node b) writes about 200 KB: it fails, and so does the save on both ranks, with the same words
     assert saved[0] == saved[1] and "No space left on device" in saved[0]["10"], saved
     assert not list((base / "a").glob("step-*"))  # committed on every node or on none
+
+
+def _record(tmp: Path, data) -> Path:
+    path = tmp / nodelocal.RECORD
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_resume_reads_the_record_to_pick_the_surviving_holders(tmp_path):
+    rec = {
+        "step": 40,
+        "nodes": ["n1", "n2", "n3"],
+        "holders": {
+            "step-00000040/data/rank-00000.bin": ["n1", "n2"],
+            "step-00000040/data/rank-00001.bin": ["n2", "n3"],
+        },
+    }
+    path = _record(tmp_path, rec)
+    choice = nodelocal.plan_from_record(path, lost={"n2"}, max_nodes=3)
+    assert (choice.step, choice.nodes) == (40, ["n1", "n3"])
+    assert nodelocal.plan_from_record(path, lost={"n2"}, max_nodes=1).step is None  # needs 2 nodes
+    lost_both = nodelocal.plan_from_record(path, lost={"n1", "n2"}, max_nodes=3)
+    assert lost_both.step is None and "held only by lost nodes (n1, n2)" in lost_both.why
+    assert (
+        nodelocal.plan_from_record(tmp_path / "none.json", lost=set(), max_nodes=2).why == "no node-local step recorded"
+    )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=20,
+    )
+    | st.fixed_dictionaries(
+        {
+            "step": st.integers(-2, 50) | st.text(max_size=3),
+            "nodes": st.lists(st.sampled_from(["n1", "n2", "n3"]) | st.integers(), max_size=4),
+            "holders": st.dictionaries(st.text(max_size=6), st.lists(st.sampled_from(["n1", "n2", "n3"]), max_size=3)),
+        }
+    ),
+    st.sets(st.sampled_from(["n1", "n2", "n3"])),
+)
+def test_a_crafted_record_never_raises_and_never_names_a_lost_node(tmp_path, data, lost):
+    """The record is a file in the run directory: whatever it holds, resume gets a choice or a reason."""
+    choice = nodelocal.plan_from_record(_record(tmp_path, data), lost=lost, max_nodes=2)
+    assert isinstance(choice.why, str)
+    if choice.step is not None:
+        assert type(choice.step) is int and choice.step >= 0
+        assert choice.nodes and not set(choice.nodes) & lost and len(choice.nodes) <= 2
+        for held in data["holders"].values():  # every file on a chosen node
+            assert set(held) & set(choice.nodes)

@@ -278,13 +278,14 @@ def plan_from_record(path: Path, *, lost: set[str], max_nodes: int) -> LocalChoi
     step (as recorded by the job) if the other nodes that hold it cover every one of its data files, and are no
     more than the job's nodes. The record is the job's own file in the run directory: read bounded, every field
     checked; whatever is wrong with it means "no node-local step", said in `why`."""
+    from hpcscale.errors import BadInput
     from hpcscale.util.bounded import load_json
 
+    if not os.path.lexists(path):
+        return LocalChoice(None, [], "no node-local step recorded")
     try:
         data = load_json(path, max_bytes=RECORD_MAX_BYTES, what="node-local record")
-    except FileNotFoundError:
-        return LocalChoice(None, [], "no node-local step recorded")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, BadInput) as e:
         return LocalChoice(None, [], f"{path}: unreadable: {e}")
     ok = (
         isinstance(data, dict)
@@ -299,7 +300,7 @@ def plan_from_record(path: Path, *, lost: set[str], max_nodes: int) -> LocalChoi
         return LocalChoice(None, [], f"{path}: not a node-local record")
     step, holders = data["step"], data["holders"]
     survivors = [n for n in data["nodes"] if n not in lost]
-    uncovered = sorted(f for f, held in holders.items() if not set(held) - lost)
+    uncovered = sorted(f for f, held in holders.items() if not set(held) & set(survivors))
     if not survivors or uncovered:
         gone = ", ".join(sorted(lost & set(data["nodes"]))) or "none"
         return LocalChoice(
@@ -309,6 +310,8 @@ def plan_from_record(path: Path, *, lost: set[str], max_nodes: int) -> LocalChoi
     need, chosen = set(holders), []
     while need:
         best = max(survivors, key=lambda n: (sum(n in holders[f] for f in need), -survivors.index(n)))
+        if not any(best in holders[f] for f in need):  # cannot happen once every file has a survivor
+            return LocalChoice(None, [], f"node-local step {step}: not held whole by the surviving nodes")
         chosen.append(best)
         need = {f for f in need if best not in holders[f]}
     chosen = chosen or survivors[:1]
