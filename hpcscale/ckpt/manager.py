@@ -397,14 +397,9 @@ class CheckpointManager:
             self.writer.failed()
             why = detail if status != "ok" else next(p for p in problems if p)
             raise RuntimeFailure(f"node-local checkpoint of step {step} failed: {why}")
-        files = detail[1]
-        copies = [
-            (r, nl.leader(p), f)
-            for r in range(len(nl.node_of))
-            for f in [f"{name}/data/rank-{r:05d}.bin"]
-            if f in files
-            for p in nl.partners[nl.node_of[r]]
-        ]
+        files = set(detail[1])
+        writer_of = {f: r for r in range(len(nl.node_of)) if (f := f"{name}/data/rank-{r:05d}.bin") in files}
+        copies = [(r, nl.leader(p), f) for f, r in writer_of.items() for p in nl.partners[nl.node_of[r]]]
         mine = transfer(copies, rank=self.rank, root=self.root, group=self.group)
         failed = [None] * dist.get_world_size()
         dist.all_gather_object(failed, mine, group=self.group)
@@ -412,7 +407,7 @@ class CheckpointManager:
             lost = "; ".join(p for ps in failed for p in ps)
             self.log(f"hpcscale: warning: node-local {name}: partner copies failed: {lost}")
         if self.rank == 0 and self.record is not None:
-            holders = {f: [nl.node_of[int(f[-9:-4])]] for f in files if f.startswith(f"{name}/data/rank-")}
+            holders = {f: [nl.node_of[r]] for f, r in writer_of.items()}
             for src, dst, f in copies:  # a copy counts once neither side said it failed
                 if not any(f in p for p in failed[src] + failed[dst]):
                     holders[f].append(nl.node_of[dst])
@@ -460,12 +455,17 @@ class CheckpointManager:
 
     def newest_committed(self) -> int | None:
         """The newest committed step in `root` (rank 0 lists it, every rank gets it), None when there is none."""
+        return next(iter(self._listed_steps()), None)
+
+    def _listed_steps(self) -> list[int]:
+        """committed_steps(root), newest first, as rank 0 lists them, on every rank ([] when it cannot)."""
         listing: list = [None]
         if self.rank == 0:
             try:
-                listing = [next(iter(committed_steps(self.root)), None)]
-            except OSError as e:  # rank 0 raising alone would leave the others in the broadcast
-                self.log(f"hpcscale: cannot list checkpoints in {self.root}: {e}")
+                listing = [committed_steps(self.root)]
+            except Exception as e:  # rank 0 raising alone would leave the others in the broadcast
+                self.log(f"hpcscale: cannot list checkpoints in {self.root}: {type(e).__name__}: {e}")
+                listing = [[]]
         dist.broadcast_object_list(listing, src=0, group=self.group)
         return listing[0]
 
@@ -490,18 +490,11 @@ class CheckpointManager:
         start: the built-in trainer builds its model again, `ctx.checkpoint.restore` refuses to go on."""
         self.tensors_dirty = False
         dirty = False
-        listing: list = [None]
-        if self.rank == 0:
-            try:
-                listing = [committed_steps(self.root)]
-            except Exception as e:  # rank 0 raising alone would leave the others in the broadcast
-                self.log(f"hpcscale: cannot list checkpoints in {self.root}: {type(e).__name__}: {e}")
-                listing = [[]]
-        dist.broadcast_object_list(listing, src=0, group=self.group)
+        steps = self._listed_steps()
         targets = local_shards(tensors)
         same_layout = False
         refused: list[int] = []
-        for step in listing[0]:
+        for step in steps:
             path = self.root / step_dir_name(step) / INDEX
             problem, index, wrote = None, None, False
             try:

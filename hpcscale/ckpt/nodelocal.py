@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
 
 from hpcscale.ckpt.format import INDEX, Index, committed_steps, open_data_file, read_index, step_dir_name
 from hpcscale.portable.files import fsync_dir
@@ -98,23 +97,23 @@ def build(node_of: list[str], k: int, leaf_of: dict[str, str], leaf_order: list[
 # ---- what a node holds ------------------------------------------------------------------------------------------
 def file_problem(root: Path, index: Index, rel: str) -> str | None:
     """None when `root/rel` holds every chunk `index` places in it with the right hash; else what is wrong."""
+    from hpcscale.ckpt.format import ChunkRef
+    from hpcscale.ckpt.ops import chunk_verdict
+
     t = index.tables
     names = [s.decode() for s in t.strings["files"]]
     if rel not in names:
         return f"{rel}: not a file of {step_dir_name(index.step)}"
-    rows = t.chunks[t.chunks["file"] == names.index(rel)]
+    rows = np.sort(t.chunks[t.chunks["file"] == names.index(rel)], order="offset")
     try:
         fd = open_data_file(root / rel)
     except OSError as e:
         return f"{root / rel}: {e.strerror or e}"
     try:
-        for row in np.sort(rows, order="offset"):
-            length = int(row["length"])
-            data = os.pread(fd, length, int(row["offset"]))
-            if len(data) != length or xxhash.xxh3_128_hexdigest(data) != row["hash"].decode():
-                return f"{root / rel}: the chunk at offset {int(row['offset'])} does not match its hash"
-    except OSError as e:
-        return f"{root / rel}: {e.strerror or e}"
+        for row in rows:
+            ref = ChunkRef(row["hash"].decode(), rel, int(row["offset"]), int(row["length"]))
+            if (verdict := chunk_verdict(fd, ref)) is not None:
+                return f"{root / rel}: the chunk at offset {ref.offset} {verdict}"
     finally:
         os.close(fd)
     return None

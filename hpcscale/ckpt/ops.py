@@ -153,7 +153,7 @@ def latest(path: Path) -> CheckpointInfo | None:
     return _info(root, steps[0]) if steps else None
 
 
-def _chunk_verdict(fd: int, c) -> str | None:
+def chunk_verdict(fd: int, c) -> str | None:
     """None when the chunk's bytes are in place with its hash; else what is wrong (a read error included)."""
     try:
         data = os.pread(fd, c.length, c.offset)
@@ -221,7 +221,7 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
                         if fd is None:
                             verdict[key] = "is in a file that cannot be opened"
                         else:
-                            verdict[key] = _chunk_verdict(fd, c)
+                            verdict[key] = chunk_verdict(fd, c)
                     if verdict[key] is None:
                         report.ok += 1
                     else:
