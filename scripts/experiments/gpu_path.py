@@ -8,6 +8,15 @@
 2. launch: `hpcscale run --local -n 1` of the built-in trainer on cuda with bf16 and async checkpoints (when
    mpirun exists there): stopped with SIGTERM mid-run, resumed with --reuse, its losses against an
    uninterrupted run, bitwise.
+3. node-local tier: the same, with `checkpoint.local` saving to a node-local directory every 3 steps and the
+   shared tier every 10, the rank killed with SIGKILL: the resume must load from the node-local tier (its log
+   line says so) and the losses must again be bitwise.
+4. ckpt_gpu: a 1 GiB state held on the GPU saved (synchronously, and asynchronously: what the loop waits for)
+   against a raw O_DIRECT write of the same bytes from host memory, and a verified load back into GPU memory
+   against a cold raw read, five repetitions side by side.
+5. ckpt_sharded: scripts/bench/ckpt_sharded.py as it is (8 CPU ranks over gloo) on this machine's disk.
+
+    DEVICE=cpu python3 scripts/experiments/gpu_path.py   # parts 2 and 3 on the CPU: a dry run of the script
 """
 
 import json
@@ -135,16 +144,16 @@ def components():
     }
 
 
-JOB = """name: gpu-check
-site: local
+DEVICE = os.environ.get("DEVICE", "cuda")
+JOB = f"""name: gpu-check
+site: SITE
 nodes: 1
 tasks_per_node: 1
-device: cuda
+device: {DEVICE}
 train:
   entry: builtin
-  params: {steps: 30, global_batch: 16, micro_batch: 8, seq_len: 128, n_layer: 4, n_embd: 256, n_head: 4,
-           bf16: true, eval_every: 0}
-checkpoint: {every_steps: 5, async: true}
+  params: {{steps: 30, global_batch: 16, micro_batch: 8, seq_len: 128, n_layer: 4, n_embd: 256, n_head: 4,
+           bf16: {str(DEVICE == "cuda").lower()}, eval_every: 0}}
 """
 
 
@@ -157,16 +166,35 @@ def losses(run: Path) -> dict:
     return out
 
 
-def launch():
+def _rank_pids(run_dir: Path) -> list[int]:
+    """The `hpcscale launch --run-dir RUN_DIR` ranks running now."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"launch" in argv and str(run_dir).encode() in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_resume(tag: str, checkpoint: str, node_local: bool = False) -> dict:
+    """An uninterrupted run (a) against one stopped after 12 losses (SIGTERM to `run`; node_local: SIGKILL to the
+    rank) and resumed with --reuse (b)."""
     if not shutil.which("mpirun"):
         return {"skipped": "no mpirun on this machine"}
     work = Path(tempfile.mkdtemp())
-    (work / "job.yaml").write_text(JOB)
+    site = (Path(__file__).resolve().parents[2] / "site_configs" / "local.yaml").read_text()
+    if node_local:
+        site = site.replace("filesystems:\n", f"filesystems:\n  node_local: {work}/node-local\n")
+    (work / "site.yaml").write_text(site)
+    (work / "job.yaml").write_text(JOB.replace("SITE", str(work / "site.yaml")) + checkpoint)
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     cmd = [sys.executable, "-m", "hpcscale", "run", str(work / "job.yaml"), "--local", "-n", "1"]
     a = subprocess.run([*cmd, "--run-dir", str(work / "a")], capture_output=True, text=True, env=env, timeout=240)
-    (OUT / "launch_a.log").write_text(a.stdout[-20000:] + a.stderr[-20000:])
-    assert a.returncode == 0, a.stderr[-2000:]
+    (OUT / f"{tag}_a.log").write_text(a.stdout[-20000:] + a.stderr[-20000:])
+    assert a.returncode == 0, a.stdout[-1000:] + a.stderr[-2000:]
     p = subprocess.Popen([*cmd, "--run-dir", str(work / "b")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env=env)  # fmt: skip
     deadline = time.time() + 180
@@ -175,14 +203,20 @@ def launch():
         if mf.exists() and sum('"loss"' in x for x in mf.read_text().splitlines()) >= 12:
             break
         time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
+    if node_local:  # a lost node: no save at the stop (SIGTERM saves to the shared tier, correctly)
+        for pid in _rank_pids(work / "b"):
+            os.kill(pid, signal.SIGKILL)
+    else:
+        p.send_signal(signal.SIGTERM)
     out_b, _ = p.communicate(timeout=120)
     rc_b = p.returncode
     c = subprocess.run([*cmd, "--run-dir", str(work / "b"), "--reuse"], capture_output=True, text=True, env=env,
                        timeout=240)  # fmt: skip
-    (OUT / "launch_b.log").write_text(out_b[-20000:] + "\n----- reuse -----\n" + c.stdout[-20000:] + c.stderr[-20000:])
+    (OUT / f"{tag}_b.log").write_text(out_b[-20000:] + "\n----- reuse -----\n" + c.stdout[-20000:] + c.stderr[-20000:])
     la, lb = losses(work / "a"), losses(work / "b")
     same = [s for s in la if s in lb and la[s] == lb[s]]
+    resumed = [x for x in (c.stdout + c.stderr).splitlines() if "resumed from" in x][:1]
+    shutil.rmtree(work, ignore_errors=True)
     return {
         "stop_rc": rc_b,
         "resume_rc": c.returncode,
@@ -190,12 +224,146 @@ def launch():
         "steps_b": len(lb),
         "bitwise_equal_steps": len(same),
         "first_diff": next((s for s in sorted(la) if lb.get(s) != la[s]), None),
-        "resumed_line": [x for x in c.stdout.splitlines() if "resumed from" in x][:1],
+        "resumed_line": resumed,
+        "from_node_local": bool(resumed) and "of the node-local tier" in resumed[0],
     }
 
 
-record("components", components)
-record("launch", launch)
-(OUT / "results.json").write_text(json.dumps(results, indent=2))
+def launch():
+    return stop_resume("launch", "checkpoint: {every_steps: 5, async: true}\n")
+
+
+def nodelocal():
+    return stop_resume("nodelocal", "checkpoint: {every_steps: 10, async: true, local: {every_steps: 3}}\n", True)
+
+
+def ckpt_gpu():
+    """1 GiB on the GPU: save (sync; async = what the loop waits for) vs a raw O_DIRECT write of the same bytes
+    from host memory; verified load into GPU memory vs a cold raw read. Five repetitions, alternating order."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from ckpt import drop_caches
+
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.ckpt.writer import aligned_empty
+    from hpcscale.layout import ParallelDims
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29552", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("nccl", device_id=dev)
+    base = Path(os.environ.get("BENCH_DIR", "/var/tmp/hpcscale-gpu-bench"))
+    shutil.rmtree(base, ignore_errors=True)
+    (base / "raw").mkdir(parents=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    state = {f"w{i:02d}": torch.randn(6400, 1024, device=dev, generator=g) for i in range(40)}  # 25 MiB each
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    host = {k: aligned_empty(t.shape, t.dtype) for k, t in state.items()}
+    dims = ParallelDims(tp=1, pp=1, dp=1)
+    mgr = CheckpointManager(base / "ckpt", dims=dims, rank=0, device=dev, keep_last=100)
+    mgr.save(1, state, {"step": 1}, asynchronous=False)
+
+    def raw_write(rep):
+        fd = os.open(base / "raw" / f"r{rep}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        for t in host.values():
+            os.write(fd, memoryview(t.view(torch.uint8).numpy()))
+        os.fsync(fd)
+        os.close(fd)
+
+    def timed(fn):
+        torch.cuda.synchronize(dev)
+        os.sync()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        return time.perf_counter() - t
+
+    save_s, raw_s, async_block_s, async_total_s = [], [], [], []
+    step = 1
+    for rep in range(5):
+        for k, t in state.items():
+            t.add_(1.0)
+            host[k].copy_(t)
+        order = [0, 1] if rep % 2 == 0 else [1, 0]
+        for o in order:
+            if o == 0:
+                raw_s.append(timed(lambda rep=rep: raw_write(rep)))
+            else:
+                step += 1
+                save_s.append(timed(lambda n=step: mgr.save(n, state, {"step": n}, asynchronous=False)))
+        os.unlink(base / "raw" / f"r{rep}.bin")
+    for _ in range(5):
+        for t in state.values():
+            t.add_(1.0)
+        step += 1
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        mgr.save(step, state, {"step": step}, asynchronous=True)
+        async_block_s.append(time.perf_counter() - t0)
+        mgr.wait()
+        async_total_s.append(time.perf_counter() - t0)
+    saved = {k: t.clone() for k, t in state.items()}
+    newest = base / "ckpt" / f"step-{step:08d}" / "data" / "rank-00000.bin"
+    read_s, load_s, dropped = [], [], True
+
+    def raw_read():
+        fd = os.open(newest, os.O_RDONLY)
+        while os.read(fd, 16 << 20):
+            pass
+        os.close(fd)
+
+    fresh = {k: torch.empty_like(t) for k, t in state.items()}
+    loader = CheckpointManager(base / "ckpt", dims=dims, rank=0, device=dev, keep_last=100)
+    for rep in range(5):
+        order = [0, 1] if rep % 2 == 0 else [1, 0]
+        for o in order:
+            dropped = drop_caches() and dropped
+            if o == 0:
+                read_s.append(timed(raw_read))
+            else:
+                load_s.append(timed(lambda: loader.load_latest(fresh, check_rng=False)))
+    ok = all(torch.equal(fresh[k], saved[k]) for k in saved) and all(t.device == dev for t in fresh.values())
+    mgr.close()
+    loader.close()
+    dist.destroy_process_group()
+    shutil.rmtree(base, ignore_errors=True)
+    r = lambda xs: [round(x, 3) for x in xs]  # noqa: E731
+    return {
+        "gib": nbytes / 2**30,
+        "save_s": r(save_s),
+        "raw_direct_write_s": r(raw_s),
+        "save_vs_raw_write": r([w / s for w, s in zip(raw_s, save_s, strict=True)]),
+        "async_blocking_s": r(async_block_s),
+        "async_total_s": r(async_total_s),
+        "load_s": r(load_s),
+        "raw_read_s": r(read_s),
+        "load_vs_cold_raw_read": r([rd / ld for rd, ld in zip(read_s, load_s, strict=True)]),
+        "cache_dropped": dropped,
+        "loaded_bitwise_on_gpu": ok,
+    }
+
+
+def ckpt_sharded():
+    script = Path(__file__).resolve().parents[1] / "bench" / "ckpt_sharded.py"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU ranks: eight ranks cannot share the one GPU
+    out = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True, timeout=400, env=env)
+    assert out.returncode == 0, out.stdout[-1500:] + out.stderr[-1500:]
+    doc = json.loads(out.stdout[out.stdout.index("{") :])
+    return {k: v for k, v in doc.items() if k != "measured"} | {"cpus": os.cpu_count()}
+
+
+def save_results():
+    (OUT / "results.json").write_text(json.dumps(results, indent=2))
+
+
+parts = {
+    "components": components,
+    "launch": launch,
+    "nodelocal": nodelocal,
+    "ckpt_gpu": ckpt_gpu,
+    "ckpt_sharded": ckpt_sharded,
+}
+for name in os.environ.get("PARTS", ",".join(parts)).split(","):
+    record(name, parts[name])
+    save_results()
 shown = {k: ({kk: vv for kk, vv in v.items() if kk != "tb"} if isinstance(v, dict) else v) for k, v in results.items()}
 print(json.dumps(shown, indent=1))
