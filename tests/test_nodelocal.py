@@ -6,9 +6,11 @@ a full node-local disk failing the save on every rank alike. On the Slurm cluste
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import REPO, need
@@ -20,7 +22,9 @@ from hpcscale.ckpt import nodelocal
 HELPER = REPO / "tests" / "helpers" / "nodelocal_ranks.py"
 
 
-def _run(tmp: Path, name: str, *, nodes: list[str], action: str, partners: int = 1, **extra) -> list[dict]:
+def _run(
+    tmp: Path, name: str, *, nodes: list[str], action: str, partners: int = 1, env=None, fails=False, **extra
+) -> list[dict]:
     spec = {
         "world": len(nodes),
         "store": str(tmp / f"store-{name}"),
@@ -37,9 +41,17 @@ def _run(tmp: Path, name: str, *, nodes: list[str], action: str, partners: int =
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env={**os.environ, **(env or {})},
         )
         for r in range(len(nodes))
     ]
+    if fails:  # a rank kills itself: the others are ended as mpirun would, once it is gone
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        for p in procs:
+            p.kill()
+        return [p.communicate()[0] for p in procs]
     logs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(logs)
     _run.logs = "\n".join(logs)
@@ -178,3 +190,50 @@ def test_a_crafted_record_never_raises_and_never_names_a_lost_node(tmp_path, dat
         assert choice.nodes and not set(choice.nodes) & lost and len(choice.nodes) <= 2
         for held in data["holders"].values():  # every file on a chosen node
             assert set(held) & set(choice.nodes)
+
+
+def _hashes(root: Path, step: int) -> dict[str, list[list[str]]]:
+    from hpcscale.ckpt.format import read_index
+
+    index = read_index(root / f"step-{step:08d}" / "index.h5")
+    return {t: [[c.hash for c in sh.chunks] for sh in index.tensors[t].shards] for t in index.tensors}
+
+
+def test_a_drain_ships_only_the_chunks_the_shared_tier_lacks_and_commits_the_same_content(tmp_path):
+    nodes = ["a", "a", "b", "b"]
+    out = _run(tmp_path, "drain", nodes=nodes, action="drain", steps=[2, 4])
+    shared = tmp_path / "nodes" / "shared"
+    frozen = (1 << 18) * 2  # bf16 bytes of the one tensor that never changes
+    assert sum(o["2"]["referenced"] for o in out) == 0
+    assert sum(o["4"]["referenced"] for o in out) == frozen  # the second drain does not write it again
+    assert sum(o["4"]["new"] for o in out) == sum(o["2"]["new"] for o in out) - frozen
+    for step in (2, 4):  # the same chunks, tensor by tensor, as the node-local step it came from
+        assert _hashes(shared, step) == _hashes(tmp_path / "nodes" / "a", step)
+        done = subprocess.run(
+            [sys.executable, "-m", "hpcscale", "ckpt", "verify", str(shared / f"step-{step:08d}")],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    # the drained step 4 refers to step 2's files for the frozen tensor: incremental on the shared tier
+    from hpcscale.ckpt.format import read_index
+
+    files = read_index(shared / "step-00000004" / "index.h5").files()
+    assert any(f.startswith("step-00000002/") for f in files)
+
+
+def test_kill_9_during_a_drain_leaves_the_shared_tiers_previous_step_whole(tmp_path):
+    nodes = ["a", "a", "b", "b"]
+    _run(tmp_path, "drain-ok", nodes=nodes, action="drain", steps=[2])
+    logs = _run(
+        tmp_path, "drain-killed", nodes=nodes, action="drain", steps=[4], env={"HPCSCALE_CKPT_FAULT": "drain_read@1"},
+        fails=True,
+    )  # fmt: skip
+    shared = tmp_path / "nodes" / "shared"
+    assert (tmp_path / "nodes" / "a" / "step-00000004" / "index.h5").exists(), logs  # saved locally, not drained
+    assert sorted(p.name for p in shared.glob("step-*")) == ["step-00000002"]
+    assert (shared / "LATEST").read_text().strip() == "step-00000002"
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcscale", "ckpt", "verify", str(shared)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

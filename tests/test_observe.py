@@ -311,6 +311,38 @@ def test_auto_interval_plans_longer_intervals_when_saves_get_slower(mpi, tmp_pat
     assert status["checkpoint_interval"]["next_at"] == plans[-1]["next_at"]
 
 
+def test_each_tier_plans_its_own_auto_interval_and_the_shared_saves_are_drained(mpi, tmp_path):
+    """`every_steps: auto` on both tiers: the node-local tier plans from its own saves' cost, each shared save is
+    taken on the node-local tier and drained from there, and both plans are recorded apart."""
+    site = tmp_path / "flaky.yaml"
+    local = yaml.safe_load((Path(__file__).parent.parent / "site_configs" / "local.yaml").read_text())
+    local["name"] = "flaky"
+    local["reliability"] = {"node_mtbf_hours": 0.001}
+    local["filesystems"]["node_local"] = str(tmp_path / "node-local")
+    site.write_text(yaml.safe_dump(local))
+    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=2, steps=60, checkpoint={"every_steps": "auto"})
+    spec = yaml.safe_load(job.read_text())
+    spec["site"] = str(site)
+    spec["checkpoint"]["local"] = {"every_steps": "auto"}
+    job.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "run"
+    r = run_cli("run", "--local", str(job), "--run-dir", str(run), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    local_plans = [row["local_checkpoint_interval"] for row in _rows(run, "local_checkpoint_interval")]
+    local_saves = [row["local_checkpoint"] for row in _rows(run, "local_checkpoint")]
+    shared_saves = [row["checkpoint"] for row in _rows(run, "checkpoint")]
+    assert local_plans and _rows(run, "checkpoint_interval"), r.stdout[-3000:]
+    assert local_saves[0] == 10 and local_plans[0]["next_at"] == 10 + local_plans[0]["steps"]
+    planned = [p["next_at"] for p in local_plans if p["next_at"] < 60]
+    assert set(planned) <= set(local_saves)  # each node-local save where its plan said
+    for p in local_plans:
+        assert "Daly optimum" in p["why"], p
+    log = r.stdout + r.stderr
+    drained = [int(x.split()[2]) for x in log.splitlines() if "drained from the node-local tier" in x]
+    assert drained and set(drained) <= set(local_saves) and set(drained) <= set(shared_saves), log[-3000:]
+    assert "next node-local checkpoint at step" in log
+
+
 # ---- a real straggler on the local Slurm cluster -------------------------------------------------------------
 def _slurm_ranks(run: Path) -> dict[int, tuple[str, int]]:
     """pid -> (node, SLURM_LOCALID) of every rank of the run."""

@@ -261,7 +261,8 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
     """checkpoint.local: every 5 steps to each node's own directory (the cluster's per-node TmpFS), a partner
     copy on the other node. A rank on n2 killed and n2's directory gone (the node lost): the resume runs without
     n2, from the newest node-local step, n2's part taken from n1's partner copy and moved over the process group
-    to the replacement node; nothing is read from the shared tier, and the losses are the uninterrupted run's."""
+    to the replacement node; nothing is read from the shared tier, and the losses are the uninterrupted run's.
+    The shared tier's periodic saves (every 25 steps) are drained from the node-local tier, and verify."""
     run = tmp_path / "run"
     job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 0})
     spec = yaml.safe_load(job.read_text())
@@ -289,6 +290,14 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
         m = re.search(r"resumed from checkpoint step (\d+) of the node-local tier \((\d+) data file", log)
         assert m and int(m.group(1)) % 5 == 0 and int(m.group(2)) >= 1, log[-3000:]
         assert "nothing read from the shared tier" in log
+        # the shared tier's saves were drained from the node-local tier, and what was drained verifies
+        assert re.search(r"checkpoint 50 saved: [\d.]+ s blocking, drained from the node-local tier", log), log[-3000:]
+        drained = {int(x) for x in re.findall(r"checkpoint (\d+) saved: [\d.]+ s blocking, drained", log)}
+        kept = sorted(run.glob("checkpoints/step-*"))
+        assert drained & {int(p.name[5:]) for p in kept}, (drained, kept)
+        for step_dir in kept:
+            done = run_cli("ckpt", "verify", str(step_dir))
+            assert done.returncode == 0, done.stdout + done.stderr
         _assert_matches(run, reference)
     finally:
         for node in node_dirs.glob("n*"):

@@ -9,7 +9,7 @@ import torch
 
 from hpcscale.ckpt.format import INDEX, read_index
 from hpcscale.ckpt.ops import data_file_problem
-from hpcscale.ckpt.reader import ChunkReader, _torch_dtype, read_shard_region
+from hpcscale.ckpt.reader import ChunkReader, read_shard_region, torch_dtype
 from hpcscale.errors import BadInput, VerificationFailure
 
 
@@ -33,7 +33,7 @@ def consolidated(step_dir: Path, *, prefix: str = "model/") -> dict[str, torch.T
                 raise VerificationFailure(
                     f"tensor {name}: its shards cover {covered} of {math.prod(rec.global_shape)} elements"
                 )
-            t = torch.empty(rec.global_shape, dtype=_torch_dtype(rec.dtype))
+            t = torch.empty(rec.global_shape, dtype=torch_dtype(rec.dtype))
             for s in rec.shards:
                 hi = [o + n for o, n in zip(s.offset, s.shape, strict=True)]
                 t[tuple(slice(o, h) for o, h in zip(s.offset, hi, strict=True))] = read_shard_region(

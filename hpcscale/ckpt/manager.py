@@ -32,9 +32,11 @@ from hpcscale.ckpt.format import DIGEST, INDEX, REFUSED, committed_steps, read_i
 from hpcscale.ckpt.nodelocal import (
     NodeLocal,
     complete_steps,
+    drain_source,
     holdings,
     needed_files,
     transfer,
+    verify_held,
     write_node_local_record,
 )
 from hpcscale.ckpt.reader import load_shards
@@ -262,6 +264,46 @@ class CheckpointManager:
             self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
         return self.last_stats
 
+    def drain(self, source: Path, step: int) -> SaveStats:
+        """Save step `step` of the node-local tier rooted at `source` (this node's directory) to this tier, in the
+        background, as an asynchronous save does: each rank reads the shards it wrote there from its own data file
+        (every chunk verified against its hash), and the write deduplicates against this tier (only chunks it
+        lacks are written) and commits with this tier's protocol; the trainer state and RNG states are the ones
+        saved with that step. Nothing is copied from the live tensors, so the caller is not blocked at all. A
+        source that cannot be read fails the drain on every rank alike, raised by the next wait()."""
+        if self.read_only:
+            raise RuntimeError(f"checkpoints in {self.root} are opened read-only: nothing is saved there")
+        self.wait()
+        if step == self.last_step:
+            return self.last_stats or SaveStats(step, 0.0, 0, 0)
+        if step in self._refused:
+            self._refused.discard(step)
+            self._set_aside([step])
+        parent = step_dir_name(self.last_step) if self.last_step is not None else None
+        self._bg.submit(self._drain, Path(source), step, parent)
+        self._pending = True
+        self.last_stats = SaveStats(step, 0.0, 0, 0)
+        return self.last_stats
+
+    def _drain(self, source: Path, step: int, parent: str | None) -> None:
+        """On the writer thread: read this rank's part of node-local step `step`, then write and commit it."""
+        t0 = time.perf_counter()
+        pending, rng, state, problem = [], {}, {}, None
+        try:
+            pending, rng, state = drain_source(source, step, self.rank)
+            if self.lineage is not None:
+                from hpcscale.ckpt.lineage import TAG, for_save
+
+                state[TAG] = for_save(self.lineage, state, parent)
+        except Exception as e:
+            problem = f"rank {self.rank}: node-local {step_dir_name(step)}: {type(e).__name__}: {e}"
+        faults.fault("drain_read", self.rank)
+        result = self._write(step, pending, rng, state, parent, problem=problem)
+        for p in pending:  # what was drained is not the live tensor: the next save reads every one of them again
+            self.writer._versions.pop(f"{p.shard.name}@{p.shard.offset}", None)
+        if self.last_stats is not None:
+            self.last_stats = SaveStats(step, 0.0, result.new_bytes, result.referenced_bytes, time.perf_counter() - t0)
+
     def _writer_table(self, shards: list) -> dict:
         """shards.writers() for these tensors, computed once for each set of names, shapes and placements (it
         depends on nothing else, and at thousands of ranks it is seconds of work)."""
@@ -310,10 +352,11 @@ class CheckpointManager:
                 time.perf_counter() - t0,
             )
 
-    def _write(self, step, pending, rng, trainer_state, parent):
-        rows, result, error = [], None, None
+    def _write(self, step, pending, rng, trainer_state, parent, *, problem: str | None = None):
+        rows, result, error = [], None, problem
         try:
-            rows, result = self.writer.write(step, pending)
+            if problem is None:
+                rows, result = self.writer.write(step, pending)
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         parts = [None] * dist.get_world_size() if self.rank == 0 else None
@@ -428,6 +471,10 @@ class CheckpointManager:
             if step is None or s > step:
                 (self.root / step_dir_name(s) / INDEX).unlink(missing_ok=True)  # not a step any more, first
                 shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+
+    def busy(self) -> bool:
+        """Whether an asynchronous save or drain is still running (wait() would block); never blocks."""
+        return self._pending and self._bg.busy
 
     def wait(self) -> None:
         """Block until the save in flight is committed; raise its error if it failed, or that the writer thread
@@ -561,7 +608,9 @@ class CheckpointManager:
         every rank and the next older one tried. None when none is left (`tensors_dirty` as in load_latest)."""
         nl = self.node_local
         self.tensors_dirty = False
-        held = holdings(self.root, verify=True, log=self.log) if self._keeper else None
+        # what each node holds (indexes read and checked, data files present); the chunks are hashed only for the
+        # step tried, below: an older step is read only when a newer one fails
+        held = holdings(self.root, verify=False, log=self.log) if self._keeper else None
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, held, group=self.group)
         per_node = {nl.node_of[r]: h for r, h in enumerate(everyone) if h is not None}
@@ -572,6 +621,18 @@ class CheckpointManager:
             if at_least is not None and step < at_least:
                 break
             name = step_dir_name(step)
+            verified = [verify_held(self.root, step, held.get(step), log=self.log)] if self._keeper else None
+            dist.all_gather_object(everyone, verified, group=self.group)
+            for r, v in enumerate(everyone):
+                if v is not None:  # a keeper's word on its node: what verifies, or nothing
+                    if v[0] is None:
+                        per_node[nl.node_of[r]].pop(step, None)
+                    else:
+                        per_node[nl.node_of[r]][step] = v[0]
+            if step not in complete_steps({nd: {step: h[step]} for nd, h in per_node.items() if step in h}):
+                if self.rank == 0:
+                    self.log(f"hpcscale: node-local {name}: the copies that verify do not make it whole")
+                continue
             have = {nd: set(h[step][1]) if step in h else None for nd, h in per_node.items()}
             source = {}  # file -> the first node (in node order) that holds a verified copy
             for nd in nl.nodes:
@@ -702,6 +763,11 @@ class _Background:
         with self._cv:
             while not self._cv.wait_for(lambda: not self._busy, timeout=self.POLL_S):
                 self._raise_if_dead()
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return self._busy
 
     def take_error(self) -> BaseException | None:
         with self._cv:

@@ -144,6 +144,27 @@ def holdings(root: Path, *, verify: bool, log=None) -> dict[int, tuple[str, list
     return out
 
 
+def verify_held(root: Path, step: int, held: tuple | None, *, log=None) -> tuple | None:
+    """`held` (holdings' entry for `step` on this node) with only the data files whose chunks all hash right."""
+    if held is None:
+        return None
+    digest, files, named = held
+    try:
+        index = read_index(root / step_dir_name(step) / INDEX)
+    except Exception as e:
+        if log:
+            log(f"hpcscale: node-local {step_dir_name(step)} on this node is refused: {e}")
+        return None
+    good = []
+    for rel in files:
+        problem = file_problem(root, index, rel)
+        if problem is None:
+            good.append(rel)
+        elif log:
+            log(f"hpcscale: node-local copy refused: {problem}")
+    return (digest if index.digest == digest else index.digest, good, named)
+
+
 def complete_steps(per_node: dict[str, dict[int, tuple[str, list[str], list[str]]]]) -> list[int]:
     """Every step that the nodes together hold whole, newest first: the nodes that hold its index agree on the
     digest, and every file that index names is held (and verified) by at least one node."""
@@ -175,79 +196,182 @@ def needed_files(index: Index, targets) -> set[str]:
 
 
 # ---- moving files between nodes -------------------------------------------------------------------------------
+def drain_source(root: Path, step: int, rank: int) -> tuple[list, dict, dict]:
+    """What rank `rank` wrote for node-local step `step` under `root` (its node's directory), read back for a
+    drain to the shared tier: its shards as PendingShards over host tensors (every chunk verified against its
+    hash), its RNG states and the step's trainer state. A step stands alone, so every chunk of a shard this rank
+    wrote is in this rank's own data file."""
+    from hpcscale.ckpt.reader import ChunkReader, torch_dtype
+    from hpcscale.ckpt.shards import LocalShard
+    from hpcscale.ckpt.writer import PendingShard
+    from hpcscale.errors import VerificationFailure
+
+    name = step_dir_name(step)
+    index = read_index(root / name / INDEX)
+    if index.step != step or rank not in index.rng:
+        raise VerificationFailure(f"{root / name}: the index is of step {index.step}, without rank {rank}")
+    own = f"{name}/data/rank-{rank:05d}.bin"
+    reader = ChunkReader(root)
+    out = []
+    try:
+        for tensor in index.tensors:
+            rec = index.tensors[tensor]
+            for shard in rec.shards:
+                if not shard.chunks or shard.chunks[0].file != own:
+                    continue
+                if any(c.file != own for c in shard.chunks):
+                    raise VerificationFailure(f"{root / name}: tensor {tensor} has chunks outside {own}")
+                data = torch.empty(sum(c.length for c in shard.chunks), dtype=torch.uint8)
+                view, pos = memoryview(data.numpy()), 0
+                for c in shard.chunks:
+                    reader.read(tensor, c, view[pos : pos + c.length])
+                    pos += c.length
+                t = data.view(torch_dtype(rec.dtype)).reshape(shard.shape)
+                out.append(PendingShard(LocalShard(tensor, t, tuple(rec.global_shape), tuple(shard.offset)), t))
+    finally:
+        reader.close()
+    return out, index.rng[rank], dict(index.trainer_state)
+
+
 def transfer(
     transfers: list[tuple[int, int, str]], *, rank: int, root: Path, group, received: list | None = None
 ) -> list[str]:
     """Run `transfers` ((source rank, destination rank, path under root), the same list on every rank): each
     source sends its node's copy of the file, each destination writes it under its node's root (a temporary
     name, fsynced, then renamed). Returns the problems this rank met; a transfer that fails on one side is
-    still completed on the other (a source that cannot read sends a length of -1), so no rank is left waiting.
-    `received`, when given, gets the size of each file this rank received."""
-    problems = []
-    for src, dst, rel in transfers:
-        if rank == src:
-            problems += _send(root / rel, dst, group)
-        elif rank == dst:
-            problems += _recv(root / rel, src, group, received)
+    still completed on the other (a source that cannot read sends a length of -1; a destination that cannot
+    write receives and drops), so no rank is left waiting. `received`, when given, gets the size of each file
+    this rank received.
+
+    All transfers run at once: the sizes first, then the files piece by piece (PIECE bytes of every file in
+    flight together, each tagged with its place in the list), so a ring of partners moves every node's copy in
+    the time of one, and a rank holds at most one piece per file it sends or receives in memory."""
+    mine = [(i, src, dst, root / rel) for i, (src, dst, rel) in enumerate(transfers) if rank in (src, dst)]
+    if not mine:
+        return []
+    problems: list[str] = []
+    ends: dict[int, _End] = {}
+    for i, src, dst, path in mine:
+        end = _End(path, peer=dst if rank == src else src, sending=rank == src)
+        problem = end.open_send() if end.sending else None
+        if problem:
+            problems.append(problem)
+        ends[i] = end
+    heads = {i: torch.tensor([e.size], dtype=torch.int64) for i, e in ends.items()}
+    _wait_all((dist.isend if e.sending else dist.irecv)(heads[i], e.peer, group=group, tag=i) for i, e in ends.items())
+    for i, e in ends.items():
+        if not e.sending:
+            e.size = int(heads[i][0])
+            if e.size < 0:
+                problems.append(f"{e.path}: the node sending it could not read it")
+                continue
+            if received is not None:
+                received.append(e.size)
+            problem = e.open_receive()
+            if problem:
+                problems.append(problem)
+    live = {i: e for i, e in ends.items() if e.size >= 0}
+    for start in range(0, max((e.size for e in live.values()), default=0), PIECE):
+        now = {i: e for i, e in live.items() if e.size > start}
+        works = []
+        for i, e in now.items():
+            n = min(PIECE, e.size - start)
+            if e.buf is None or e.buf.numel() < n:
+                e.buf = torch.empty(min(PIECE, e.size), dtype=torch.uint8)
+            piece = e.buf[:n]
+            if e.sending:
+                e.read(piece, start)
+                works.append(dist.isend(piece, e.peer, group=group, tag=i))
+            else:
+                works.append(dist.irecv(piece, e.peer, group=group, tag=i))
+        _wait_all(works)
+        for e in now.values():
+            if not e.sending:
+                e.write(e.buf[: min(PIECE, e.size - start)], start)
+    for e in ends.values():
+        problem = e.finish()
+        if problem:
+            problems.append(problem)
     return problems
 
 
-def _send(path: Path, dst: int, group) -> list[str]:
-    try:
-        fd = open_data_file(path)
-        size = os.fstat(fd).st_size
-    except OSError as e:
-        dist.send(torch.tensor([-1], dtype=torch.int64), dst=dst, group=group)
-        return [f"{path}: {e.strerror or e}"]
-    try:
-        dist.send(torch.tensor([size], dtype=torch.int64), dst=dst, group=group)
-        for start in range(0, size, PIECE):
-            n = min(PIECE, size - start)
-            data = os.pread(fd, n, start)
-            buf = torch.frombuffer(bytearray(data.ljust(n, b"\0")), dtype=torch.uint8)
-            dist.send(buf, dst=dst, group=group)
-    finally:
-        os.close(fd)
-    return []
+def _wait_all(works) -> None:
+    for w in list(works):
+        w.wait()
 
 
-def _recv(path: Path, src: int, group, received: list | None) -> list[str]:
-    head = torch.zeros(1, dtype=torch.int64)
-    dist.recv(head, src=src, group=group)
-    size = int(head[0])
-    if size < 0:
-        return [f"{path}: the node sending it could not read it"]
-    if received is not None:
-        received.append(size)
-    problem = None
-    part = path.with_name(path.name + ".partial")
-    fd = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    except OSError as e:
-        problem = f"{path}: {e.strerror or e}"
-    for start in range(0, size, PIECE):
-        buf = torch.empty(min(PIECE, size - start), dtype=torch.uint8)
-        dist.recv(buf, src=src, group=group)
-        if fd is not None and problem is None:
-            try:
-                os.pwrite(fd, buf.numpy().tobytes(), start)
-            except OSError as e:  # a full disk: the rest is still received, and dropped
-                problem = f"{path}: {e.strerror or e}"
-    if fd is not None:
+class _End:
+    """One side of one file's transfer on this rank."""
+
+    def __init__(self, path: Path, *, peer: int, sending: bool):
+        self.path, self.peer, self.sending = path, peer, sending
+        self.size = -1
+        self.fd: int | None = None
+        self.buf: torch.Tensor | None = None
+        self.problem: str | None = None
+        self.reported: str | None = None  # the problem open_send/open_receive returned
+        self.part = path.with_name(path.name + ".partial")
+
+    def open_send(self) -> str | None:
         try:
-            if problem is None:
-                os.fsync(fd)
+            self.fd = open_data_file(self.path)
+            self.size = os.fstat(self.fd).st_size
+        except OSError as e:
+            self.problem = self.reported = f"{self.path}: {e.strerror or e}"
+        return self.problem
+
+    def read(self, piece: torch.Tensor, start: int) -> None:
+        view = memoryview(piece.numpy())
+        got = 0
+        if self.problem is None:
+            try:
+                got = os.preadv(self.fd, [view], start)
+            except OSError as e:
+                self.problem = f"{self.path}: {e.strerror or e}"
+        if got < len(view):  # shorter than its size said (truncated meanwhile): the receiver's hashes will tell
+            view[got:] = bytes(len(view) - got)
+
+    def open_receive(self) -> str | None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            self.problem = self.reported = f"{self.path}: {e.strerror or e}"
+        return self.problem
+
+    def write(self, piece: torch.Tensor, start: int) -> None:
+        if self.fd is None or self.problem is not None:
+            return  # received and dropped: the sender is never left waiting
+        try:
+            view = memoryview(piece.numpy())
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], start + done)
+        except OSError as e:  # a full disk
+            self.problem = f"{self.path}: {e.strerror or e}"
+
+    def finish(self) -> str | None:
+        """Close; a received file is fsynced and renamed into place, or removed when it failed. Returns a
+        problem not yet reported."""
+        if self.fd is None:
+            return None
+        try:
+            if not self.sending and self.problem is None:
+                os.fsync(self.fd)
+        except OSError as e:
+            self.problem = f"{self.path}: {e.strerror or e}"
         finally:
-            os.close(fd)
-        if problem is None:
-            os.replace(part, path)
-            fsync_dir(path.parent)
+            os.close(self.fd)
+            self.fd = None
+        if self.sending:
+            return self.problem if self.problem != self.reported else None
+        if self.problem is None:
+            os.replace(self.part, self.path)
+            fsync_dir(self.path.parent)
         else:
             with contextlib.suppress(OSError):
-                part.unlink()
-    return [problem] if problem else []
+                self.part.unlink()
+        return self.problem if self.problem != self.reported else None
 
 
 # ---- the record `hpcscale resume` reads ---------------------------------------------------------------------

@@ -94,7 +94,7 @@ class ChunkReader:
         self._fds.clear()
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype) or dt.itemsize != DTYPE_SIZES.get(name):
         raise VerificationFailure(f"unknown dtype '{name}' in the index")
@@ -192,7 +192,7 @@ def plan_reads(index: Index, targets: list[LocalShard]) -> tuple[list, list, lis
             raise VerificationFailure(
                 f"tensor {t.name}: saved with shape {rec.global_shape}, the model has {t.global_shape}"
             )
-        dtype = _torch_dtype(rec.dtype)
+        dtype = torch_dtype(rec.dtype)
         covered = 0
         for shard in overlapping(rec, t):
             lo, hi = _overlap(shard.offset, shard.shape, t.offset, tuple(t.tensor.shape))

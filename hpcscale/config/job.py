@@ -79,9 +79,11 @@ class Train:
 class NodeLocalTier:
     """Checkpoints on each node's own storage, with partner copies on other nodes (docs/checkpoint-format.md)."""
 
-    every_steps: int = setting(
+    every_steps: int | Literal["auto"] = setting(
         "Save to the node-local tier every N steps; 0 (the default) turns the tier off. Independent of "
-        "`checkpoint.every_steps`, the shared tier's period: a node-local save is cheap, so it can be frequent.",
+        "`checkpoint.every_steps`, the shared tier's period: a node-local save is cheap, so it can be frequent. "
+        "`auto`: Young/Daly from the node-local saves' own measured cost, as `checkpoint.every_steps: auto` does "
+        "for the shared tier. Each shared-tier save is then taken on the node-local tier and drained from there.",
         default=0,
         min=0,
     )

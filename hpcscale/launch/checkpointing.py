@@ -120,6 +120,10 @@ class Checkpointer:
         self._dp_wait_last = 0.0
         self._collective_last = 0.0
         self._background_before: float | None = None
+        self._drain_due: int | None = None  # a periodic save saved to the node-local tier, drained at the next step
+        self._drain_pin: int | None = None  # the node-local step a drain in flight reads (kept from retention)
+        self._local_saves = None  # the node-local tier's SaveSchedule (checkpoint.local.every_steps), made at restore
+        self._local_background_before: float | None = None
 
     # ---- the two calls --------------------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None = None, optimizer: Any = None, **state: Any) -> int:
@@ -269,7 +273,12 @@ class Checkpointer:
         self._stepped = True
         settle(self._ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
         t_sync = time.perf_counter()
-        if self._ctx.should_stop():
+        # the stop flag, and whether a drain due can start without waiting: one all-reduce, so every rank agrees
+        draining = self._drain_due is not None
+        stop, tier_busy = self._ctx._any_of(
+            self._ctx.stop.requested, draining and (self._local.busy() or self.manager.busy())
+        )
+        if stop:
             self.save(step + 1, asynchronous=False)
             self.manager.wait()
             self._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
@@ -282,16 +291,24 @@ class Checkpointer:
         self._saves.step(work_s)
         ckpt_s = 0.0
         last = self.steps is not None and step + 1 >= self.steps
+        if draining and not tier_busy:  # the node-local save it reads is committed on every node: no wait
+            ckpt_s += self._drain()
         if last:
             pass  # close() saves the end state, after the code's own end (a final evaluation) and the round in flight
         elif self._rounds is not None and self._rounds.is_boundary(step + 1):
             self._round_boundary(step + 1)
+        elif self._saves.due(step + 1) and self._local is not None:
+            if self._drain_due is not None:  # the one before has waited a whole period: wait for it now
+                ckpt_s += self._drain()
+            self._drain_due = step + 1  # to the node-local tier below, then drained to the shared tier from there
         elif self._saves.due(step + 1):
             ckpt_s = self.save(step + 1, asynchronous=self._policy.asynchronous)
             self._saves.saved(step + 1, ckpt_s, self._background_before)
-        local_every = self._policy.local.every_steps
-        if self._local is not None and local_every and (step + 1) % local_every == 0 and not last:
-            ckpt_s += self._save_local(step + 1)
+        if self._local is not None and not last and (self._local_saves.due(step + 1) or self._drain_due == step + 1):
+            blocking = self._save_local(step + 1)
+            if self._local_saves.due(step + 1):
+                self._local_saves.saved(step + 1, blocking, self._local_background_before)
+            ckpt_s += blocking
         if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1) and not last:
             self.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
             self._rounds.poll(step + 1)  # adopt the round in flight if it has landed
@@ -331,7 +348,7 @@ class Checkpointer:
         tensors, state = self._state_for_save(done_steps)
         with self._watchdog.paused("checkpoint"):
             t = time.perf_counter()
-            self.manager.wait()
+            self._shared_wait()
             waited = time.perf_counter() - t
             before = self.manager.last_stats
             # defer_staging: even the copy to host memory runs in the background; the optimizers' pre-step hook
@@ -376,6 +393,8 @@ class Checkpointer:
         with self._watchdog.paused("checkpoint"):
             t = time.perf_counter()
             self._local_wait()
+            before = local.last_stats  # what the save before wrote in the background: its cost, for `auto`
+            self._local_background_before = (before.background_s or None) if before is not None else None
             try:
                 local.save(done_steps, tensors, state, asynchronous=self._policy.asynchronous)
             except (RuntimeFailure, OSError) as e:  # the same on every rank: the outcome is agreed on
@@ -385,6 +404,54 @@ class Checkpointer:
             step=done_steps - 1, local_checkpoint=done_steps, local_checkpoint_blocking_s=round(blocking, 6)
         )
         return blocking
+
+    def _drain(self) -> float:
+        """The periodic save of step `_drain_due` went to the node-local tier: drain it to the shared tier in the
+        background (ckpt.manager.drain: only the chunks the shared tier lacks are written). step() calls this at
+        the first step where no rank's tiers are busy, so nothing is waited for; a save period later it waits. If
+        that node-local save failed, save the present state to the shared tier instead, as without the tier.
+        Returns the seconds the caller was blocked."""
+        n, self._drain_due = self._drain_due, None
+        local = self._local
+        with self._watchdog.paused("checkpoint"):
+            t = time.perf_counter()
+            self._local_wait()  # its outcome is the same on every rank: so is the choice below
+            if local.last_step != n:
+                self._ctx.metrics.print(
+                    f"hpcscale: node-local step {n} was not saved: saving step {self._done} to the shared tier instead"
+                )
+                blocking = self.save(self._done, asynchronous=self._policy.asynchronous)
+                self._saves.saved(n, blocking, self._background_before)
+                return blocking
+            self._shared_wait()
+            before = self.manager.last_stats
+            local.pin(n, "being drained to the shared tier")
+            self._drain_pin = n
+            self.manager.drain(local.root, n)
+            blocking = time.perf_counter() - t
+        self._background_before = (before.background_s or None) if before is not None else None
+        self._saves.saved(n, blocking, self._background_before)
+        self._ctx.metrics.log(step=n - 1, checkpoint=n, checkpoint_blocking_s=round(blocking, 6))
+        self._ctx.metrics.print(
+            f"hpcscale: checkpoint {n} saved: {blocking:.2f} s blocking, drained from the node-local tier "
+            "in the background"
+        )
+        return blocking
+
+    def _shared_wait(self) -> None:
+        """Wait for the shared tier's save or drain in flight. A drain that failed is said, not raised (the
+        node-local step it read is still there, and the next periodic save tries again); its node-local step
+        is released to retention either way."""
+        pinned, self._drain_pin = self._drain_pin, None
+        try:
+            self.manager.wait()
+        except RuntimeFailure as e:  # raised on every rank alike (the commit's outcome is broadcast)
+            if pinned is None:
+                raise
+            self._ctx.metrics.print(f"hpcscale: warning: the drain of node-local step {pinned} failed: {e}")
+        finally:
+            if pinned is not None:
+                self._local.unpin(pinned)
 
     def _local_wait(self) -> None:
         """Wait for the node-local save in flight; a failure of it is said, not raised."""
@@ -454,14 +521,14 @@ class Checkpointer:
         """After the entry point returned (launch calls it): save the last finished step if the job has a
         checkpoint period and that step is not saved yet, and wait for a save in flight; then end the manager's
         writer thread."""
-        if self._local_manager is not None:
-            self._local_wait()
-            self._local_manager.close()
         if self._manager is None:
+            if self._local_manager is not None:
+                self._local_wait()
+                self._local_manager.close()
             return
         done = self._done
         with self._watchdog.paused("checkpoint"):
-            self._manager.wait()
+            self._shared_wait()
             rounds = self._rounds
             finished = self._stepped and self.steps is not None and done == self.steps
             if rounds is not None and finished and rounds.is_boundary(done):
@@ -471,6 +538,9 @@ class Checkpointer:
             if wanted and done is not None and self._manager.last_step != done:
                 self.save(done, asynchronous=False)
             self._manager.close()
+        if self._local_manager is not None:  # after the shared tier: a drain in flight reads its files
+            self._local_wait()
+            self._local_manager.close()
 
     @contextlib.contextmanager
     def paused(self, reason: str) -> Iterator[None]:
@@ -500,6 +570,14 @@ class Checkpointer:
             mtbf=ctx._mtbf_s,
             log=ctx.metrics.log,
             say=ctx.metrics.print,
+        )
+        self._local_saves = SaveSchedule(
+            self._policy.local.every_steps,
+            start=start,
+            mtbf=ctx._mtbf_s,
+            log=ctx.metrics.log,
+            say=ctx.metrics.print,
+            tier="node-local",
         )
         self._times = ctx.step_times or NoStepTimes()
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)

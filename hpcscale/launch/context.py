@@ -316,9 +316,14 @@ class Context:
 
     def should_stop(self) -> bool:
         """Whether any rank received a stop signal. A collective over all ranks: call it everywhere."""
+
+        return self._any_of(self.stop.requested)[0]
+
+    def _any_of(self, *flags: bool) -> list[bool]:
+        """For each flag, whether any rank's is set: one all-reduce (collective: every rank, same count)."""
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if self.stop.requested else 0.0], device=self.device)
-        dist.all_reduce(flag)
-        return bool(flag.item() > 0)
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
+        dist.all_reduce(t)
+        return [bool(x > 0) for x in t.tolist()]

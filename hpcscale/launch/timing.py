@@ -115,7 +115,8 @@ class SaveSchedule:
     tiny MPI all-reduce per save): every rank plans from the same figures, the largest any rank measured, so
     they all save at the same step."""
 
-    def __init__(self, every: int | str, *, start: int, mtbf=None, log=None, say=None):
+    def __init__(self, every: int | str, *, start: int, mtbf=None, log=None, say=None, tier: str = ""):
+        self.tier = tier  # "" for the shared tier, "node-local" for checkpoint.local
         self.auto = every == "auto"
         self.every = 0 if self.auto else int(every)
         self.mtbf = mtbf
@@ -159,8 +160,10 @@ class SaveSchedule:
             blocking_s=float(agreed[0]), background_s=float(agreed[1]), step_s=float(agreed[2]), mtbf=self.mtbf
         )
         self.next_at = done_steps + self.choice.steps
+        key = "local_checkpoint_interval" if self.tier else "checkpoint_interval"
         if self._log is not None:
-            self._log(step=done_steps - 1, checkpoint_interval={**self.choice.to_json(), "next_at": self.next_at})
+            self._log(step=done_steps - 1, **{key: {**self.choice.to_json(), "next_at": self.next_at}})
         if self._say is not None:
             c = self.choice
-            self._say(f"hpcscale: next checkpoint at step {self.next_at} ({c.steps} steps): {c.why}")
+            what = f"{self.tier} checkpoint" if self.tier else "checkpoint"
+            self._say(f"hpcscale: next {what} at step {self.next_at} ({c.steps} steps): {c.why}")

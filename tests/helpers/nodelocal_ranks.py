@@ -2,9 +2,11 @@
 
     python nodelocal_ranks.py SPEC_JSON RANK
 
-SPEC: {"world", "store", "base", "nodes": [node of each rank], "partners", "action": "save" | "load", "steps",
-"out"}. Each emulated node's directory is BASE/<node>. `save` writes the given steps (the tensors' values
-depend on the step); `load` loads the newest complete step and writes {"step", "ok", "moved"} to OUT.rank-R.
+SPEC: {"world", "store", "base", "nodes": [node of each rank], "partners", "action": "save" | "load" | "drain",
+"steps", "out"}. Each emulated node's directory is BASE/<node>. `save` writes the given steps (the tensors' values
+depend on the step); `load` loads the newest complete step and writes {"step", "ok", "moved"} to OUT.rank-R;
+`drain` saves each step to the node-local tier, then drains it to the shared tier in BASE/shared, and writes
+what each drain wrote and referenced.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from hpcscale.layout import ParallelDims
 
 def tensors_at(step: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return {f"w{i}": torch.randn(64, 257, generator=g) for i in range(6)}
+    frozen = torch.Generator().manual_seed(12345)  # a tensor that never changes: a drain writes it once
+    return {f"w{i}": torch.randn(64, 257, generator=g) for i in range(6)} | {
+        "frozen": torch.randn(1 << 18, generator=frozen).to(torch.bfloat16)
+    }
 
 
 def main() -> None:
@@ -46,6 +51,14 @@ def main() -> None:
                 out[step] = "saved"
             except Exception as e:
                 out[step] = f"{type(e).__name__}: {e}"
+    elif spec["action"] == "drain":
+        shared = CheckpointManager(Path(spec["base"]) / "shared", dims=manager.dims, rank=rank, keep_last=5)
+        for step in spec["steps"]:
+            manager.save(step, tensors_at(step), {"step": step}, asynchronous=False)
+            shared.drain(manager.root, step)
+            shared.wait()
+            out[step] = {"new": shared.last_stats.new_bytes, "referenced": shared.last_stats.referenced_bytes}
+        shared.close()
     else:
         target = {k: torch.zeros_like(v) for k, v in tensors_at(0).items()}
         restored = manager.load_node_local(target, at_least=spec.get("at_least"))
