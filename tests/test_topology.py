@@ -114,3 +114,16 @@ def test_topology_addr():
         parse_topology_addr("spine.n1", "switch.switch.node")
     with pytest.raises(BadTopology):
         parse_topology_addr("spine..n1", "switch.switch.node")
+
+
+def test_switches_count_the_leaves_of_the_nodes_a_job_must_include():
+    """A resume pinned to a node-local holder (--nodelist) under a leaf whose other node is excluded: one leaf
+    cannot hold the job, so it asks for two switches instead of waiting out `--switches=1@...`."""
+    from hpcscale.slurm.resolve import min_leaf_switches
+
+    tree = build_tree([("s1", ["n1", "n2"], None), ("s2", ["n3", "n4"], None), ("top", None, ["s1", "s2"])])
+    assert min_leaf_switches(tree, ["n1", "n3", "n4"], 2) == 1  # free choice: both nodes under s2
+    assert min_leaf_switches(tree, ["n1", "n3", "n4"], 2, ("n1",)) == 2  # n1 is a must: s1 and s2
+    assert min_leaf_switches(tree, ["n1", "n2", "n3", "n4"], 2, ("n1",)) == 1  # n1 and n2 under s1
+    assert min_leaf_switches(tree, ["n1", "n2", "n3", "n4"], 2, ("n1", "n3")) == 2
+    assert min_leaf_switches(tree, ["n1", "n3"], 3, ("n1",)) is None

@@ -30,13 +30,22 @@ class ResolvedJob:
     required: tuple[str, ...] = field(default_factory=tuple)  # nodes the job must include (--nodelist)
 
 
-def min_leaf_switches(tree: SwitchTree, candidates: list[str], nodes: int) -> int | None:
-    """Fewest leaf switches whose candidate nodes add up to `nodes` (largest leaves first); None if even all
-    leaves cannot hold the job (Slurm will then refuse it on its own terms)."""
-    sizes = sorted((len(v) for k, v in tree.restricted_to(candidates).items() if k), reverse=True)
-    total = 0
-    for count, size in enumerate(sizes, 1):
+def min_leaf_switches(
+    tree: SwitchTree, candidates: list[str], nodes: int, required: tuple[str, ...] = ()
+) -> int | None:
+    """Fewest leaf switches whose candidate nodes add up to `nodes`: the leaves of the `required` nodes (the job
+    must include them: --nodelist) first, then the largest others; None if even all leaves cannot hold the job
+    (Slurm will then refuse it on its own terms). Without the required nodes' leaves counted, a job pinned to
+    nodes under different switches asked for fewer switches than it can have, and waited `--switches`' whole
+    maximum before Slurm gave up the constraint."""
+    leaves = {k: v for k, v in tree.restricted_to(candidates).items() if k}
+    forced = [k for k, v in leaves.items() if set(v) & set(required)]
+    total, count = sum(len(leaves[k]) for k in forced), len(forced)
+    if count and total >= nodes:
+        return count
+    for size in sorted((len(v) for k, v in leaves.items() if k not in forced), reverse=True):
         total += size
+        count += 1
         if total >= nodes:
             return count
     return None
@@ -61,7 +70,7 @@ def resolve(
     switches = None
     if tree is not None and tree.switches:
         candidates = [n for n in expand(partition.nodes) if n not in set(excluded)]
-        switches = min_leaf_switches(tree, candidates, spec.nodes)
+        switches = min_leaf_switches(tree, candidates, spec.nodes, tuple(required))
     return ResolvedJob(
         spec=spec,
         site=site,
