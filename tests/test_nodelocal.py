@@ -93,6 +93,17 @@ def test_a_lost_node_is_recovered_from_its_partner_and_a_new_node_gets_what_its_
     assert (base / "c" / "step-00000020" / "index.h5").is_file()
 
 
+def test_a_node_local_step_loads_into_another_layout_after_a_lost_node(tmp_path):
+    """Saved by 4 ranks (dp 4) on two nodes, node b lost, loaded by 2 ranks (dp 2) on a and a new node c: each
+    rank needs every tensor, so c gets the data of all four writers, from a's own files and its partner copies."""
+    _run(tmp_path, "save", nodes=["a", "a", "b", "b"], action="save", steps=[10])
+    shutil.rmtree(tmp_path / "nodes" / "b")
+    loaded = _run(tmp_path, "load", nodes=["a", "c"], action="load")
+    assert [r["step"] for r in loaded] == [10, 10] and all(r["ok"] for r in loaded), loaded
+    files, nbytes = loaded[0]["moved"]
+    assert files >= 2 and nbytes > 0, loaded
+
+
 def test_a_corrupt_copy_is_refused_and_the_partners_copy_is_taken(tmp_path):
     nodes = ["a", "b", "c", "d"]  # flat: partners two apart, a <-> c, b <-> d
     _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])

@@ -257,12 +257,15 @@ def test_killed_rank_is_named_and_resume_continues_off_its_node(local_cluster, r
     _assert_matches(run, reference)
 
 
-def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(local_cluster, reference, tmp_path):
+@pytest.mark.parametrize("lost", [("n2",), ("n1", "n2")], ids=["one-node", "both-partners"])
+def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(local_cluster, reference, tmp_path, lost):
     """checkpoint.local: every 5 steps to each node's own directory (the cluster's per-node TmpFS), a partner
     copy on the other node. A rank on n2 killed and n2's directory gone (the node lost): the resume runs without
     n2, from the newest node-local step, n2's part taken from n1's partner copy and moved over the process group
     to the replacement node; nothing is read from the shared tier, and the losses are the uninterrupted run's.
-    The shared tier's periodic saves (every 25 steps) are drained from the node-local tier, and verify."""
+    The shared tier's periodic saves (every 25 steps) are drained from the node-local tier, and verify.
+    both-partners: n1's directory is gone too, so no node holds n2's part: the ranks fall back to the shared
+    tier's newest step, one drained from the node-local tier, and the losses are again the uninterrupted run's."""
     run = tmp_path / "run"
     job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 0})
     spec = yaml.safe_load(job.read_text())
@@ -276,25 +279,31 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
         assert _wait_gone(job_id, local_cluster) == "FAILED"
         mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
         assert list((node_dirs / "n1" / mine).glob("step-*/index.h5")), _log(run)[-3000:]
-        shutil.rmtree(node_dirs / "n2" / mine)  # n2 is lost with its disk
+        for node in lost:  # lost with its disk
+            shutil.rmtree(node_dirs / node / mine)
         dry = json.loads(run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster).stdout)
-        assert dry["tier"] == "node-local" and dry["nodelist"] == ["n1"] and dry["exclude"] == ["n2"], dry
-        assert (
-            "#SBATCH --nodelist=n1" in dry["runs"]["script"]
-            and "reads nothing from the shared tier" in dry["tier_reason"]
-        )
+        assert dry["exclude"] == ["n2"], dry
+        if lost == ("n2",):
+            assert dry["tier"] == "node-local" and dry["nodelist"] == ["n1"], dry
+            assert (
+                "#SBATCH --nodelist=n1" in dry["runs"]["script"]
+                and "reads nothing from the shared tier" in dry["tier_reason"]
+            )
         out = run_cli("resume", str(run), "--json", env=local_cluster)
         assert out.returncode == 0, out.stderr
         assert _wait_gone(json.loads(out.stdout)["submitted"], local_cluster) == "COMPLETED", _log(run)[-3000:]
         log = _log(run)
-        m = re.search(r"resumed from checkpoint step (\d+) of the node-local tier \((\d+) data file", log)
-        assert m and int(m.group(1)) % 5 == 0 and int(m.group(2)) >= 1, log[-3000:]
-        assert "nothing read from the shared tier" in log
-        # the shared tier's saves were drained from the node-local tier, and what was drained verifies
-        assert re.search(r"checkpoint 50 saved: [\d.]+ s blocking, drained from the node-local tier", log), log[-3000:]
         drained = {int(x) for x in re.findall(r"checkpoint (\d+) saved: [\d.]+ s blocking, drained", log)}
+        if lost == ("n2",):
+            m = re.search(r"resumed from checkpoint step (\d+) of the node-local tier \((\d+) data file", log)
+            assert m and int(m.group(1)) % 5 == 0 and int(m.group(2)) >= 1, log[-3000:]
+            assert "nothing read from the shared tier" in log
+        else:  # the node-local tier cannot make a step whole: the shared tier's newest, a drained one
+            m = re.search(r"resumed from checkpoint step (\d+) of the shared tier", log)
+            assert m and int(m.group(1)) in drained, log[-3000:]
+        # the shared tier's saves were drained from the node-local tier, and what was drained verifies
         kept = sorted(run.glob("checkpoints/step-*"))
-        assert drained & {int(p.name[5:]) for p in kept}, (drained, kept)
+        assert 50 in drained and drained & {int(p.name[5:]) for p in kept}, (drained, kept)
         for step_dir in kept:
             done = run_cli("ckpt", "verify", str(step_dir))
             assert done.returncode == 0, done.stdout + done.stderr

@@ -114,6 +114,7 @@ class CheckpointManager:
         # steps retention keeps whatever keep_last/keep_every say (rank 0's set counts, written to PINNED so
         # `ckpt gc` honours it too): a cross-site start checkpoint until round 0 is adopted (launch.site_rounds)
         self.pinned: set[int] = set()
+        self.committed: set[int] = set()  # node-local tier: the steps this process's saves committed on every node
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
         # collectives on the default group.
@@ -290,7 +291,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         pending, rng, state, problem = [], {}, {}, None
         try:
-            pending, rng, state = drain_source(source, step, self.rank)
+            pending, rng, state = drain_source(
+                source, step, self.rank, buffers=self.writer._buffers, pin=self.device.type == "cuda"
+            )
             if self.lineage is not None:
                 from hpcscale.ckpt.lineage import TAG, for_save
 
@@ -460,6 +463,9 @@ class CheckpointManager:
                 self.log(f"hpcscale: warning: cannot record the node-local tier in {self.record}: {e}")
         self.writer.committed([])
         self.last_step = step
+        self.committed.add(step)
+        if len(self.committed) > 4096:  # bounded: a drain never waits for thousands of node-local saves
+            self.committed.discard(min(self.committed))
         return result
 
     def discard_after(self, step: int | None) -> None:
@@ -621,14 +627,18 @@ class CheckpointManager:
             if at_least is not None and step < at_least:
                 break
             name = step_dir_name(step)
-            verified = [verify_held(self.root, step, held.get(step), log=self.log)] if self._keeper else None
+            verified = verify_held(self.root, step, held.get(step)) if self._keeper else None
             dist.all_gather_object(everyone, verified, group=self.group)
             for r, v in enumerate(everyone):
-                if v is not None:  # a keeper's word on its node: what verifies, or nothing
-                    if v[0] is None:
-                        per_node[nl.node_of[r]].pop(step, None)
-                    else:
-                        per_node[nl.node_of[r]][step] = v[0]
+                if v is None:
+                    continue
+                entry, refused = v  # a keeper's word on its node: what verifies, or nothing
+                if entry is None:
+                    per_node[nl.node_of[r]].pop(step, None)
+                else:
+                    per_node[nl.node_of[r]][step] = entry
+                for why in refused if self.rank == 0 else ():
+                    self.log(f"hpcscale: {nl.node_of[r]}: {why}")
             if step not in complete_steps({nd: {step: h[step]} for nd, h in per_node.items() if step in h}):
                 if self.rank == 0:
                     self.log(f"hpcscale: node-local {name}: the copies that verify do not make it whole")

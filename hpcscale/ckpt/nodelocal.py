@@ -144,25 +144,24 @@ def holdings(root: Path, *, verify: bool, log=None) -> dict[int, tuple[str, list
     return out
 
 
-def verify_held(root: Path, step: int, held: tuple | None, *, log=None) -> tuple | None:
-    """`held` (holdings' entry for `step` on this node) with only the data files whose chunks all hash right."""
+def verify_held(root: Path, step: int, held: tuple | None) -> tuple[tuple | None, list[str]]:
+    """(`held`, holdings' entry for `step` on this node, with only the data files whose chunks all hash right;
+    None when the index no longer reads) and what was refused, for rank 0 to say."""
     if held is None:
-        return None
-    digest, files, named = held
+        return None, []
+    _, files, named = held
     try:
         index = read_index(root / step_dir_name(step) / INDEX)
     except Exception as e:
-        if log:
-            log(f"hpcscale: node-local {step_dir_name(step)} on this node is refused: {e}")
-        return None
-    good = []
+        return None, [f"node-local {step_dir_name(step)} under {root} is refused: {e}"]
+    good, refused = [], []
     for rel in files:
         problem = file_problem(root, index, rel)
         if problem is None:
             good.append(rel)
-        elif log:
-            log(f"hpcscale: node-local copy refused: {problem}")
-    return (digest if index.digest == digest else index.digest, good, named)
+        else:
+            refused.append(f"node-local copy refused: {problem}")
+    return (index.digest, good, named), refused
 
 
 def complete_steps(per_node: dict[str, dict[int, tuple[str, list[str], list[str]]]]) -> list[int]:
@@ -196,14 +195,18 @@ def needed_files(index: Index, targets) -> set[str]:
 
 
 # ---- moving files between nodes -------------------------------------------------------------------------------
-def drain_source(root: Path, step: int, rank: int) -> tuple[list, dict, dict]:
+def drain_source(
+    root: Path, step: int, rank: int, *, buffers: dict | None = None, pin: bool = False
+) -> tuple[list, dict, dict]:
     """What rank `rank` wrote for node-local step `step` under `root` (its node's directory), read back for a
     drain to the shared tier: its shards as PendingShards over host tensors (every chunk verified against its
     hash), its RNG states and the step's trainer state. A step stands alone, so every chunk of a shard this rank
-    wrote is in this rank's own data file."""
+    wrote is in this rank's own data file. `buffers` (the shared writer's staging buffers, by `name@offset`) are
+    read into where they fit and kept for the next drain or save, so a drain holds no more host memory than an
+    asynchronous save's staging; new ones are pinned with `pin` (a GPU rank's, as a save's would be)."""
     from hpcscale.ckpt.reader import ChunkReader, torch_dtype
     from hpcscale.ckpt.shards import LocalShard
-    from hpcscale.ckpt.writer import PendingShard
+    from hpcscale.ckpt.writer import PendingShard, aligned_empty
     from hpcscale.errors import VerificationFailure
 
     name = step_dir_name(step)
@@ -221,12 +224,20 @@ def drain_source(root: Path, step: int, rank: int) -> tuple[list, dict, dict]:
                     continue
                 if any(c.file != own for c in shard.chunks):
                     raise VerificationFailure(f"{root / name}: tensor {tensor} has chunks outside {own}")
-                data = torch.empty(sum(c.length for c in shard.chunks), dtype=torch.uint8)
-                view, pos = memoryview(data.numpy()), 0
+                dtype, shape = torch_dtype(rec.dtype), tuple(shard.shape)
+                key = f"{tensor}@{tuple(shard.offset)}"
+                t = buffers.get(key) if buffers is not None else None
+                if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                    size = torch.Size(shape)
+                    t = torch.empty(size, dtype=dtype, pin_memory=True) if pin else aligned_empty(size, dtype)
+                    if buffers is not None:
+                        buffers[key] = t
+                view, pos = memoryview(t.view(-1).view(torch.uint8).numpy()), 0
                 for c in shard.chunks:
                     reader.read(tensor, c, view[pos : pos + c.length])
                     pos += c.length
-                t = data.view(torch_dtype(rec.dtype)).reshape(shard.shape)
+                if pos != len(view):
+                    raise VerificationFailure(f"{root / name}: tensor {tensor}: its chunks are not its shard's size")
                 out.append(PendingShard(LocalShard(tensor, t, tuple(rec.global_shape), tuple(shard.offset)), t))
     finally:
         reader.close()
@@ -366,8 +377,11 @@ class _End:
         if self.sending:
             return self.problem if self.problem != self.reported else None
         if self.problem is None:
-            os.replace(self.part, self.path)
-            fsync_dir(self.path.parent)
+            try:
+                os.replace(self.part, self.path)
+                fsync_dir(self.path.parent)
+            except OSError as e:  # said, never raised: the other ranks are waiting for this one's word
+                self.problem = f"{self.path}: {e.strerror or e}"
         else:
             with contextlib.suppress(OSError):
                 self.part.unlink()

@@ -275,9 +275,7 @@ class Checkpointer:
         t_sync = time.perf_counter()
         # the stop flag, and whether a drain due can start without waiting: one all-reduce, so every rank agrees
         draining = self._drain_due is not None
-        stop, tier_busy = self._ctx._any_of(
-            self._ctx.stop.requested, draining and (self._local.busy() or self.manager.busy())
-        )
+        stop, tier_busy = self._ctx._any_of(self._ctx.stop.requested, draining and self._drain_would_wait())
         if stop:
             self.save(step + 1, asynchronous=False)
             self.manager.wait()
@@ -289,18 +287,25 @@ class Checkpointer:
         self._collective_last = self._ctx._collective_s
         work_s = t_saves - self._t_last  # the user's step, from the previous step() to this one's stop check
         self._saves.step(work_s)
+        if self._local_saves is not None:
+            self._local_saves.step(work_s)
         ckpt_s = 0.0
         last = self.steps is not None and step + 1 >= self.steps
+        boundary = self._rounds is not None and self._rounds.is_boundary(step + 1)
         if draining and not tier_busy:  # the node-local save it reads is committed on every node: no wait
-            ckpt_s += self._drain()
+            ckpt_s += self._drain(fallback=not last and not boundary)
         if last:
             pass  # close() saves the end state, after the code's own end (a final evaluation) and the round in flight
-        elif self._rounds is not None and self._rounds.is_boundary(step + 1):
+        elif boundary:
             self._round_boundary(step + 1)
         elif self._saves.due(step + 1) and self._local is not None:
-            if self._drain_due is not None:  # the one before has waited a whole period: wait for it now
-                ckpt_s += self._drain()
-            self._drain_due = step + 1  # to the node-local tier below, then drained to the shared tier from there
+            # with `auto` the schedule moves on only when the drain runs: a pending one is this period's save
+            if self._drain_due is None or not self._saves.auto:
+                if self._drain_due is not None:  # the one before has waited a whole period: wait for it now
+                    ckpt_s += self._drain(fallback=False)
+                # to the node-local tier below, then drained from there; kept from the tier's retention until then
+                self._drain_due = step + 1
+                self._local.pin(step + 1, "to be drained to the shared tier")
         elif self._saves.due(step + 1):
             ckpt_s = self.save(step + 1, asynchronous=self._policy.asynchronous)
             self._saves.saved(step + 1, ckpt_s, self._background_before)
@@ -405,28 +410,46 @@ class Checkpointer:
         )
         return blocking
 
-    def _drain(self) -> float:
+    def _drain_would_wait(self) -> bool:
+        """Whether draining now would wait: the node-local save it reads still in flight (a later one in flight
+        does not matter: it started after that one had finished), or the shared tier still writing."""
+        return (self._in_flight_local(self._drain_due) and self._local.busy()) or self.manager.busy()
+
+    def _in_flight_local(self, n: int) -> bool:
+        local = self._local
+        return local.last_stats is not None and local.last_stats.step == n
+
+    def _drain(self, *, fallback: bool) -> float:
         """The periodic save of step `_drain_due` went to the node-local tier: drain it to the shared tier in the
         background (ckpt.manager.drain: only the chunks the shared tier lacks are written). step() calls this at
-        the first step where no rank's tiers are busy, so nothing is waited for; a save period later it waits. If
-        that node-local save failed, save the present state to the shared tier instead, as without the tier.
-        Returns the seconds the caller was blocked."""
+        the first step where no rank's tiers are busy, so nothing is waited for; a save period later it waits.
+        If that node-local save failed, and `fallback` (not the last step nor a round boundary, which save
+        anyway), save the present state to the shared tier instead, as without the tier. Nothing is drained
+        that is not newer than the shared tier's newest (a save since). Returns the seconds the caller was
+        blocked."""
         n, self._drain_due = self._drain_due, None
         local = self._local
         with self._watchdog.paused("checkpoint"):
             t = time.perf_counter()
-            self._local_wait()  # its outcome is the same on every rank: so is the choice below
-            if local.last_step != n:
+            if self._in_flight_local(n):  # else a later save waited for it: its outcome is known
+                self._local_wait()  # the same on every rank: so is every choice below
+            self._shared_wait()
+            newest = self.manager.last_step
+            if newest is not None and n <= newest:  # a save since (ctx.checkpoint.save, a round) is newer
+                local.unpin(n)
+                return time.perf_counter() - t
+            if n not in local.committed:
+                local.unpin(n)
+                if not fallback:
+                    return time.perf_counter() - t
                 self._ctx.metrics.print(
                     f"hpcscale: node-local step {n} was not saved: saving step {self._done} to the shared tier instead"
                 )
                 blocking = self.save(self._done, asynchronous=self._policy.asynchronous)
-                self._saves.saved(n, blocking, self._background_before)
+                self._saves.saved(self._done, blocking, self._background_before)
                 return blocking
-            self._shared_wait()
             before = self.manager.last_stats
-            local.pin(n, "being drained to the shared tier")
-            self._drain_pin = n
+            self._drain_pin = n  # unpinned once the drain is waited for (_shared_wait)
             self.manager.drain(local.root, n)
             blocking = time.perf_counter() - t
         self._background_before = (before.background_s or None) if before is not None else None
@@ -521,10 +544,18 @@ class Checkpointer:
         """After the entry point returned (launch calls it): save the last finished step if the job has a
         checkpoint period and that step is not saved yet, and wait for a save in flight; then end the manager's
         writer thread."""
-        if self._manager is None:
+        if self._drain_due is not None:  # never drained: the end-of-run save goes to the shared tier itself
+            self._local.unpin(self._drain_due)
+            self._drain_due = None
+        try:
+            self._close_shared()
+        finally:  # after the shared tier (a drain in flight reads the node-local files), and whatever it raised
             if self._local_manager is not None:
                 self._local_wait()
                 self._local_manager.close()
+
+    def _close_shared(self) -> None:
+        if self._manager is None:
             return
         done = self._done
         with self._watchdog.paused("checkpoint"):
@@ -538,9 +569,6 @@ class Checkpointer:
             if wanted and done is not None and self._manager.last_step != done:
                 self.save(done, asynchronous=False)
             self._manager.close()
-        if self._local_manager is not None:  # after the shared tier: a drain in flight reads its files
-            self._local_wait()
-            self._local_manager.close()
 
     @contextlib.contextmanager
     def paused(self, reason: str) -> Iterator[None]:

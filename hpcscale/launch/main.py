@@ -359,7 +359,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
     from hpcscale.launch.timing import StepTimes
 
     ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
-    if spec.checkpoint.every_steps == "auto":  # the job's MTBF, the same figure in every rank
+    if "auto" in (spec.checkpoint.every_steps, spec.checkpoint.local.every_steps):  # the job's MTBF, on every rank
         ctx._mtbf_s = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
     try:
         resolve_entry(spec.train.entry)(ctx)
