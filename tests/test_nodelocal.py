@@ -248,3 +248,19 @@ def test_kill_9_during_a_drain_leaves_the_shared_tiers_previous_step_whole(tmp_p
         [sys.executable, "-m", "hpcscale", "ckpt", "verify", str(shared)], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5), st.just("f")), max_size=60).map(
+        lambda xs: [(a, b, f) for a, b, f in xs if a != b]
+    ),
+    st.integers(1, 4),
+)
+def test_transfer_batches_keep_every_rank_under_the_window_and_the_list_in_order(transfers, window):
+    runs = nodelocal.batches(transfers, window)
+    assert [i for r in runs for i in r] == list(range(len(transfers)))  # every transfer once, in order
+    for r in runs:
+        assert len(r) > 0
+        for rank in range(6):
+            assert sum(rank in transfers[i][:2] for i in r) <= window

@@ -244,6 +244,25 @@ def drain_source(
     return out, index.rng[rank], dict(index.trainer_state)
 
 
+WINDOW = 16  # files one rank sends or receives at once: at most this many pieces in memory, fds open
+
+
+def batches(transfers: list[tuple[int, int, str]], window: int | None = None) -> list[range]:
+    """`transfers` cut, in order, into runs in which no rank has more than `window` (WINDOW) files to send or
+    receive. Every rank cuts the same list the same way, so the runs are taken in lockstep and none deadlocks."""
+    window = window or WINDOW
+    out, start, count = [], 0, {}
+    for i, (src, dst, _) in enumerate(transfers):
+        if count.get(src, 0) >= window or count.get(dst, 0) >= window:
+            out.append(range(start, i))
+            start, count = i, {}
+        count[src] = count.get(src, 0) + 1
+        count[dst] = count.get(dst, 0) + 1
+    if start < len(transfers):
+        out.append(range(start, len(transfers)))
+    return out
+
+
 def transfer(
     transfers: list[tuple[int, int, str]], *, rank: int, root: Path, group, received: list | None = None
 ) -> list[str]:
@@ -254,10 +273,18 @@ def transfer(
     write receives and drops), so no rank is left waiting. `received`, when given, gets the size of each file
     this rank received.
 
-    All transfers run at once: the sizes first, then the files piece by piece (PIECE bytes of every file in
-    flight together, each tagged with its place in the list), so a ring of partners moves every node's copy in
-    the time of one, and a rank holds at most one piece per file it sends or receives in memory."""
-    mine = [(i, src, dst, root / rel) for i, (src, dst, rel) in enumerate(transfers) if rank in (src, dst)]
+    The transfers of a run (`batches`: up to WINDOW files per rank) go at once: the sizes first, then the files
+    piece by piece (PIECE bytes of every file in flight together, each tagged with its place in the list), so a
+    ring of partners moves every node's copy in the time of one, and a rank holds at most WINDOW pieces in
+    memory however many files a recovery sends it."""
+    problems: list[str] = []
+    for run in batches(transfers):
+        problems += _transfer_run(transfers, run, rank=rank, root=root, group=group, received=received)
+    return problems
+
+
+def _transfer_run(transfers, run: range, *, rank: int, root: Path, group, received: list | None) -> list[str]:
+    mine = [(i, *transfers[i][:2], root / transfers[i][2]) for i in run if rank in transfers[i][:2]]
     if not mine:
         return []
     problems: list[str] = []
