@@ -220,14 +220,9 @@ class CheckpointManager:
         `defer_staging` even the copy runs in the background, and the caller must call wait_staged() before it
         next changes any of `tensors` in place (the trainer: before the optimizer step; on an accelerator the
         copy then overlaps the forward and backward passes, which leave the tensors alone)."""
-        if self.read_only:
-            raise RuntimeError(f"checkpoints in {self.root} are opened read-only: nothing is saved there")
-        self.wait()
-        if step == self.last_step:
-            return self.last_stats or SaveStats(step, 0.0, 0, 0)
-        if step in self._refused:  # the same on every rank: load_latest agreed on what it refused
-            self._refused.discard(step)
-            self._set_aside([step])
+        done = self._begin(step)
+        if done is not None:
+            return done
         t0 = time.perf_counter()
         faults.slow(step)  # tests only: HPCSCALE_CKPT_SLOW, a filesystem that got slower
         if self.node_local is not None:
@@ -265,6 +260,19 @@ class CheckpointManager:
             self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
         return self.last_stats
 
+    def _begin(self, step: int) -> SaveStats | None:
+        """Before a save or drain of `step`: wait for the one in flight; the stats of `step` when it is saved
+        already (nothing to do), else None. A refused checkpoint of that step is set aside first."""
+        if self.read_only:
+            raise RuntimeError(f"checkpoints in {self.root} are opened read-only: nothing is saved there")
+        self.wait()
+        if step == self.last_step:
+            return self.last_stats or SaveStats(step, 0.0, 0, 0)
+        if step in self._refused:  # the same on every rank: load_latest agreed on what it refused
+            self._refused.discard(step)
+            self._set_aside([step])
+        return None
+
     def drain(self, source: Path, step: int) -> SaveStats:
         """Save step `step` of the node-local tier rooted at `source` (this node's directory) to this tier, in the
         background, as an asynchronous save does: each rank reads the shards it wrote there from its own data file
@@ -272,14 +280,9 @@ class CheckpointManager:
         lacks are written) and commits with this tier's protocol; the trainer state and RNG states are the ones
         saved with that step. Nothing is copied from the live tensors, so the caller is not blocked at all. A
         source that cannot be read fails the drain on every rank alike, raised by the next wait()."""
-        if self.read_only:
-            raise RuntimeError(f"checkpoints in {self.root} are opened read-only: nothing is saved there")
-        self.wait()
-        if step == self.last_step:
-            return self.last_stats or SaveStats(step, 0.0, 0, 0)
-        if step in self._refused:
-            self._refused.discard(step)
-            self._set_aside([step])
+        done = self._begin(step)
+        if done is not None:
+            return done
         parent = step_dir_name(self.last_step) if self.last_step is not None else None
         self._bg.submit(self._drain, Path(source), step, parent)
         self._pending = True
@@ -291,8 +294,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         pending, rng, state, problem = [], {}, {}, None
         try:
+            pin = self.device.type == "cuda"  # as a GPU rank's save stages
             pending, rng, state = drain_source(
-                source, step, self.rank, buffers=self.writer._buffers, pin=self.device.type == "cuda"
+                source, step, self.rank, staging=lambda s: self.writer.staging(s, pin=pin)
             )
             if self.lineage is not None:
                 from hpcscale.ckpt.lineage import TAG, for_save
@@ -302,8 +306,7 @@ class CheckpointManager:
             problem = f"rank {self.rank}: node-local {step_dir_name(step)}: {type(e).__name__}: {e}"
         faults.fault("drain_read", self.rank)
         result = self._write(step, pending, rng, state, parent, problem=problem)
-        for p in pending:  # what was drained is not the live tensor: the next save reads every one of them again
-            self.writer._versions.pop(f"{p.shard.name}@{p.shard.offset}", None)
+        self.writer.reread([p.shard for p in pending])  # what was drained came from files, not the live tensors
         if self.last_stats is not None:
             self.last_stats = SaveStats(step, 0.0, result.new_bytes, result.referenced_bytes, time.perf_counter() - t0)
 

@@ -195,15 +195,13 @@ def needed_files(index: Index, targets) -> set[str]:
 
 
 # ---- moving files between nodes -------------------------------------------------------------------------------
-def drain_source(
-    root: Path, step: int, rank: int, *, buffers: dict | None = None, pin: bool = False
-) -> tuple[list, dict, dict]:
+def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[list, dict, dict]:
     """What rank `rank` wrote for node-local step `step` under `root` (its node's directory), read back for a
     drain to the shared tier: its shards as PendingShards over host tensors (every chunk verified against its
     hash), its RNG states and the step's trainer state. A step stands alone, so every chunk of a shard this rank
-    wrote is in this rank's own data file. `buffers` (the shared writer's staging buffers, by `name@offset`) are
-    read into where they fit and kept for the next drain or save, so a drain holds no more host memory than an
-    asynchronous save's staging; new ones are pinned with `pin` (a GPU rank's, as a save's would be)."""
+    wrote is in this rank's own data file. `staging(shard)` (the shared writer's ShardWriter.staging, given a
+    shard over a meta tensor) gives the buffer to read into, so a drain holds no more host memory than an
+    asynchronous save's staging; without it, new page-aligned buffers."""
     from hpcscale.ckpt.reader import ChunkReader, torch_dtype
     from hpcscale.ckpt.shards import LocalShard
     from hpcscale.ckpt.writer import PendingShard, aligned_empty
@@ -224,21 +222,17 @@ def drain_source(
                     continue
                 if any(c.file != own for c in shard.chunks):
                     raise VerificationFailure(f"{root / name}: tensor {tensor} has chunks outside {own}")
-                dtype, shape = torch_dtype(rec.dtype), tuple(shard.shape)
-                key = f"{tensor}@{tuple(shard.offset)}"
-                t = buffers.get(key) if buffers is not None else None
-                if t is None or tuple(t.shape) != shape or t.dtype != dtype:
-                    size = torch.Size(shape)
-                    t = torch.empty(size, dtype=dtype, pin_memory=True) if pin else aligned_empty(size, dtype)
-                    if buffers is not None:
-                        buffers[key] = t
+                dtype, shape = torch_dtype(rec.dtype), torch.Size(shard.shape)
+                meta = torch.empty(shape, dtype=dtype, device="meta")
+                place = (tuple(rec.global_shape), tuple(shard.offset))
+                t = staging(LocalShard(tensor, meta, *place)) if staging else aligned_empty(shape, dtype)
                 view, pos = memoryview(t.view(-1).view(torch.uint8).numpy()), 0
                 for c in shard.chunks:
                     reader.read(tensor, c, view[pos : pos + c.length])
                     pos += c.length
                 if pos != len(view):
                     raise VerificationFailure(f"{root / name}: tensor {tensor}: its chunks are not its shard's size")
-                out.append(PendingShard(LocalShard(tensor, t, tuple(rec.global_shape), tuple(shard.offset)), t))
+                out.append(PendingShard(LocalShard(tensor, t, *place), t))
     finally:
         reader.close()
     return out, index.rng[rank], dict(index.trainer_state)

@@ -397,6 +397,22 @@ class ShardWriter:
             self._stream.wait_stream(torch.cuda.current_stream(device))
         return self._stream
 
+    def staging(self, s: LocalShard, *, pin: bool) -> torch.Tensor:
+        """The host buffer a save stages `s` in (its shape and dtype; `s.tensor` may be a meta tensor), made
+        when missing (pinned with `pin`, else page-aligned) and kept for the next save or drain."""
+        if not self._has_buffer(s):
+            shape, dtype = s.tensor.shape, s.tensor.dtype
+            self._buffers[_key(s)] = (
+                torch.empty(shape, dtype=dtype, pin_memory=True) if pin else aligned_empty(shape, dtype)
+            )
+        return self._buffers[_key(s)]
+
+    def reread(self, shards: list[LocalShard]) -> None:
+        """The next save reads these shards' tensors again, whatever their version counters say (what a drain
+        wrote came from files, not from the live tensors)."""
+        for s in shards:
+            self._versions.pop(_key(s), None)
+
     def _has_buffer(self, s: LocalShard) -> bool:
         buf = self._buffers.get(_key(s))
         return buf is not None and buf.shape == s.tensor.shape and buf.dtype == s.tensor.dtype

@@ -309,9 +309,10 @@ class Checkpointer:
         elif self._saves.due(step + 1):
             ckpt_s = self.save(step + 1, asynchronous=self._policy.asynchronous)
             self._saves.saved(step + 1, ckpt_s, self._background_before)
-        if self._local is not None and not last and (self._local_saves.due(step + 1) or self._drain_due == step + 1):
+        local_due = self._local is not None and not last and self._local_saves.due(step + 1)
+        if local_due or (self._local is not None and not last and self._drain_due == step + 1):
             blocking = self._save_local(step + 1)
-            if self._local_saves.due(step + 1):
+            if local_due:
                 self._local_saves.saved(step + 1, blocking, self._local_background_before)
             ckpt_s += blocking
         if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1) and not last:
