@@ -44,3 +44,22 @@ def worker_result(script: str, ranks: int, workdir: Path, *, timeout: float) -> 
     if out.returncode != 0 or line is None:
         sys.exit(f"benchmark failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
     return json.loads(line.removeprefix("RESULT "))
+
+
+def sharded_rank_state(ranks: int, tensors: int, rows: int, cols: int, dim: str):
+    """A worker's start: torch.distributed up over MPI, and this rank's `tensors` random fp32 pieces of
+    rows x cols as Shard(0) DTensors over a 1-D mesh of `ranks` named `dim`. Returns (rank, the mesh, the local
+    tensors, {name: DTensor}, bytes on this rank)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hpcscale.launch.bootstrap import bootstrap
+
+    rank = bootstrap(timeout_s=600, order_nodes=lambda n: n).rank
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=(dim,))
+    g = torch.Generator().manual_seed(rank)
+    local = [torch.randn(rows, cols, generator=g) for _ in range(tensors)]
+    state = {f"w{i:02d}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(local)}
+    return rank, mesh, local, state, sum(t.numel() * 4 for t in local)

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from _workers import worker_result
+from _workers import sharded_rank_state, worker_result
 from ckpt import drop_caches
 
 RANKS, TENSORS, ROWS, COLS = 8, 40, 800, 1024
@@ -34,22 +34,13 @@ SAVE_TARGET, LOAD_TARGET = 0.9, 0.8
 def worker(base: Path) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     from hpcscale.ckpt.manager import CheckpointManager
     from hpcscale.ckpt.writer import aligned_empty
-    from hpcscale.launch.bootstrap import bootstrap
     from hpcscale.layout import ParallelDims
 
-    info = bootstrap(timeout_s=600, order_nodes=lambda n: n)
-    rank = info.rank
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (RANKS,), mesh_dim_names=("dp_shard",))
-    g = torch.Generator().manual_seed(rank)
-    local = [torch.randn(ROWS, COLS, generator=g) for _ in range(TENSORS)]
-    state = {f"w{i:02d}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(local)}
-    per_rank = sum(t.numel() * 4 for t in local)
+    rank, mesh, local, state, per_rank = sharded_rank_state(RANKS, TENSORS, ROWS, COLS, "dp_shard")
     dims = ParallelDims(pp=1, dp=RANKS, tp=1, dp_shard=RANKS)
 
     def timed(fn) -> float:
