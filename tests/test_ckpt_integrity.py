@@ -94,6 +94,18 @@ def edit_negative_offset(f) -> None:
     replace_table(f, "chunks", table)
 
 
+def edit_moved_chunk(f) -> None:
+    """One of w0's chunks pointed at w1's bytes of the same length: a location, which the root digest leaves
+    out; the chunk's hash is what catches it."""
+    _, _, q = tensor_rows(f, "w0")
+    _, _, k = tensor_rows(f, "w1")
+    table = f["chunks"][()]
+    a, b = q[0][0], k[0][0]
+    assert table["length"][a] == table["length"][b]
+    table["file"][a], table["offset"][a] = table["file"][b], table["offset"][b]
+    replace_table(f, "chunks", table)
+
+
 def edit_swap_chunks(f) -> None:
     _, _, q = tensor_rows(f, "w0")
     _, _, k = tensor_rows(f, "w1")
@@ -111,7 +123,8 @@ PLAIN = {
     "shape": (edit_shape, "root digest mismatch"),
     "same-size-dtype": (edit_dtype, "root digest mismatch"),
     "shard-shape": (edit_shard_shape, "root digest mismatch"),  # the digest first: no structure work on it
-    "negative-offset": (edit_negative_offset, "root digest mismatch"),
+    "negative-offset": (edit_negative_offset, "offset -4096 is out of range"),  # a location: structure catches it
+    "moved-chunk": (edit_moved_chunk, "does not match its hash"),
     "swapped-chunks": (edit_swap_chunks, "root digest mismatch"),
     "trainer-state": (edit_trainer_state, "root digest mismatch"),
 }
@@ -124,7 +137,8 @@ def test_edited_index_fails_verify_and_load_falls_back(saved, edit):
     result = run_cli("ckpt", "verify", str(saved / STEP2))
     assert result.returncode == 3, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
-    assert f"{STEP2}/index.h5:" in result.stderr  # named where to look
+    # named where to look: a chunk moved to other bytes is found where it now points
+    assert (f"{STEP2}/data/rank-" if edit == "moved-chunk" else f"{STEP2}/index.h5:") in result.stderr
     _assert_load_falls_back(saved)
 
 
@@ -163,9 +177,24 @@ def test_unedited_checkpoint_verifies_and_its_digest_is_in_digest_file(saved):
     result = run_cli("ckpt", "verify", str(saved / STEP2), "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["passed"] and report["version"] == 2
+    assert report["passed"] and report["version"] == 3
     assert (saved / STEP2 / "DIGEST").read_text() == report["digest"] + "\n"
     assert report["digest"].startswith("sha256:") and len(report["digest"]) == 7 + 64
+
+
+def test_a_version_2_index_still_verifies_and_its_digest_binds_locations(saved):
+    """Checkpoints of the previous format version are read: their digest (the version-2 one) also covers where
+    each chunk is stored, so an edited offset is a digest mismatch there, where version 3 leaves it to the
+    structure and hash checks."""
+    v3 = (saved / STEP2 / "DIGEST").read_text()
+    edit_index(saved / STEP2, lambda f: f.attrs.__setitem__("version", 2))
+    assert reseal(saved / STEP2)
+    result = run_cli("ckpt", "verify", str(saved / STEP2), "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["version"] == 2 and report["digest"] + "\n" != v3, report
+    edit_index(saved / STEP2, edit_negative_offset)
+    result = run_cli("ckpt", "verify", str(saved / STEP2))
+    assert result.returncode == 3 and "root digest mismatch" in result.stderr, result.stderr
 
 
 def test_edited_digest_file_fails_verify(saved):

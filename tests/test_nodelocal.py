@@ -220,6 +220,11 @@ def test_a_drain_ships_only_the_chunks_the_shared_tier_lacks_and_commits_the_sam
     assert sum(o["4"]["new"] for o in out) == sum(o["2"]["new"] for o in out) - frozen
     for step in (2, 4):  # the same chunks, tensor by tensor, as the node-local step it came from
         assert _hashes(shared, step) == _hashes(tmp_path / "nodes" / "a", step)
+        # one format across tiers: the same root digest, though the shared step 4 keeps a chunk in step 2's file
+        digests = {
+            (root / f"step-{step:08d}" / "DIGEST").read_text() for root in (shared, *(tmp_path / "nodes").glob("[ab]"))
+        }
+        assert len(digests) == 1, digests
         done = subprocess.run(
             [sys.executable, "-m", "hpcscale", "ckpt", "verify", str(shared / f"step-{step:08d}")],
             capture_output=True,
@@ -229,8 +234,10 @@ def test_a_drain_ships_only_the_chunks_the_shared_tier_lacks_and_commits_the_sam
     # the drained step 4 refers to step 2's files for the frozen tensor: incremental on the shared tier
     from hpcscale.ckpt.format import read_index
 
-    files = read_index(shared / "step-00000004" / "index.h5").files()
-    assert any(f.startswith("step-00000002/") for f in files)
+    index = read_index(shared / "step-00000004" / "index.h5")
+    assert any(f.startswith("step-00000002/") for f in index.files())
+    # the node-local step's lineage, parent included: the checkpoint saved before it in this run, on any tier
+    assert index.trainer_state["lineage"]["parent"] == "step-00000002" and index.parent == "step-00000002"
 
 
 def test_kill_9_during_a_drain_leaves_the_shared_tiers_previous_step_whole(tmp_path):

@@ -263,7 +263,10 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
     copy on the other node. A rank on n2 killed and n2's directory gone (the node lost): the resume runs without
     n2, from the newest node-local step, n2's part taken from n1's partner copy and moved over the process group
     to the replacement node; nothing is read from the shared tier, and the losses are the uninterrupted run's.
-    The shared tier's periodic saves (every 25 steps) are drained from the node-local tier, and verify.
+    n1's copy of one of n2's files of the newest step is corrupted first (one byte): that copy is refused, so the
+    newest step is not whole, and the one before it is taken, still from the node-local tier.
+    The shared tier's periodic saves (every 25 steps) are drained from the node-local tier with the node-local
+    step's root digest, and verify.
     both-partners: n1's directory is gone too, so no node holds n2's part: the ranks fall back to the shared
     tier's newest step, one drained from the node-local tier, and the losses are again the uninterrupted run's."""
     run = tmp_path / "run"
@@ -273,12 +276,27 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
     job.write_text(yaml.safe_dump(spec))
     job_id = _submit(job, run, local_cluster)
     node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
+    record = run / "node-local.json"
     try:
         _wait_steps(run, 80)
+        # the newest node-local step 10 past a shared save, so the step before it is newer than that save
+        deadline = time.monotonic() + 120
+        while not (record.exists() and json.loads(record.read_text())["step"] % 25 == 10):
+            assert time.monotonic() < deadline, _log(run)[-3000:]
+            time.sleep(0.05)
         os.kill(_rank_pids(run, "n2")[0], signal.SIGKILL)
         assert _wait_gone(job_id, local_cluster) == "FAILED"
         mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
         assert list((node_dirs / "n1" / mine).glob("step-*/index.h5")), _log(run)[-3000:]
+        newest = json.loads(record.read_text())
+        local_digests = {int(p.parent.name[5:]): p.read_text() for p in (node_dirs / "n1" / mine).glob("step-*/DIGEST")}
+        if lost == ("n2",):  # n1's copy of an n2 file of the newest step, one byte flipped in its first chunk
+            n2_file = next(f for f, holders in sorted(newest["holders"].items()) if holders[0] == "n2")
+            with open(node_dirs / "n1" / mine / n2_file, "r+b") as f:
+                f.seek(100)
+                byte = f.read(1)
+                f.seek(100)
+                f.write(bytes([byte[0] ^ 0xFF]))
         for node in lost:  # lost with its disk
             shutil.rmtree(node_dirs / node / mine)
         dry = json.loads(run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster).stdout)
@@ -296,8 +314,10 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
         drained = {int(x) for x in re.findall(r"checkpoint (\d+) saved: [\d.]+ s blocking, drained", log)}
         if lost == ("n2",):
             m = re.search(r"resumed from checkpoint step (\d+) of the node-local tier \((\d+) data file", log)
-            assert m and int(m.group(1)) % 5 == 0 and int(m.group(2)) >= 1, log[-3000:]
+            assert m and int(m.group(1)) == newest["step"] - 5 and int(m.group(2)) >= 1, log[-3000:]
             assert "nothing read from the shared tier" in log
+            refused = rf"node-local copy refused: \S*/{re.escape(n2_file)}: the chunk at offset 0 "
+            assert re.search(refused, log), log[-3000:]
         else:  # the node-local tier cannot make a step whole: the shared tier's newest, a drained one
             m = re.search(r"resumed from checkpoint step (\d+) of the shared tier", log)
             assert m and int(m.group(1)) in drained, log[-3000:]
@@ -307,6 +327,9 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
         for step_dir in kept:
             done = run_cli("ckpt", "verify", str(step_dir))
             assert done.returncode == 0, done.stdout + done.stderr
+        # a drained step has the node-local step's root digest (when n1 still holds that step)
+        same = [p for p in kept if int(p.name[5:]) in local_digests]
+        assert all((p / "DIGEST").read_text() == local_digests[int(p.name[5:])] for p in same), same
         _assert_matches(run, reference)
     finally:
         for node in node_dirs.glob("n*"):

@@ -48,7 +48,10 @@ from hpcscale.portable.hashing import XXH128
 from hpcscale.util.bounded import read_bounded
 
 FORMAT = "hpcscale-checkpoint"
-VERSION = 2  # 2: root digest, DIGEST file, chunk_bytes; version 1 is refused (docs/checkpoint-format.md)
+# 2: root digest, DIGEST file, chunk_bytes; 3: the root digest leaves out where bytes are stored, so a state has
+# one digest on every tier. Both are read; version 1 is refused (docs/checkpoint-format.md, "Versions").
+VERSION = 3
+READ_VERSIONS = (2, 3)
 HASH_ALGORITHM = XXH128  # the same name manifests use (hpcscale.portable.hashing owns the names)
 INDEX = "index.h5"
 DIGEST = "DIGEST"  # beside index.h5: the root digest as one line of text, for a signature to cover
@@ -206,6 +209,10 @@ class Index:
     chunk_bytes: int = CHUNK_BYTES  # where shards were cut into chunks: all but a shard's last are this long
     digest: str = ""  # the root digest of what was read ("sha256:<hex>"); "" for an index not yet written
     tables: Tables | None = None  # the tables it was read from or built as (what is written and digested)
+
+    @property
+    def version(self) -> int:
+        return self.tables.attrs["version"] if self.tables is not None else VERSION
 
     def files(self) -> set[str]:
         if self.tables is not None:
@@ -618,8 +625,11 @@ def examine_index(path: Path) -> IndexExamination:
                     "index version 1 (hpcscale 0.1.0) has no root digest, so its structure cannot be "
                     'authenticated; this version refuses it (docs/checkpoint-format.md, "Versions")'
                 )
-            if version != VERSION:
-                return fail(f"index version {str(version)[:40]} is not supported (this hpcscale reads {VERSION})")
+            if not isinstance(version, (int, np.integer)) or int(version) not in READ_VERSIONS:
+                return fail(
+                    f"index version {str(version)[:40]} is not supported (this hpcscale reads versions "
+                    f"{' and '.join(map(str, READ_VERSIONS))})"
+                )
             algorithm = f.attrs.get("hash_algorithm")
             if algorithm != HASH_ALGORITHM:
                 return fail(f"chunks hashed with {str(algorithm)[:40]!r}, which this version cannot check")

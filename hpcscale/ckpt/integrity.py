@@ -16,11 +16,15 @@ the index itself trustworthy; `ckpt verify` and every load (`format.read_index`)
    chunks, and no element of a loaded or exported tensor is left unwritten. They run only on an index whose
    root digest matches (below): an edited index without a recomputed digest is refused before any of this.
 
-2. Root digest (`root_digest`): sha256 over a canonical serialisation of everything the index says (the
-   attributes, every table, the RNG states), recorded in the index (`digest`) and in the small text file
-   `DIGEST` beside it, which a signature can cover without parsing HDF5. A chunk is bound to its tensor,
-   shard and position because its row (hash, file, offset, length) enters the digest at exactly that place:
-   swapping two tensors' chunk references, or editing a dtype, a shape or the trainer state, changes it.
+2. Root digest (`root_digest`): sha256 over a canonical serialisation of what the checkpoint holds (the
+   attributes, the tensor and shard tables, every chunk's hash and length, the RNG states), recorded in the
+   index (`digest`) and in the small text file `DIGEST` beside it, which a signature can cover without parsing
+   HDF5. A chunk is bound to its tensor, shard and position because its row enters the digest at exactly that
+   place: swapping two tensors' chunk references, or editing a dtype, a shape or the trainer state, changes it.
+   Since version 3 it leaves out where the bytes are stored (the data files, each chunk's file and offset, the
+   tier's previous step): the same state has the same digest on every tier and after any deduplication, and a
+   chunk's location needs no authentication, because every read hashes the chunk against its recorded hash
+   (a location pointing at other bytes fails that check; one pointing at the same bytes reads the same state).
    sha256 rather than xxh128: xxh128 is built for speed, not against an adversary, and anyone can construct a
    second input with a given xxh128; a digest that a signature will vouch for must be collision resistant.
    The digest covers the index only (kilobytes to a few megabytes): the chunk hashes it covers already bind
@@ -45,7 +49,8 @@ from hpcscale.errors import BadInput
 from hpcscale.util.bounded import loads_json
 
 DIGEST_ALGORITHM = "sha256"
-_DOMAIN = b"hpcscale-checkpoint-index-digest-v2\n"
+# The digest's input starts with its version's domain line: no input of one version is an input of another.
+_DOMAINS = {2: b"hpcscale-checkpoint-index-digest-v2\n", 3: b"hpcscale-checkpoint-index-digest-v3\n"}
 MAX_JSON_BYTES = 16 << 20  # trainer state and layout: far beyond any real one, small enough to refuse fast
 MAX_OFFSET = 1 << 62  # no data file is this large; keeps offset + length inside int64
 _DIGEST_TEXT = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -106,6 +111,9 @@ INT_TABLES = (
     "shard_chunk_count",
 )
 CHUNK_DTYPE = np.dtype([("hash", "S32"), ("file", "<i4"), ("offset", "<i8"), ("length", "<i8")])  # packed: 52 B
+# Version 3 leaves out where things are stored: these fields, and each chunk's file and offset.
+LOCATION_FIELDS = frozenset({"parent", "files"})
+_CHUNK_CONTENT = np.dtype([("hash", "S32"), ("length", "<i8")])  # a chunk row as version 3 digests it: 40 B
 
 
 @dataclass(slots=True)
@@ -129,12 +137,19 @@ def _array_payload(a: np.ndarray) -> bytes:
 
 
 def root_digest(t: Tables) -> str:
-    """ "sha256:<hex>" over the canonical serialisation of `t` (docs/checkpoint-format.md, "Root digest")."""
-    h = hashlib.sha256(_DOMAIN)
+    """ "sha256:<hex>" over the canonical serialisation of `t` for its `version` (docs/checkpoint-format.md,
+    "Root digest"): version 3 over what the checkpoint holds, version 2 also over where its bytes are stored.
+    Raises ValueError for any other version."""
+    version = t.attrs["version"]
+    if version not in _DOMAINS:
+        raise ValueError(f"no root digest is defined for index version {str(version)[:40]}")
+    located = version == 2
+    h = hashlib.sha256(_DOMAINS[version])
 
     def record(name: str, payload: bytes) -> None:
-        h.update(_frame(name.encode()))
-        h.update(_frame(payload))
+        if located or name not in LOCATION_FIELDS:
+            h.update(_frame(name.encode()))
+            h.update(_frame(payload))
 
     for name, kind in ATTRS:
         value = t.attrs[name]
@@ -148,7 +163,12 @@ def root_digest(t: Tables) -> str:
         record(name, b"".join(_frame(x) for x in t.strings[name]))
     for name in INT_TABLES:
         record(name, _array_payload(t.ints[name].astype("<i8", copy=False)))
-    record("chunks", _array_payload(t.chunks.astype(CHUNK_DTYPE, copy=False)))
+    chunks = t.chunks.astype(CHUNK_DTYPE, copy=False)
+    if not located:
+        content = np.empty(chunks.shape, _CHUNK_CONTENT)
+        content["hash"], content["length"] = chunks["hash"], chunks["length"]
+        chunks = content
+    record("chunks", _array_payload(chunks))
     record("rng_rank", _array_payload(t.ints["rng_rank"].astype("<i8", copy=False)))
     for name in sorted(t.rng):
         record(name, _array_payload(t.rng[name]))

@@ -290,22 +290,19 @@ class CheckpointManager:
         return self.last_stats
 
     def _drain(self, source: Path, step: int, parent: str | None) -> None:
-        """On the writer thread: read this rank's part of node-local step `step`, then write and commit it."""
+        """On the writer thread: read this rank's part of node-local step `step`, then write and commit it with
+        that step's trainer state (lineage included) and time, so its root digest is the node-local step's."""
         t0 = time.perf_counter()
-        pending, rng, state, problem = [], {}, {}, None
+        pending, rng, state, created, problem = [], {}, {}, None, None
         try:
             pin = self.device.type == "cuda"  # as a GPU rank's save stages
-            pending, rng, state = drain_source(
+            pending, rng, state, created = drain_source(
                 source, step, self.rank, staging=lambda s: self.writer.staging(s, pin=pin)
             )
-            if self.lineage is not None:
-                from hpcscale.ckpt.lineage import TAG, for_save
-
-                state[TAG] = for_save(self.lineage, state, parent)
         except Exception as e:
             problem = f"rank {self.rank}: node-local {step_dir_name(step)}: {type(e).__name__}: {e}"
         faults.fault("drain_read", self.rank)
-        result = self._write(step, pending, rng, state, parent, problem=problem)
+        result = self._write(step, pending, rng, state, parent, problem=problem, created=created)
         self.writer.reread([p.shard for p in pending])  # what was drained came from files, not the live tensors
         if self.last_stats is not None:
             self.last_stats = SaveStats(step, 0.0, result.new_bytes, result.referenced_bytes, time.perf_counter() - t0)
@@ -358,7 +355,7 @@ class CheckpointManager:
                 time.perf_counter() - t0,
             )
 
-    def _write(self, step, pending, rng, trainer_state, parent, *, problem: str | None = None):
+    def _write(self, step, pending, rng, trainer_state, parent, *, problem: str | None = None, created=None):
         rows, result, error = [], None, problem
         try:
             if problem is None:
@@ -388,6 +385,7 @@ class CheckpointManager:
                         keep_last=self.keep_last,
                         keep_every=self.keep_every,
                         keep=frozenset(self.pinned),
+                        created=created,
                     )
                     outcome = [("ok", removed)]
                 except Exception as e:

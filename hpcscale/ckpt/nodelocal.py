@@ -195,10 +195,11 @@ def needed_files(index: Index, targets) -> set[str]:
 
 
 # ---- moving files between nodes -------------------------------------------------------------------------------
-def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[list, dict, dict]:
+def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[list, dict, dict, float]:
     """What rank `rank` wrote for node-local step `step` under `root` (its node's directory), read back for a
     drain to the shared tier: its shards as PendingShards over host tensors (every chunk verified against its
-    hash), its RNG states and the step's trainer state. A step stands alone, so every chunk of a shard this rank
+    hash), its RNG states, the step's trainer state and when it was saved: everything the root digest covers,
+    so the drained step's digest is the node-local one's. A step stands alone, so every chunk of a shard this rank
     wrote is in this rank's own data file. `staging(shard)` (the shared writer's ShardWriter.staging, given a
     shard over a meta tensor) gives the buffer to read into, so a drain holds no more host memory than an
     asynchronous save's staging; without it, new page-aligned buffers."""
@@ -235,7 +236,7 @@ def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[lis
                 out.append(PendingShard(LocalShard(tensor, t, *place), t))
     finally:
         reader.close()
-    return out, index.rng[rank], dict(index.trainer_state)
+    return out, index.rng[rank], dict(index.trainer_state), index.created
 
 
 WINDOW = 16  # files one rank sends or receives at once: at most this many pieces in memory, fds open

@@ -185,7 +185,7 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
         details={
             "step": index.step if index else step_of(step_dir.name),
             "tensors": len(index.tensors) if index else 0,
-            "version": VERSION,
+            "version": index.version if index else VERSION,
             "digest": exam.digest,
         },
     )
@@ -252,7 +252,7 @@ def inspect(step_dir: Path) -> dict:
         "parent": index.parent,
         "created": index.created,
         "hash_algorithm": HASH_ALGORITHM,
-        "version": VERSION,
+        "version": index.version,
         "digest": index.digest,
         "bytes": index.total_bytes(),
         "files": sorted(index.files()),

@@ -525,16 +525,24 @@ def commit(
     keep_last: int,
     keep_every: int,
     keep: frozenset[int] = frozenset(),
+    created: float | None = None,
 ) -> list[str]:
     """Rank 0: build and write the index, rename everything into place, apply retention (`keep`: steps it keeps
-    whatever the policy says).
+    whatever the policy says; `created`: when the state was taken, now unless given).
     Returns the data files retention removed."""
-    prepare_index(root, step, gathered, layout=layout, parent=parent, trainer_state=trainer_state)
+    prepare_index(root, step, gathered, layout=layout, parent=parent, trainer_state=trainer_state, created=created)
     return install(root, step, keep_last=keep_last, keep_every=keep_every, keep=keep)
 
 
 def prepare_index(
-    root: Path, step: int, gathered: list[dict], *, layout: dict, parent: str | None, trainer_state: dict
+    root: Path,
+    step: int,
+    gathered: list[dict],
+    *,
+    layout: dict,
+    parent: str | None,
+    trainer_state: dict,
+    created: float | None = None,
 ) -> Index:
     """Write `.tmp-step-N/index.h5` and `DIGEST`, both durable (the first half of commit); returns the index."""
     tmp = root / f".tmp-{step_dir_name(step)}"
@@ -543,7 +551,7 @@ def prepare_index(
         step=step,
         layout=layout,
         parent=parent,
-        created=time.time(),
+        created=time.time() if created is None else created,
         trainer_state=trainer_state,
         chunk_bytes=CHUNK_BYTES,  # where this module cut the chunks (tests cut smaller ones)
     )

@@ -99,6 +99,7 @@ class Checkpointer:
         self._policy = ctx.job.checkpoint
         self._manager = None
         self._local_manager = None  # the node-local tier's manager (checkpoint.local), built on first use
+        self._lineage_value, self._lineage_collected = None, False
         self._model: torch.nn.Module | None = None
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
         self._objects: dict[str, Any] = {}
@@ -533,6 +534,7 @@ class Checkpointer:
                 device=ctx.device,
                 timeout_s=ctx.job.timeout_seconds,
                 node_local=layout,
+                lineage=self._lineage(),  # a drain keeps the node-local step's trainer state, lineage included
             )
             from hpcscale.ckpt.nodelocal import RECORD
 
@@ -634,11 +636,18 @@ class Checkpointer:
         with self._watchdog.paused("cross-site round"):
             self._rounds.boundary(done_steps, lambda: (self.save(done_steps, asynchronous=False), self.manager.wait()))
 
+    def _lineage(self) -> dict | None:
+        """What produced this run's checkpoints (hpcscale.ckpt.lineage), collected once for both tiers."""
+        if not self._lineage_collected:
+            from hpcscale.ckpt import lineage
+
+            self._lineage_value, self._lineage_collected = lineage.of_context(self._ctx), True
+        return self._lineage_value
+
     @property
     def manager(self):
         """The CheckpointManager underneath (created on first use: a collective)."""
         if self._manager is None:
-            from hpcscale.ckpt import lineage
             from hpcscale.ckpt.manager import CheckpointManager
             from hpcscale.rundir import CHECKPOINTS
 
@@ -653,7 +662,7 @@ class Checkpointer:
                 direct_io=policy.direct_io,
                 background_nice=policy.background_nice,
                 log=ctx.metrics.print,
-                lineage=lineage.of_context(ctx),
+                lineage=self._lineage(),
                 device=ctx.device,
                 timeout_s=ctx.job.timeout_seconds,
                 owner=ctx.run_id,

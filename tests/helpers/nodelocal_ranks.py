@@ -39,9 +39,9 @@ def main() -> None:
     nodes = spec["nodes"]
     layout = nodelocal.build(nodes, spec["partners"], {}, [], "other")
     root = Path(spec["base"]) / nodes[rank]
-    manager = CheckpointManager(
-        root, dims=ParallelDims.for_world(world_size=world, tp=1, pp=1), rank=rank, keep_last=2, node_local=layout
-    )
+    lineage = {"hpcscale_version": "test"} if rank == 0 else None  # as the launcher gives both tiers
+    dims = ParallelDims.for_world(world_size=world, tp=1, pp=1)
+    manager = CheckpointManager(root, dims=dims, rank=rank, keep_last=2, node_local=layout, lineage=lineage)
     out = {}
     if spec["action"] == "save":
         for step in spec["steps"]:
@@ -52,7 +52,7 @@ def main() -> None:
             except Exception as e:
                 out[step] = f"{type(e).__name__}: {e}"
     elif spec["action"] == "drain":
-        shared = CheckpointManager(Path(spec["base"]) / "shared", dims=manager.dims, rank=rank, keep_last=5)
+        shared = CheckpointManager(Path(spec["base"]) / "shared", dims=dims, rank=rank, keep_last=5, lineage=lineage)
         for step in spec["steps"]:
             manager.save(step, tensors_at(step), {"step": step}, asynchronous=False)
             shared.drain(manager.root, step)
