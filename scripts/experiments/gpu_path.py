@@ -216,6 +216,7 @@ def stop_resume(tag: str, checkpoint: str, node_local: bool = False) -> dict:
     la, lb = losses(work / "a"), losses(work / "b")
     same = [s for s in la if s in lb and la[s] == lb[s]]
     resumed = [x for x in (c.stdout + c.stderr).splitlines() if "resumed from" in x][:1]
+    tiers = _tiers(work, out_b + c.stdout + c.stderr) if node_local else {}
     shutil.rmtree(work, ignore_errors=True)
     return {
         "stop_rc": rc_b,
@@ -226,7 +227,25 @@ def stop_resume(tag: str, checkpoint: str, node_local: bool = False) -> dict:
         "first_diff": next((s for s in sorted(la) if lb.get(s) != la[s]), None),
         "resumed_line": resumed,
         "from_node_local": bool(resumed) and "of the node-local tier" in resumed[0],
+        **tiers,
     }
+
+
+def _tiers(work: Path, log: str) -> dict:
+    """What the drains left on the shared tier: which steps were drained, whether every shared step verifies,
+    and, for each step both tiers hold, whether their root digests (DIGEST) are equal."""
+    import re
+
+    drained = sorted({int(x) for x in re.findall(r"checkpoint (\d+) saved: [\d.]+ s blocking, drained", log)})
+    shared = sorted((work / "b" / "checkpoints").glob("step-*"))
+    verified = [
+        subprocess.run([sys.executable, "-m", "hpcscale", "ckpt", "verify", str(d)], capture_output=True).returncode
+        == 0
+        for d in shared
+    ]
+    local = {d.parent.name: d.read_text() for d in (work / "node-local").glob("hpcscale-*/step-*/DIGEST")}
+    both = {d.name: (d / "DIGEST").read_text() == local[d.name] for d in shared if d.name in local}
+    return {"drained": drained, "shared_steps_verified": all(verified) and bool(verified), "same_digest": both}
 
 
 def launch():
@@ -234,7 +253,8 @@ def launch():
 
 
 def nodelocal():
-    return stop_resume("nodelocal", "checkpoint: {every_steps: 10, async: true, local: {every_steps: 3}}\n", True)
+    tiers = "checkpoint: {every_steps: 10, async: true, local: {every_steps: 3, keep_last: 20}}\n"
+    return stop_resume("nodelocal", tiers, True)
 
 
 def ckpt_gpu():
