@@ -286,6 +286,62 @@ def test_parallelize_refuses_tp_without_a_plan(mpi, tmp_path):
     assert "parallel.tp is 2 but ctx.parallelize got no tp_plan" in r.stdout + r.stderr
 
 
+REFUSED = {  # call -> what its BadInput says (docs/context-api.md, "Errors"), at pp 1 and at pp 2
+    "cut_stage stage": "must be one of 0..pp-1",
+    "cut_stage layers": "the model has no 'blocks'",
+    "parallelize mixed_precision": "mixed_precision is 'fp8', not one of bf16, fp32, auto",
+    "parallelize init": "init= initializes a model built on the meta device",
+    "parallelize twice": "this model was already parallelized",
+    "clip_grad_norm_ max_norm": "max_norm is -1.0",
+    "metrics.log tensor": "ctx.metrics.log: loss is a Tensor",
+    "checkpoint.step before restore": "ctx.checkpoint.step() before ctx.checkpoint.restore",
+    "checkpoint.save before restore": "ctx.checkpoint.save() before ctx.checkpoint.restore",
+    "checkpoint.restore optimizer without model": "an optimizer needs its model",
+    "checkpoint.restore object without state_dict": "has no state_dict()/load_state_dict()",
+    "checkpoint.restore twice": "restore() is called once",
+}
+PIPELINE_REFUSED = {
+    1: dict.fromkeys(
+        ["pipeline before parallelize", "pipeline schedule", "pipeline n_microbatches", "pipeline 1f1b"],
+        "ctx.pipeline: parallel.pp is 1",
+    ),
+    2: {
+        "pipeline before parallelize": "call ctx.parallelize(stage) first",
+        "pipeline schedule": "schedule 'zb' is not one of",
+        "pipeline n_microbatches": "n_microbatches is 0",
+        "pipeline 1f1b": "fewer than parallel.pp = 2",
+    },
+}
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_every_documented_bad_call_is_refused_with_bad_input_naming_it(mpi, tmp_path, pp):
+    """Each refusal docs/context-api.md lists, made by a real entry point on real ranks: a BadInput (exit 2
+    when not caught) whose message names the call and the value."""
+    spec = {
+        "name": "refusals",
+        "site": "local",
+        "tasks_per_node": pp,
+        "parallel": {"pp": pp},
+        "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers")},
+        "train": {"entry": "refusals_entry:main"},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    r = run_local(tmp_path / "job.yaml", tmp_path / "run")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for rank in range(pp):
+        got = json.loads((tmp_path / "run" / f"refusals.{rank}.json").read_text())
+        want = {**REFUSED, **PIPELINE_REFUSED[pp]}
+        assert sorted(got) == sorted(want)
+        wrong = {k: got[k] for k in want if not (got[k].startswith("BadInput: ") and want[k] in got[k])}
+        assert not wrong, wrong
+    if pp == 1:  # not caught, it ends the job with exit 2 and its line
+        spec["train"]["params"] = {"uncaught": "metrics.log tensor"}
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+        r = run_local(tmp_path / "job.yaml", tmp_path / "run2")
+        assert r.returncode == 2 and "ctx.metrics.log: loss is a Tensor" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
 # ---- the JSON state's rules ----------------------------------------------------------------------------------
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**62), 2**62) | st.floats(allow_nan=False, allow_infinity=False)

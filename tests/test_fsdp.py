@@ -28,13 +28,21 @@ HELPERS = REPO / "tests" / "helpers"
 
 
 def _job(
-    path: Path, *, ranks: int, tp: int = 1, pp: int = 1, dp_shard: int = 1, steps: int = 12, meta: bool = False
+    path: Path,
+    *,
+    ranks: int,
+    tp: int = 1,
+    pp: int = 1,
+    dp_shard: int = 1,
+    steps: int = 12,
+    meta: bool = False,
+    ac: bool = False,
 ) -> Path:
     spec = {
         "name": f"fsdp-{ranks}-{tp}-{pp}-{dp_shard}",
         "site": "local",
         "tasks_per_node": ranks,
-        "parallel": {"tp": tp, "pp": pp, "dp_shard": dp_shard},
+        "parallel": {"tp": tp, "pp": pp, "dp_shard": dp_shard, "activation_checkpointing": ac},
         "timeout_seconds": 120,
         "hang_timeout_seconds": 100,
         "environment": {"PYTHONPATH": str(HELPERS)},
@@ -81,18 +89,29 @@ def _state_bytes(run: Path, ranks: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("tp", "pp", "dp_shard", "meta"),
-    [(1, 1, 4, True), (1, 1, 2, False), (2, 1, 2, True), (1, 2, 2, True), (1, 2, 1, True)],
-    ids=["dp_shard4-meta", "hsdp2x2", "tp2-dp_shard2-meta", "pp2-dp_shard2-meta", "pp2-dp2-meta"],
+    ("tp", "pp", "dp_shard", "meta", "ac"),
+    [
+        (1, 1, 4, True, False),
+        (1, 1, 2, False, False),
+        (2, 1, 2, True, True),
+        (1, 2, 2, True, False),
+        (1, 2, 1, True, True),
+    ],
+    ids=["dp_shard4-meta", "hsdp2x2", "tp2-dp_shard2-meta-ac", "pp2-dp_shard2-meta", "pp2-dp2-meta-ac"],
 )
-def test_user_model_at_every_layout_gives_the_single_process_losses(single, request, tmp_path, tp, pp, dp_shard, meta):
+def test_user_model_at_every_layout_gives_the_single_process_losses(
+    single, request, tmp_path, tp, pp, dp_shard, meta, ac
+):
     """The single process builds the model whole; `meta` layouts build it on the meta device and each rank
-    materializes only its shards: the same initial weights, so the same losses."""
+    materializes only its shards: the same initial weights, so the same losses. `ac`: with the job's
+    parallel.activation_checkpointing (each block's forward recomputed in backward): the same losses again."""
     if (tp, pp, dp_shard, meta) == (1, 1, 2, False):
         run = request.getfixturevalue("hsdp2x2")  # shared with the sharded-checkpoint test
     else:
         run = tmp_path / "run"
-        _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard, meta=meta)
+        _run(tmp_path, run, ranks=4, tp=tp, pp=pp, dp_shard=dp_shard, meta=meta, ac=ac)
+        if ac:  # it was applied: the entry point counts the blocks torch's checkpoint wraps
+            assert (run / "ac_blocks.0").read_text() == str(4 // pp), "activation checkpointing was not applied"
     got = losses(run)
     assert len(got) == 12
     _close(got, losses(single))
@@ -349,6 +368,36 @@ def test_bf16_mixed_precision_runs_a_model_with_layers_after_its_blocks_without_
     assert "logits torch.float32 block params torch.float32" in r.stdout, r.stdout
 
 
+UNSHARDED_BF16 = """
+import sys
+import torch
+from hpcscale.layout import ParallelDims
+from hpcscale.parallel.fsdp import shard_model
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+seen = []
+m[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+shard_model(m, mesh=None, dims=ParallelDims(tp=1, pp=1, dp=2), device=torch.device("cpu"),
+            mixed_precision=sys.argv[1])
+out = m(torch.randn(3, 8))
+out.sum().backward()
+print("inner", seen[0], "out", out.dtype, "param", m[0].weight.dtype, "grad", m[0].weight.grad.dtype)
+"""
+
+
+@pytest.mark.parametrize(("setting", "inner"), [("bf16", "bfloat16"), ("fp32", "float32"), ("auto", "float32")])
+def test_mixed_precision_applies_to_a_model_that_is_not_sharded(setting, inner):
+    """parallel.mixed_precision at dp_shard = 1 (replicated, or one rank): bf16 computes the forward under
+    autocast, the output comes back fp32 as FSDP's root gives it, parameters and gradients stay fp32 (so their
+    all-reduce and the optimizer are fp32); `auto` on CPU is fp32."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", UNSHARDED_BF16, setting], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"inner torch.{inner} out torch.float32 param torch.float32 grad torch.float32" in r.stdout, r.stdout
+
+
 PIPELINE_GUARD = """
 import os, sys
 import torch, torch.distributed as dist
@@ -594,3 +643,52 @@ def test_a_meta_model_that_init_leaves_partly_unset_is_refused_by_name():
     with pytest.raises(BadInput, match=r"partly on the meta device .* head\.weight, head\.bias are not"):
         on_meta(net)
     assert on_meta(net.layers) and not on_meta(fsdp_entry.Net())
+
+
+PIPELINE_DOC = REPO / "docs" / "context-api.md"
+
+
+def test_the_pages_pipelined_sharded_model_runs_as_written_and_gives_one_process_losses(mpi, tmp_path):
+    """docs/context-api.md's mypipeline.py and pipeline-job.yaml as written (PYTHONPATH pointed here): built
+    on meta, cut into 2 stages, each sharded over 2 ranks, through ctx.pipeline and ctx.clip_grad_norm_. Its
+    losses and norms are those of one process training the whole model (initialized as the meta path does,
+    torch's own clip_grad_norm_) within 1e-5; and docs/large-models.md's excerpt is this file's code."""
+    import re
+    import sys
+
+    blocks = re.findall(r"```(\w+)\n(.*?)```", PIPELINE_DOC.read_text(), re.S)
+    code = [b for lang, b in blocks if lang == "python" and b.startswith("# mypipeline.py")]
+    job = [b for lang, b in blocks if lang == "yaml" and b.startswith("# pipeline-job.yaml")]
+    assert len(code) == 1 and len(job) == 1, "the page must hold one mypipeline.py and one pipeline-job.yaml"
+    (tmp_path / "mypipeline.py").write_text(code[0])
+    (tmp_path / "job.yaml").write_text(job[0].replace("/path/to/mycode", str(tmp_path)))
+    r = run_cli("run", str(tmp_path / "job.yaml"), "--local", "--run-dir", str(tmp_path / "run"), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got, norms = losses(tmp_path / "run"), grad_norms(tmp_path / "run")
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import mypipeline as m
+    finally:
+        sys.path.remove(str(tmp_path))
+    from hpcscale.parallel.init import initialize
+
+    model = m.Net()
+    initialize(model, m.init_weights, seed=0)  # the weights materializing the meta model gives, on one process
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    want, want_norms = {}, []
+    for step in range(12):
+        x, y = m.batch(step)
+        opt.zero_grad()
+        loss = m.loss_fn(model(x), y)
+        loss.backward()
+        want_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        opt.step()
+        want[step] = float(loss.detach())
+    assert len(got) == 12
+    _close(got, want)
+    _close(dict(enumerate(norms)), dict(enumerate(want_norms)))
+    # the large-model page shows an excerpt of this example: every line of it is the example's
+    page = (REPO / "docs" / "large-models.md").read_text()
+    excerpts = [b for lang, b in re.findall(r"```(\w+)\n(.*?)```", page, re.S) if lang == "python"]
+    assert excerpts and all(line.strip() in code[0] for b in excerpts for line in b.splitlines() if line.strip())

@@ -48,7 +48,12 @@ def code(mpi, tmp_path_factory) -> Path:
     assert doc["vocab_size"] == 512 and doc["tokenizer"] == "tokenizer.json"
     manifest = json.loads((d / "data" / "py-bpe" / "manifest.json").read_text())
     assert manifest["dataset"]["dtype"] == "uint16"
-    assert "tokenizer.json" in [f["path"] for f in manifest["files"]] and manifest["meta"]["tokenizer_hash"]
+    import xxhash
+
+    entry = next(f for f in manifest["files"] if f["path"] == "tokenizer.json")
+    # the hash of the tokenizer file the corpus was tokenized with (manifests hash with xxh128)
+    assert manifest["hash_algorithm"] == "xxh128" and manifest["meta"]["tokenizer_hash"] == entry["hash"]
+    assert entry["hash"] == xxhash.xxh3_128_hexdigest((d / "tokenizer.json").read_bytes())
     return d
 
 
@@ -116,6 +121,9 @@ def test_a_transformers_model_trains_at_every_layout_stops_resumes_and_exports(c
 
 
 def _export_gives_the_val_loss(code: Path, run: Path) -> None:
+    """`ckpt export` of the run's newest checkpoint, loaded with from_pretrained: its logits on a validation
+    batch are bitwise those of the checkpoint's weights read into the same class, and its validation loss is the
+    one the trained model logged in the job (within 1e-6)."""
     r = run_cli("ckpt", "export", str(run), "-o", str(run / "export" / "model.safetensors"), timeout=300)
     assert r.returncode == 0, r.stderr
     probe = f"""
@@ -127,8 +135,17 @@ m = LlamaForCausalLM.from_pretrained({str(run / "export")!r})
 data = TokenLoader(Path({str(code / "data" / "py-bpe" / "manifest.json")!r}), seq_len=64, global_batch=8, dp_rank=0,
                    dp_size=1, seed=0, val_fraction=0.1)
 x, y = (torch.from_numpy(a) for a in data.val_batches(1)[0])
+# the trained model as its newest checkpoint holds it, read straight from the checkpoint into the same class
+from hpcscale.ckpt.export import consolidated
+step = Path({str(run / "checkpoints")!r}) / (Path({str(run / "checkpoints")!r}) / "LATEST").read_text().strip()
+trained = LlamaForCausalLM(m.config)
+missing, unexpected = trained.load_state_dict(consolidated(step), strict=False)
+assert not unexpected and set(missing) <= {{"lm_head.weight"}}, (missing, unexpected)
+trained.tie_weights()
 with torch.no_grad():
-    print(float(F.cross_entropy(m(input_ids=x).logits.float().flatten(0, 1), y.flatten())))
+    logits = m(input_ids=x).logits
+    assert torch.equal(logits, trained(input_ids=x).logits), "from_pretrained's logits differ from the checkpoint's"
+    print(float(F.cross_entropy(logits.float().flatten(0, 1), y.flatten())))
 """
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -51,9 +51,10 @@ class Parallel:
         default=True,
     )
     mixed_precision: Literal["auto", "bf16", "fp32"] = setting(
-        "With dp_shard > 1: the dtype sharded blocks compute in. `bf16`: parameters gathered in bf16, gradients "
-        "reduced in fp32, the sharded master copy and optimizer state in fp32. `auto`: bf16 on GPUs, fp32 on CPU "
-        "(the built-in trainer: bf16 only when its `bf16` param is true).",
+        "The dtype a model computes in. `bf16` with dp_shard > 1: parameters gathered in bf16, gradients reduced "
+        "in fp32, the sharded master copy and optimizer state in fp32; with dp_shard = 1: the forward under "
+        "torch.autocast(bf16), parameters, gradients and their all-reduce fp32. Either way the model's output is "
+        "fp32. `auto`: bf16 on GPUs, fp32 on CPU (the built-in trainer: bf16 only when its `bf16` param is true).",
         default="auto",
     )
     activation_checkpointing: bool = setting(

@@ -38,6 +38,17 @@ def _append_only(path: Path):
     return open(fd, "a", buffering=1)
 
 
+def _loggable(value: Any, depth: int = 0) -> bool:
+    """Whether json.dumps writes `value` as a metrics value: plain JSON, bounded nesting."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if depth < 8 and isinstance(value, list | tuple):
+        return all(_loggable(v, depth + 1) for v in value)
+    if depth < 8 and isinstance(value, dict):
+        return all(isinstance(k, str) and _loggable(v, depth + 1) for k, v in value.items())
+    return False
+
+
 class MetricsLogger:
     """JSON lines in RUN/metrics.jsonl, written by global rank 0 only; `print` echoes progress to stdout.
     Every line names its attempt (RUN/attempts.jsonl): a step repeated after a requeue or resume is told apart."""
@@ -53,6 +64,17 @@ class MetricsLogger:
             self._tb = TensorBoardSink(tensorboard)
 
     def log(self, **values: Any) -> None:
+        """Append one JSON line of `values` to metrics.jsonl (rank 0; every rank checks them): numbers,
+        strings, booleans, None, and lists and dicts of them. Anything else (a tensor: log float(t)) is
+        BadInput naming the key."""
+        for key, value in values.items():
+            if not _loggable(value):
+                from hpcscale.errors import BadInput
+
+                raise BadInput(
+                    f"ctx.metrics.log: {key} is a {type(value).__name__}; log numbers, strings, booleans or None "
+                    "(lists and dicts of them): a tensor's value is float(t)"
+                )
         if self._f is not None:
             head = (
                 {"time": round(time.time(), 3)}
@@ -245,8 +267,13 @@ class Context:
         replicas counted once; hpcscale.parallel.clip). `parameters`: by default those of every model given to
         ctx.parallelize. torch.nn.utils.clip_grad_norm_ takes a tp-sharded model's norm wrongly or raises
         (`mixed torch.Tensor and DTensor`). A collective: call it in every rank, after backward."""
+        import math
+
+        from hpcscale.errors import BadInput
         from hpcscale.parallel.clip import clip_grad_norm
 
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not 0 <= max_norm < math.inf:
+            raise BadInput(f"ctx.clip_grad_norm_: max_norm is {max_norm!r}; a finite number >= 0 (0: measure only)")
         if parameters is None:
             parameters = [q for m in self._models for q in m.parameters()]
         params = [q for q in parameters if q.requires_grad]

@@ -11,8 +11,10 @@ gradients are reduce-scattered as backward produces them, and the optimizer step
 here is a replacement: FSDP2 runs on CPU with gloo as it does on GPUs with NCCL.
 
 Mixed precision (`parallel.mixed_precision`): `bf16` gathers parameters in bf16 and reduces gradients in fp32
-(torch's MixedPrecisionPolicy); the sharded parameters the optimizer updates stay fp32. `auto` is bf16 on CUDA
-and fp32 on CPU, where bf16 matmuls are slow and gain nothing.
+(torch's MixedPrecisionPolicy); the sharded parameters the optimizer updates stay fp32. A model FSDP does not
+shard (dp_shard = 1) computes its forward under torch.autocast(bf16) instead, its parameters, gradients and
+their all-reduce fp32; either way the model's output comes back fp32. `auto` is bf16 on CUDA and fp32 on CPU,
+where bf16 matmuls are slow and gain nothing.
 
 Activation checkpointing uses torch's composable `checkpoint` per block: it recomputes the block's forward in
 backward and, unlike a wrapper module, leaves parameter names alone, so checkpoints and exports still name the
@@ -47,15 +49,39 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+def computes_in_bf16(setting: str, device: torch.device) -> bool:
+    """Whether `parallel.mixed_precision` `setting` means bf16 compute on `device` (`auto`: on a GPU)."""
+    return setting == "bf16" or (setting == "auto" and device.type == "cuda")
+
+
+def autocast_forward(model: nn.Module, device: torch.device) -> None:
+    """bf16 compute for a model FSDP does not shard: its forward runs under torch.autocast(bf16) on `device`'s
+    type, its floating outputs are cast to fp32 (as FSDP's root policy casts them), and its parameters stay
+    fp32. In place (the instance's `forward`), so parameter names, hooks and torch.compile are unaffected."""
+    import functools
+
+    from torch.utils._pytree import tree_map_only
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = forward(*args, **kwargs)
+        return tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, out)
+
+    model.forward = run
+
+
 def mixed_precision_policy(setting: str, device: torch.device, *, root: bool = False):
     """bf16 parameters and compute and fp32 gradient reductions, or none; `root`: the policy of the unit at the
     model's root, whose output (the logits: the loss is taken from them) is cast to fp32. A block's output stays
     bf16: the root's own layers after the blocks (a final norm, the head) hold bf16 parameters, and a norm
-    refuses an fp32 input with bf16 weights (a CUDA run of the reference GPT failed so at its first step).
+    refuses an fp32 input with bf16 weights (the reference GPT's final norm would fail at its first step).
     `auto` is bf16 on a GPU; the built-in trainer resolves it with its own `bf16` param first."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+    if computes_in_bf16(setting, device):
         return MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None
         )
@@ -124,12 +150,15 @@ def shard_model(
     activation_checkpointing: bool = False,
 ) -> nn.Module:
     """Apply activation checkpointing (when asked) and, when dims.dp_shard > 1, FSDP2 per block and at the
-    root over the job's data-parallel mesh. In place; returns `model`. The model must already be on `device`
-    with any tensor-parallel plan applied, and (for pp > 1) be this rank's pipeline stage."""
+    root over the job's data-parallel mesh (otherwise bf16 `mixed_precision` is an autocast forward). In place;
+    returns `model`. The model must already be on `device` with any tensor-parallel plan applied, and (for
+    pp > 1) be this rank's pipeline stage."""
     blocks = resolve_blocks(model, blocks)
     if activation_checkpointing:
         checkpoint_activations(blocks)
     if not dims.sharded:
+        if computes_in_bf16(mixed_precision, device):
+            autocast_forward(model, device)
         return model
     from torch.distributed.fsdp import fully_shard
 

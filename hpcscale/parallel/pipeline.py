@@ -65,6 +65,8 @@ def cut_stage(
     belonging to the first or last stage set to None elsewhere (the model's forward skips None parts).
     `split`: how many blocks each stage takes, in stage order (e.g. [3, 5]: the first stage, which also
     embeds, takes fewer); by default the blocks are split evenly, earlier stages taking the remainder."""
+    if type(pp) is not int or pp < 1 or type(stage) is not int or not 0 <= stage < pp:
+        raise BadInput(f"cut_stage: stage={stage!r} must be one of 0..pp-1 (pp={pp!r}, a positive integer)")
     owner, name = _owner(model, layers)
     blocks = getattr(owner, name)
     if not isinstance(blocks, torch.nn.ModuleList | torch.nn.ModuleDict):

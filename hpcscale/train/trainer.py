@@ -76,6 +76,7 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
         last_stage_only=GPT.LAST_STAGE_ONLY,
     )
     setting = ctx.job.parallel.mixed_precision
+    bf16 = cfg.bf16 and ctx.device.type == "cuda"
     return ctx.parallelize(
         model,
         tp_plan=model.tp_plan() if ctx.dims.tp > 1 else None,
@@ -83,7 +84,7 @@ def build_model(cfg: TrainConfig, ctx: Context, vocab_size: int) -> GPT:
         init=model.init_module,
         seed=cfg.seed,
         # auto: bf16 only where the job asked the trainer for bf16 (train.params.bf16) and runs on a GPU
-        mixed_precision=setting if setting != "auto" else ("bf16" if cfg.bf16 else "fp32"),
+        mixed_precision=setting if setting != "auto" else ("bf16" if bf16 else "fp32"),
     )
 
 

@@ -131,3 +131,7 @@ def main(ctx):
         ctx.metrics.log(step=step, loss=float(mean), grad_norm=norm)
         ctx.checkpoint.step(step)
     (ctx.run_dir / f"state_bytes.{ctx.rank}").write_text(str(state_bytes(model, opt)))
+    from torch.distributed._composable.contract import _get_registry
+
+    wrapped = sum(1 for b in model.layers.children() if "checkpoint" in (_get_registry(b) or {}))
+    (ctx.run_dir / f"ac_blocks.{ctx.rank}").write_text(str(wrapped))  # blocks under activation checkpointing
