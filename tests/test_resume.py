@@ -427,11 +427,16 @@ def test_resume_refused_while_running_and_two_resumes_submit_once(local_cluster,
 
 def test_an_admins_own_sbatch_script_is_a_job_of_the_run(local_cluster, tmp_path):
     """A run directory from `submit --dry-run`, then the admin's own batch script calling `hpcscale launch`
-    (no exports, no requeue line): the job is recorded as the run's, so status lists it and resume diagnoses
-    it through Slurm instead of saying there is nothing to resume."""
+    (no exports, no requeue line) for a user's entry point that only the job spec's `environment:` makes
+    importable: the ranks find it, the job is recorded as the run's, so status lists it and resume diagnoses it
+    through Slurm instead of saying there is nothing to resume; its log, written outside RUN/logs, is said."""
     env = {**os.environ, **local_cluster}
     run = tmp_path / "run"
     job = _slurm_job(tmp_path / "job.yaml", nodes=1, ranks=2, steps=6)
+    spec = yaml.safe_load(job.read_text())
+    spec["train"] = {"entry": "fsdp_entry:main", "params": {"steps": 6}}
+    spec.setdefault("environment", {})["PYTHONPATH"] = str(REPO / "tests" / "helpers")
+    job.write_text(yaml.safe_dump(spec))
     dry = run_cli("submit", str(job), "--run-dir", str(run), "--dry-run", env=local_cluster)
     assert dry.returncode == 0, dry.stderr
     rendered = (run / "submissions" / "0001.sbatch").read_text()
@@ -443,7 +448,10 @@ def test_an_admins_own_sbatch_script_is_a_job_of_the_run(local_cluster, tmp_path
     )
     out = subprocess.run(["sbatch", "--parsable", str(own)], capture_output=True, text=True, env=env, check=True)
     job_id = out.stdout.strip().split(";")[0]
-    assert _wait_gone(job_id, local_cluster) == "COMPLETED", (tmp_path / f"own-{job_id}.out").read_text()[-3000:]
+    log = tmp_path / f"own-{job_id}.out"
+    assert _wait_gone(job_id, local_cluster) == "COMPLETED", log.read_text()[-3000:]
+    assert len(losses(run)) == 6  # the entry point the job's environment made importable trained
+    assert f"job {job_id} writes its log to {log}, not {run}/logs/slurm-{job_id}.out" in log.read_text()
     status = json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)
     assert [s["submission"]["job_id"] for s in status["submissions"]] == [job_id], status["submissions"]
     dry = run_cli("resume", str(run), "--dry-run", env=local_cluster)

@@ -121,6 +121,32 @@ def _adopt_job(work_dir: Path, job_id: str) -> None:
         )
     except (OSError, HpcscaleError) as e:  # the run goes on; status and resume will not know this job
         print(f"hpcscale launch: cannot record job {job_id} in {work_dir}: {e}", file=sys.stderr, flush=True)
+        return
+    _check_own_logs(work_dir, job_id)
+
+
+def _check_own_logs(work_dir: Path, job_id: str) -> None:
+    """The failure diagnosis (`resume`, `hpcscale requeue`) reads a job's log where the rendered script puts it,
+    RUN/logs/slurm-JOBID.out and .err: say so at once when an admin's script writes elsewhere."""
+    import subprocess
+
+    want = {"StdOut": work_dir / "logs" / f"slurm-{job_id}.out", "StdErr": work_dir / "logs" / f"slurm-{job_id}.err"}
+    try:
+        shown = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return
+    fields = dict(f.split("=", 1) for f in shown.split() if f.startswith(("StdOut=", "StdErr=")))
+    wrong = [k for k, path in want.items() if k in fields and Path(fields[k]) != path]
+    if wrong:
+        print(
+            f"hpcscale launch: warning: job {job_id} writes its log to {fields[wrong[0]]}, not {want[wrong[0]]}: "
+            "`hpcscale resume` and `hpcscale requeue` read a failed attempt's rank, node and signal from there; "
+            f"add `#SBATCH --output={work_dir}/logs/slurm-%j.out` and `#SBATCH --error={work_dir}/logs/slurm-%j.err`",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 STOP_BARRIER_S = 30.0
