@@ -665,6 +665,9 @@ def test_the_pages_pipelined_sharded_model_runs_as_written_and_gives_one_process
     r = run_cli("run", str(tmp_path / "job.yaml"), "--local", "--run-dir", str(tmp_path / "run"), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     got, norms = losses(tmp_path / "run"), grad_norms(tmp_path / "run")
+    # progress with steps left, at the first step and the last (ctx.checkpoint.steps is set)
+    assert "hpcscale: step 1/12 done" in r.stdout, r.stdout[-2000:]
+    assert re.search(r"step 12/12 done, [\d.e-]+ s/step, 0 steps left, about 0:00:00", r.stdout), r.stdout[-2000:]
 
     sys.path.insert(0, str(tmp_path))
     try:

@@ -141,3 +141,24 @@ def test_any_metrics_file_reads_or_is_refused_cleanly(tmp_path_factory, lines):
     (run / "metrics.jsonl").write_bytes(b"\n".join(lines))
     with contextlib.suppress(BadInput):
         read_run(run)
+
+
+def test_a_steps_time_and_throughput_join_its_loss_in_either_order_and_attempt(tmp_path):
+    """ctx.checkpoint.step's own line (step_time_s, tokens_per_s) belongs with the loss the loop logs for the
+    same step in the same attempt, whether the loop logs before or after calling step(); a step run again after
+    a resume takes the new attempt's figures, never the old one's."""
+    rows = [
+        {"step": 0, "loss": 3.0, "attempt": 1},
+        {"step": 0, "step_time_s": 0.5, "tokens_per_s": 100.0, "attempt": 1},  # after its loss
+        {"step": 1, "step_time_s": 0.25, "tokens_per_s": 200.0, "attempt": 1},  # before its loss
+        {"step": 1, "loss": 2.5, "attempt": 1},
+        {"step": 1, "step_time_s": 2.0, "tokens_per_s": 25.0, "attempt": 2},  # step 1 again, after a resume
+        {"step": 1, "loss": 2.5, "attempt": 2},
+        {"step": 2, "loss": 2.0, "attempt": 2},
+    ]
+    (tmp_path / "job.yaml").write_text("name: m\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = read_run(tmp_path)
+    assert (data.train[0]["step_time_s"], data.train[0]["tokens_per_s"]) == (0.5, 100.0)
+    assert (data.train[1]["step_time_s"], data.train[1]["tokens_per_s"], data.train[1]["attempt"]) == (2.0, 25.0, 2)
+    assert "step_time_s" not in data.train[2]

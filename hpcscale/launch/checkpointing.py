@@ -24,6 +24,7 @@ would take without hpcscale (its step count starts at 1, not 2).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +37,7 @@ from hpcscale.launch.signals import STOP_LINE, StopRequested
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.device import settle
 
+PROGRESS_EVERY_S = 30.0  # a user loop's progress line (steps left, time left): at most this often
 FORMAT = 1  # the JSON state's layout ("hpcscale.context" in it)
 
 
@@ -331,6 +333,8 @@ class Checkpointer:
         self._dp_wait_last = dp_wait
         if self._log_step_times:
             self._ctx.metrics.log(**self._step_line(step, work_s + ckpt_s))
+            if self.steps:
+                self._say_progress(step)
         self._t_last = time.perf_counter()
 
     def _step_line(self, step: int, step_s: float) -> dict:
@@ -614,6 +618,24 @@ class Checkpointer:
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
         self._collective_last = ctx._collective_s
         self._t_last = time.perf_counter()
+        self._progress = (self._t_last, start, -math.inf)  # since when, from which step, last said
+
+    def _say_progress(self, step: int) -> None:
+        """A user loop with `steps` set: every PROGRESS_EVERY_S (and at its first and last step) one line with the
+        steps left and the time they take at this attempt's mean pace so far (the built-in trainer says its own)."""
+        since, first, said = self._progress
+        now = time.perf_counter()
+        last = step + 1 >= self.steps
+        if not (last or step == first or now - said >= PROGRESS_EVERY_S):
+            return
+        self._progress = (since, first, now)
+        pace = (now - since) / (step + 1 - first)
+        left = max(self.steps - step - 1, 0)
+        eta = int(left * pace)
+        self._ctx.metrics.print(
+            f"hpcscale: step {step + 1}/{self.steps} done, {pace:.3g} s/step, {left} steps left, about "
+            f"{eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
+        )
 
     # ---- cross-site rounds (docs/cross-site.md) -------------------------------------------------------------------
     def _start_rounds(self, saved: dict | None) -> bool:

@@ -83,6 +83,7 @@ def read_run(path: Path) -> RunData:
         pass
     data = RunData(clean(name, limit=200))
     first_step: dict[int, int] = {}
+    timed: dict[tuple[int, int | None], dict] = {}  # a step's time and throughput logged before its loss
     tail = read_tail(rd.path / METRICS, max_bytes=METRICS_TAIL, what="metrics log", missing_ok=True)
     if tail is None:
         raise BadInput(f"{rd.path}: no {METRICS}: the run has not logged a step yet")
@@ -103,14 +104,20 @@ def read_run(path: Path) -> RunData:
         loss = row.get("loss")
         if _finite(loss):  # a string, a 1e308 or a nested value is not a loss to plot: the line is skipped
             data.train[step] = {k: row[k] for k in KEPT if k in row}
+            for k, v in timed.pop((step, attempt), {}).items():  # hpcscale's line came first
+                data.train[step].setdefault(k, v)
             if attempt is not None:
                 first_step[attempt] = min(first_step.get(attempt, step), step)
         else:
             data.skipped += "loss" in row
-            if step in data.train and "loss" not in row:
+            got = {k: row[k] for k in TIMED if k in row}
+            if got and "loss" not in row:
                 # hpcscale's own line for a user loop's step (ctx.checkpoint.step): its time and throughput
-                # belong with the loss the loop logged for that step just before
-                data.train[step].update({k: row[k] for k in TIMED if k in row})
+                # belong with the loss the loop logs for that step in the same attempt, before or after it
+                if step in data.train and data.train[step].get("attempt") == row.get("attempt"):
+                    data.train[step].update(got)
+                elif len(timed) < 100_000:
+                    timed[(step, attempt)] = got
         if _finite(row.get("val_loss")):
             data.val[step] = float(row["val_loss"])
         saved = row.get("checkpoint")
