@@ -181,6 +181,20 @@ def test_killing_the_front_end_leaves_nothing_running(mpi, tmp_path):
     assert "step      2  loss" in log.read_text()  # written as it went: nothing was waiting in a buffer
 
 
+def test_a_clean_run_prints_none_of_mpiruns_notices(which_mpi, tmp_path):
+    """A run that finishes prints no notice of mpirun's (Open MPI 4's or 5's) and no helper killed after it."""
+    proc, run_dir, out = _start(tmp_path, steps=3, mpi5=which_mpi)
+    try:
+        code = proc.wait(timeout=120)
+        left = _no_processes_left(run_dir, within=5)
+    finally:
+        _kill_run(proc, run_dir)
+    text = out.read_text()
+    assert code == 0 and left == {}, text[-3000:]
+    assert len(losses(run_dir)) == 3
+    assert not [w for w in (*STOP_NOISE, "killed what", "WARNING") if w in text], text[-3000:]
+
+
 def test_killed_rank_is_named_not_a_survivor(which_mpi, tmp_path):
     """Under Open MPI 4 and 5 alike (their words differ): tp=2 x pp=2, the survivors fail too (connection
     closed or reset by the dead peer) and print first; the headline names the killed rank."""
