@@ -43,7 +43,7 @@ from hpcscale.observe.timing import (
 # ---- the file format ---------------------------------------------------------------------------------------------
 def _window(own: list[float], *, step: int = 19, attempt: int | None = 1, nodes=None, pp=None) -> dict:
     n = len(own)
-    rows = [[o + 0.01, o, o, 0.0, 0.005, 0.005, 0.0] for o in own]
+    rows = [[o + 0.01, o, o, 0.0, 0.005, 0.005, 0.0, 0.0] for o in own]
     return make_line(
         time=1.0, attempt=attempt, step=step, steps=20, rows=rows, nodes=nodes or ["n1"] * n, pp=pp or [0] * n
     )
@@ -54,6 +54,9 @@ def test_a_line_round_trips_and_names_every_column():
     w = parse_line(json.loads(json.dumps(line)))
     assert w is not None and w.step == 19 and w.attempt == 1 and w.nodes == ("n1", "n1")
     assert set(w.ranks[0]) == set(COLUMNS) and w.ranks[1]["own_s"] == 0.02
+    # a line of a version before comm_s (seven columns) still reads, and status shows it (comm wait 0)
+    old = {**line, "columns": list(COLUMNS[:7]), "ranks": [r[:7] for r in line["ranks"]]}
+    assert parse_line(json.loads(json.dumps(old))).ranks[1]["own_s"] == 0.02
 
 
 @settings(max_examples=300, deadline=None)
@@ -252,7 +255,9 @@ def test_a_local_run_records_every_ranks_windows_and_status_shows_them(mpi, tmp_
         for row in w.ranks:
             assert 0 < row["own_s"] <= row["step_s"] and row["compute_s"] <= row["own_s"]
             assert row["dp_wait_s"] > 0 and row["sync_s"] > 0 and row["ckpt_s"] == 0  # dp=2: a gradient all-reduce
-            parts = row["own_s"] + row["dp_wait_s"] + row["sync_s"]
+            # pp=2: each stage waits for the other's sends and receives (comm_s)
+            assert row["comm_s"] > 0
+            parts = row["own_s"] + row["dp_wait_s"] + row["sync_s"] + row["comm_s"]
             assert row["step_s"] == pytest.approx(parts, abs=1e-5)  # means add up (6 decimals each)
             # the rank's step is the step rank 0 logs, give or take the clocks' offsets within a step
             assert min(step_times) * 0.5 <= row["step_s"] <= max(step_times) * 1.5

@@ -217,8 +217,8 @@ def format_timing(timing: dict, run: Path) -> list:
         f" (attempt {timing['attempt']})" if timing["attempt"] is not None else ""
     )
     table = Table(title=title)
-    columns = ("step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s")
-    heads = ("step", "own", "compute", "data", "dp wait", "step sync", "ckpt")
+    columns = ("step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "comm_s", "ckpt_s")
+    heads = ("step", "own", "compute", "data", "dp wait", "step sync", "comm wait", "ckpt")
     per_rank = len(ranks) <= PER_RANK_ROWS
     for col in ("rank" if per_rank else "node", "node" if per_rank else "ranks", "pp", *heads, "own ÷ peers"):
         table.add_column(col, justify="right" if col not in ("node", "ranks") else "left")
@@ -234,7 +234,7 @@ def format_timing(timing: dict, run: Path) -> list:
             by_node.setdefault(r["node"], []).append(r)
         rows = []
         for node, members in by_node.items():
-            med = {c: statistics.median(m[c] for m in members) for c in columns}
+            med = {c: statistics.median(m.get(c, 0.0) for m in members) for c in columns}
             stages = sorted({m["pp"] for m in members})
             first, last = members[0]["rank"], members[-1]["rank"]
             rows.append((node, f"{first}-{last}", ",".join(map(str, stages)), med, verdict["nodes"].get(node)))
@@ -244,7 +244,7 @@ def format_timing(timing: dict, run: Path) -> list:
         flagged = (per_rank and int(a) in slow) or (not per_rank and a in slow_nodes)
         if not per_rank:
             a = cm(a)
-        cells = [f"{figures[c] * 1000:.1f}" for c in columns]
+        cells = [f"{figures.get(c, 0.0) * 1000:.1f}" for c in columns]  # comm_s: absent from older windows
         mark = "—" if rel is None else f"{rel:.2f}×"
         row = [a, b, pp, *cells, mark]
         table.add_row(*[f"[red]{x}[/red]" for x in row] if flagged else row)

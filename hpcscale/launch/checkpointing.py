@@ -122,6 +122,7 @@ class Checkpointer:
         self._t_last: float | None = None  # when the last step() (or restore) returned: per-rank timing
         self._dp_wait_last = 0.0
         self._collective_last = 0.0
+        self._waits_last = 0.0  # the collective-wait clock (ctx._waits) at the last step()'s end
         self._background_before: float | None = None
         self._drain_due: int | None = None  # a periodic save saved to the node-local tier, drained at the next step
         self._drain_pin: int | None = None  # the node-local step a drain in flight reads (kept from retention)
@@ -285,6 +286,8 @@ class Checkpointer:
             self._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
             raise StopRequested(step)
         t_saves = time.perf_counter()
+        waits = self._ctx._waits
+        wait_s = waits.total_s - self._waits_last if waits is not None else 0.0  # the step's, saves left out
         # the stop flag's all-reduce, and the step's other collectives made for the code (ctx._collective_s)
         sync_s = t_saves - t_sync + self._ctx._collective_s - self._collective_last
         self._collective_last = self._ctx._collective_s
@@ -329,6 +332,7 @@ class Checkpointer:
             dp_wait_s=dp_wait - self._dp_wait_last,
             sync_s=sync_s,
             ckpt_s=ckpt_s,
+            wait_s=wait_s,
         )
         self._dp_wait_last = dp_wait
         if self._log_step_times:
@@ -336,6 +340,7 @@ class Checkpointer:
             if self.steps:
                 self._say_progress(step)
         self._t_last = time.perf_counter()
+        self._waits_last = waits.total_s if waits is not None else 0.0
 
     def _step_line(self, step: int, step_s: float) -> dict:
         """What hpcscale measures of a step for any entry point: its wall time (from the previous step() to this
@@ -582,10 +587,13 @@ class Checkpointer:
         """Work between steps that is not training (an evaluation): the hang watchdog waits for it, and its time
         is left out of the step times (per-rank timing, checkpoint.every_steps: auto)."""
         t = time.perf_counter()
+        waits = self._ctx._waits
+        w = waits.total_s if waits is not None else 0.0
         with self._watchdog.paused(reason):
             yield
         if self._t_last is not None:
             self._t_last += time.perf_counter() - t
+            self._waits_last += (waits.total_s if waits is not None else 0.0) - w
 
     def _hook_optimizers(self) -> None:
         """defer_staging: every registered optimizer waits, before its step() changes the tensors, for a save's
@@ -618,6 +626,7 @@ class Checkpointer:
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
         self._collective_last = ctx._collective_s
         self._t_last = time.perf_counter()
+        self._waits_last = ctx._waits.total_s if ctx._waits is not None else 0.0
         self._progress = (self._t_last, start, -math.inf)  # since when, from which step, last said
 
     def _say_progress(self, step: int) -> None:

@@ -129,6 +129,8 @@ class Context:
     # seconds this rank spent in the step's collectives that hpcscale makes for it (clip_grad_norm_'s all-reduces,
     # the reference trainer's loss all-reduce): waiting for peers, which per-rank timing counts as sync
     _collective_s: float = field(default=0.0, repr=False)
+    # every collective wait of the training thread (hpcscale.launch.waits), when per-rank timing is on
+    _waits: Any = field(default=None, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
     _models: list[Any] = field(default_factory=list, repr=False)  # ctx.parallelize's; _syncs[i] is _models[i]'s
 

@@ -385,6 +385,10 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
     from hpcscale.launch.timing import StepTimes
 
     ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
+    if spec.metrics.timing_every:
+        from hpcscale.launch.waits import install
+
+        ctx._waits = install()  # this thread's waits in every collective, whoever issues it (per-rank timing)
     if "auto" in (spec.checkpoint.every_steps, spec.checkpoint.local.every_steps):  # the job's MTBF, on every rank
         ctx._mtbf_s = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
     try:

@@ -48,14 +48,17 @@ class StepTimes:
         dp_wait_s: float = 0.0,
         sync_s: float = 0.0,
         ckpt_s: float = 0.0,
+        wait_s: float = 0.0,
     ) -> None:
-        """Step `step` (0-based) took `step_s`, of which the rest were waits; a window closes after every
-        `every`-th step (a collective then)."""
+        """Step `step` (0-based) took `step_s`; `wait_s`: every collective wait of the step outside checkpoint
+        saves (hpcscale.launch.waits), of which `dp_wait_s` and `sync_s` are hpcscale's own collectives; the
+        rest of it is `comm_s`. A window closes after every `every`-th step (a collective then)."""
         if not self.every:
             return
-        own = max(0.0, step_s - dp_wait_s - sync_s)
+        comm = max(0.0, wait_s - dp_wait_s - sync_s)
+        own = max(0.0, step_s - dp_wait_s - sync_s - comm)
         compute = max(0.0, own - data_s - ckpt_s)
-        self._rows.append((step_s, own, compute, data_s, dp_wait_s, sync_s, ckpt_s))
+        self._rows.append((step_s, own, compute, data_s, dp_wait_s, sync_s, ckpt_s, comm))
         if (step + 1) % self.every == 0:
             self._flush(step)
 

@@ -4,21 +4,24 @@ Every `metrics.timing_every` steps, rank 0 gathers from every rank the means of 
 steps (one small MPI gather, not a collective per step) and appends one line:
 
     {"time": 1764000000.123, "attempt": 2, "step": 39, "steps": 20,
-     "columns": ["step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s"],
-     "ranks": [[0.105, 0.071, 0.069, 0.002, 0.021, 0.013, 0.0], ...],     # index = global rank
+     "columns": ["step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s", "comm_s"],
+     "ranks": [[0.105, 0.061, 0.059, 0.002, 0.021, 0.013, 0.0, 0.01], ...],     # index = global rank
      "nodes": ["n1", "n1", "n2", "n2"], "pp": [0, 0, 0, 0]}
 
 `step` is the window's last step (0-based), `steps` how many it covered. Each value is that rank's mean over
-the window's steps, in seconds (so step_s = own_s + dp_wait_s + sync_s and own_s = compute_s + data_s + ckpt_s):
+the window's steps, in seconds (so step_s = own_s + dp_wait_s + sync_s + comm_s and own_s = compute_s + data_s +
+ckpt_s):
 - step_s:    the step's wall time as the rank saw it;
 - data_s:    waiting for the next batch (loading and the copy to the device);
 - dp_wait_s: blocked on the data-parallel gradient all-reduce (the part not hidden behind backward);
 - sync_s:    the step's other collectives made for the code: the stop flag's all-reduce, ctx.clip_grad_norm_'s
              and the reference trainer's loss all-reduce: where every rank waits for the slowest;
 - ckpt_s:    blocked in a checkpoint save (0 in steps without one);
-- compute_s: the rest: forward, backward, the optimizer step, with tensor- and pipeline-parallel communication
-             inside them (they are issued from inside the model; torch does not time them apart);
-- own_s:     step_s - dp_wait_s - sync_s: the time the rank spent on its own work, the figure stragglers are
+- comm_s:    blocked in every other collective of the training thread: FSDP's all-gathers and reduce-scatters,
+             tensor-parallel all-reduces, a pipeline stage's sends and receives, the code's own collectives
+             (timed where torch.distributed waits: hpcscale.launch.waits); absent from lines of older versions;
+- compute_s: the rest: forward, backward, the optimizer step;
+- own_s:     step_s - dp_wait_s - sync_s - comm_s: the time the rank spent on its own work, the figure stragglers are
              judged on. In synchronous training every rank's step_s is the slowest rank's, so step_s cannot tell
              who is slow; the slow rank is the one that waits least.
 
@@ -41,7 +44,7 @@ from pathlib import Path
 from hpcscale.errors import BadInput
 from hpcscale.util.bounded import loads_json, read_tail
 
-COLUMNS = ("step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s")
+COLUMNS = ("step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s", "comm_s")
 MAX_LINE = 4 << 20  # 4 MiB: 16k ranks of 7 figures take ~1.2 MB
 MAX_RANKS = 16384  # ranks in one window (2,048 nodes of 8 GPUs); larger windows are skipped
 TAIL_BYTES = 16 << 20  # read from the end of timing.jsonl: ~13 windows of MAX_RANKS ranks, thousands of small ones

@@ -3,7 +3,8 @@ ctx.parallelize and ctx.checkpoint: sharded (parallel.dp_shard), tensor-parallel
 pipelined (cut_stage, then ctx.pipeline on the stage ctx.parallelize placed: its replicas averaged or
 sharded). Every layout sees the same global batch per step, so its losses must be the single process's.
 
-params: steps (default 12), lr, meta (build the model on the meta device and let ctx.parallelize materialize
+params: steps (default 12), lr, slow_rank and slow_ms (that rank sleeps so long before each step, as behind a
+slow data loader), meta (build the model on the meta device and let ctx.parallelize materialize
 each rank's shards with `init`; otherwise it is built whole and initialized the same way). Clips the global
 gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss` and `grad_norm` per step (the global mean loss, the
 norm before clipping) and, at the end, the bytes of parameters, gradients and optimizer state this rank holds
@@ -11,6 +12,8 @@ norm before clipping) and, at the end, the bytes of parameters, gradients and op
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -112,7 +115,10 @@ def main(ctx):
     dp, rows = ctx.dims.dp, BATCH // ctx.dims.dp
     pipe = ctx.pipeline(model, n_microbatches=2, loss_fn=loss_fn) if pp > 1 else None
     last = pipe is None or pipe.last
+    slow_rank, slow_s = int(ctx.params.get("slow_rank", -1)), float(ctx.params.get("slow_ms", 0)) / 1000
     for step in range(start, steps):
+        if ctx.rank == slow_rank:  # a slow data loader on one rank: its own time, which its peers wait for
+            time.sleep(slow_s)
         x, y = batch(step)
         x, y = x[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows], y[ctx.dp_rank * rows : (ctx.dp_rank + 1) * rows]
         opt.zero_grad()
