@@ -361,6 +361,25 @@ def test_the_plan_says_why_it_ignored_the_record(tmp_path, how):
         sink.close()
 
 
+def test_a_record_over_its_bound_is_ignored_and_every_file_hashed(tmp_path, monkeypatch):
+    """verified.json is read whole before it is parsed, at most RECORD_MAX bytes: a bigger one was not written
+    by hpcscale, so it vouches for nothing and the plan says why."""
+    src = deep_tree(tmp_path / "src", n=3)
+    build(src)
+    dst = tmp_path / "dst"
+    stage_json(src / "manifest.json", str(src), str(dst))
+    m = read_manifest(src / "manifest.json")
+    entries = [[f.path, f.size, f.mtime_ns, f.hash, f.mode] for f in m.files]
+    monkeypatch.setattr(sink_module, "RECORD_MAX", 16)
+    sink = Sink(str(dst), m.hash_algorithm, jobs=1)
+    try:
+        plan = sink.plan(entries)
+    finally:
+        sink.close()
+    assert "over the 16 a record may hold" in (plan.record_ignored or ""), plan.record_ignored
+    assert plan.hashed == len(entries) and plan.up_to_date == len(entries)
+
+
 def test_a_forged_journal_never_reaches_the_record(tmp_path):
     """A journal line vouches for content at the next commit: one planted by another uid, matching a replaced
     file's stat, must not be merged into the record (old behaviour: it was, and the next stage trusted it)."""
