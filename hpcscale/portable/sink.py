@@ -86,8 +86,8 @@ class Writer:
     """One file arriving at a Sink: bytes are hashed as they are written.
 
     A small new file is written to an unnamed inode (O_TMPFILE) and linked under its name once verified: one
-    directory operation instead of a temporary name's create and rename (about a third less time per small
-    file on ext4 here), and a killed transfer leaves nothing behind. Larger files, resumed files and
+    directory operation instead of a temporary name's create and rename (less time per small file), and a
+    killed transfer leaves nothing behind. Larger files, resumed files and
     filesystems without O_TMPFILE use `.NAME.HASH16.hpcscale-part`, renamed once verified.
 
     Every call is relative to the descriptor of the file's directory (Sink.dir_slot: walked from the root with
@@ -398,7 +398,7 @@ class Sink:
         self.dry_run = dry_run
         self.sync = sync
         self.umask = umask
-        self.jobs = max(2, jobs)  # plan-time lstat and hashing threads (2 measured best here for -j 1)
+        self.jobs = max(2, jobs)  # plan-time lstat and hashing threads; 2 even for -j 1, so I/O overlaps hashing
         root = os.path.expanduser(root)  # ssh://host/~/data names ~/data
         if not dry_run:
             os.makedirs(root, exist_ok=True)
