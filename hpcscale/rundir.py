@@ -56,7 +56,7 @@ from hpcscale.config.render import to_plain
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.yamlsrc import YamlSource, parse_yaml
 from hpcscale.errors import BadInput
-from hpcscale.portable.files import atomic_write
+from hpcscale.portable.files import atomic_create, atomic_write
 from hpcscale.util.bounded import MiB, loads_json, read_bounded
 from hpcscale.util.paths import expand_path
 from hpcscale.util.trust import clean, read_trusted
@@ -108,20 +108,9 @@ def default_run_dir(run_root: Path, job_name: str, now: datetime | None = None) 
 
 
 def _create_once(path: Path, text: str) -> str:
-    """Write `text` to `path` unless it exists, atomically (a reader never sees it half written); return what
-    the file holds. Safe when every rank of a job calls it at once."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        _write_all(fd, text.encode())
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
+    """Write `text` to `path` unless it exists (atomic_create: a reader never sees it half written, and of
+    every rank of a job calling it at once exactly one writes); return what the file holds."""
+    atomic_create(path, text)
     return read_bounded(path, max_bytes=4096, what=path.name).decode(errors="replace").strip()
 
 

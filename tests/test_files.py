@@ -72,6 +72,20 @@ def test_a_write_that_fails_for_space_leaves_the_old_file_and_no_temporary(tmp_p
     assert (tmp_path / "f").read_text() == "old" and _names(tmp_path) == ["f"]
 
 
+def test_create_makes_the_file_once_and_never_replaces_or_follows_what_is_there(tmp_path):
+    """atomic_create: the first writer creates the file whole; a second, a planted symlink (dangling or not)
+    and a directory at the name are left as they are; no temporary is left in any case."""
+    assert files.atomic_create(tmp_path / "f", "first") is True
+    assert files.atomic_create(tmp_path / "f", b"second") is False
+    assert (tmp_path / "f").read_text() == "first"
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert files.atomic_create(tmp_path / "dangling", b"x") is False
+    assert not (tmp_path / "nowhere").exists()
+    (tmp_path / "dir").mkdir()
+    assert files.atomic_create(tmp_path / "dir", b"x") is False
+    assert _names(tmp_path) == ["dangling", "dir", "f"]
+
+
 def test_reads_refuse_a_fifo_without_waiting_a_link_when_asked_and_what_is_over_the_limit(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(files.NotRegularFile):

@@ -26,7 +26,7 @@ from hpcscale.launch.failure import (
     failure_line,
     hang_line,
     hung_ranks,
-    stall_text,
+    stall_line,
     stalled_nodes,
 )
 from hpcscale.launch.watchdog import Watchdog
@@ -265,12 +265,12 @@ def test_a_stopped_rank_continued_only_to_be_killed_is_still_the_stuck_one():
     survivor, and says it was not running; neither makes it one of those that waited."""
     lines = [_hang(0), _hang(1), _hang(3)]
     lost = failure_line(RuntimeError("Connection reset by peer"), rank="2", mpi_rank=2, node="a") + "\n"
-    stalled = "hpcscale launch: rank 2 (MPI rank 2) on node a" + stall_text(13.2) + "\n"
+    stalled = stall_line(rank=2, mpi_rank=2, node="a", seconds=13.2) + "\n"
     assert hung_ranks([*lines, lost]) == ([2], 4, 8.4)
     assert hung_ranks([*lines, stalled, lost]) == ([2], 4, 8.4)
     assert describe_failure([*lines, stalled, lost]).startswith("rank 2 stopped making progress")
     # a rank that was not running long before the hang (a suspended job, resumed) is no suspect for it
-    earlier = "hpcscale launch: rank 1 (MPI rank 1) on node a" + stall_text(60) + "\n"
+    earlier = stall_line(rank=1, mpi_rank=1, node="a", seconds=60) + "\n"
     time.sleep(0.001)
     assert hung_ranks([earlier, _hang(0), _hang(1), _hang(3)]) == ([2], 4, 8.4)
 
@@ -286,7 +286,7 @@ def test_a_live_rank_starved_for_a_while_still_waited():
     assert " was not running for " in starved and FailureLine.parse(own).hang.seconds >= 1.6, err
     peers = [_hang(0, seconds=1.6), _hang(3, seconds=1.7)]
     assert hung_ranks([*peers, starved + "\n", own + "\n"]) == ([2], 4, 1.6)
-    stopped = "hpcscale launch: rank 2 (MPI rank 2) on node a" + stall_text(5.2) + "\n"  # then continued
+    stopped = stall_line(rank=2, mpi_rank=2, node="a", seconds=5.2) + "\n"  # then continued
     assert hung_ranks([*peers, starved + "\n", own + "\n", stopped]) == ([2], 4, 1.6)
     # a stopped rank that, continued, even fires before it is killed is still the one the others waited on
     late = hang_line(rank=2, mpi_rank=2, node="a", seconds=2.0, last_step=7, world_size=4) + "\n"
@@ -300,7 +300,7 @@ def test_lines_glued_to_another_ranks_unfinished_line_are_read():
     glued = [_hang(0), partial + _hang(1), "hpcscale launch: rank 0 (MPI rank 0): Python sta" + _hang(3)]
     assert hung_ranks(glued) == ([2], 4, 8.4)
     assert FailureLine.parse(partial + _hang(1)).rank == 1
-    stopped = partial + "hpcscale launch: rank 2 (MPI rank 2) on node b" + stall_text(13.2) + "\n"
+    stopped = partial + stall_line(rank=2, mpi_rank=2, node="b", seconds=13.2) + "\n"
     time.sleep(0.001)  # its hang line after it was continued: it was stopped first
     assert hung_ranks([*glued, _hang(2), stopped]) == ([2], 4, 8.4)
     assert stalled_nodes([stopped]) == {2: "b"}

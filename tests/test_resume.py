@@ -513,7 +513,7 @@ def test_rank_failure_names_the_cause_not_the_ranks_srun_ended_after_it():
     """What `resume` blames, on lines as the ranks and srun write them: a rank's own failure beats srun's
     "Terminated" for the survivors it ends; a hang blames the stuck rank's node (from the line it writes once
     continued); a task killed without a word (kill -9, the OOM killer) blames its node."""
-    from hpcscale.launch.failure import failure_line, hang_line, rank_failure, stall_text
+    from hpcscale.launch.failure import failure_line, hang_line, rank_failure, stall_line
 
     crash = [
         failure_line(ValueError("bad batch"), rank="0", mpi_rank=0, node="n1"),
@@ -534,6 +534,6 @@ def test_rank_failure_names_the_cause_not_the_ranks_srun_ended_after_it():
     glued = [killed[0] + "slurmstepd-n1: error: *** STEP 461.0 ON n1 CANCELLED AT 2026-11-23T22:23:51 ***", *killed[1:]]
     assert rank_failure(glued) == (summary, ["n3"])
     hang = [hang_line(rank=r, mpi_rank=r, node=f"n{r + 1}", seconds=130, last_step=41, world_size=4) for r in (0, 1, 3)]
-    hang += ["hpcscale launch: rank 2 (MPI rank 2) on node n3" + stall_text(140.0), "srun: error: n1: task 0: Killed"]
+    hang += [stall_line(rank=2, mpi_rank=2, node="n3", seconds=140.0), "srun: error: n1: task 0: Killed"]
     summary, blamed = rank_failure(hang)
     assert blamed == ["n3"] and "rank 2 stopped making progress" in summary, summary

@@ -236,6 +236,44 @@ def test_dry_run_shows_the_environment_command_site_and_script(tmp_path):
     assert runs["environment"]["OMPI_MCA_btl"] == "self,tcp" and runs["command"][:2] == ["hpcscale", "launch"]
 
 
+def test_resume_builds_the_submission_once_and_sends_what_it_showed(tmp_path, monkeypatch):
+    """One Slurm client for the whole resume (diagnosis, the shown script, sbatch), and the script sbatch gets
+    is the one the plan showed, rendered once. Slurm's commands are faked: only their words matter here."""
+    from hpcscale.recovery import resume as resume_lib
+    from hpcscale.slurm import submit
+    from hpcscale.slurm.client import SlurmClient
+    from hpcscale.util import proc
+
+    conf_dir = tmp_path / "s"
+    conf_dir.mkdir()
+    (conf_dir / "slurm.conf").write_text("ClusterName=x\n")
+    rd = _slurm_run(conf_dir, conf_dir / "slurm.conf")
+    clients, sent, renders = [], [], []
+    for_site = SlurmClient.for_site.__func__
+
+    def counted(cls, site):
+        clients.append(for_site(cls, site))
+        return clients[-1]
+
+    def fake_run(self, *args, timeout=30, check=True, input=None):
+        assert any(self is c for c in clients), "a Slurm command through a client resume did not build"
+        out = {"sacct": "4242|FAILED|1:0|n1|x|y|None\n", "sbatch": "4343\n"}.get(args[0], "")
+        if args[0] == "sbatch":
+            sent.append(input)
+        return proc.Completed(tuple(args), 0, out, "")
+
+    real_render = submit.render_chosen
+    monkeypatch.setattr(SlurmClient, "for_site", classmethod(counted))
+    monkeypatch.setattr(SlurmClient, "run", fake_run)
+    monkeypatch.setattr(submit, "render_chosen", lambda *a: renders.append(a) or real_render(*a))
+    shown = []
+    done = resume_lib.resume(rd, on_plan=shown.append)
+    assert len(clients) == 1 and len(renders) == 1, (clients, renders)
+    assert shown == [done.plan] and done.plan.submitted == "4343" and done.local is None
+    assert sent == [done.plan.runs["script"]]
+    assert [s.job_id for s in rd.submissions()] == ["4242", "4343"]
+
+
 # ---- writes never follow planted symlinks ----------------------------------------------------------------------
 def test_writes_and_appends_never_follow_planted_symlinks(tmp_path):
     rd = _local_run(tmp_path)

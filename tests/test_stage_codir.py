@@ -332,15 +332,20 @@ def test_a_forged_record_is_not_trusted(tmp_path, request, kind, how):
         assert again["committed"] and again["proven_by_hash"] == again["files"], again
 
 
-@pytest.mark.parametrize("how", ["other-uid", "writable", "open-dir"])
-def test_the_plan_says_why_it_ignored_the_record(tmp_path, how):
+def _staged(tmp_path: Path) -> tuple[Path, Path, object, list[list]]:
+    """A small tree staged once: (src, dst, its manifest, the manifest's entries as Sink.plan takes them)."""
     src = deep_tree(tmp_path / "src", n=3)
     build(src)
     dst = tmp_path / "dst"
     stage_json(src / "manifest.json", str(src), str(dst))
-    _replace_and_forge(dst, "a/b/c/f001.bin", how)
     m = read_manifest(src / "manifest.json")
-    entries = [[f.path, f.size, f.mtime_ns, f.hash, f.mode] for f in m.files]
+    return src, dst, m, [[f.path, f.size, f.mtime_ns, f.hash, f.mode] for f in m.files]
+
+
+@pytest.mark.parametrize("how", ["other-uid", "writable", "open-dir"])
+def test_the_plan_says_why_it_ignored_the_record(tmp_path, how):
+    src, dst, m, entries = _staged(tmp_path)
+    _replace_and_forge(dst, "a/b/c/f001.bin", how)
     sink = Sink(str(dst), m.hash_algorithm, jobs=1)
     try:
         plan = sink.plan(entries)
@@ -359,6 +364,20 @@ def test_the_plan_says_why_it_ignored_the_record(tmp_path, how):
         assert ("record_ignored" in sink.plan(entries).info()) == (how == "open-dir")
     finally:
         sink.close()
+
+
+def test_a_record_over_its_bound_is_ignored_and_every_file_hashed(tmp_path, monkeypatch):
+    """verified.json is read whole before it is parsed, at most RECORD_MAX bytes: a bigger one was not written
+    by hpcscale, so it vouches for nothing and the plan says why."""
+    _src, dst, m, entries = _staged(tmp_path)
+    monkeypatch.setattr(sink_module, "RECORD_MAX", 16)
+    sink = Sink(str(dst), m.hash_algorithm, jobs=1)
+    try:
+        plan = sink.plan(entries)
+    finally:
+        sink.close()
+    assert "over the 16 a record may hold" in (plan.record_ignored or ""), plan.record_ignored
+    assert plan.hashed == len(entries) and plan.up_to_date == len(entries)
 
 
 def test_a_forged_journal_never_reaches_the_record(tmp_path):

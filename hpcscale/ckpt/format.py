@@ -17,12 +17,10 @@ index, and only before it is renamed into place.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import os
 import re
-import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +41,7 @@ from hpcscale.ckpt.integrity import (
     valid_digest_text,
 )
 from hpcscale.errors import BadInput, VerificationFailure
-from hpcscale.portable.files import atomic_write
+from hpcscale.portable.files import atomic_write, open_regular
 from hpcscale.portable.hashing import XXH128
 from hpcscale.util.bounded import read_bounded
 
@@ -696,13 +694,6 @@ def committed_steps(root: Path) -> list[int]:
 
 
 def open_data_file(path: Path) -> int:
-    """A data file opened as load and verify open it: never through a symbolic link
-    (O_NOFOLLOW), never blocking on a FIFO (O_NONBLOCK), and only a regular file. OSError otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    """A data file opened as load and verify open it (portable.files.open_regular): never through a symbolic
+    link (O_NOFOLLOW), never blocking on a FIFO (O_NONBLOCK), and only a regular file. OSError otherwise."""
+    return open_regular(path, follow_symlinks=False)[0]

@@ -729,9 +729,9 @@ class CheckpointManager:
 
 
 class _Background:
-    """One long-lived daemon thread that runs the async saves, one at a time. Starting a thread per save cost
-    the training loop 5-10 ms (the new thread takes the GIL before start() returns); handing a job to a
-    waiting thread costs microseconds.
+    """One long-lived daemon thread that runs the async saves, one at a time. Starting a thread per save costs
+    the training loop milliseconds (the new thread takes the GIL before start() returns); handing a job to a
+    waiting thread does not.
 
     The thread's nice value is raised by `nice` (checkpoint.background_nice, default 0: the loop's own
     priority). At 19 a rank's

@@ -238,9 +238,9 @@ def load_shards(index: Index, root: Path, targets: list[LocalShard]) -> int:
     saved shard lands whole in one contiguous run of it, else into a buffer of that shard); then the chunks are
     read in file order, each file front to back as a plain sequential read would go, chunks that follow one
     another (across a chunk's padding) in one preadv (ChunkReader.read_run), and only the next run announced
-    with POSIX_FADV_WILLNEED while this one is verified (asking for all of them ahead measured slower, 0.91 s
-    against 0.48 s). A chunk several pieces hold is read once. A partly needed shard is copied into place, and
-    its buffer dropped, as soon as its last chunk is in."""
+    with POSIX_FADV_WILLNEED while this one is verified (asking for all of them ahead was measured slower). A
+    chunk several pieces hold is read once. A partly needed shard is copied into place, and its buffer dropped,
+    as soon as its last chunk is in."""
     reads, extra, partial = plan_reads(index, targets)
     reader = ChunkReader(root)
     try:

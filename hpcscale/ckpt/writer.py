@@ -66,8 +66,8 @@ def aligned_size(n: int) -> int:
 
 def arena(nbytes: int, *, huge: bool = True) -> torch.Tensor:
     """`nbytes` of fresh anonymous memory as a flat uint8 tensor that starts on a huge-page boundary, with `huge`
-    advised to use transparent huge pages. O_DIRECT then pins its pages 512 at a time (measured here: a third of
-    the kernel time of a write from 4 KiB pages), and copies into it miss the TLB less; the price is paid once,
+    advised to use transparent huge pages. O_DIRECT then pins its pages 512 at a time (far less kernel time per
+    write than from 4 KiB pages), and copies into it miss the TLB less; the price is paid once,
     when the pages are first touched (the kernel may have to compact memory to find 2 MiB pieces)."""
     m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -154,7 +154,7 @@ class DataFile:
         self.padded = self.direct  # the layout is fixed at open, even if the writes fall back to buffered
         if self.direct and reserve:
             # O_DIRECT allocates blocks write by write, so ranks writing side by side interleave their files'
-            # extents on disk (16 extents for 128 MiB measured here) and later sequential reads seek. Reserving
+            # extents on disk (a file in many pieces) and later sequential reads seek. Reserving
             # the most this save can write keeps the file contiguous; `close` gives back what was not used.
             self.reserved = reserve if _fallocate(self.fd, reserve) else 0
         self._slots = bounce.view(SLOTS, SLOT)

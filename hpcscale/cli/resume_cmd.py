@@ -73,43 +73,32 @@ def resume(
         _requeue(run, exit_code)
         return
 
-    from hpcscale.recovery.resume import check_submitted, plan_resume, record, resume_lock, submit_resume, what_it_runs
+    from hpcscale.recovery.resume import resume as resume_run
 
-    rd = RunDir.open(run.resolve())
-    with resume_lock(rd):
-        accepted = check_submitted(rd, accept=accept_changes, save=not dry_run)  # before anything runs
-        plan, loaded = plan_resume(rd, exclude_mode=exclude_mode, nodes=nodes, exclude_slow=exclude_slow)
-        plan.dry_run = dry_run
-        plan.accepted_changes = accepted
-        plan.runs = what_it_runs(rd, plan, loaded)
+    def on_plan(plan) -> None:  # before anything is submitted or run
         if not as_json:
             _show(plan)
-        if dry_run:
-            if as_json:
-                print_json(plan.to_json())
-            else:
-                click.echo("dry run: nothing submitted")
-            return
-        if plan.kind == "slurm":
-            submit_resume(rd, plan, loaded)
-            if as_json:
-                print_json(plan.to_json())
-            else:
-                click.echo(f"submitted job {plan.submitted}")
-            return
-        record(rd, plan)
-        from hpcscale.launch.local import run_local
+        elif plan.kind == "local" and not plan.dry_run:  # the ranks' output follows on stderr
+            print_json(plan.to_json())
 
+    done = resume_run(
+        RunDir.open(run.resolve()),
+        exclude_mode=exclude_mode,
+        exclude_slow=exclude_slow,
+        nodes=nodes,
+        accept_changes=accept_changes,
+        dry_run=dry_run,
+        on_plan=on_plan,
+        echo=(lambda line: click.echo(line, err=True)) if as_json else click.echo,
+        warn=lambda line: click.echo(line, err=True),
+    )
+    plan, result = done.plan, done.local
+    if result is None:  # a dry run, or submitted to Slurm
         if as_json:
             print_json(plan.to_json())
-        result = run_local(
-            loaded,
-            ranks=loaded.spec.world_size,
-            run_dir=rd.path,
-            reuse=True,
-            echo=(lambda line: click.echo(line, err=True)) if as_json else click.echo,
-            warn=lambda line: click.echo(line, err=True),
-        )
+        else:
+            click.echo("dry run: nothing submitted" if dry_run else f"submitted job {plan.submitted}")
+        return
     if result.exit_code not in (0, STOPPED_EXIT_CODE) and result.failure:
         click.echo(f"error: the job failed (exit {result.exit_code}): {result.failure}", err=True)
     sys.exit(1 if result.exit_code not in (0, STOPPED_EXIT_CODE) else result.exit_code)

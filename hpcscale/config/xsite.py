@@ -134,11 +134,10 @@ class XsiteConfig:
     )
     compression: Literal["zstd", "none"] = setting(
         "How the records that travel (contributions, the sites' copies of each round) store their tensors: "
-        "`zstd` (lossless: an int8 contribution shrinks to about 0.92 of its size, an fp32 one to about 0.88; "
-        "0.6-0.85 GB/s a core each way: about even in time over 100 Mbit, a saving on slower links, a cost on "
-        "faster ones and on a shared filesystem) or `none`. Readers take either. An hpcscale older than "
-        "compressed records refuses them, and this key: set `none` on the upgraded sites while another is not "
-        "upgraded yet (docs/cross-site.md, runbook).",
+        "`zstd` (lossless: a little smaller, for CPU time at both ends: a saving in time on slow links, a cost "
+        "on fast ones and on a shared filesystem; the figures are in docs/benchmarks.md) or `none`. Readers take "
+        "either. An hpcscale older than compressed records refuses them, and this key: set `none` on the upgraded "
+        "sites while another is not upgraded yet (docs/cross-site.md, runbook).",
         default="zstd",
     )
     weighting: Literal["tokens", "equal"] = setting(

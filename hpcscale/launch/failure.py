@@ -36,8 +36,12 @@ def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> st
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
     at = utc_stamp()
     peer = ", after losing a peer" if lost_a_peer(e) else ""
-    who = f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node}"
-    return f"{who} failed: {type(e).__name__}: {first} [at {at}{peer}]"
+    return f"{_who(rank, mpi_rank, node)} failed: {type(e).__name__}: {first} [at {at}{peer}]"
+
+
+def _who(rank: int | str, mpi_rank: int, node: str) -> str:
+    """The start of every line of ours, the one place it is spelled: what _OURS, _FAILURE and _STALL match."""
+    return f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node}"
 
 
 def lost_a_peer(e: BaseException) -> bool:
@@ -77,15 +81,17 @@ def utc_stamp() -> str:
 
 def hang_line(*, rank: int, mpi_rank: int, node: str, seconds: float, last_step: int, world_size: int) -> str:
     return (
-        f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node} failed: Hang: no step finished in "
-        f"{seconds:.1f} s (last finished step {last_step}; world {world_size}) [at {utc_stamp()}, after losing a peer]"
+        f"{_who(rank, mpi_rank, node)} failed: Hang: no step finished in {seconds:.1f} s "
+        f"(last finished step {last_step}; world {world_size}) [at {utc_stamp()}, after losing a peer]"
     )
 
 
-def stall_text(seconds: float) -> str:
+def stall_line(*, rank: int, mpi_rank: int, node: str, seconds: float) -> str:
+    """`hpcscale launch: rank R (MPI rank M) on node N was not running for X s ...`: a rank's watchdog says its
+    process did not run for `seconds` (stopped, starved); hung_ranks and stalled_nodes read it."""
     return (
-        f" was not running for {seconds:.1f} s (stopped or starved); its hang timeout does not count that time "
-        f"[at {utc_stamp()}]"
+        f"{_who(rank, mpi_rank, node)} was not running for {seconds:.1f} s (stopped or starved); its hang timeout "
+        f"does not count that time [at {utc_stamp()}]"
     )
 
 

@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from hpcscale.launch.failure import hang_line, stall_text
+from hpcscale.launch.failure import hang_line, stall_line
 
 GRACE_S = 5.0  # from a rank's hang line to its MPI_Abort: time for the other live ranks to write theirs
 STALL_S = 3.0  # the thread woke this much later than asked: its process was not running (stopped, starved)
@@ -174,10 +174,8 @@ class Watchdog:
         if self._since is not None and self._paused_at is None:
             self._since += lost
         with contextlib.suppress(OSError, ValueError):
-            _write_all(sys.stderr.fileno(), (self._who() + stall_text(lost) + "\n").encode())
-
-    def _who(self) -> str:
-        return f"hpcscale launch: rank {self.rank} (MPI rank {self.mpi_rank}) on node {self.node}"
+            line = stall_line(rank=self.rank, mpi_rank=self.mpi_rank, node=self.node, seconds=lost)
+            _write_all(sys.stderr.fileno(), (line + "\n").encode())
 
     def _fire(self, elapsed: float) -> None:
         self.fired = hang_line(

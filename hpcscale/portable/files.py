@@ -5,6 +5,7 @@
   never through a symbolic link at the last component (O_NOFOLLOW), and, for reads, refused before reading
   when over a size limit (and when it grew past it while read).
 - `atomic_write`: a file replaced whole or not at all.
+- `atomic_create`: a file created whole or not at all, never replacing one that exists (one writer of many wins).
 - `fsync_dir`: a directory's entries made durable (a rename or a create survives a power cut once it returns).
 
 Failures are OSError, so each caller words them for its own readers: FileNotFoundError, errno ELOOP for a
@@ -18,7 +19,7 @@ import errno
 import os
 import stat
 
-__all__ = ["NotRegularFile", "TooLarge", "atomic_write", "fsync_dir", "open_regular", "read_regular"]
+__all__ = ["NotRegularFile", "TooLarge", "atomic_create", "atomic_write", "fsync_dir", "open_regular", "read_regular"]
 
 
 class NotRegularFile(OSError):
@@ -99,11 +100,50 @@ def atomic_write(path, data, *, dir_fd=None, mode=0o644, exact_mode=False, durab
     and the directory after it, so that once this returns the new file survives a power cut; without it a
     crash may leave the old file (never a torn one on a journaling filesystem that orders data before
     renames). A kill -9 between the create and the rename may leave the temporary (`.NAME.<hex>.tmp`)."""
+    head, tmp = _write_temporary(path, data, dir_fd, mode, exact_mode, durable)
+    try:
+        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if durable:
+        fsync_dir(dir_fd if dir_fd is not None else head or ".")
+
+
+def atomic_create(path, data, *, dir_fd=None, mode=0o644, exact_mode=False, durable=True) -> bool:
+    """Create `path` (relative to `dir_fd` when given) holding `data`, whole, unless something already has
+    that name: True when this call created it, False when `path` existed (a file, a directory, a symbolic
+    link, dangling or not: never followed, never replaced).
+
+    Guarantees: those of atomic_write for the temporary (random name, O_EXCL|O_NOFOLLOW, removed on every
+    path, a full disk included; `mode`, `exact_mode`, `durable` alike), and the temporary is hard-linked to
+    `path`, which fails instead of replacing: of several writers at once (every rank of a job) exactly one
+    creates the file and the others get False, and a reader sees no file or the whole of it, never a part.
+    With `durable` the data is fsync'd before the link and the directory after it. A filesystem without hard
+    links fails with OSError (EPERM, EOPNOTSUPP or ENOSYS) and creates nothing. A kill -9 between the create
+    and the unlink may leave the temporary (`.NAME.<hex>.tmp`)."""
+    head, tmp = _write_temporary(path, data, dir_fd, mode, exact_mode, durable)
+    try:
+        os.link(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=dir_fd)
+    if durable:
+        fsync_dir(dir_fd if dir_fd is not None else head or ".")
+    return True
+
+
+def _write_temporary(path, data, dir_fd, mode, exact_mode, durable):
+    """(directory part of `path`, name of a new temporary beside it holding `data`) for atomic_write and
+    atomic_create; the temporary is removed again if writing it fails."""
     if isinstance(data, str):
         data = data.encode("utf-8", "surrogateescape")
     head, name = os.path.split(os.fspath(path))
     if dir_fd is not None and head:  # the directory fsync'd must be the one the name is in
-        raise ValueError(f"atomic_write: with dir_fd, {path!r} must be a name in that directory")
+        raise ValueError(f"{path!r}: with dir_fd, the path must be a name in that directory")
     tmp = os.path.join(head, f".{name}.{os.urandom(8).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     try:
@@ -117,10 +157,8 @@ def atomic_write(path, data, *, dir_fd=None, mode=0o644, exact_mode=False, durab
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
-    if durable:
-        fsync_dir(dir_fd if dir_fd is not None else head or ".")
+    return head, tmp

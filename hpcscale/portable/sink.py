@@ -43,7 +43,7 @@ import threading
 from hpcscale.portable import journal as journals_
 from hpcscale.portable import lock as dest_lock
 from hpcscale.portable.errors import StageError
-from hpcscale.portable.files import atomic_write, open_regular
+from hpcscale.portable.files import TooLarge, atomic_write, open_regular, read_regular
 from hpcscale.portable.hashing import blocks, check_algorithm, hash_fd, hasher
 from hpcscale.portable.paths import (
     MODE_BITS,
@@ -86,8 +86,8 @@ class Writer:
     """One file arriving at a Sink: bytes are hashed as they are written.
 
     A small new file is written to an unnamed inode (O_TMPFILE) and linked under its name once verified: one
-    directory operation instead of a temporary name's create and rename (about a third less time per small
-    file on ext4 here), and a killed transfer leaves nothing behind. Larger files, resumed files and
+    directory operation instead of a temporary name's create and rename (less time per small file), and a
+    killed transfer leaves nothing behind. Larger files, resumed files and
     filesystems without O_TMPFILE use `.NAME.HASH16.hpcscale-part`, renamed once verified.
 
     Every call is relative to the descriptor of the file's directory (Sink.dir_slot: walked from the root with
@@ -299,26 +299,49 @@ def _unlink(path, dir_fd=None):
         os.unlink(path, dir_fd=dir_fd)
 
 
-def _read_regular(name, dir_fd, limit=None, vouching=False):
-    """The bytes of regular file `name` under dir_fd, never following a symlink or waiting on a FIFO; None if
-    it is not there or not a regular file. `vouching`: (bytes or None, why it may not vouch for content or
-    None; hpcscale.portable.sink.untrusted, judged on the descriptor read)."""
+# The most read of a file this end wrote itself before it is parsed: a bigger one was not written by hpcscale
+# and vouches for nothing. A manifest is at most 1 GiB (hpcscale.data.manifest.MAX_MANIFEST_BYTES, which
+# portable code may not import; wire.REQUEST_MAX carries one in a commit). verified.json holds a line of about
+# 150 bytes for every file ever verified at the destination (not only the last manifest's), and a journal one
+# for each file a stage placed: 8 GiB is tens of millions of files.
+MANIFEST_MAX = 1 << 30
+RECORD_MAX = 8 << 30
+
+
+class _Distrusted(OSError):
+    """A state file that may not vouch for content (`untrusted`, or its state directory's): raised by a
+    read_regular check before any byte of it is read."""
+
+    def __init__(self, why):
+        super().__init__(why)
+        self.why = why
+
+
+def _vouches(st):
+    """read_regular's check for a file that vouches for content (a record, a journal): see `untrusted`."""
+    why = untrusted(st)
+    if why is not None:
+        raise _Distrusted(why)
+
+
+def _read_regular(name, dir_fd, max_bytes, check=None):
+    """The bytes of regular file `name` under dir_fd (files.read_regular: never following a symlink, never
+    waiting on a FIFO, at most `max_bytes`, `check` run on its fstat first); None if it is not there, not a
+    regular file, unreadable, over `max_bytes` or refused by `check`."""
     try:
-        fd, st = open_regular(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:  # missing, a symlink, not a regular file, unreadable
-        return (None, None) if vouching else None
+        return read_regular(name, max_bytes=max_bytes, dir_fd=dir_fd, follow_symlinks=False, check=check)[0]
+    except OSError:  # missing, a symlink, not a regular file, unreadable, too large, _Distrusted
+        return None
+
+
+def _is_regular(name, dir_fd):
+    """Whether `name` under dir_fd is a regular file this end can open (not a symlink, never waiting on a FIFO)."""
     try:
-        if vouching:
-            why = untrusted(st)
-            if why is not None:
-                return None, why
-        parts = []
-        for block in blocks(fd, 0, st.st_size if limit is None else min(limit, st.st_size)):
-            parts.append(bytes(block))
-        data = b"".join(parts)
-        return (data, None) if vouching else data
-    finally:
-        os.close(fd)
+        fd, _st = open_regular(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
 
 
 UP_TO_DATE = -1  # a plan's status for a file the destination holds, proven: nothing to send
@@ -375,7 +398,7 @@ class Sink:
         self.dry_run = dry_run
         self.sync = sync
         self.umask = umask
-        self.jobs = max(2, jobs)  # plan-time lstat and hashing threads (2 measured best here for -j 1)
+        self.jobs = max(2, jobs)  # plan-time lstat and hashing threads; 2 even for -j 1, so I/O overlaps hashing
         root = os.path.expanduser(root)  # ssh://host/~/data names ~/data
         if not dry_run:
             os.makedirs(root, exist_ok=True)
@@ -644,23 +667,27 @@ class Sink:
         state = self.state_fd()
         if state is None:
             return None, {}
-        try:
-            fd = os.open(RECORD, os.O_RDONLY | NO_FOLLOW, dir_fd=state)
-        except OSError:
-            return None, {}
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return None, {}
-            why = self.state_distrust or untrusted(st)
+
+        def vouches(st):
+            if self.state_distrust is not None:
+                raise _Distrusted(self.state_distrust)
+            why = untrusted(st)
             if why is not None:
-                if why is not self.state_distrust:
-                    why = f"{self.state_path()}/{RECORD} {why}"
-                self.record_ignored = f"{why}: the record of verified files is ignored, every file there is hashed"
-                return None, {}
-            data = b"".join(bytes(b) for b in blocks(fd, 0, st.st_size))
-        finally:
-            os.close(fd)
+                raise _Distrusted(f"{self.state_path()}/{RECORD} {why}")
+
+        try:
+            data, st = read_regular(RECORD, max_bytes=RECORD_MAX, dir_fd=state, follow_symlinks=False, check=vouches)
+        except _Distrusted as e:
+            self.record_ignored = f"{e.why}: the record of verified files is ignored, every file there is hashed"
+            return None, {}
+        except TooLarge as e:
+            self.record_ignored = (
+                f"{self.state_path()}/{RECORD} holds {e.size} bytes, over the {RECORD_MAX} a record may hold: "
+                "it is ignored, every file there is hashed"
+            )
+            return None, {}
+        except OSError:  # missing, a symlink, not a regular file, unreadable
+            return None, {}
         records = {}
         try:
             doc = json.loads(data) if data else {}
@@ -711,7 +738,7 @@ class Sink:
                 own = mine is not None and name.startswith(mine)
                 if self.state_distrust is not None and not own:
                     continue
-                data, _why = _read_regular(name, state, vouching=True)
+                data = _read_regular(name, state, RECORD_MAX, check=_vouches)
                 for path, rec, where in journals_.entries((data or b"").decode("utf-8", "replace"), self.algorithm):
                     records[path] = rec
                     if fresh is not None:
@@ -937,7 +964,7 @@ class Sink:
 
         if type(name) is not str or "/" in name or check_relpath(name):
             raise StageError(f"manifest name {str(name)[:80]!r} is not a plain file name", "input")
-        data = _read_regular(name, self.root_fd())
+        data = _read_regular(name, self.root_fd(), MANIFEST_MAX)
         if data is not None and hashlib.sha256(data).hexdigest() != manifest_sha256:
             _unlink(name, self.root_fd())
             os.fsync(self.root_fd())  # gone before any file it lists is replaced
@@ -1011,14 +1038,14 @@ class Sink:
                     or rec[:4] != [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
                 ):
                     del records[rel]
-        if journals or _read_regular(RECORD, state, 0) is None:
+        if journals or not _is_regular(RECORD, state):
             text = json.dumps({"hash_algorithm": self.algorithm, "files": records}, separators=(",", ":"))
             atomic_write(RECORD, text, dir_fd=state, mode=PRIVATE)
             for n in os.listdir(state):
                 if n.startswith(journals_.PREFIX):
                     _unlink(n, state)
         if manifest_text is not None:
-            old = _read_regular(name, self.root_fd())
+            old = _read_regular(name, self.root_fd(), MANIFEST_MAX)
             if old is None or old != manifest_text.encode("utf-8", "surrogateescape"):
                 atomic_write(name, manifest_text, dir_fd=self.root_fd(), mode=0o644)
 
@@ -1070,7 +1097,7 @@ class Sink:
             return True
         if type(name) is not str or "/" in name:
             return False
-        data = _read_regular(name, self.root_fd())
+        data = _read_regular(name, self.root_fd(), MANIFEST_MAX)
         return data is not None and hashlib.sha256(data).hexdigest() == manifest_sha256
 
     def close(self):

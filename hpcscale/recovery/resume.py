@@ -16,6 +16,9 @@
 6. Resubmit with `--exclude`, optionally at another node count (--nodes: resharded on load, the global batch
    kept), record the decision (RUN/resume.jsonl, and the submission's reason and excluded nodes).
 
+`resume()` is the whole command, the one call the CLI makes and renders: the steps above under the lock, with
+one Slurm client and one rendering of the script (what `--dry-run` shows is what sbatch gets).
+
 What it resubmits is what was submitted: RUN/job.yaml and RUN/site.yaml must be trusted (owned by the user or
 root, writable by no one else: hpcscale.util.trust) and unchanged since the last submission (their record,
 RUN/.submitted.json); a change is refused with its diff unless accepted (`check_submitted`). The plan carries
@@ -29,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.render import to_plain
@@ -48,6 +53,10 @@ from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.hostlist import expand
 from hpcscale.util.trust import check_fd, clean
+
+if TYPE_CHECKING:
+    from hpcscale.launch.local import LocalResult
+    from hpcscale.slurm.submit import Prepared
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
@@ -314,6 +323,16 @@ def plan_resume(
     exclude_slow: bool = False,
 ) -> tuple[Plan, LoadedJob]:
     """Everything `resume` decides, nothing submitted. BadInput (exit 2) when there is nothing to resume."""
+    plan, loaded, _client = _decide(
+        rd, exclude_mode=exclude_mode, nodes=nodes, client=client, exclude_slow=exclude_slow
+    )
+    return plan, loaded
+
+
+def _decide(
+    rd: RunDir, *, exclude_mode: str | None, nodes: int | None, client: SlurmClient | None, exclude_slow: bool
+) -> tuple[Plan, LoadedJob, SlurmClient | None]:
+    """plan_resume, and the Slurm client it diagnosed with (None for a local run): the resubmission uses it too."""
     subs = rd.submissions()
     if not subs:
         raise BadInput(f"{rd.path}: no submission recorded: nothing to resume (use hpcscale submit or run)")
@@ -326,7 +345,7 @@ def plan_resume(
     else:
         if not last.job_id:
             raise BadInput(f"{rd.path}: the last submission was a dry run: submit it first")
-        client = client or SlurmClient.for_site(rd.site_config())
+        client = client or SlurmClient.for_site(loaded.site.config)
         diag = diagnose_slurm(rd, last, client)
     if diag.active:
         raise BadInput(f"{rd.path}: {clean(diag.explanation)}")  # log text: cleaned for the terminal
@@ -367,7 +386,7 @@ def plan_resume(
         plan.warnings.append(advice)
     if n != spec.nodes:
         loaded = _resized(loaded, n)
-    return plan, loaded
+    return plan, loaded, client
 
 
 def _choose_tier(plan: Plan, rd: RunDir, client: SlurmClient, nodes: int) -> None:
@@ -403,7 +422,8 @@ def _resized(loaded: LoadedJob, nodes: int) -> LoadedJob:
     return LoadedJob(spec, loaded.path, loaded.site)
 
 
-def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob) -> str | None:
+def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob, prepared: Prepared | None = None) -> str | None:
+    """Submit the plan's job (`prepared`: as what_it_runs showed it, sent as it is) and record the decision."""
     from hpcscale.slurm.submit import submit_job
 
     reason = f"resume from step {plan.checkpoint}" if plan.checkpoint is not None else "resume from the start"
@@ -415,6 +435,7 @@ def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob) -> str | None:
         excluded=tuple(plan.exclude),
         required=tuple(plan.nodelist),
         reason=reason,
+        prepared=prepared,
     )
     plan.submitted = r.job_id
     record(rd, plan)
@@ -441,10 +462,11 @@ def check_submitted(rd: RunDir, *, accept: bool, save: bool = True) -> list[str]
     return diff
 
 
-def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
+def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob, prepared: Prepared | None = None) -> dict:
     """Everything the resubmission would run, as submit_job / run_local will build it: the sbatch script (its
     exact text) or the mpirun command, the program, the environment it sets (the site's variables and the job's
-    `environment:`), the modules and files it sources, the site and the SLURM_CONF its Slurm commands use."""
+    `environment:`), the modules and files it sources, the site and the SLURM_CONF its Slurm commands use.
+    `prepared`: the Slurm submission (prepare_resubmission) to show; else it is prepared here."""
     spec, site = loaded.spec, loaded.site.config
     _check_named_files(loaded)
     env = {**site.environment.variables, **spec.environment}
@@ -468,20 +490,22 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob) -> dict:
 
         out["environment"] = {**env, **local_env(), "OMP_NUM_THREADS": "1"}  # as run_local sets it
         return out
-    from hpcscale.slurm.render import choose_template, render_chosen
-    from hpcscale.slurm.submit import resolve_for_slurm
-
-    client = SlurmClient.for_site(site)
-    job = resolve_for_slurm(
-        loaded, run_dir=rd.path, excluded=tuple(plan.exclude), required=tuple(plan.nodelist), client=client
-    )
-    name = choose_template(job, None)
-    out["slurm_conf"] = client.check_conf()  # as handed to Slurm (vetted, symlinks resolved); None: the default
-    out["template"] = name
+    prepared = prepared or prepare_resubmission(rd, plan, loaded)
+    # as handed to Slurm (vetted, symlinks resolved); None: the default
+    out["slurm_conf"] = prepared.client.check_conf()
+    out["template"] = prepared.template
     program = ["hpcscale", "launch", "--run-dir", str(rd.path)]
     out["command"] = list(spec.command) if spec.command is not None else program
-    out["script"] = render_chosen(job, name)
+    out["script"] = prepared.script
     return out
+
+
+def prepare_resubmission(rd: RunDir, plan: Plan, loaded: LoadedJob, client: SlurmClient | None = None) -> Prepared:
+    """The Slurm resubmission of the plan, resolved and rendered once: shown by what_it_runs, sent by
+    submit_resume."""
+    from hpcscale.slurm.submit import prepare
+
+    return prepare(loaded, run_dir=rd.path, excluded=tuple(plan.exclude), required=tuple(plan.nodelist), client=client)
 
 
 def _check_named_files(loaded: LoadedJob) -> None:
@@ -504,3 +528,51 @@ def _check_named_files(loaded: LoadedJob) -> None:
 
 def record(rd: RunDir, plan: Plan) -> None:
     rd.add_resume_decision({"time": datetime.now(timezone.utc).isoformat(), **plan.to_json()})
+
+
+@dataclass(slots=True)
+class Resumed:
+    """What `resume` did: the plan (with the new job id once submitted), and for a local run what its rerun did."""
+
+    plan: Plan
+    local: LocalResult | None = None  # the local rerun's result (run_local); None: submitted, or a dry run
+
+
+def resume(
+    rd: RunDir,
+    *,
+    exclude_mode: str | None = None,
+    exclude_slow: bool = False,
+    nodes: int | None = None,
+    accept_changes: bool = False,
+    dry_run: bool = False,
+    on_plan: Callable[[Plan], None] = lambda plan: None,
+    echo: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
+) -> Resumed:
+    """`hpcscale resume RUN`, whole: under the resume lock, refuse changed files (check_submitted), decide
+    (plan_resume), show what it runs (what_it_runs), then, unless `dry_run`, resubmit to Slurm (submit_resume) or
+    record the decision and rerun a local run (run_local, its output through `echo` and its warnings through
+    `warn`). `on_plan(plan)` is called once the plan is final, before anything is submitted or run (a local
+    run's decision is recorded first). The Slurm client, the resolved job and its script are built once, and
+    what is shown is what is sent."""
+    with resume_lock(rd):
+        accepted = check_submitted(rd, accept=accept_changes, save=not dry_run)  # before anything runs
+        plan, loaded, client = _decide(
+            rd, exclude_mode=exclude_mode, nodes=nodes, client=None, exclude_slow=exclude_slow
+        )
+        plan.dry_run = dry_run
+        plan.accepted_changes = accepted
+        prepared = prepare_resubmission(rd, plan, loaded, client) if plan.kind == "slurm" else None
+        plan.runs = what_it_runs(rd, plan, loaded, prepared)
+        if dry_run or plan.kind == "slurm":
+            on_plan(plan)
+            if not dry_run:
+                submit_resume(rd, plan, loaded, prepared)
+            return Resumed(plan)
+        record(rd, plan)
+        on_plan(plan)
+        from hpcscale.launch.local import run_local
+
+        result = run_local(loaded, ranks=loaded.spec.world_size, run_dir=rd.path, reuse=True, echo=echo, warn=warn)
+    return Resumed(plan, result)

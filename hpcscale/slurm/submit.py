@@ -47,6 +47,34 @@ def render_job(loaded: LoadedJob, *, run_dir: Path | None = None, template: str 
     return render_script(resolve_for_slurm(loaded, run_dir=run_dir), template)
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A submission resolved and rendered, before anything touches the disk or Slurm: what `resume --dry-run`
+    shows is what submit_job then sends, built once."""
+
+    client: SlurmClient
+    job: ResolvedJob
+    template: str  # the template's name, as choose_template picked it
+    script: str  # the sbatch script, as rendered from it
+
+
+def prepare(
+    loaded: LoadedJob,
+    *,
+    run_dir: Path | None,
+    template: str | None = None,
+    excluded: tuple[str, ...] = (),
+    required: tuple[str, ...] = (),
+    client: SlurmClient | None = None,
+) -> Prepared:
+    """Resolve the job against the site (and its switch tree, through `client`), choose its template and
+    render the script."""
+    client = client or SlurmClient.for_site(loaded.site.config)
+    job = resolve_for_slurm(loaded, run_dir=run_dir, excluded=excluded, required=required, client=client)
+    name = choose_template(job, template)
+    return Prepared(client, job, name, render_chosen(job, name))
+
+
 def submit_job(
     loaded: LoadedJob,
     *,
@@ -57,13 +85,20 @@ def submit_job(
     excluded: tuple[str, ...] = (),
     required: tuple[str, ...] = (),
     reason: str = "submit",
+    client: SlurmClient | None = None,
+    prepared: Prepared | None = None,
 ) -> SubmitResult:
     """Render, create the run directory, sbatch --parsable, record. Slurm's refusal is a CommandFailed
-    carrying sbatch's own message; a run directory created by this call is then removed again."""
-    client = SlurmClient.for_site(loaded.site.config)
-    job = resolve_for_slurm(loaded, run_dir=run_dir, excluded=excluded, required=required, client=client)
-    name = choose_template(job, template)
-    text = render_chosen(job, name)  # before touching the disk: a bad template leaves nothing behind
+    carrying sbatch's own message; a run directory created by this call is then removed again.
+
+    `client`: the caller's Slurm client (else one for the job's site); `prepared`: the submission the caller
+    already resolved and rendered (prepare), sent as it is: run_dir, template, excluded, required and client
+    are then its own."""
+    if prepared is None:  # rendered before touching the disk: a bad template leaves nothing behind
+        prepared = prepare(
+            loaded, run_dir=run_dir, template=template, excluded=excluded, required=required, client=client
+        )
+    client, job, name, text = prepared.client, prepared.job, prepared.template, prepared.script
     existed = job.run_dir.exists()
     rd = RunDir.create(job.run_dir, reuse=reuse)
     index = rd.next_index()
@@ -88,7 +123,7 @@ def submit_job(
                     time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     script=str(script.relative_to(rd.path)),
                     template=name,
-                    excluded=list(excluded),
+                    excluded=list(job.excluded),
                     reason=reason,
                 )
             )

@@ -50,8 +50,8 @@ class SlurmRunner:
         from hpcscale.slurm.submit import submit_job
 
         loaded = load_job(_spec_file(self.root, name, spec))
-        result = submit_job(loaded, run_dir=run_dir, reuse=reuse, reason=f"smoke: {name}")
-        client = SlurmClient.for_site(loaded.site.config)
+        client = SlurmClient.for_site(loaded.site.config)  # one for the submission and the polling
+        result = submit_job(loaded, run_dir=run_dir, reuse=reuse, reason=f"smoke: {name}", client=client)
         state, code = self._wait(client, result.job_id or "")
         return JobOutcome(result.run_dir, state == "COMPLETED" and code.startswith("0:"), f"{state} {code}".strip())
 

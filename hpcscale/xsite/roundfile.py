@@ -31,7 +31,6 @@ own contributions, the aggregator its rounds under its lock).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -752,7 +751,6 @@ def _publish(directory: Path, stem: str, fields: dict[str, Any], payload: bytes)
     _write_file(directory, payload_path.name, payload, replace=True)
     if not _write_file(directory, json_path.name, canonical_json(fields) + b"\n", replace=False):
         return _already_written(json_path, fields)
-    files.fsync_dir(directory)
     return json_path
 
 
@@ -771,37 +769,25 @@ def _already_written(json_path: Path, fields: dict[str, Any]) -> Path:
 
 
 def _write_file(directory: Path, name: str, data: bytes, *, replace: bool) -> bool:
-    """Write `name` durably through a temporary name; with replace=False, False when `name` already exists."""
-    tmp = directory / f".{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+    """Write `name` durably through a temporary name (files.atomic_write, or files.atomic_create with
+    replace=False); with replace=False, False when `name` already exists."""
+    path = directory / name
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    except OSError as e:
-        raise RuntimeFailure(f"{tmp}: cannot create ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         if replace:
-            os.replace(tmp, directory / name)  # replaces the file (or a planted symlink) itself, never its target
+            files.atomic_write(path, data)  # replaces the file (or a planted symlink) itself, never its target
             return True
         try:
-            os.link(tmp, directory / name, follow_symlinks=False)
-        except FileExistsError:
-            return False
+            return files.atomic_create(path, data)
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
-            # A filesystem without hard links: check, then rename (a window only a second writer could use).
-            if os.path.lexists(directory / name):
-                return False
-            os.replace(tmp, directory / name)
+        # A filesystem without hard links: check, then rename (a window only a second writer could use).
+        if os.path.lexists(path):
+            return False
+        files.atomic_write(path, data)
         return True
     except OSError as e:
-        raise RuntimeFailure(f"{directory / name}: cannot write ({e.strerror})") from None
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        raise RuntimeFailure(f"{path}: cannot write ({e.strerror})") from None
 
 
 def write_contribution(

@@ -867,21 +867,14 @@ def _unfit_round(run: Path, published) -> str | None:
 
 
 def _write_global(run: Path, r: int, published, report: TickReport) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     target = global_path(run, r)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        save_file({k: v.contiguous() for k, v in published.theta.items()}, str(tmp), metadata={"round": str(r)})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        _fault("handed")
-        os.replace(tmp, target)
-    except Exception:  # a full disk: nothing half-written is left in the run's xsite/ (a SIGKILL may leave it)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    data = save({k: v.contiguous() for k, v in published.theta.items()}, metadata={"round": str(r)})
+    _fault("handed")
+    # whole or not at all: a full disk (or a SIGKILL) never leaves a torn θ where the trainer looks for one
+    atomic_write(target, data)
     report.add("handed over", round=r, run=str(run))
 
 
