@@ -174,7 +174,7 @@ def test_restore_refuses_to_start_from_a_model_a_refused_checkpoint_was_partly_r
 
 
 def test_doc_example_stop_signal_checkpoints_then_resumes_exactly(reference, tmp_path):
-    job = doc_example(tmp_path / "code", checkpoint={"every_steps": 0})  # only the stop's save
+    job = doc_example(tmp_path / "code", checkpoint={"every_steps": 0}, metrics={"tensorboard": True})
     run = tmp_path / "run"
     proc = _start(job, run)
     deadline = time.monotonic() + 120
@@ -203,6 +203,24 @@ def test_doc_example_stop_signal_checkpoints_then_resumes_exactly(reference, tmp
         ("local", "COMPLETED", "0"),
     ]
     assert all(j["nodes"] and j["elapsed"] for j in jobs) and st["source"] == "attempts", st
+    # the loop's step time and throughput, measured by ctx.checkpoint.step, in every attempt: the report joins
+    # them to its losses, status shows them, TensorBoard holds them beside the loss
+    from hpcscale.observe.report import read_run
+
+    train = read_run(run).train
+    done = run_cli("resume", str(run), "--dry-run", "--json")  # a finished local run: nothing to resume
+    assert done.returncode == 2 and "the run finished" in json.loads(done.stdout)["error"], done.stdout
+    timed = {s: r for s, r in train.items() if s != stop["step"]}  # the stop's step ends in the stop, untimed
+    assert all(r.get("step_time_s", 0) > 0 and r.get("tokens_per_s", 0) > 0 for r in timed.values()), train
+    assert {r["attempt"] for r in train.values()} == {1, 2}
+    assert st["last_metrics"]["tokens_per_s"] > 0, st["last_metrics"]
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_report import _events
+
+    for attempt in (1, 2):
+        [path] = (run / "tensorboard" / f"attempt-{attempt}").glob("events.out.tfevents.*")
+        tags = {v.tag for e in _events(path) for v in e.summary.value}
+        assert {"loss", "step_time_s", "tokens_per_s"} <= tags, (attempt, tags)
 
 
 def test_doc_example_under_slurm_killed_rank_then_resume(local_cluster, tmp_path):

@@ -109,6 +109,21 @@ def test_tensorboard_events_hold_the_metrics_per_attempt(run):
     assert all(seen[s] == pytest.approx(rows[s]["loss"], rel=1e-6) for s in rows)
 
 
+def test_the_per_rank_grid_covers_both_attempts_of_the_run(run):
+    """ranks.png's grid from the real two-attempt run: one column per timing window of each attempt, every
+    rank's own time in each (the second attempt's windows are not dropped)."""
+    import math
+
+    from hpcscale.observe.report import rank_grid
+    from hpcscale.observe.timing import read_windows
+
+    windows = read_windows(run / "timing.jsonl")
+    assert sorted({w.attempt for w in windows}) == [1, 2] and len(windows) == 8  # 20 steps a window of 5, twice
+    grid, per_row = rank_grid(windows)
+    assert grid.shape == (2, 8) and per_row == 1
+    assert not any(math.isnan(v) for v in grid.flatten()) and (grid > 0).all()
+
+
 def test_bad_inputs_are_exit_2(run, tmp_path):
     assert run_cli("report", str(tmp_path), "-o", str(tmp_path / "o")).returncode == 2  # not a run directory
     empty = tmp_path / "empty"
