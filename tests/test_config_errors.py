@@ -198,6 +198,13 @@ def test_shipped_configs_and_examples_validate():
     result = run_cli("config", "validate", *files)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("ok ") == len(files)
+    assert "warn" not in (result.stdout + result.stderr).lower(), result.stdout + result.stderr
+    for example in (REPO / "docs" / "examples").glob("*.yaml"):  # each Slurm one renders with no warning either
+        if example.name == "gpt-local.yaml":  # `run --local`'s: render refuses a site without Slurm (tested apart)
+            continue
+        rendered = run_cli("render", str(example))
+        assert rendered.returncode == 0 and "#SBATCH" in rendered.stdout, rendered.stderr
+        assert "warn" not in rendered.stderr.lower(), (example, rendered.stderr)
 
 
 def test_json_report_for_a_bad_file(tmp_path: Path):
