@@ -375,7 +375,42 @@ def save_results():
     (OUT / "results.json").write_text(json.dumps(results, indent=2))
 
 
+def user_bf16():
+    """parallel.mixed_precision bf16 for a model FSDP does not shard (dp_shard = 1), on the GPU: the forward under
+    autocast (an inner Linear's output bf16), the output fp32, parameters and gradients fp32; and the collective-
+    wait clock (hpcscale.launch.waits) installed under NCCL: an all-reduce through the patched Work.wait, its
+    result right."""
+    from hpcscale.launch.waits import install
+    from hpcscale.layout import ParallelDims
+    from hpcscale.parallel.fsdp import shard_model
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29553", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=dev)
+    clock = install()
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)).to(dev)
+    seen = []
+    m[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    shard_model(m, mesh=None, dims=ParallelDims(tp=1, pp=1, dp=1), device=dev, mixed_precision="bf16")
+    out = m(torch.randn(4, 64, device=dev))
+    out.sum().backward()
+    t = torch.full((4,), 2.0, device=dev)
+    dist.all_reduce(t)  # through the timed Work.wait
+    torch.cuda.synchronize(dev)
+    return {
+        "inner_dtype": str(seen[0]),
+        "out_dtype": str(out.dtype),
+        "param_dtype": str(m[0].weight.dtype),
+        "grad_dtype": str(m[0].weight.grad.dtype),
+        "all_reduce_ok": bool((t == 2.0).all()),
+        "waits_counted_s": round(clock.total_s, 6),
+    }
+
+
 parts = {
+    "user_bf16": user_bf16,
     "components": components,
     "launch": launch,
     "nodelocal": nodelocal,
