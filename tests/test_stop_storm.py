@@ -1,4 +1,4 @@
-"""Stop signals at random moments (during start-up, during a step, during an async save), 10 times on one run,
+"""Stop signals at random moments (during start-up, during a step, during an async save), 6 times on one run,
 alternating a moment in start-up with one among the steps: every stop ends with exit 75 and a durable, verifying
 checkpoint of the last step the ranks finished (no older than one step before the signal), and every earlier
 checkpoint still verifies."""
@@ -14,7 +14,7 @@ import time
 from conftest import REPO, run_cli
 from trainjobs import job_spec
 
-SIGNALS = 10
+SIGNALS = 6
 
 
 def _newest(run) -> int | None:
@@ -54,4 +54,4 @@ def test_stops_at_random_moments_each_leave_a_verified_checkpoint(mpi, tmp_path)
         outcomes.append("step" if done else "start-up")
     for step_dir in sorted((run / "checkpoints").glob("step-*")):  # every kept checkpoint, not just the newest
         assert run_cli("ckpt", "verify", str(step_dir)).returncode == 0, step_dir
-    assert outcomes.count("step") >= 4, outcomes
+    assert outcomes.count("step") >= 2, outcomes
