@@ -1,3 +1,3 @@
 """hpcscale: Slurm/HPC-native training toolkit. See docs/user-guide.md."""
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
