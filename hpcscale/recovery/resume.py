@@ -253,13 +253,8 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
     # NCCL's watchdog aborts the ranks that waited (mpirun: "exited on signal 6"): its lines name the late rank
     d.rank_failure = nccl.line if nccl is not None else describe_failure([line + "\n" for line in lines])
-    # the front end's record of how its run ended (`run --local` appends it after the ranks are gone)
-    ends = [e for e in events if e.get("event") == "end" and begins and e.get("attempt") == begins[-1].get("attempt")]
     if stops:
         d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
-    elif ends and ends[-1].get("exit_code") == 0 and type(ends[-1].get("exit_code")) is int:
-        d.finished, d.exit_code = True, "0"
-        d.explanation = "the last local run completed (exit 0)"
     elif d.rank_failure:
         d.explanation = f"failed: {d.rank_failure}"
     else:
