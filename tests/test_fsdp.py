@@ -382,6 +382,28 @@ shard_model(m, mesh=None, dims=ParallelDims(tp=1, pp=1, dp=2), device=torch.devi
 out = m(torch.randn(3, 8))
 out.sum().backward()
 print("inner", seen[0], "out", out.dtype, "param", m[0].weight.dtype, "grad", m[0].weight.grad.dtype)
+import copy, io
+ema = copy.deepcopy(m)  # an EMA copy runs its own weights
+with torch.no_grad():
+    for p in ema.parameters():
+        p.zero_()
+x = torch.randn(2, 8)
+assert not torch.equal(m(x), ema(x)) and not ema(x).any()
+plain = torch.nn.Linear(8, 4)  # without the test's own (lambda) hook: a model with hpcscale's still pickles
+shard_model(plain, mesh=None, dims=ParallelDims(tp=1, pp=1, dp=2), device=torch.device("cpu"),
+            mixed_precision=sys.argv[1])
+torch.save(plain, io.BytesIO())
+class Boom(torch.nn.Module):
+    def forward(self, x):
+        raise RuntimeError("boom")
+b = Boom()
+shard_model(b, mesh=None, dims=ParallelDims(tp=1, pp=1, dp=2), device=torch.device("cpu"), mixed_precision="bf16")
+try:
+    b(x)
+except RuntimeError:
+    pass
+assert not torch.is_autocast_enabled("cpu")  # a forward that raised leaves autocast off
+print("copies, pickles, unwinds")
 """
 
 
@@ -396,6 +418,7 @@ def test_mixed_precision_applies_to_a_model_that_is_not_sharded(setting, inner):
     r = subprocess.run([sys.executable, "-c", UNSHARDED_BF16, setting], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"inner torch.{inner} out torch.float32 param torch.float32 grad torch.float32" in r.stdout, r.stdout
+    assert "copies, pickles, unwinds" in r.stdout, r.stdout
 
 
 PIPELINE_GUARD = """

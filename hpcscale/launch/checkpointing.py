@@ -638,7 +638,7 @@ class Checkpointer:
         if not (last or step == first or now - said >= PROGRESS_EVERY_S):
             return
         self._progress = (since, first, now)
-        pace = (now - since) / (step + 1 - first)
+        pace = (now - since) / max(step + 1 - first, 1)
         left = max(self.steps - step - 1, 0)
         eta = int(left * pace)
         self._ctx.metrics.print(

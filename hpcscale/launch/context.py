@@ -45,7 +45,10 @@ def _loggable(value: Any, depth: int = 0) -> bool:
     if depth < 8 and isinstance(value, list | tuple):
         return all(_loggable(v, depth + 1) for v in value)
     if depth < 8 and isinstance(value, dict):
-        return all(isinstance(k, str) and _loggable(v, depth + 1) for k, v in value.items())
+        # json writes int, float, bool and None keys as strings; anything else it refuses
+        return all(
+            (k is None or isinstance(k, str | int | float)) and _loggable(v, depth + 1) for k, v in value.items()
+        )
     return False
 
 
@@ -269,13 +272,11 @@ class Context:
         replicas counted once; hpcscale.parallel.clip). `parameters`: by default those of every model given to
         ctx.parallelize. torch.nn.utils.clip_grad_norm_ takes a tp-sharded model's norm wrongly or raises
         (`mixed torch.Tensor and DTensor`). A collective: call it in every rank, after backward."""
-        import math
-
         from hpcscale.errors import BadInput
         from hpcscale.parallel.clip import clip_grad_norm
 
-        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not 0 <= max_norm < math.inf:
-            raise BadInput(f"ctx.clip_grad_norm_: max_norm is {max_norm!r}; a finite number >= 0 (0: measure only)")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm >= 0:
+            raise BadInput(f"ctx.clip_grad_norm_: max_norm is {max_norm!r}; a number >= 0 (0 or inf: measure only)")
         if parameters is None:
             parameters = [q for m in self._models for q in m.parameters()]
         params = [q for q in parameters if q.requires_grad]

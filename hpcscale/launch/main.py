@@ -128,17 +128,20 @@ def _adopt_job(work_dir: Path, job_id: str) -> None:
 def _check_own_logs(work_dir: Path, job_id: str) -> None:
     """The failure diagnosis (`resume`, `hpcscale requeue`) reads a job's log where the rendered script puts it,
     RUN/logs/slurm-JOBID.out and .err: say so at once when an admin's script writes elsewhere."""
+    import re
     import subprocess
 
-    want = {"StdOut": work_dir / "logs" / f"slurm-{job_id}.out", "StdErr": work_dir / "logs" / f"slurm-{job_id}.err"}
+    logs = Path(os.path.realpath(work_dir)) / "logs"
+    want = {"StdOut": logs / f"slurm-{job_id}.out", "StdErr": logs / f"slurm-{job_id}.err"}
     try:
         shown = subprocess.run(
             ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return
-    fields = dict(f.split("=", 1) for f in shown.split() if f.startswith(("StdOut=", "StdErr=")))
-    wrong = [k for k, path in want.items() if k in fields and Path(fields[k]) != path]
+    # one line of Key=value fields; a path may hold spaces, so a value runs to the next " Key="
+    fields = {m.group(1): m.group(2) for m in re.finditer(r"(?:^| )(StdOut|StdErr)=(.*?)(?= [A-Za-z]+=|\n|$)", shown)}
+    wrong = [k for k, path in want.items() if k in fields and Path(os.path.realpath(fields[k])) != path]
     if wrong:
         print(
             f"hpcscale launch: warning: job {job_id} writes its log to {fields[wrong[0]]}, not {want[wrong[0]]}: "

@@ -37,9 +37,15 @@ class CollectiveWaits:
         self.thread = threading.get_ident()
 
     def _timed(self, fn):
+        import torch
+
+        compiling = torch.compiler.is_compiling
+
         @functools.wraps(fn)
         def wait(*args, **kwargs):
-            if threading.get_ident() != self.thread:
+            # another thread's wait, or one torch.compile traces into a graph (no clock there: it would break
+            # the graph, and tracing is not waiting)
+            if compiling() or threading.get_ident() != self.thread:
                 return fn(*args, **kwargs)
             t = time.perf_counter()
             try:

@@ -54,23 +54,36 @@ def computes_in_bf16(setting: str, device: torch.device) -> bool:
     return setting == "bf16" or (setting == "auto" and device.type == "cuda")
 
 
+class _Autocast:
+    """Forward hooks that run a module's forward under torch.autocast(bf16) and give its bf16 outputs back as
+    fp32. Hooks rather than a replaced `forward`: the module's own forward, names and state are untouched, and a
+    deep copy (an EMA model) or a pickled model carries them as they are. The post-hook runs even when forward
+    raises (always_call), so autocast never stays on."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self._active: list[Any] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        ctx = torch.autocast(self.device_type, dtype=torch.bfloat16)
+        ctx.__enter__()
+        self._active.append(ctx)
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self._active:
+            self._active.pop().__exit__(None, None, None)
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, output)
+
+
 def autocast_forward(model: nn.Module, device: torch.device) -> None:
     """bf16 compute for a model FSDP does not shard: its forward runs under torch.autocast(bf16) on `device`'s
-    type, its floating outputs are cast to fp32 (as FSDP's root policy casts them), and its parameters stay
-    fp32. In place (the instance's `forward`), so parameter names, hooks and torch.compile are unaffected."""
-    import functools
-
-    from torch.utils._pytree import tree_map_only
-
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = forward(*args, **kwargs)
-        return tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, out)
-
-    model.forward = run
+    type, its bf16 outputs are cast to fp32 (as FSDP's root policy casts them), and its parameters stay fp32.
+    Forward hooks on `model` (_Autocast)."""
+    hooks = _Autocast(device.type)
+    model.register_forward_pre_hook(hooks.enter)
+    model.register_forward_hook(hooks.exit, always_call=True)
 
 
 def mixed_precision_policy(setting: str, device: torch.device, *, root: bool = False):
