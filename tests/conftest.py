@@ -41,6 +41,24 @@ def processes_of(run_dir: Path) -> dict[int, str]:
     return found
 
 
+def local_rank_pids(run_dir: Path) -> dict[int, int]:
+    """MPI rank -> pid of each rank process of a `run --local` of `run_dir` (OMPI_COMM_WORLD_RANK is in each
+    rank's initial environment; under run --local, one node whose placement keeps MPI order, it is the hpcscale
+    rank too). mpirun itself, whose command line names the run too, is left out."""
+    import contextlib
+
+    ranks = {}
+    for pid, cmdline in processes_of(run_dir).items():
+        if "hpcscale launch --run-dir" not in cmdline or "mpirun" in cmdline.split(" ", 1)[0]:
+            continue
+        with contextlib.suppress(OSError):  # the process ended meanwhile
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((v.split(b"=", 1)[1] for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
+            if rank is not None:
+                ranks[int(rank)] = pid
+    return ranks
+
+
 # What the test command's workers (pytest-xdist, --dist loadgroup) must not split or run side by side.
 SHARED_SETUP = ("run_2x2x2", "ckpt_saved_1_2")  # session fixtures that train or save: built once, on one worker
 

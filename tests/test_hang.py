@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, processes_of, run_cli
+from conftest import REPO, local_rank_pids, processes_of, run_cli
 from trainjobs import job_spec, losses
 
 from hpcscale.launch.failure import (
@@ -33,21 +33,6 @@ from hpcscale.launch.watchdog import Watchdog
 
 HANG_S = 8  # the job's hang_timeout_seconds
 COLLECTIVE_S = 60  # its timeout_seconds: the job must end well before a collective would time out
-
-
-def _rank_pids(run_dir: Path) -> dict[int, int]:
-    """Rank -> pid. OMPI_COMM_WORLD_RANK is in each rank's initial environment, and under run --local (one
-    node, placement keeps MPI order) it is the hpcscale rank too."""
-    ranks = {}
-    for pid, cmdline in processes_of(run_dir).items():
-        if "hpcscale launch --run-dir" not in cmdline or "mpirun" in cmdline.split(" ", 1)[0]:
-            continue
-        with contextlib.suppress(OSError):
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next((v.split(b"=", 1)[1] for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
-            if rank is not None:
-                ranks[int(rank)] = pid
-    return ranks
 
 
 def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
@@ -75,7 +60,7 @@ def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_con
         )
     try:
         _wait_for_steps(run_dir, 6, proc, out)  # past the first checkpoint
-        ranks = _rank_pids(run_dir)
+        ranks = local_rank_pids(run_dir)
         assert sorted(ranks) == [0, 1, 2, 3], ranks
         stopped_at = time.monotonic()
         os.kill(ranks[2], signal.SIGSTOP)

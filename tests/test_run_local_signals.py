@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, need, processes_of
+from conftest import REPO, local_rank_pids, need, processes_of
 from trainjobs import job_spec, losses
 
 from hpcscale.launch.failure import describe_failure
@@ -64,19 +64,6 @@ def _no_processes_left(run_dir: Path, within: float) -> dict[int, str]:
     while (left := processes_of(run_dir)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
-
-
-def _rank_pids(run_dir: Path) -> dict[int, int]:
-    """MPI rank -> pid of each rank process (OMPI_COMM_WORLD_RANK in its environment)."""
-    ranks = {}
-    for pid, cmdline in processes_of(run_dir).items():
-        if "hpcscale launch --run-dir" not in cmdline or cmdline.startswith(("mpirun", "/usr/bin/mpirun")):
-            continue
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        rank = next((v.split(b"=", 1)[1] for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
-        if rank is not None:
-            ranks[int(rank)] = pid
-    return ranks
 
 
 def _kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -150,7 +137,7 @@ def test_a_second_signal_ends_ranks_that_do_not_stop(mpi, tmp_path):
     proc, run_dir, out = _start(tmp_path)
     try:
         _wait_for_steps(run_dir, 3, proc, out)
-        os.kill(_rank_pids(run_dir)[1], signal.SIGSTOP)  # a rank that cannot finish its step
+        os.kill(local_rank_pids(run_dir)[1], signal.SIGSTOP)  # a rank that cannot finish its step
         proc.send_signal(signal.SIGTERM)
         time.sleep(1)
         assert proc.poll() is None  # waiting for the ranks to stop
@@ -170,7 +157,7 @@ def test_killing_the_front_end_leaves_nothing_running(mpi, tmp_path):
     proc, run_dir, out = _start(tmp_path)
     try:
         _wait_for_steps(run_dir, 3, proc, out)
-        assert len(_rank_pids(run_dir)) == 2
+        assert len(local_rank_pids(run_dir)) == 2
         proc.kill()  # no handler runs: the kernel's parent-death signal must end mpirun, and mpirun its ranks
         proc.wait()
         left = _no_processes_left(run_dir, within=5)
@@ -201,7 +188,7 @@ def test_killed_rank_is_named_not_a_survivor(which_mpi, tmp_path):
     proc, run_dir, out = _start(tmp_path, tp=2, pp=2, ranks=4, mpi5=which_mpi)
     try:
         _wait_for_steps(run_dir, 3, proc, out)
-        ranks = _rank_pids(run_dir)
+        ranks = local_rank_pids(run_dir)
         assert sorted(ranks) == [0, 1, 2, 3]
         killed_at = time.monotonic()
         os.kill(ranks[2], signal.SIGKILL)

@@ -10,7 +10,6 @@ it waits reads as waiting, and one rank's peers' median includes itself.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import subprocess
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, processes_of, run_cli
+from conftest import REPO, local_rank_pids, run_cli
 
 WINDOW = 4  # metrics.timing_every: steps per window (the verdict reads the last 5)
 
@@ -40,20 +39,6 @@ def _job(path: Path, layout: dict, *, steps: int, slow_ms: float = 0) -> Path:
     }
     path.write_text(yaml.safe_dump(spec))
     return path
-
-
-def _rank_pids(run: Path) -> dict[int, int]:
-    """MPI rank -> pid of each rank process of a `run --local`."""
-    ranks = {}
-    for pid, cmdline in processes_of(run).items():
-        if "hpcscale launch --run-dir" not in cmdline or cmdline.startswith(("mpirun", "/usr/bin/mpirun")):
-            continue
-        with contextlib.suppress(OSError):
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next((v.split(b"=", 1)[1] for v in env if v.startswith(b"OMPI_COMM_WORLD_RANK=")), None)
-            if rank is not None:
-                ranks[int(rank)] = pid
-    return ranks
 
 
 HOG = """
@@ -96,7 +81,7 @@ def test_the_slowed_rank_and_only_it_is_named(mpi, tmp_path, layout, pattern):
         hog = None
         try:
             deadline = time.monotonic() + 120
-            while len(ranks := _rank_pids(run)) < 2 or not (run / "timing.jsonl").exists():
+            while len(ranks := local_rank_pids(run)) < 2 or not (run / "timing.jsonl").exists():
                 assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
                 time.sleep(0.2)
             if pattern == "hog":  # a busy process on rank 1's core, each rank (every thread of it) on its own core
