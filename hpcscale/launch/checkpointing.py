@@ -286,8 +286,7 @@ class Checkpointer:
             self._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
             raise StopRequested(step)
         t_saves = time.perf_counter()
-        waits = self._ctx._waits
-        wait_s = waits.total_s - self._waits_last if waits is not None else 0.0  # the step's, saves left out
+        wait_s = self._waited() - self._waits_last  # the step's collective waits, saves left out
         # the stop flag's all-reduce, and the step's other collectives made for the code (ctx._collective_s)
         sync_s = t_saves - t_sync + self._ctx._collective_s - self._collective_last
         self._collective_last = self._ctx._collective_s
@@ -340,7 +339,7 @@ class Checkpointer:
             if self.steps:
                 self._say_progress(step)
         self._t_last = time.perf_counter()
-        self._waits_last = waits.total_s if waits is not None else 0.0
+        self._waits_last = self._waited()
 
     def _step_line(self, step: int, step_s: float) -> dict:
         """What hpcscale measures of a step for any entry point: its wall time (from the previous step() to this
@@ -587,13 +586,12 @@ class Checkpointer:
         """Work between steps that is not training (an evaluation): the hang watchdog waits for it, and its time
         is left out of the step times (per-rank timing, checkpoint.every_steps: auto)."""
         t = time.perf_counter()
-        waits = self._ctx._waits
-        w = waits.total_s if waits is not None else 0.0
+        w = self._waited()
         with self._watchdog.paused(reason):
             yield
         if self._t_last is not None:
             self._t_last += time.perf_counter() - t
-            self._waits_last += (waits.total_s if waits is not None else 0.0) - w
+            self._waits_last += self._waited() - w
 
     def _hook_optimizers(self) -> None:
         """defer_staging: every registered optimizer waits, before its step() changes the tensors, for a save's
@@ -626,8 +624,13 @@ class Checkpointer:
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
         self._collective_last = ctx._collective_s
         self._t_last = time.perf_counter()
-        self._waits_last = ctx._waits.total_s if ctx._waits is not None else 0.0
+        self._waits_last = self._waited()
         self._progress = (self._t_last, start, -math.inf)  # since when, from which step, last said
+
+    def _waited(self) -> float:
+        """The collective-wait clock (hpcscale.launch.waits) of the training thread; 0 while timing is off."""
+        waits = self._ctx._waits
+        return waits.total_s if waits is not None else 0.0
 
     def _say_progress(self, step: int) -> None:
         """A user loop with `steps` set: every PROGRESS_EVERY_S (and at its first and last step) one line with the
