@@ -403,7 +403,12 @@ try:
 except RuntimeError:
     pass
 assert not torch.is_autocast_enabled("cpu")  # a forward that raised leaves autocast off
-print("copies, pickles, unwinds")
+compiled = torch.compile(m, backend="aot_eager")  # dynamo traces the model, not the hooks' autocast
+got = compiled(x)
+got.sum().backward()
+assert got.dtype == torch.float32 and torch.equal(got, m(x)), (got, m(x))
+assert not torch.is_autocast_enabled("cpu")
+print("copies, pickles, unwinds, compiles")
 """
 
 
@@ -418,7 +423,7 @@ def test_mixed_precision_applies_to_a_model_that_is_not_sharded(setting, inner):
     r = subprocess.run([sys.executable, "-c", UNSHARDED_BF16, setting], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"inner torch.{inner} out torch.float32 param torch.float32 grad torch.float32" in r.stdout, r.stdout
-    assert "copies, pickles, unwinds" in r.stdout, r.stdout
+    assert "copies, pickles, unwinds, compiles" in r.stdout, r.stdout
 
 
 PIPELINE_GUARD = """

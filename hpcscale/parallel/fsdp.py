@@ -58,17 +58,21 @@ class _Autocast:
     """Forward hooks that run a module's forward under torch.autocast(bf16) and give its bf16 outputs back as
     fp32. Hooks rather than a replaced `forward`: the module's own forward, names and state are untouched, and a
     deep copy (an EMA model) or a pickled model carries them as they are. The post-hook runs even when forward
-    raises (always_call), so autocast never stays on."""
+    raises (always_call), so autocast never stays on. torch.compile runs the hooks themselves eagerly
+    (compiler.disable: dynamo cannot trace a context entered in one hook and left in another) and traces the
+    forward between them under the autocast they set."""
 
     def __init__(self, device_type: str):
         self.device_type = device_type
         self._active: list[Any] = []
 
+    @torch.compiler.disable
     def enter(self, module: nn.Module, args: Any) -> None:
         ctx = torch.autocast(self.device_type, dtype=torch.bfloat16)
         ctx.__enter__()
         self._active.append(ctx)
 
+    @torch.compiler.disable
     def exit(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._active:
             self._active.pop().__exit__(None, None, None)

@@ -243,7 +243,8 @@ def _tiers(work: Path, log: str) -> dict:
         == 0
         for d in shared
     ]
-    local = {d.parent.name: d.read_text() for d in (work / "node-local").glob("hpcscale-*/step-*/DIGEST")}
+    mine = work / "node-local" / f"hpcscale-{(work / 'b' / 'run-id').read_text().strip()}"  # not run a's steps
+    local = {d.parent.name: d.read_text() for d in mine.glob("step-*/DIGEST")}
     both = {d.name: (d / "DIGEST").read_text() == local[d.name] for d in shared if d.name in local}
     return {"drained": drained, "shared_steps_verified": all(verified) and bool(verified), "same_digest": both}
 
@@ -377,34 +378,65 @@ def save_results():
 
 def user_bf16():
     """parallel.mixed_precision bf16 for a model FSDP does not shard (dp_shard = 1), on the GPU: the forward under
-    autocast (an inner Linear's output bf16), the output fp32, parameters and gradients fp32; and the collective-
-    wait clock (hpcscale.launch.waits) installed under NCCL: an all-reduce through the patched Work.wait, its
-    result right."""
+    autocast by forward hooks (an inner Linear's output bf16), the output fp32, parameters and gradients fp32; a
+    deep copy (an EMA model) and a pickled copy compute in bf16 as well; torch.compile of the model gives the
+    eager outputs. The collective-wait clock (hpcscale.launch.waits) installed under NCCL: an all-reduce
+    through the patched Work.wait, its result right, and a functional all-reduce inside a torch.compile'd
+    function (the clock stays out of the traced graph). DEVICE=cpu: the same on gloo, a dry run."""
+    import copy
+    import pickle
+
+    import torch.distributed._functional_collectives as funcol
+
     from hpcscale.launch.waits import install
     from hpcscale.layout import ParallelDims
     from hpcscale.parallel.fsdp import shard_model
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    cuda = os.environ.get("DEVICE", "cuda") == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29553", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=dev)
+        dist.init_process_group("nccl", device_id=dev) if cuda else dist.init_process_group("gloo")
     clock = install()
+    torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 8)).to(dev)
     seen = []
-    m[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    spy = m[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
     shard_model(m, mesh=None, dims=ParallelDims(tp=1, pp=1, dp=1), device=dev, mixed_precision="bf16")
-    out = m(torch.randn(4, 64, device=dev))
+    x = torch.randn(4, 64, device=dev)
+    out = m(x)
     out.sum().backward()
+    ema = copy.deepcopy(m)
+    ema_out = ema(x)
+    spy.remove()  # a local lambda: the model pickles without it
+    unpickled = pickle.loads(pickle.dumps(m))
+    unpickled_out = unpickled(x)
+    compiled = torch.compile(m)
+    compiled_out = compiled(x)
+    compiled_out.sum().backward()
     t = torch.full((4,), 2.0, device=dev)
     dist.all_reduce(t)  # through the timed Work.wait
-    torch.cuda.synchronize(dev)
+
+    @torch.compile
+    def reduce_twice(v):
+        return funcol.all_reduce(v, "sum", dist.group.WORLD) * 2
+
+    r = reduce_twice(torch.full((4,), 3.0, device=dev))
+    if cuda:
+        torch.cuda.synchronize(dev)
     return {
-        "inner_dtype": str(seen[0]),
+        "inner_dtypes": sorted({str(d) for d in seen}),
         "out_dtype": str(out.dtype),
         "param_dtype": str(m[0].weight.dtype),
         "grad_dtype": str(m[0].weight.grad.dtype),
+        "ema_out_bitwise": bool(torch.equal(ema_out, out)),
+        "unpickled_out_bitwise": bool(torch.equal(unpickled_out, out)),
+        "compiled_out_dtype": str(compiled_out.dtype),
+        "compiled_max_abs_diff": float((compiled_out - out).abs().max()),
         "all_reduce_ok": bool((t == 2.0).all()),
+        "compiled_funcol_ok": bool((r == 6.0).all()),
         "waits_counted_s": round(clock.total_s, 6),
     }
 
