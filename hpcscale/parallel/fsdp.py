@@ -62,23 +62,37 @@ class _Autocast:
     (compiler.disable: dynamo cannot trace a context entered in one hook and left in another) and traces the
     forward between them under the autocast they set."""
 
+    eager = False  # enter and exit wrapped by torch.compiler.disable (_eager, at first use)
+
     def __init__(self, device_type: str):
+        _eager()
         self.device_type = device_type
         self._active: list[Any] = []
 
-    @torch.compiler.disable
+    def __setstate__(self, state: dict) -> None:  # a pickled or deep-copied model's hooks: eager as well
+        _eager()
+        self.__dict__.update(state)
+
     def enter(self, module: nn.Module, args: Any) -> None:
         ctx = torch.autocast(self.device_type, dtype=torch.bfloat16)
         ctx.__enter__()
         self._active.append(ctx)
 
-    @torch.compiler.disable
     def exit(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self._active:
             self._active.pop().__exit__(None, None, None)
         from torch.utils._pytree import tree_map_only
 
         return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, output)
+
+
+def _eager() -> None:
+    """Wrap _Autocast's hooks in torch.compiler.disable, once: at first use rather than at import, since it
+    imports dynamo (1.5 s of every rank's start on a CPU)."""
+    if not _Autocast.eager:
+        _Autocast.enter = torch.compiler.disable(_Autocast.enter)  # type: ignore[method-assign]
+        _Autocast.exit = torch.compiler.disable(_Autocast.exit)  # type: ignore[method-assign]
+        _Autocast.eager = True
 
 
 def autocast_forward(model: nn.Module, device: torch.device) -> None:
