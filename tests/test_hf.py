@@ -153,7 +153,7 @@ with torch.no_grad():
     assert abs(exported - _val_loss(run)) <= 1e-6 * _val_loss(run), (exported, _val_loss(run))
 
 
-@pytest.mark.parametrize("shards", [2, 4])
+@pytest.mark.parametrize("shards", [4])  # 2 shards: the page layout (tp 2 x dp_shard 2) above
 def test_a_transformers_model_fully_sharded_gives_the_single_process_losses(code, single, tmp_path, shards):
     run = tmp_path / f"dp_shard{shards}"
     _run(_job(code, f"dp_shard{shards}", tasks_per_node=shards, parallel={"dp_shard": shards}), run)

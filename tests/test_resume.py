@@ -28,7 +28,7 @@ from trainjobs import job_spec, losses
 from hpcscale.config.job import JobSpec, Restart, Signals
 from hpcscale.recovery.requeue import classify, decide
 
-STEPS = 300  # long enough that a fault after step 80 lands mid-run (about 35 ms a step here)
+STEPS = 200  # long enough that a fault after step 80 lands mid-run (about 35 ms a step here)
 
 
 # ---- the policy, without a cluster ------------------------------------------------------------------------
@@ -203,10 +203,14 @@ def test_time_limit_requeues_until_its_budget_is_spent(local_cluster, tmp_path):
     """A 2-minute limit with 40 s of grace: each attempt is stopped by the time-limit signal, checkpoints,
     and requeues itself while restart.max_time_limits allows (1 here); the second stop ends the job. Slurm sends the
     signal up to 60 s early (20-80 s into each attempt here): with a 1-minute limit it could come before the
-    ranks started, and that attempt would have no checkpoint of its own."""
+    ranks started, and that attempt would have no checkpoint of its own. Two ranks on one node: the job trains
+    flat out for minutes while it waits for Slurm's signal, and one node's step (one session, one autogroup)
+    leaves the other half of the machine to the rest of the suite."""
     run = tmp_path / "run"
     job = _slurm_job(
         tmp_path / "job.yaml",
+        nodes=1,
+        ranks=2,
         steps=100000,
         time_limit="2",
         signals={"grace_seconds": 40},
