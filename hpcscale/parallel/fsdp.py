@@ -88,7 +88,7 @@ class _Autocast:
 
 def _eager() -> None:
     """Wrap _Autocast's hooks in torch.compiler.disable, once: at first use rather than at import, since it
-    imports dynamo (1.5 s of every rank's start on a CPU)."""
+    imports dynamo (over a second), which a script importing this module may never need."""
     if not _Autocast.eager:
         _Autocast.enter = torch.compiler.disable(_Autocast.enter)  # type: ignore[method-assign]
         _Autocast.exit = torch.compiler.disable(_Autocast.exit)  # type: ignore[method-assign]

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpcscale.errors import BadInput
 
 # torch's schedule classes by name; torch.distributed.pipelining is imported where a schedule is built: it imports
-# dynamo, 0.8 s of every rank's start at pp = 1
+# dynamo (about a second), which a job at pp = 1 may never need
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
 
 
