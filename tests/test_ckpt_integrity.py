@@ -146,11 +146,9 @@ def test_edited_index_fails_verify_and_load_falls_back(saved, edit):
 
 def _moved_to(step: Path) -> str:
     """The data file w0's first chunk names in `step`'s index (after edit_moved_chunk: w1's)."""
-    import h5py
+    from hpcscale.ckpt.format import read_index
 
-    with h5py.File(step / "index.h5", "r") as f:
-        _, _, chunks = tensor_rows(f, "w0")
-        return f["files"][int(f["chunks"]["file"][chunks[0][0]])].decode()
+    return read_index(step / "index.h5").tensors["w0"].shards[0].chunks[0].file
 
 
 def _trainer_state(text):
