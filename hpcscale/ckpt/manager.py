@@ -303,7 +303,6 @@ class CheckpointManager:
             problem = f"rank {self.rank}: node-local {step_dir_name(step)}: {type(e).__name__}: {e}"
         faults.fault("drain_read", self.rank)
         result = self._write(step, pending, rng, state, parent, problem=problem, created=created)
-        self.writer.reread([p.shard for p in pending])  # what was drained came from files, not the live tensors
         if self.last_stats is not None:
             self.last_stats = SaveStats(step, 0.0, result.new_bytes, result.referenced_bytes, time.perf_counter() - t0)
 

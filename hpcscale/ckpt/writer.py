@@ -241,8 +241,7 @@ def _key(s: LocalShard) -> str:
 @dataclass(slots=True)
 class PendingShard:
     shard: LocalShard
-    data: torch.Tensor | None  # CPU copy (async) or the live tensor (sync); None: unchanged, reuse `reuse`
-    reuse: list[ChunkRef] | None = None
+    data: torch.Tensor  # a CPU copy (async, a drain) or the live tensor's bytes on CPU (sync)
 
 
 @dataclass(slots=True)
@@ -319,7 +318,14 @@ class KnownChunks:
 
 
 class ShardWriter:
-    """One rank's side of saving. `known` maps chunk hashes to committed locations (for dedup)."""
+    """One rank's side of saving. `known` maps chunk hashes to committed locations (for dedup).
+
+    What a save writes is decided by content alone: every shard is copied (or read) and hashed at every save,
+    and only its chunks whose hash is not stored yet are written. Nothing is skipped on a tensor's version
+    counter or identity: torch's fused and foreach optimizer kernels (AdamW's default over DTensors on CUDA)
+    update parameters and moments without moving either counter, and `state_dict()` hands out fresh objects
+    whose id() CPython reuses, so such a shortcut kept the first save's optimizer state in every later save.
+    Unchanged tensors still cost no bytes written: their chunks hash to what is stored."""
 
     def __init__(self, root: Path, *, rank: int, group: dist.ProcessGroup | None, direct_io: bool = True):
         self.root = root
@@ -330,18 +336,14 @@ class ShardWriter:
         self._stream: torch.cuda.Stream | None = None  # GPU tensors are copied to host on it (snapshot)
         self.known = KnownChunks()
         self._buffers: dict[str, torch.Tensor] = {}
-        self._versions: dict[str, tuple[int, int]] = {}  # name -> (id of tensor, version) at the last save
-        self._last_refs: dict[str, list[ChunkRef]] = {}
-        # What the save in flight wrote and saw; adopted only when it commits, so an abandoned snapshot or a
-        # failed save can never make a changed tensor look unchanged.
+        # The chunks the save in flight wrote or referenced; known (for dedup) only once it commits.
         self._candidate: dict[str, list[ChunkRef]] = {}
-        self._candidate_versions: dict[str, tuple[int, int]] = {}
 
     def snapshot(
         self, shards: list[LocalShard], *, copy: bool, ready: torch.cuda.Event | None = None
     ) -> list[PendingShard]:
-        """Take what will be written. With `copy`, into reused CPU buffers, so training can go on; tensors not
-        modified since the last committed save (same object, same version counter) are not copied at all.
+        """Take what will be written: every shard, whatever updated it (see the class docstring). With `copy`,
+        into reused CPU buffers, so training can go on.
 
         GPU tensors are copied into pinned buffers on this writer's own copy stream, which first waits for
         `ready`: an event the training thread recorded on its stream when it asked for the save, so the copy
@@ -356,14 +358,6 @@ class ShardWriter:
                 self._buffers.update({_key(s): b for s, b in zip(missing, _carve(missing), strict=True)})
         for s in shards:
             key = _key(s)
-            # A DTensor's in-place ops move the DTensor's counter; in-place ops on its local tensor move only the
-            # local tensor's. Either means "changed".
-            src = s.source if s.source is not None else s.tensor
-            local = getattr(src, "_local_tensor", src)
-            version = (id(src), src._version, id(local), local._version)
-            if self._versions.get(key) == version and key in self._last_refs:
-                out.append(PendingShard(s, None, self._last_refs[key]))
-                continue
             if copy:
                 if not self._has_buffer(s):  # a GPU tensor's: pinned, so the copy runs asynchronously
                     self._buffers[key] = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, pin_memory=True)
@@ -379,7 +373,6 @@ class ShardWriter:
                 out.append(PendingShard(s, buf))
             else:
                 out.append(PendingShard(s, s.tensor.detach().cpu()))  # the caller's stream, blocking
-            self._candidate_versions[key] = version
         if stream is not None:
             landed = torch.cuda.Event(blocking=True)  # the writer thread sleeps, not spins, on a bound core
             landed.record(stream)
@@ -406,12 +399,6 @@ class ShardWriter:
                 torch.empty(shape, dtype=dtype, pin_memory=True) if pin else aligned_empty(shape, dtype)
             )
         return self._buffers[_key(s)]
-
-    def reread(self, shards: list[LocalShard]) -> None:
-        """The next save reads these shards' tensors again, whatever their version counters say (what a drain
-        wrote came from files, not from the live tensors)."""
-        for s in shards:
-            self._versions.pop(_key(s), None)
 
     def _has_buffer(self, s: LocalShard) -> bool:
         buf = self._buffers.get(_key(s))
@@ -441,7 +428,6 @@ class ShardWriter:
         most = sum(
             aligned_size(min(CHUNK_BYTES, n - start))
             for p in pending
-            if p.data is not None
             for n in [p.data.numel() * p.data.element_size()]
             for start in range(0, n, CHUNK_BYTES)
         )
@@ -450,25 +436,21 @@ class ShardWriter:
                 s = p.shard
                 if dtype_name(s.tensor) not in DTYPE_SIZES:
                     raise ValueError(f"tensor {s.name}: dtype {s.tensor.dtype} has no plain bytes to checkpoint")
-                if p.data is None:
-                    refs = p.reuse or []
-                    result.referenced_bytes += sum(c.length for c in refs)
-                else:
-                    refs = []
-                    flat = tensor_bytes(p.data)
-                    for start in range(0, max(flat.numel(), 1), CHUNK_BYTES):
-                        piece = flat[start : start + CHUNK_BYTES]
-                        digest = xxhash.xxh3_128_hexdigest(memoryview(piece.numpy()))
-                        ref = self.known.get(digest) or new_here.get(digest)
-                        if ref is None:
-                            out = out or self._data_file(tmp, most)
-                            ref = ChunkRef(digest, final_rel, out.append(piece), piece.numel())
-                            new_here[digest] = ref
-                            result.new_bytes += piece.numel()
-                        else:
-                            result.referenced_bytes += ref.length
-                        refs.append(ref)
-                    self._candidate[_key(s)] = refs
+                refs = []
+                flat = tensor_bytes(p.data)
+                for start in range(0, max(flat.numel(), 1), CHUNK_BYTES):
+                    piece = flat[start : start + CHUNK_BYTES]
+                    digest = xxhash.xxh3_128_hexdigest(memoryview(piece.numpy()))
+                    ref = self.known.get(digest) or new_here.get(digest)
+                    if ref is None:
+                        out = out or self._data_file(tmp, most)
+                        ref = ChunkRef(digest, final_rel, out.append(piece), piece.numel())
+                        new_here[digest] = ref
+                        result.new_bytes += piece.numel()
+                    else:
+                        result.referenced_bytes += ref.length
+                    refs.append(ref)
+                self._candidate[_key(s)] = refs
                 rows.append((s.name, s.global_shape, dtype_name(s.tensor), s.offset, tuple(s.tensor.shape), refs))
             fault("data_written", self.rank)
         except BaseException:
@@ -485,9 +467,6 @@ class ShardWriter:
 
     def committed(self, removed_files: list[str]) -> None:
         """The save in flight is committed: its chunks become known (dedup), minus files retention removed."""
-        self._last_refs.update(self._candidate)
-        self._versions.update(self._candidate_versions)
-        self._candidate_versions.clear()
         for refs in self._candidate.values():
             for ref in refs:
                 self.known.setdefault(ref.hash, ref)
@@ -495,12 +474,10 @@ class ShardWriter:
         if removed_files:
             gone = set(removed_files)
             self.known.drop_files(gone)
-            self._last_refs = {k: v for k, v in self._last_refs.items() if not any(r.file in gone for r in v)}
 
     def failed(self) -> None:
-        """The save in flight did not commit: forget it, and re-read every tensor at the next save."""
+        """The save in flight did not commit: forget what it wrote."""
         self._candidate.clear()
-        self._candidate_versions.clear()
 
     def adopt(self, index: Index) -> None:
         """Dedup against a checkpoint loaded at start-up."""
@@ -510,8 +487,6 @@ class ShardWriter:
         """The next save writes every chunk of every tensor into its own files, referencing nothing saved before
         (a node-local save: each step must stand alone)."""
         self.known.clear()
-        self._versions.clear()
-        self._last_refs.clear()
 
 
 def commit(
