@@ -135,10 +135,24 @@ class ParallelDims:
             raise BadInput(f"rank {rank} is outside a world of {self.world_size}")
         return RankCoords(pp=rank // (self.dp * self.tp), dp=(rank // self.tp) % self.dp, tp=rank % self.tp)
 
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The DeviceMesh's axes, slowest to fastest in rank order: (pp, dp, tp), or (pp, dp_replicate, dp_shard,
+        tp) when dp_shard > 1, where `dp` is then the two flattened into one (parallel/mesh.py builds these)."""
+        return ("pp", "dp_replicate", "dp_shard", "tp") if self.sharded else ("pp", "dp", "tp")
+
     def group(self, rank: int, axis: str) -> list[int]:
-        """The ranks of `rank`'s process group along mesh `axis` ("pp", "dp" or "tp"): those that share its
-        coordinates on the other two axes, in group order."""
+        """The ranks of `rank`'s process group along mesh `axis` (pp, dp, tp, dp_replicate or dp_shard): those
+        that share its coordinates on every other axis, in group order."""
         c = self.coords(rank)
+        if axis in ("dp_replicate", "dp_shard"):
+            replica, shard = divmod(c.dp, self.dp_shard)  # dp_index = dp_replicate_index * dp_shard + dp_shard_index
+            dps = (
+                [replica * self.dp_shard + i for i in range(self.dp_shard)]
+                if axis == "dp_shard"
+                else [i * self.dp_shard + shard for i in range(self.dp_replicate)]
+            )
+            return [self.rank(pp=c.pp, dp=d, tp=c.tp) for d in dps]
         at = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
         size = {"pp": self.pp, "dp": self.dp, "tp": self.tp}[axis]
         return [self.rank(**(at | {axis: i})) for i in range(size)]
@@ -151,6 +165,16 @@ class ParallelDims:
         """The layout as a checkpoint index and the attempt log record it; dp_shard only when it shards."""
         out = {"pp": self.pp, "dp": self.dp, "tp": self.tp}
         return out | {"dp_shard": self.dp_shard} if self.dp_shard > 1 else out
+
+    @classmethod
+    def from_dict(cls, record: object) -> ParallelDims:
+        """The layout `as_dict` recorded (dp_shard absent: 1); BadInput when it is not one."""
+        if not isinstance(record, dict):
+            raise BadInput(f"not a recorded layout: {record!r}")
+        degrees = {"dp_shard": 1} | {k: record.get(k) for k in ("pp", "dp", "tp", "dp_shard") if k in record}
+        if len(degrees) != 4 or not all(type(v) is int for v in degrees.values()):
+            raise BadInput(f"not a recorded layout (integers pp, dp, tp, and dp_shard when it shards): {record!r}")
+        return cls(**degrees)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -160,17 +160,17 @@ def _unhealthy(client: SlurmClient, nodes: list[str]) -> list[str]:
 
 def rank_nodes(events: list[dict], job_id: str | None) -> tuple[ParallelDims | None, list[str] | None]:
     """(the layout, the node of each global rank) of the job's last attempt, from its begin record (nodes in
-    placement order, ranks filling each node in turn); None for what it does not record usably."""
+    placement order, ranks filling each node in turn); None for what it does not record usably. Every degree
+    the record holds is kept, dp_shard included: a timeout in a shard or replicate group is blamed on that
+    group's late ranks only when its members can be worked out."""
     begins = [e for e in events if e.get("event") == "begin" and (job_id is None or e.get("job_id") == job_id)]
     if not begins:
         return None, None
     nodes, world, layout = begins[-1].get("nodes"), begins[-1].get("world_size"), begins[-1].get("layout")
-    dims = None
-    if isinstance(layout, dict) and all(type(layout.get(k)) is int for k in ("pp", "dp", "tp")):
-        try:
-            dims = ParallelDims(pp=layout["pp"], dp=layout["dp"], tp=layout["tp"])
-        except BadInput:
-            dims = None
+    try:
+        dims = ParallelDims.from_dict(layout)
+    except BadInput:
+        dims = None
     if dims is not None and dims.world_size != world:
         dims = None
     if not isinstance(nodes, list) or type(world) is not int or not nodes or world % len(nodes):
