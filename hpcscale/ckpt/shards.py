@@ -29,8 +29,8 @@ class LocalShard:
     tensor: torch.Tensor  # the local data (a DTensor's local tensor)
     global_shape: tuple[int, ...]
     offset: tuple[int, ...]
-    # The tensor as the caller holds it (the Parameter, the DTensor): its identity and version counter say
-    # whether it changed. A DTensor's to_local() is a new object each call whose counter never moves.
+    # The tensor as the caller holds it (the Parameter, the DTensor): a DTensor's mesh and placements say which
+    # ranks hold the same piece (writers()).
     source: torch.Tensor | None = None
 
     @property

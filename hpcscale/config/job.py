@@ -45,10 +45,12 @@ class Parallel:
         default=1,
         min=1,
     )
-    reshard_after_forward: bool = setting(
+    reshard_after_forward: bool | Literal["auto"] = setting(
         "With dp_shard > 1: free each block's gathered parameters after its forward and gather them again for "
-        "backward (less memory, one more all-gather per block). false keeps them until backward.",
-        default=True,
+        "backward (less memory, one more all-gather per block). false keeps them until backward. `auto`: true "
+        "at pp = 1; false with pp > 1, where a stage runs every micro-batch's forward before their backwards and "
+        "true would gather each block once per micro-batch and again in backward.",
+        default="auto",
     )
     mixed_precision: Literal["auto", "bf16", "fp32"] = setting(
         "The dtype a model computes in. `bf16` with dp_shard > 1: parameters gathered in bf16, gradients reduced "

@@ -58,9 +58,9 @@ class TrainConfig:
         default=False,
     )
     fused_optimizer: bool = setting(
-        "On GPUs, one fused AdamW kernel over all parameters instead of one kernel chain per parameter: much "
-        "faster at scale. Off, each parameter is updated on its own, so results do not depend on how "
-        "parameters are grouped (the bitwise layout equivalence). Ignored on CPU.",
+        "One fused AdamW kernel over all parameters instead of one kernel chain per parameter: much faster "
+        "on GPUs at scale (torch's CPU kernel runs it on CPU ranks too). Off, each parameter is updated on its "
+        "own, so results do not depend on how parameters are grouped (the bitwise layout equivalence).",
         default=False,
     )
     deterministic: bool = setting(

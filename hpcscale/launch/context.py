@@ -180,7 +180,7 @@ class Context:
         so every layout starts from the weights hpcscale.parallel.init.initialize gives the model built whole."""
         from hpcscale.errors import BadInput
         from hpcscale.parallel.data_parallel import parallelize
-        from hpcscale.parallel.fsdp import ShardedSync, shard_model
+        from hpcscale.parallel.fsdp import ShardedSync, resolve_reshard, shard_model
         from hpcscale.parallel.grad_sync import GradSync
         from hpcscale.parallel.init import materialize, on_meta
 
@@ -211,14 +211,15 @@ class Context:
                 dims=self.dims,
                 device=self.device,
                 blocks=blocks,
-                reshard_after_forward=p.reshard_after_forward,
+                reshard_after_forward=resolve_reshard(p.reshard_after_forward, pp=self.dims.pp),
                 mixed_precision=mixed_precision or p.mixed_precision,
                 activation_checkpointing=p.activation_checkpointing,
+                last_stage=self.pp_rank == self.dims.pp - 1,
             )
             if meta:
                 materialize(m, init, seed=seed, device=self.device)
             if self.dims.sharded:
-                return ShardedSync(m)
+                return ShardedSync(m, replicas=self.dims.dp_replicate)
             return GradSync(m, dp_group, bucket_mb=bucket_mb, automatic=automatic)
 
         sync = parallelize(model, dp_group=dp_group, tp_mesh=self.mesh["tp"], tp_plan=tp_plan, shard=shard)
@@ -284,7 +285,7 @@ class Context:
         waited: list[float] = []
         norm = clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device, waited=waited)
         self._collective_s += sum(waited)
-        return norm
+        return float(norm)  # the host waits here: clipping is queued by now
 
     def token_batches(
         self,
@@ -332,6 +333,18 @@ class Context:
         with contextlib.ExitStack() as stack:
             for sync in self._syncs:
                 stack.enter_context(sync.no_sync())
+            yield
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """For a step's micro-batches before its last: the gradient communication that can wait for the last
+        one waits, without holding more than the rank's share of the gradients. Replicated data parallelism:
+        as no_sync (one all-reduce per step). HSDP (1 < dp_shard < dp): each micro-batch still reduce-scatters
+        within its shard group, the all-reduce across replicas runs once per step. Plain FSDP (dp_shard = dp):
+        nothing waits, each micro-batch reduce-scatters (no_sync would hold whole gradients instead)."""
+        with contextlib.ExitStack() as stack:
+            for sync in self._syncs:  # a GradSync defers as no_sync does; a ShardedSync says what it defers
+                stack.enter_context(sync.accumulate() if hasattr(sync, "accumulate") else sync.no_sync())
             yield
 
     @property

@@ -15,6 +15,12 @@ from the first rank of the dp group, so an unseeded model cannot silently diverg
 device has no weights yet; `shard` materializes it with name-seeded initialization (hpcscale.parallel.init),
 which gives every replica the same weights by construction.
 
+With tensor parallelism, every parameter the plan does not split becomes a DTensor replicated over the tp mesh
+(`replicate_unplanned`), as torchtitan's plans make norms and embeddings: torch's fused and foreach optimizer
+kernels (AdamW's defaults on GPUs) refuse a parameter group that mixes plain tensors and DTensors, and a plan
+rarely names every module. The module computes as before: its plain-tensor inputs are taken as replicated,
+its outputs handed back as plain tensors, and its gradients are the same on every tp rank.
+
 With parallel.dp_shard > 1 the data parallelism is torch's FSDP2 instead (hpcscale.parallel.fsdp.shard_model):
 the replicas are made identical first, then each block and the root are sharded over the dp mesh; FSDP
 reduce-scatters the gradients itself, so no GradSync is attached.
@@ -34,6 +40,53 @@ from hpcscale.parallel.init import on_meta
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _replicated_in(mesh: Any):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def to_dtensor(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+        return t
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        from torch.utils._pytree import tree_map
+
+        return tree_map(to_dtensor, args), tree_map(to_dtensor, kwargs)
+
+    return hook
+
+
+def _local_out(module: nn.Module, args: Any, output: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(DTensor, lambda t: t.to_local(), output)
+
+
+def replicate_unplanned(model: nn.Module, tp_mesh: Any) -> list[str]:
+    """Make every parameter of `model` that is not a DTensor yet a DTensor replicated over `tp_mesh`, in
+    place, and have each module owning one take plain-tensor inputs as replicated and give DTensor outputs back
+    as plain tensors (forward hooks; names and values unchanged). Returns the modules so changed."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    changed = []
+    made: dict[int, nn.Parameter] = {}  # one DTensor per parameter: a parameter two modules share stays shared
+    for name, module in model.named_modules(remove_duplicate=False):
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        own = [(n, p) for n, p in own if id(p) not in made or module._parameters[n] is not made[id(p)]]
+        if not own:
+            continue
+        for n, p in own:
+            if id(p) not in made:
+                local = DTensor.from_local(p.detach(), tp_mesh, [Replicate()], run_check=False)
+                made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
+            module.register_parameter(n, made[id(p)])
+        module.register_forward_pre_hook(_replicated_in(tp_mesh), with_kwargs=True)
+        module.register_forward_hook(_local_out)
+        changed.append(name)
+    return changed
 
 
 def parallelize(
@@ -58,6 +111,7 @@ def parallelize(
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, tp_plan)
+        replicate_unplanned(model, tp_mesh)
     if dp_group is not None and dist.get_world_size(dp_group) > 1 and not on_meta(model):
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):

@@ -55,8 +55,9 @@ def computes_in_bf16(setting: str, device: torch.device) -> bool:
 
 
 class _Autocast:
-    """Forward hooks that run a module's forward under torch.autocast(bf16) and give its bf16 outputs back as
-    fp32. Hooks rather than a replaced `forward`: the module's own forward, names and state are untouched, and a
+    """Forward hooks that run a module's forward under torch.autocast(bf16) and give its floating outputs back as
+    `output_dtype`: fp32 for a whole model or a pipeline's last stage (the loss is taken from it), bf16 for the
+    stages before, whose outputs are sent to the next stage (half the bytes of fp32). Hooks rather than a replaced `forward`: the module's own forward, names and state are untouched, and a
     deep copy (an EMA model) or a pickled model carries them as they are. The post-hook runs even when forward
     raises (always_call), so autocast never stays on. torch.compile runs the hooks themselves eagerly
     (compiler.disable: dynamo cannot trace a context entered in one hook and left in another) and traces the
@@ -64,9 +65,12 @@ class _Autocast:
 
     eager = False  # enter and exit wrapped by torch.compiler.disable (_eager, at first use)
 
-    def __init__(self, device_type: str):
+    output_dtype = torch.float32  # the class default: hooks pickled before there was a choice
+
+    def __init__(self, device_type: str, output_dtype: torch.dtype = torch.float32):
         _eager()
         self.device_type = device_type
+        self.output_dtype = output_dtype
         self._active: list[Any] = []
 
     def __setstate__(self, state: dict) -> None:  # a pickled or deep-copied model's hooks: eager as well
@@ -83,7 +87,9 @@ class _Autocast:
             self._active.pop().__exit__(None, None, None)
         from torch.utils._pytree import tree_map_only
 
-        return tree_map_only(torch.Tensor, lambda t: t.float() if t.dtype == torch.bfloat16 else t, output)
+        dtype = self.output_dtype
+        floating = (torch.bfloat16, torch.float32)
+        return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.dtype in floating else t, output)
 
 
 def _eager() -> None:
@@ -95,18 +101,29 @@ def _eager() -> None:
         _Autocast.eager = True
 
 
-def autocast_forward(model: nn.Module, device: torch.device) -> None:
+def autocast_forward(model: nn.Module, device: torch.device, *, last_stage: bool = True) -> None:
     """bf16 compute for a model FSDP does not shard: its forward runs under torch.autocast(bf16) on `device`'s
-    type, its bf16 outputs are cast to fp32 (as FSDP's root policy casts them), and its parameters stay fp32.
-    Forward hooks on `model` (_Autocast)."""
-    hooks = _Autocast(device.type)
+    type, its floating outputs are cast to fp32 (as FSDP's root policy casts them; bf16 on a pipeline stage
+    before the last), and its parameters stay fp32. Forward hooks on `model` (_Autocast)."""
+    hooks = _Autocast(device.type, torch.float32 if last_stage else torch.bfloat16)
     model.register_forward_pre_hook(hooks.enter)
     model.register_forward_hook(hooks.exit, always_call=True)
 
 
+def resolve_reshard(setting: bool | str, *, pp: int) -> bool:
+    """parallel.reshard_after_forward as FSDP2 takes it: `auto` is true at pp = 1 and false with pp > 1. A
+    pipeline stage runs several micro-batches' forwards before their backwards; resharding after each forward
+    would all-gather every block once per micro-batch in forward and again in backward, where keeping the
+    gathered parameters costs one gather per block per step (torchtitan turns it off under pp likewise)."""
+    if setting == "auto":
+        return pp == 1
+    return bool(setting)
+
+
 def mixed_precision_policy(setting: str, device: torch.device, *, root: bool = False):
     """bf16 parameters and compute and fp32 gradient reductions, or none; `root`: the policy of the unit at the
-    model's root, whose output (the logits: the loss is taken from them) is cast to fp32. A block's output stays
+    model's root, whose output (the logits: the loss is taken from them) is cast to fp32 (a pipeline stage
+    before the last is not given it: its bf16 output is what it sends to the next stage). A block's output stays
     bf16: the root's own layers after the blocks (a final norm, the head) hold bf16 parameters, and a norm
     refuses an fp32 input with bf16 weights (the reference GPT's final norm would fail at its first step).
     `auto` is bf16 on a GPU; the built-in trainer resolves it with its own `bf16` param first."""
@@ -179,17 +196,19 @@ def shard_model(
     reshard_after_forward: bool = True,
     mixed_precision: str = "auto",
     activation_checkpointing: bool = False,
+    last_stage: bool = True,
 ) -> nn.Module:
     """Apply activation checkpointing (when asked) and, when dims.dp_shard > 1, FSDP2 per block and at the
     root over the job's data-parallel mesh (otherwise bf16 `mixed_precision` is an autocast forward). In place;
     returns `model`. The model must already be on `device` with any tensor-parallel plan applied, and (for
-    pp > 1) be this rank's pipeline stage."""
+    pp > 1) be this rank's pipeline stage; `last_stage` false for a stage before the last, whose output
+    stays bf16 under bf16 mixed precision."""
     blocks = resolve_blocks(model, blocks)
     if activation_checkpointing:
         checkpoint_activations(blocks)
     if not dims.sharded:
         if computes_in_bf16(mixed_precision, device):
-            autocast_forward(model, device)
+            autocast_forward(model, device, last_stage=last_stage)
         return model
     from torch.distributed.fsdp import fully_shard
 
@@ -203,7 +222,7 @@ def shard_model(
             reshard_after_forward=reshard_after_forward and i < len(blocks) - 1,
             mp_policy=policy,
         )
-    root_policy = mixed_precision_policy(mixed_precision, device, root=True)
+    root_policy = mixed_precision_policy(mixed_precision, device, root=last_stage)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=root_policy)
     return model
 
@@ -230,8 +249,9 @@ class ShardedSync:
     comm_wait_s = 0.0
     comm_wait_total_s = 0.0
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, replicas: int = 1):
         self.model = model
+        self.replicas = replicas  # dp_replicate: HSDP's replica groups, all-reduced across after each reduce-scatter
 
     def begin(self, accumulation_steps: int) -> None:
         pass
@@ -251,3 +271,22 @@ class ShardedSync:
                 self.model.set_requires_gradient_sync(True)
 
         return off()
+
+    def accumulate(self):
+        """A step's micro-batches before its last (Context.accumulate): under HSDP each backward still
+        reduce-scatters within its shard group, so gradients stay sharded, but the all-reduce across replicas
+        waits for the last micro-batch (FSDP2's set_requires_all_reduce), once per step instead of once per
+        micro-batch. Without replicas there is nothing to defer: FSDP reduce-scatters every micro-batch."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def deferred():
+            if self.replicas > 1:
+                self.model.set_requires_all_reduce(False)
+            try:
+                yield
+            finally:
+                if self.replicas > 1:
+                    self.model.set_requires_all_reduce(True)
+
+        return deferred()

@@ -13,10 +13,11 @@ The trainer is an entry point like any user's: its model is placed by `ctx.paral
    every layout starts from the weights of the model built whole on one process;
 4. the optimizer last, over the final (sharded) parameters; with pp > 1, the schedule (ctx.pipeline).
 
-Gradient accumulation at pp = 1: replicated data parallelism all-reduces once per step (the micro-batches before
-the last accumulate under ctx.no_sync); FSDP2 reduce-scatters each micro-batch's gradients as backward produces
-them, which keeps them sharded (under no_sync they would be held whole until the last micro-batch). At pp > 1
-the pipeline schedule accumulates and reduces once per step in both cases.
+Gradient accumulation at pp = 1 (the micro-batches before the last run under ctx.accumulate): replicated data
+parallelism all-reduces once per step; FSDP2 reduce-scatters each micro-batch's gradients as backward produces
+them, which keeps them sharded (under no_sync they would be held whole until the last micro-batch), and HSDP
+all-reduces across its replicas once per step. At pp > 1 the pipeline schedule accumulates and reduces once per
+step in every case.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def build_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "emb" not in n)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.beta1, cfg.beta2)
-    if cfg.fused_optimizer and device.type == "cuda":
+    if cfg.fused_optimizer:  # torch has the fused kernel on CPU too, so a CPU run tests what a GPU runs
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, fused=True)
     # foreach=False: the per-parameter kernels are bitwise independent of how parameters are grouped, which
     # the layout-equivalence guarantee relies on.
@@ -188,8 +189,7 @@ def train(ctx: Context) -> None:
                 micro = list(zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True))
                 for i, (x, y) in enumerate(micro):
                     if training:
-                        accumulate = not dims.sharded and i < n_micro - 1  # the module docstring says why
-                        with ctx.no_sync() if accumulate else contextlib.nullcontext():
+                        with ctx.accumulate() if i < n_micro - 1 else contextlib.nullcontext():
                             loss = lm_loss(model(x), y) / n_micro
                             loss.backward()
                     else:
