@@ -57,11 +57,11 @@ def computes_in_bf16(setting: str, device: torch.device) -> bool:
 class _Autocast:
     """Forward hooks that run a module's forward under torch.autocast(bf16) and give its floating outputs back as
     `output_dtype`: fp32 for a whole model or a pipeline's last stage (the loss is taken from it), bf16 for the
-    stages before, whose outputs are sent to the next stage (half the bytes of fp32). Hooks rather than a replaced `forward`: the module's own forward, names and state are untouched, and a
-    deep copy (an EMA model) or a pickled model carries them as they are. The post-hook runs even when forward
-    raises (always_call), so autocast never stays on. torch.compile runs the hooks themselves eagerly
-    (compiler.disable: dynamo cannot trace a context entered in one hook and left in another) and traces the
-    forward between them under the autocast they set."""
+    stages before, whose outputs are sent to the next stage (half the bytes of fp32). Hooks rather than a replaced
+    `forward`: the module's own forward, names and state are untouched, and a deep copy (an EMA model) or a pickled
+    model carries them as they are. The post-hook runs even when forward raises (always_call), so autocast never
+    stays on. torch.compile runs the hooks themselves eagerly (compiler.disable: dynamo cannot trace a context
+    entered in one hook and left in another) and traces the forward between them under the autocast they set."""
 
     eager = False  # enter and exit wrapped by torch.compiler.disable (_eager, at first use)
 
