@@ -21,7 +21,19 @@ def fault(point: str, rank: int) -> None:
 def slow(step: int) -> None:
     """HPCSCALE_CKPT_SLOW=<seconds>@<step>: every save from `step` on takes `seconds` longer (a filesystem
     that got slower), for the tests of `checkpoint.every_steps: auto`."""
-    spec = os.environ.get("HPCSCALE_CKPT_SLOW", "")
+    _sleep(os.environ.get("HPCSCALE_CKPT_SLOW", ""), step)
+
+
+def slow_write(step: int, *, node_local: bool) -> None:
+    """HPCSCALE_CKPT_SLOW_WRITE=<seconds>@<step>[:shared|:node-local]: the write of every save (or drain) from
+    `step` on, of both tiers or the one named, starts `seconds` late, on the writer thread of an asynchronous
+    save: a save that stays in flight that long, for the tests of what waits for one."""
+    spec, _, tier = os.environ.get("HPCSCALE_CKPT_SLOW_WRITE", "").partition(":")
+    if not tier or tier == ("node-local" if node_local else "shared"):
+        _sleep(spec, step)
+
+
+def _sleep(spec: str, step: int) -> None:
     if not spec:
         return
     seconds, _, start = spec.partition("@")

@@ -44,7 +44,7 @@ from hpcscale.ckpt.retention import apply_retention
 from hpcscale.ckpt.rng import rng_problem, rng_state
 from hpcscale.ckpt.shards import local_shards, writers
 from hpcscale.ckpt.shards import mine as pieces_to_write
-from hpcscale.ckpt.writer import ShardWriter, commit, install, prepare_index
+from hpcscale.ckpt.writer import ShardWriter, StagingPool, commit, install, prepare_index
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.layout import ParallelDims
 from hpcscale.portable.files import atomic_write
@@ -86,6 +86,7 @@ class CheckpointManager:
         timeout_s: float | None = None,
         owner: str | None = None,
         node_local: NodeLocal | None = None,
+        staging: StagingPool | None = None,
     ):
         """read_only: only `load_latest` (another run's checkpoints: xsite.start_from). Nothing under `root` is
         created, cleaned or set aside, and `save` refuses.
@@ -100,7 +101,11 @@ class CheckpointManager:
         node_local: `root` is a directory on each node's own storage (the node-local tier, hpcscale.ckpt.nodelocal):
         every node writes its ranks' data and its own copy of the index, partner nodes keep copies of the data,
         each save stands alone (no chunk of an earlier step is referenced), and load_node_local gathers a step
-        from what the surviving nodes hold. The node's lowest rank does there what rank 0 does in a shared root."""
+        from what the surviving nodes hold. The node's lowest rank does there what rank 0 does in a shared root.
+
+        staging: the host buffers asynchronous saves copy the tensors into (writer.StagingPool), shared with
+        another manager of this rank (the other tier's: one staging copy per rank); without it, its own. Saves of
+        the managers that share it take turns in its buffers (a save waits while another's still reads them)."""
         self.root, self.dims, self.rank = root, dims, rank
         self.node_local = node_local
         # node-local tier: where rank 0 records which nodes hold the newest step (read by `hpcscale resume`)
@@ -150,7 +155,8 @@ class CheckpointManager:
                 except Exception as e:  # rank 0 raising alone would leave the others at the barrier
                     self.log(f"hpcscale: could not remove unfinished saves in {root}: {type(e).__name__}: {e}")
         dist.barrier(group=self.group)
-        self.writer = ShardWriter(root, rank=rank, group=self.group, direct_io=direct_io)
+        self.writer = ShardWriter(root, rank=rank, group=self.group, direct_io=direct_io, staging=staging)
+        self.staging = self.writer.pool
         self.last_step: int | None = None
         self._writers_key: tuple | None = None  # what _writer_table was last computed for
         self._writers_table: dict = {}
@@ -242,23 +248,35 @@ class CheckpointManager:
             from hpcscale.ckpt.lineage import TAG, for_save
 
             state[TAG] = for_save(self.lineage, state, parent)
-        if asynchronous and defer_staging:
-            staged = threading.Event()
-            self._bg.submit(self._stage_and_write, mine, step, rng, state, parent, staged, ready)
-            self._staged, self._pending = staged, True  # only once handed over: a refused save leaves none
-            self.last_stats = SaveStats(step, time.perf_counter() - t0, 0, 0)
-            return self.last_stats
-        pending = self.writer.snapshot(mine, copy=asynchronous, ready=ready)
-        args = (step, pending, rng, state, parent)
-        if asynchronous:
-            self._bg.submit(self._background, *args)
-            self._pending = True
-            blocking = time.perf_counter() - t0
-            self.last_stats = SaveStats(step, blocking, 0, 0)
-        else:
-            result = self._write(*args)
+        if not asynchronous:
+            result = self._write(step, self.writer.snapshot(mine, copy=False), rng, state, parent)
             self.last_stats = SaveStats(step, time.perf_counter() - t0, result.new_bytes, result.referenced_bytes)
+            return self.last_stats
+        # the staging buffers, once no other manager's save (the other tier's) still reads them; given back when
+        # this save's write has ended (_holding_staging), or below if it is never handed over
+        self.staging.take(self, alive=self._bg.alive)
+        try:
+            if defer_staging:
+                staged = threading.Event()
+                job = (self._stage_and_write, mine, step, rng, state, parent, staged, ready)
+                self._bg.submit(self._holding_staging, *job)
+                self._staged = staged  # only once handed over: a refused save leaves none
+            else:
+                pending = self.writer.snapshot(mine, copy=True, ready=ready)
+                self._bg.submit(self._holding_staging, self._background, step, pending, rng, state, parent)
+        except BaseException:
+            self.staging.give_back(self)
+            raise
+        self._pending = True
+        self.last_stats = SaveStats(step, time.perf_counter() - t0, 0, 0)
         return self.last_stats
+
+    def _holding_staging(self, fn: Callable, *args) -> None:
+        """On the writer thread: fn(*args), a save that reads the staging buffers; they are given back after it."""
+        try:
+            fn(*args)
+        finally:
+            self.staging.give_back(self)
 
     def _begin(self, step: int) -> SaveStats | None:
         """Before a save or drain of `step`: wait for the one in flight; the stats of `step` when it is saved
@@ -295,10 +313,9 @@ class CheckpointManager:
         t0 = time.perf_counter()
         pending, rng, state, created, problem = [], {}, {}, None, None
         try:
-            pin = self.device.type == "cuda"  # as a GPU rank's save stages
-            pending, rng, state, created = drain_source(
-                source, step, self.rank, staging=lambda s: self.writer.staging(s, pin=pin)
-            )
+            # the writer's drain buffers, never page-locked (nor the staging pool's: a node-local save may be in
+            # flight meanwhile, staging there)
+            pending, rng, state, created = drain_source(source, step, self.rank, staging=self.writer.staging)
         except Exception as e:
             problem = f"rank {self.rank}: node-local {step_dir_name(step)}: {type(e).__name__}: {e}"
         faults.fault("drain_read", self.rank)
@@ -356,15 +373,24 @@ class CheckpointManager:
 
     def _write(self, step, pending, rng, trainer_state, parent, *, problem: str | None = None, created=None):
         rows, result, error = [], None, problem
+        faults.slow_write(step, node_local=self.node_local is not None)  # tests only: a save in flight longer
         try:
             if problem is None:
                 rows, result = self.writer.write(step, pending)
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         parts = [None] * dist.get_world_size() if self.rank == 0 else None
+        pool = self.staging
+        staged = (pool.nbytes, pool.pinned_bytes, pool.pin_problem)
         dist.gather_object(
-            {"rank": self.rank, "rows": rows, "rng": rng, "error": error}, parts, dst=0, group=self.group
+            {"rank": self.rank, "rows": rows, "rng": rng, "error": error, "staged": staged},
+            parts,
+            dst=0,
+            group=self.group,
         )
+        if self.rank == 0 and not pool.reported and any(p["staged"][0] for p in parts):
+            pool.reported = True  # once per rank 0's pool: both tiers' managers share it
+            self.log(_staging_line([p["staged"] for p in parts]))
         if self.node_local is not None:
             return self._commit_node_local(step, parts, parent, trainer_state, result)
         outcome: list = [None]
@@ -779,6 +805,11 @@ class _Background:
         with self._cv:
             return self._busy
 
+    def alive(self) -> bool:
+        """False once the thread has died: a job handed to it will never run (or never finish)."""
+        thread = self._thread
+        return thread is None or thread.is_alive()
+
     def take_error(self) -> BaseException | None:
         with self._cv:
             error, self._error = self._error, None
@@ -839,6 +870,27 @@ class _Background:
                 with self._cv:
                     self._busy = False
                     self._cv.notify_all()
+
+
+def _staging_line(staged: list[tuple[int, int, str | None]]) -> str:
+    """What rank 0 says at the first save that staged: each rank's (host bytes, page-locked bytes, why a GPU
+    arena is not page-locked) of its staging buffers (writer.StagingPool)."""
+    mib = 1 << 20
+    pinned = [p for _, p, _ in staged]
+    held = [n for n, _, _ in staged]
+    if len(staged) <= 8:
+        each = ", ".join(f"rank {r} {p / mib:.1f} MiB" for r, p in enumerate(pinned))
+    else:
+        top = max(range(len(pinned)), key=pinned.__getitem__)
+        each = f"at most {pinned[top] / mib:.1f} MiB (rank {top}), {sum(pinned) / mib:.1f} MiB over {len(staged)} ranks"
+    line = (
+        f"hpcscale: checkpoint staging: pinned host memory per rank: {each}; staging buffers "
+        f"{min(held) / mib:.1f} to {max(held) / mib:.1f} MiB per rank"
+    )
+    problems = [(r, why) for r, (_, _, why) in enumerate(staged) if why]
+    if problems:
+        line += f"; rank {problems[0][0]}'s are not pinned (device-to-host copies synchronous): {problems[0][1]}"
+    return line
 
 
 def _state_problem(state: dict, check: Callable[[dict], str | None] | None) -> str | None:

@@ -200,9 +200,9 @@ def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[lis
     drain to the shared tier: its shards as PendingShards over host tensors (every chunk verified against its
     hash), its RNG states, the step's trainer state and when it was saved: everything the root digest covers,
     so the drained step's digest is the node-local one's. A step stands alone, so every chunk of a shard this rank
-    wrote is in this rank's own data file. `staging(shard)` (the shared writer's ShardWriter.staging, given a
-    shard over a meta tensor) gives the buffer to read into, so a drain holds no more host memory than an
-    asynchronous save's staging; without it, new page-aligned buffers."""
+    wrote is in this rank's own data file. `staging(shards)` (the shared writer's ShardWriter.staging, given
+    shards over meta tensors) gives the buffers to read into, kept from drain to drain in one arena and never
+    page-locked; without it, new page-aligned buffers."""
     from hpcscale.ckpt.reader import ChunkReader, torch_dtype
     from hpcscale.ckpt.shards import LocalShard
     from hpcscale.ckpt.writer import PendingShard, aligned_empty
@@ -213,27 +213,28 @@ def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[lis
     if index.step != step or rank not in index.rng:
         raise VerificationFailure(f"{root / name}: the index is of step {index.step}, without rank {rank}")
     own = f"{name}/data/rank-{rank:05d}.bin"
+    wanted = []  # (this rank's shard over a meta tensor, its chunks)
+    for tensor, rec in index.tensors.items():
+        for shard in rec.shards:
+            if not shard.chunks or shard.chunks[0].file != own:
+                continue
+            if any(c.file != own for c in shard.chunks):
+                raise VerificationFailure(f"{root / name}: tensor {tensor} has chunks outside {own}")
+            meta = torch.empty(torch.Size(shard.shape), dtype=torch_dtype(rec.dtype), device="meta")
+            wanted.append((LocalShard(tensor, meta, tuple(rec.global_shape), tuple(shard.offset)), shard.chunks))
+    metas = [m for m, _ in wanted]
+    buffers = staging(metas) if staging else [aligned_empty(m.tensor.shape, m.tensor.dtype) for m in metas]
     reader = ChunkReader(root)
     out = []
     try:
-        for tensor in index.tensors:
-            rec = index.tensors[tensor]
-            for shard in rec.shards:
-                if not shard.chunks or shard.chunks[0].file != own:
-                    continue
-                if any(c.file != own for c in shard.chunks):
-                    raise VerificationFailure(f"{root / name}: tensor {tensor} has chunks outside {own}")
-                dtype, shape = torch_dtype(rec.dtype), torch.Size(shard.shape)
-                meta = torch.empty(shape, dtype=dtype, device="meta")
-                place = (tuple(rec.global_shape), tuple(shard.offset))
-                t = staging(LocalShard(tensor, meta, *place)) if staging else aligned_empty(shape, dtype)
-                view, pos = memoryview(t.view(-1).view(torch.uint8).numpy()), 0
-                for c in shard.chunks:
-                    reader.read(tensor, c, view[pos : pos + c.length])
-                    pos += c.length
-                if pos != len(view):
-                    raise VerificationFailure(f"{root / name}: tensor {tensor}: its chunks are not its shard's size")
-                out.append(PendingShard(LocalShard(tensor, t, *place), t))
+        for (meta, chunks), t in zip(wanted, buffers, strict=True):
+            view, pos = memoryview(t.view(-1).view(torch.uint8).numpy()), 0
+            for c in chunks:
+                reader.read(meta.name, c, view[pos : pos + c.length])
+                pos += c.length
+            if pos != len(view):
+                raise VerificationFailure(f"{root / name}: tensor {meta.name}: its chunks are not its shard's size")
+            out.append(PendingShard(LocalShard(meta.name, t, meta.global_shape, meta.offset), t))
     finally:
         reader.close()
     return out, index.rng[rank], dict(index.trainer_state), index.created

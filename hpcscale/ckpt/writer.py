@@ -24,7 +24,10 @@ import mmap
 import os
 import queue
 import shutil
+import threading
 import time
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,16 +86,179 @@ def aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return arena(shape.numel() * dtype.itemsize).view(dtype).view(shape)
 
 
-def _carve(shards: list[LocalShard]) -> list[torch.Tensor]:
-    """Buffers shaped like the shards' tensors, all in one arena, each starting on an ALIGN boundary."""
-    sizes = [aligned_size(s.tensor.numel() * s.tensor.dtype.itemsize) for s in shards]
-    whole = arena(sum(sizes))
+def _carve(shards: list[LocalShard], whole: torch.Tensor) -> list[torch.Tensor]:
+    """Buffers shaped like the shards' tensors, cut from `whole` (staging_bytes(shards) of it), each starting on
+    an ALIGN boundary."""
     out, pos = [], 0
-    for s, size in zip(shards, sizes, strict=True):
+    for s in shards:
         n = s.tensor.numel() * s.tensor.dtype.itemsize
         out.append(whole[pos : pos + n].view(s.tensor.dtype).view(s.tensor.shape))
-        pos += size
+        pos += aligned_size(n)
     return out
+
+
+def staging_bytes(shards: list[LocalShard]) -> int:
+    """The bytes of one arena that holds a buffer for each shard, each rounded up to ALIGN."""
+    return sum(aligned_size(s.tensor.numel() * s.tensor.dtype.itemsize) for s in shards)
+
+
+def _key(s: LocalShard) -> str:
+    return f"{s.name}@{s.offset}"
+
+
+def _cudart_clear_error() -> None:
+    """Reset the CUDA runtime's last error on this thread after a failed cudaHostRegister/Unregister: torch checks
+    cudaGetLastError after its kernel launches, and would report ours at an unrelated one. Only a libcudart
+    already loaded (by torch) is asked; none found, nothing is done."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
+
+
+def _pin(memory: torch.Tensor) -> str | None:
+    """Page-lock `memory` (a CPU tensor's bytes) where it lies, for the GPU's copy engines: cudaHostRegister of
+    exactly its bytes (torch.cuda.cudart(), as torch.distributed.checkpoint's own staging does). None when done,
+    else why not."""
+    cudart = torch.cuda.cudart()
+    # cudaHostRegisterPortable (1): pinned for every device's context, not only the current one's
+    code = int(cudart.cudaHostRegister(memory.data_ptr(), memory.numel() * memory.element_size(), 1))
+    if code == 0:
+        return None
+    _cudart_clear_error()
+    return f"cudaHostRegister: {cudart.cudaGetErrorString(cudart.cudaError(code))} ({code})"
+
+
+def _unpin(ptr: int) -> None:
+    """cudaHostUnregister(ptr), for _Arena's finalizer: the memory is still mapped (the arena's tensor lives on
+    until its finalizer has run)."""
+    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+        _cudart_clear_error()  # nothing to do about it: the pages stay locked until the mapping goes
+
+
+class _Arena:
+    """One arena of staging buffers, page-locked with `pin` (a GPU rank's): unregistered by release(), or when
+    the arena is collected, whichever comes first."""
+
+    def __init__(self, nbytes: int, *, pin: bool):
+        self.memory = arena(nbytes)
+        self.nbytes = nbytes
+        self.for_gpu = pin  # made for GPU tensors' copies (pinned unless the driver refused)
+        self.pinned = 0
+        self.pin_problem: str | None = None
+        self._unpin = None
+        if pin and nbytes:
+            self.pin_problem = _pin(self.memory)
+            if self.pin_problem is None:
+                self.pinned = nbytes
+                # holds the pointer, not the arena: a finalizer that referred to it would keep it alive
+                self._unpin = weakref.finalize(self, _unpin, self.memory.data_ptr())
+
+    def release(self) -> None:
+        if self._unpin is not None:
+            self._unpin()  # a finalizer runs once: later calls, and the collection, do nothing
+        self.pinned = 0
+
+
+class StagingPool:
+    """One rank's host buffers that asynchronous saves copy their shards into, kept from save to save; the
+    CheckpointManagers given the same pool (the shared and the node-local tier's: launch.checkpointing) stage in
+    the same buffers, so a rank holds one staging copy of its state however many tiers save it.
+
+    Shards that lack a buffer (or whose shape changed) get one new arena of exactly their sizes together, each
+    buffer ALIGN-aligned inside it (O_DIRECT writes straight from them). On a GPU rank the arena for GPU shards is
+    page-locked where it lies, with cudaHostRegister, so the device-to-host copies run asynchronously on the
+    writer's copy stream; it is unregistered as soon as no buffer of the pool lies in it any more, and with the
+    pool. torch's own pinned allocations (`pin_memory=True`) go through its caching host allocator, which rounds
+    each one up to a power of two (up to twice the bytes, all page-locked) and never gives them back to the
+    system. Buffers for CPU tensors are never pinned: on a CPU rank nothing is. A registration the driver refuses
+    leaves the arena pageable (the copies are then synchronous, nothing else changes) and says why in
+    `pin_problem`. (Only a GPU shows the registration itself: tests/test_host_memory.py checks the bookkeeping
+    around it with the CUDA calls stood in for, and scripts/experiments/gpu_path.py runs it on a GPU.)
+
+    The tiers' saves can be in flight at the same time: each manager has its own writer thread, and the trainer
+    waits only for the tier it is about to save to (a node-local save right after a user's asynchronous
+    ctx.checkpoint.save, say). So the buffers are leased: a save takes them before it copies into them and gives
+    them back when its write has ended, and a save of another manager waits in take() meanwhile. A drain reads
+    node-local files, not live tensors, and runs beside node-local saves by design: it stages in the writer's
+    own buffers (ShardWriter.staging), never in these."""
+
+    POLL_S = 1.0  # how soon take() notices that the holder's writer thread died (its save will never give back)
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._arena_of: dict[str, _Arena] = {}
+        self._arenas: list[_Arena] = []
+        self._cv = threading.Condition()
+        self._holder: object | None = None
+        self._holder_alive: Callable[[], bool] = lambda: True
+        self.pin_problem: str | None = None  # why the last arena that should have been pinned is not
+        self.reported = False  # rank 0's manager said what the pool holds (once per pool)
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the buffers take."""
+        return sum(a.nbytes for a in self._arenas)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked memory the buffers take: 0 on a CPU rank."""
+        return sum(a.pinned for a in self._arenas)
+
+    def take(self, holder: object, *, alive: Callable[[], bool]) -> None:
+        """Lease the buffers to `holder`'s save, waiting while another holder's save still reads them (or until its
+        writer thread, asked through its `alive`, has died: that save will never read them again)."""
+        with self._cv:
+            while self._holder is not None and self._holder is not holder and self._holder_alive():
+                self._cv.wait(self.POLL_S)
+            self._holder, self._holder_alive = holder, alive
+
+    def give_back(self, holder: object) -> None:
+        """`holder`'s save no longer reads the buffers."""
+        with self._cv:
+            if self._holder is holder:
+                self._holder = None
+                self._cv.notify_all()
+
+    def buffers(self, shards: list[LocalShard]) -> list[torch.Tensor]:
+        """A buffer for each shard, shaped like its tensor: the one it had, or one of a new arena made for all the
+        shards that lack one (page-locked for GPU tensors). Call it holding the lease."""
+        missing = [s for s in shards if not self._fits(s)]
+        for on_gpu in (False, True):
+            group = list({_key(s): s for s in missing if s.tensor.is_cuda == on_gpu}.values())
+            if not group:
+                continue
+            made = _Arena(staging_bytes(group), pin=on_gpu)
+            if on_gpu:
+                self.pin_problem = made.pin_problem
+            self._arenas.append(made)
+            for s, buf in zip(group, _carve(group, made.memory), strict=True):
+                self._buffers[_key(s)], self._arena_of[_key(s)] = buf, made
+        if missing:  # an arena none of whose buffers is left is given back (and unregistered) now
+            used = {id(a) for a in self._arena_of.values()}
+            for a in [a for a in self._arenas if id(a) not in used]:
+                a.release()
+                self._arenas.remove(a)
+        return [self._buffers[_key(s)] for s in shards]
+
+    def _fits(self, s: LocalShard) -> bool:
+        buf = self._buffers.get(_key(s))
+        return (
+            buf is not None
+            and buf.shape == s.tensor.shape
+            and buf.dtype == s.tensor.dtype
+            and self._arena_of[_key(s)].for_gpu == s.tensor.is_cuda
+        )
+
+    def close(self) -> None:
+        """Unregister and drop every buffer (the pool can be used again: it makes new ones)."""
+        for a in self._arenas:
+            a.release()
+        self._arenas, self._buffers, self._arena_of = [], {}, {}
 
 
 _libc = None
@@ -234,10 +400,6 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def _key(s: LocalShard) -> str:
-    return f"{s.name}@{s.offset}"
-
-
 @dataclass(slots=True)
 class PendingShard:
     shard: LocalShard
@@ -327,7 +489,15 @@ class ShardWriter:
     whose id() CPython reuses, so such a shortcut kept the first save's optimizer state in every later save.
     Unchanged tensors still cost no bytes written: their chunks hash to what is stored."""
 
-    def __init__(self, root: Path, *, rank: int, group: dist.ProcessGroup | None, direct_io: bool = True):
+    def __init__(
+        self,
+        root: Path,
+        *,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        direct_io: bool = True,
+        staging: StagingPool | None = None,
+    ):
         self.root = root
         self.rank = rank
         self.group = group
@@ -335,7 +505,9 @@ class ShardWriter:
         self._bounce: torch.Tensor | None = None  # DataFile's aligned bounce buffer, kept across saves
         self._stream: torch.cuda.Stream | None = None  # GPU tensors are copied to host on it (snapshot)
         self.known = KnownChunks()
-        self._buffers: dict[str, torch.Tensor] = {}
+        # what snapshot copies into: this writer's own, or a pool shared with another tier's writer
+        self.pool = staging if staging is not None else StagingPool()
+        self._drain_buffers: dict[str, torch.Tensor] = {}  # what a drain reads node-local files into (staging)
         # The chunks the save in flight wrote or referenced; known (for dedup) only once it commits.
         self._candidate: dict[str, list[ChunkRef]] = {}
 
@@ -343,36 +515,27 @@ class ShardWriter:
         self, shards: list[LocalShard], *, copy: bool, ready: torch.cuda.Event | None = None
     ) -> list[PendingShard]:
         """Take what will be written: every shard, whatever updated it (see the class docstring). With `copy`,
-        into reused CPU buffers, so training can go on.
+        into the pool's buffers (StagingPool: the caller holds its lease), so training can go on.
 
-        GPU tensors are copied into pinned buffers on this writer's own copy stream, which first waits for
+        GPU tensors are copied into page-locked buffers on this writer's own copy stream, which first waits for
         `ready`: an event the training thread recorded on its stream when it asked for the save, so the copy
         sees every update queued before that (the optimizer step), whichever thread runs this. The method
         returns once those copies have landed (an event on the copy stream, not torch.cuda.synchronize(),
         which would wait on the calling thread's current device: GPU 0 on a helper thread)."""
+        if not copy:
+            return [PendingShard(s, s.tensor.detach().cpu()) for s in shards]  # the caller's stream, blocking
         out = []
         stream = None
-        if copy:  # CPU buffers first missing (or of another shape) get one new arena together
-            missing = [s for s in shards if not self._has_buffer(s) and not s.tensor.is_cuda]
-            if missing:
-                self._buffers.update({_key(s): b for s, b in zip(missing, _carve(missing), strict=True)})
-        for s in shards:
-            key = _key(s)
-            if copy:
-                if not self._has_buffer(s):  # a GPU tensor's: pinned, so the copy runs asynchronously
-                    self._buffers[key] = torch.empty(s.tensor.shape, dtype=s.tensor.dtype, pin_memory=True)
-                buf = self._buffers[key]
-                if s.tensor.is_cuda:
-                    if stream is None:
-                        stream = self._copy_stream(s.tensor.device, ready)
-                    with torch.cuda.stream(stream):
-                        buf.copy_(s.tensor.detach(), non_blocking=True)
-                    s.tensor.record_stream(stream)  # its memory is not reused before the copy has read it
-                else:
-                    buf.copy_(s.tensor.detach())
-                out.append(PendingShard(s, buf))
+        for s, buf in zip(shards, self.pool.buffers(shards), strict=True):
+            if s.tensor.is_cuda:
+                if stream is None:
+                    stream = self._copy_stream(s.tensor.device, ready)
+                with torch.cuda.stream(stream):
+                    buf.copy_(s.tensor.detach(), non_blocking=True)
+                s.tensor.record_stream(stream)  # its memory is not reused before the copy has read it
             else:
-                out.append(PendingShard(s, s.tensor.detach().cpu()))  # the caller's stream, blocking
+                buf.copy_(s.tensor.detach())
+            out.append(PendingShard(s, buf))
         if stream is not None:
             landed = torch.cuda.Event(blocking=True)  # the writer thread sleeps, not spins, on a bound core
             landed.record(stream)
@@ -390,18 +553,19 @@ class ShardWriter:
             self._stream.wait_stream(torch.cuda.current_stream(device))
         return self._stream
 
-    def staging(self, s: LocalShard, *, pin: bool) -> torch.Tensor:
-        """The host buffer a save stages `s` in (its shape and dtype; `s.tensor` may be a meta tensor), made
-        when missing (pinned with `pin`, else page-aligned) and kept for the next save or drain."""
-        if not self._has_buffer(s):
-            shape, dtype = s.tensor.shape, s.tensor.dtype
-            self._buffers[_key(s)] = (
-                torch.empty(shape, dtype=dtype, pin_memory=True) if pin else aligned_empty(shape, dtype)
+    def staging(self, shards: list[LocalShard]) -> list[torch.Tensor]:
+        """The host buffers a drain reads `shards` into (their shapes and dtypes; their tensors may be meta
+        tensors): the ones the last drain used, and one new arena for those that lack one. Never page-locked: a
+        drain's bytes go from a file to a file and never touch a GPU. Kept for the next drain."""
+        missing = list({_key(s): s for s in shards if not self._has_drain_buffer(s)}.values())
+        if missing:
+            self._drain_buffers.update(
+                {_key(s): b for s, b in zip(missing, _carve(missing, arena(staging_bytes(missing))), strict=True)}
             )
-        return self._buffers[_key(s)]
+        return [self._drain_buffers[_key(s)] for s in shards]
 
-    def _has_buffer(self, s: LocalShard) -> bool:
-        buf = self._buffers.get(_key(s))
+    def _has_drain_buffer(self, s: LocalShard) -> bool:
+        buf = self._drain_buffers.get(_key(s))
         return buf is not None and buf.shape == s.tensor.shape and buf.dtype == s.tensor.dtype
 
     def _data_file(self, tmp: Path, reserve: int) -> DataFile:

@@ -283,6 +283,9 @@ class Checkpointer:
         if stop:
             self.save(step + 1, asynchronous=False)
             self.manager.wait()
+            if self._local_manager is not None:  # a node-local save in flight commits before the groups are torn down
+                with self._watchdog.paused("checkpoint"):
+                    self._local_wait()
             self._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
             raise StopRequested(step)
         t_saves = time.perf_counter()
@@ -543,6 +546,7 @@ class Checkpointer:
                 timeout_s=ctx.job.timeout_seconds,
                 node_local=layout,
                 lineage=self._lineage(),  # a drain keeps the node-local step's trainer state, lineage included
+                staging=self.manager.staging,  # one set of staging buffers per rank for both tiers (writer.StagingPool)
             )
             from hpcscale.ckpt.nodelocal import RECORD
 
