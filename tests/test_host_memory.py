@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import ast
 import itertools
+import json
+import os
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO
+import yaml
+from conftest import REPO, run_cli
 
 from hpcscale.ckpt import nodelocal, writer
 from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.ckpt.shards import LocalShard
+from hpcscale.config.load import load_job
+from hpcscale.launch.local import rank_env
 from hpcscale.layout import ParallelDims
+from hpcscale.slurm.render import render_script
+from hpcscale.slurm.resolve import resolve
 
 DIMS = ParallelDims(pp=1, dp=1, tp=1)
 
@@ -184,3 +192,80 @@ def test_a_drain_reads_into_one_unpinned_arena_even_on_a_gpu_rank(group, tmp_pat
     assert all(torch.equal(_loaded(loaded, state, node_local=False)[k], state[k]) for k in state)
     for m in (local, shared, loaded):
         m.close()
+
+
+# ---- glibc's malloc on CPU ranks ------------------------------------------------------------------------------
+THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
+
+
+def _fsdp_job(path: Path, *, site: str = "local", **extra) -> Path:
+    spec = {
+        "name": "host-memory",
+        "site": site,
+        "tasks_per_node": 2,
+        "parallel": {"dp_shard": 2},
+        "timeout_seconds": 120,
+        "hang_timeout_seconds": 100,
+        "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers")},
+        "train": {"entry": "environ_entry:main", "params": {"steps": 2}},
+        "checkpoint": {"every_steps": 0},
+    }
+    for key, value in extra.items():  # a dict is merged into the section it names; None removes the key
+        spec[key] = {**spec[key], **value} if isinstance(spec.get(key), dict) and value is not None else value
+    spec = {k: v for k, v in spec.items() if v is not None}
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _reports(run: Path) -> list[dict]:
+    return [json.loads((run / f"environ.{r}").read_text()) for r in range(2)]
+
+
+def test_cpu_ranks_of_run_local_return_freed_blocks_by_default_and_keep_a_users_own_threshold(mpi, tmp_path):
+    """Two ranks at dp_shard 2 through `hpcscale run --local`: by default each rank's environment carries the
+    fixed mmap threshold and glibc maps a 1 MiB block even right after freeing a bigger one (so FSDP's gathered
+    blocks go back to the system); a job that sets its own value keeps it, and glibc follows it."""
+    run = tmp_path / "default"
+    r = run_cli("run", str(_fsdp_job(tmp_path / "a.yaml")), "--local", "--run-dir", str(run), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for got in _reports(run):
+        assert got == {THRESHOLD: "131072", "heap_serves_1mib": False, "dp_shard": 2}, got
+    own = _fsdp_job(tmp_path / "b.yaml", environment={THRESHOLD: "2097152"})
+    run = tmp_path / "own"
+    r = run_cli("run", str(own), "--local", "--run-dir", str(run), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for got in _reports(run):
+        assert got == {THRESHOLD: "2097152", "heap_serves_1mib": True, "dp_shard": 2}, got
+
+
+def test_the_default_threshold_gives_way_to_the_users_environment_and_spares_gpu_and_command_jobs(tmp_path):
+    cpu = load_job(_fsdp_job(tmp_path / "cpu.yaml", device="cpu"))
+    assert rank_env(cpu, environ={})[THRESHOLD] == "131072"
+    assert rank_env(cpu, environ={THRESHOLD: ""})[THRESHOLD] == "131072"  # empty: glibc would map everything
+    assert THRESHOLD not in rank_env(cpu, environ={THRESHOLD: "65536"})  # the command's own, passed on by mpirun
+    own = load_job(_fsdp_job(tmp_path / "own.yaml", device="cpu", environment={THRESHOLD: "4096"}))
+    assert rank_env(own, environ={THRESHOLD: "65536"})[THRESHOLD] == "4096"  # the job's wins, as for any variable
+    gpu = load_job(_fsdp_job(tmp_path / "gpu.yaml", device="cuda"))
+    assert THRESHOLD not in rank_env(gpu, environ={})
+
+
+def _rendered(tmp_path: Path, name: str, site: str = "localcluster", **extra) -> str:
+    loaded = load_job(_fsdp_job(tmp_path / f"{name}.yaml", site=site, **extra))
+    return render_script(resolve(loaded, run_dir=tmp_path / name, tree=None))
+
+
+def test_the_batch_script_gives_cpu_ranks_the_threshold_unless_the_job_or_the_submitting_shell_sets_one(tmp_path):
+    text = _rendered(tmp_path, "cpu")
+    (line,) = [x for x in text.splitlines() if THRESHOLD in x]
+    assert line.index(THRESHOLD) < text.index("srun")  # exported before the ranks start
+    probe = f'{line}; printf %s "${THRESHOLD}"'
+    for inherited, want in ((None, "131072"), ("", "131072"), ("65536", "65536")):
+        env = {k: v for k, v in os.environ.items() if k != THRESHOLD} | (
+            {THRESHOLD: inherited} if inherited is not None else {}
+        )
+        assert subprocess.run(["bash", "-c", probe], env=env, capture_output=True, text=True).stdout == want
+    own = _rendered(tmp_path, "own", environment={THRESHOLD: "4096"})
+    assert [x for x in own.splitlines() if THRESHOLD in x] == [f"export {THRESHOLD}=4096"]
+    assert THRESHOLD not in _rendered(tmp_path, "gpu", site="example-dgx-h100", gpus_per_node=2)
+    command = _rendered(tmp_path, "command", train=None, command=["python3", "train.py"])
+    assert THRESHOLD not in command

@@ -21,12 +21,14 @@ import signal
 import sys
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.config.decode import Decoder
 from hpcscale.config.load import LoadedJob, check_job
+from hpcscale.config.rank_env import rank_defaults
 from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
@@ -53,6 +55,29 @@ def local_env() -> dict[str, str]:
     if os.geteuid() == 0:
         env |= {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     return env
+
+
+def rank_env(job: LoadedJob, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """What mpirun's ranks get on top of `environ` (this command's own environment, which mpirun passes on): the
+    site's `environment.variables`, the job's `environment:`, local_env(), one OpenMP thread per rank, and on CPU
+    ranks hpcscale's defaults (config.rank_env) for names none of those nor `environ` sets."""
+    spec, site = job.spec, job.site.config
+    env = {**site.environment.variables, **spec.environment, **local_env(), "OMP_NUM_THREADS": "1"}
+    for name, value in rank_defaults(spec, env, on_cpu=_ranks_on_cpu(spec, environ)).items():
+        if not environ.get(name):  # glibc would read an empty value as 0 (map everything): the default stands in
+            env[name] = value
+    return env
+
+
+def _ranks_on_cpu(spec, environ: Mapping[str, str]) -> bool:
+    """Whether the ranks started here compute on CPUs: `device: cpu`, or `auto` on a machine without a GPU the
+    ranks could take (no NVIDIA or AMD device node, or CUDA_VISIBLE_DEVICES hiding them all). Decided without
+    importing torch, as the ranks' bootstrap decides it with torch (launch.bootstrap)."""
+    if spec.device != "auto":
+        return spec.device == "cpu"
+    if environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return True
+    return not (any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists())
 
 
 def resize(loaded: LoadedJob, ranks: int | None) -> LoadedJob:
@@ -127,7 +152,7 @@ def run_local(
             reason="run --local",
         )
     )
-    env = {**site.environment.variables, **spec.environment, **local_env(), "OMP_NUM_THREADS": "1"}
+    env = rank_env(job)
     out = _Output(log, echo=echo, warn=warn or echo)
     out.line(f"run directory: {run_dir}")  # first: every later command (status, resume, report) takes it
     # Handlers go in before mpirun starts: a signal during start-up is queued and forwarded, not lost.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcscale import __version__
+from hpcscale.config.rank_env import rank_defaults, ranks_on_cpu
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput
 from hpcscale.slurm.resolve import ResolvedJob
@@ -37,6 +38,7 @@ def choose_template(job: ResolvedJob, template: str | None) -> str:
 
 def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
     spec, site, run_dir = job.spec, job.site, job.run_dir
+    variables = {**site.environment.variables, **spec.environment}
     launcher = site.launcher
     # --cpus-per-task again: Slurm 22.05-23.02 steps do not inherit it from the allocation (one core per rank
     # while OMP_NUM_THREADS says cpus_per_task); binding keeps each rank on its cores, on its GPU's socket
@@ -87,6 +89,8 @@ def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
             "modules": list(site.environment.modules),
             "source": list(site.environment.source),
             "variables": [*site.environment.variables.items(), *spec.environment.items()],
+            # exported as ${NAME:-value}: a value the batch script inherits (the submitting shell's) wins
+            "defaults": sorted(rank_defaults(spec, variables, on_cpu=ranks_on_cpu(spec)).items()),
         },
         "srun": srun,
         "program": program,
