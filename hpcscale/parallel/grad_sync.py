@@ -7,6 +7,19 @@ in reverse registration order (roughly the order backward produces them), and a 
 asynchronously as soon as its last gradient is accumulated, overlapping communication with the rest of
 backward. DTensor gradients are reduced through their local shards, so tp groups never see dp traffic.
 
+Every rank all-reduces the buckets in one order, bucket index order, whatever its backward did: collectives on
+a group are matched by their order, not by name, so a rank that reduced bucket 2 while its peer reduced bucket 1
+would sum one bucket into another (or hang on a size mismatch). A parameter can get a gradient on one rank and
+none on another in the same step (a branch the data takes, an unused head), and its bucket is then full on one
+rank and not on the other. So a bucket that fills waits until every bucket before it has been launched, and
+finish() launches whatever is left, in order, with zeros for the missing gradients (the average then counts
+them as zero, as DDP's find_unused_parameters does). A bucket held back by an unused parameter delays the ones
+after it to the end of backward: their overlap is lost on that step, never their order.
+
+Packing a bucket, dividing by the group's size and writing the averages back are foreach kernels (one launch
+per bucket packed, one each for the step's division and write-back, not one per parameter), and nothing here
+reads a value back to the host.
+
 A gradient must be final when its hook fires: the bucket copies it then. Anything that rescales gradients
 after backward (torch's pipeline schedules with scale_grads=True) would be undone by finish(), which writes
 the average of the copies back; hpcscale.parallel.pipeline scales the loss instead.
@@ -44,7 +57,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @dataclass(slots=True)
 class _Bucket:
     params: list[nn.Parameter]
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # (sum of the params' local numel,): what is all-reduced
+    views: list[torch.Tensor]  # one view of `buffer` per param, shaped like its local gradient
     pending: int = 0
     work: dist.Work | None = None
     fired: dict[int, int] = field(default_factory=dict)
@@ -79,6 +93,7 @@ class GradSync:
             "averaged over the data-parallel replicas, which would diverge"
         )
         self._queued = False
+        self._next = 0  # the bucket to launch next: buckets go out in index order only
         if self.size == 1:
             return
         params = [p for p in model.parameters() if p.requires_grad]
@@ -101,8 +116,10 @@ class GradSync:
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         dtype = _local(params[0]).dtype
-        numel = sum(_local(p).numel() for p in params)
-        self.buckets.append(_Bucket(params, torch.zeros(numel, dtype=dtype, device=_local(params[0]).device)))
+        numels = [_local(p).numel() for p in params]
+        buffer = torch.zeros(sum(numels), dtype=dtype, device=_local(params[0]).device)
+        views = [v.view(_local(p).shape) for v, p in zip(buffer.split(numels), params, strict=True)]
+        self.buckets.append(_Bucket(params, buffer, views))
 
     def _hook(self, bucket: _Bucket):
         def hook(p: nn.Parameter) -> None:
@@ -119,16 +136,18 @@ class GradSync:
             if count == self.accumulation_steps:
                 bucket.pending -= 1
                 if bucket.pending == 0:
-                    self._launch(bucket)
+                    self._launch_ready()
 
         return hook
 
+    def _launch_ready(self) -> None:
+        """Launch the full buckets that every earlier bucket has gone before (the order every rank keeps)."""
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
     def _launch(self, bucket: _Bucket) -> None:
-        offset = 0
-        for p in bucket.params:
-            g = _local(p.grad)
-            bucket.buffer[offset : offset + g.numel()].copy_(g.reshape(-1))
-            offset += g.numel()
+        torch._foreach_copy_(bucket.views, [_local(p.grad) for p in bucket.params])
         bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
 
     def _end_of_backward(self) -> None:
@@ -149,6 +168,7 @@ class GradSync:
         """Arm the hooks for one optimizer step made of `accumulation_steps` backward passes."""
         self.accumulation_steps = accumulation_steps
         self.armed = True
+        self._next = 0
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
             bucket.fired.clear()
@@ -165,20 +185,17 @@ class GradSync:
         # (hpcscale.parallel.device).
         settle(device)
         t = time.perf_counter()
+        for bucket in self.buckets[self._next :]:  # held back by a parameter with no gradient: in order
+            for p in bucket.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._launch(bucket)
+        self._next = len(self.buckets)
         for bucket in self.buckets:
-            if bucket.work is None:  # some parameter got no gradient this step: reduce what there is
-                for p in bucket.params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                self._launch(bucket)
             bucket.work.wait()
         settle(device)
         self.comm_wait_s = time.perf_counter() - t
         self.comm_wait_total_s += self.comm_wait_s
-        for bucket in self.buckets:
-            bucket.buffer.div_(self.size)
-            offset = 0
-            for p in bucket.params:
-                g = _local(p.grad)
-                g.copy_(bucket.buffer[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        torch._foreach_div_([bucket.buffer for bucket in self.buckets], self.size)
+        grads = [_local(p.grad) for bucket in self.buckets for p in bucket.params]
+        torch._foreach_copy_(grads, [v for bucket in self.buckets for v in bucket.views])
