@@ -1,5 +1,5 @@
 """GradSync all-reduces its buckets in one order on every rank, whatever parameters a rank left unused, and
-averages with foreach kernels.
+averages with foreach kernels; clip_grad_norm clips with them and leaves the norm on the device.
 
 Two real gloo ranks (processes) train a stack of equal-sized layers, one bucket per layer, where each rank skips
 a different layer: a bucket filled during backward on one rank is left for finish() on the other. Were the
@@ -15,11 +15,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 RANK = r"""
 import json, os, sys
 import torch, torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from hpcscale.parallel.grad_sync import GradSync
 
 class Ops(TorchDispatchMode):
@@ -138,3 +143,76 @@ def test_packing_averaging_and_writing_back_are_foreach_kernels(ranks):
         assert "copy_" not in ops and "div_" not in ops, sorted(set(ops))
         assert ops.count("_foreach_copy_") == 2 and ops.count("_foreach_div_") == 1, sorted(set(ops))
         assert "_local_scalar_dense" not in ops  # no value read back to the host
+
+
+# ---- clipping ---------------------------------------------------------------------------------------------
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _params(shapes: list[tuple[int, ...]], seed: int, scale: float) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * scale
+    return params
+
+
+def _loop_clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """The per-tensor definition (one process, no mesh): fp32 norms, squared and added in fp64 in parameter
+    order, the scale applied where the norm exceeds max_norm."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        total += torch.linalg.vector_norm(p.grad, 2, dtype=torch.float32).double().square()
+    norm = float(total.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        for p in params:
+            p.grad.mul_(max_norm / (norm + 1e-6))
+    return norm
+
+
+def test_clipping_runs_foreach_kernels_and_leaves_the_norm_on_the_device():
+    from hpcscale.parallel.clip import clip_grad_norm
+
+    params = _params([(5, 3)] * 20 + [(7,)] * 20, seed=1, scale=3.0)
+    with _Ops() as ops:
+        norm = clip_grad_norm(params, 1.0, pp_group=None, device=torch.device("cpu"))
+    assert isinstance(norm, torch.Tensor) and norm.dim() == 0 and norm.device.type == "cpu"
+    assert "_local_scalar_dense" not in ops.names  # no .item(), float() or bool() of a tensor: no host sync
+    assert ops.names.count("_foreach_norm") == 1 and ops.names.count("_foreach_mul_") == 1, ops.names
+    assert "linalg_vector_norm" not in ops.names and "mul_" not in ops.names, ops.names
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple), min_size=1, max_size=40),
+    st.integers(0, 2**31),
+    st.sampled_from([1e-3, 0.5, 1.0, 30.0]),
+    st.sampled_from([0.0, 0.5, 1.0, 5.0, float("inf")]),
+)
+def test_clipping_gives_the_per_tensor_definitions_bits(shapes, seed, scale, max_norm):
+    from hpcscale.parallel.clip import clip_grad_norm
+
+    params, ours = _params(shapes, seed, scale), _params(shapes, seed, scale)
+    want = _loop_clip(params, max_norm)
+    got = clip_grad_norm(ours, max_norm, pp_group=None, device=torch.device("cpu"))
+    assert float(got) == want
+    for a, b in zip(ours, params, strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_norm_just_under_max_norm_is_not_clipped():
+    from hpcscale.parallel.clip import clip_grad_norm
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.tensor([1.0 - 2e-7])
+    clip_grad_norm([p], 1.0, pp_group=None)
+    assert torch.equal(p.grad, torch.tensor([1.0 - 2e-7]))

@@ -12,12 +12,19 @@ CUDA norm into a CPU accumulator raises ("Expected all tensors to be on the same
 accumulators are made on `device` (the rank's device; the first gradient's when not given). Each gradient's
 norm is taken in fp32 by torch's own reduction (no fp64 copy of a gradient: a 400 M-element embedding shard
 would need 6 GB, and some GPUs are slow at fp64), then squared and added in fp64, so many tensors' sums lose
-nothing to each other; CUDA and NCCL both take fp64 scalars. The one host sync is the norm's `float()`, after
-both all-reduces.
+nothing to each other; CUDA and NCCL both take fp64 scalars.
+
+The kernels are foreach kernels over the gradients (torch's own clip_grad_norm_ does the same): one launch
+for every gradient's norm, one for the scaling, not one per parameter, which on a GPU is the difference between
+a few launches and thousands per step. Nothing here reads a value back to the host: the norm is returned as a
+0-dim tensor on the device, and the scale is applied as a tensor (1 where the norm is within max_norm, so no
+branch on its value), so the host waits only where the caller turns the norm into a number. The exception is
+timing: asked for the seconds spent in the all-reduces, it has to wait for them to end.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -54,30 +61,30 @@ def clip_grad_norm(
     pp_group: dist.ProcessGroup | None,
     device: torch.device | None = None,
     waited: list[float] | None = None,
-) -> float:
-    """Clip the gradients of `params` in place to a global norm of `max_norm` (0: measure only) and return the
-    global norm before clipping. A collective over the sharded dimensions' groups and `pp_group` (None: pp is
-    1); every rank of a stage holds the same parameters, so all of them make the same calls. `waited`: gets
-    the seconds spent in those all-reduces appended (where a rank waits for its slowest peer: per-rank timing
-    books it as waiting, not as the rank's own time); on a GPU the stream is settled before the clock starts,
-    so the local norms' kernels are not counted in it."""
+) -> torch.Tensor:
+    """Clip the gradients of `params` in place to a global norm of `max_norm` (0 or inf: measure only) and
+    return the global norm before clipping, a 0-dim fp64 tensor on `device`. A collective over the sharded
+    dimensions' groups and `pp_group` (None: pp is 1); every rank of a stage holds the same parameters, so all of
+    them make the same calls. `waited`: gets the seconds spent in those all-reduces appended (where a rank waits
+    for its slowest peer: per-rank timing books it as waiting, not as the rank's own time); on a GPU the stream
+    is settled before the clock starts and again before it stops, so the local norms' kernels are not counted
+    in it."""
     grads = [p.grad for p in params if p.grad is not None]
     if device is None:
         device = _local(grads[0]).device if grads else torch.device("cpu")
-    sums: dict[tuple[str, ...], torch.Tensor] = {}
+    by_key: dict[tuple[str, ...], list[torch.Tensor]] = {}
     groups: dict[tuple[str, ...], list[dist.ProcessGroup]] = {}
     for g in grads:
-        local = _local(g)
-        square = torch.linalg.vector_norm(local.detach(), 2, dtype=torch.float32).double().square().to(device)
         key = _sharded_dims(g)
-        if key not in sums:
-            sums[key] = torch.zeros((), dtype=torch.float64, device=device)
+        if key not in by_key:
+            by_key[key] = []
             groups[key] = [g.device_mesh.get_group(name) for name in key] if key else []
-        sums[key] += square
+        by_key[key].append(_local(g).detach())
+    sums = {key: _sum_of_squares(local, device) for key, local in by_key.items()}
     total = torch.zeros((), dtype=torch.float64, device=device)
     across_stages = pp_group is not None and dist.get_world_size(pp_group) > 1
-    collective = across_stages or any(groups[key] for key in sums)
-    if waited is not None and collective:
+    timed = waited is not None and (across_stages or any(groups[key] for key in sums))
+    if timed:
         settle(device)
         t0 = time.perf_counter()
     for key in sorted(sums):  # the same order on every rank of the stage
@@ -86,11 +93,32 @@ def clip_grad_norm(
         total += sums[key]
     if across_stages:
         dist.all_reduce(total, group=pp_group)
-    norm = float(total.sqrt())  # the host waits for the all-reduces here
-    if waited is not None and collective:
+    if timed:
+        settle(device)  # the all-reduces are done: the clock stops on the wait, not on their launch
         waited.append(time.perf_counter() - t0)
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            _local(g).mul_(scale)
+    norm = total.sqrt()
+    if 0 < max_norm < math.inf and grads:
+        # 1 where the norm is within max_norm (NaN included): the gradients are then left as they are, bit for bit
+        scale = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+        _scale([_local(g) for g in grads], scale)
     return norm
+
+
+def _sum_of_squares(local: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squared fp32 norms of `local`, in fp64 on `device`: a 0-dim tensor."""
+    squares = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float32)).to(device).double().square()
+    # cumsum's last element is the squares added one by one in parameter order (on CPU a sequential scan, where
+    # sum() trees the additions by vector width): the per-tensor definition's exact bits, so clipping does not
+    # move a CPU run's numbers by an ulp for the sake of fewer kernels
+    return squares.cumsum(0)[-1]
+
+
+def _scale(local: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor of `local` by the 0-dim `scale` in place, one foreach kernel per device and dtype
+    (the fast path takes one of each), `scale` cast to fp32 for half-precision gradients as the multiplication
+    itself would (in fp64 for fp64 gradients)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in local:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for (dev, dtype), tensors in by_kind.items():
+        torch._foreach_mul_(tensors, scale.to(device=dev, dtype=torch.promote_types(dtype, torch.float32)))
