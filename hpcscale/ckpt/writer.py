@@ -114,7 +114,7 @@ def _cudart_clear_error() -> None:
 
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
         try:
-            ctypes.CDLL(name, mode=os.RTLD_NOLOAD).cudaGetLastError()
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError()
             return
         except (OSError, AttributeError):
             continue
@@ -135,9 +135,11 @@ def _pin(memory: torch.Tensor) -> str | None:
 
 def _unpin(ptr: int) -> None:
     """cudaHostUnregister(ptr), for _Arena's finalizer: the memory is still mapped (the arena's tensor lives on
-    until its finalizer has run)."""
-    if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
-        _cudart_clear_error()  # nothing to do about it: the pages stay locked until the mapping goes
+    until its finalizer has run). A failure has nothing to undo (the pages stay locked until the mapping goes),
+    and at the process's exit CUDA may be gone already: neither is raised."""
+    with contextlib.suppress(Exception):  # a finalizer has no one to tell
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _cudart_clear_error()
 
 
 class _Arena:
