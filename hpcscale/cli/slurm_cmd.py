@@ -188,7 +188,7 @@ def status(run: Path, as_json: bool) -> None:
         rate = f", {_num(m['tokens_per_s'], '.0f')} tokens/s" if "tokens_per_s" in m else ""
         out.print(f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}{pace}{rate}")
     if st.timing:
-        for line in format_timing(st.timing, run):
+        for line in format_timing(st.timing, run) + format_traffic(st.timing):
             out.print(line)
     if st.checkpoint_interval:
         c = st.checkpoint_interval
@@ -269,4 +269,66 @@ def format_timing(timing: dict, run: Path) -> list:
             f"slow node(s): {nodes}. To move the job off them: stop it (scancel --signal=USR2 JOBID: it saves and "
             f"stops), then hpcscale resume {cm(run)} --exclude-slow"
         )
+    return lines
+
+
+def _bytes(n: float) -> str:
+    """Bytes in decimal units (as GB/s is): 512 B, 271.1 kB, 1.34 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if scale == 1e9 else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_traffic(timing: dict) -> list:
+    """The newest window's traffic per process group (the communication ledger) and the late-arrival verdict
+    (docs/observability.md); nothing for a run recorded without the ledger."""
+    from rich.table import Table
+
+    from hpcscale.util.trust import clean_markup as cm
+
+    groups = timing.get("traffic") or []
+    if not groups:
+        return []
+    table = Table(
+        title=f"communication per step, steps {timing['step'] - timing['steps'] + 1}-{timing['step']} "
+        "(each group: the median of its ranks' means)"
+    )
+    for col in ("group", "ranks", "bytes/step", "by kind (bytes × collectives)", "blocked ms", "GB/s blocked"):
+        table.add_column(col, justify="left" if col in ("group", "by kind (bytes × collectives)") else "right")
+    for g in groups:
+        kinds = ", ".join(
+            f"{cm(kind)} {_bytes(k['bytes'])} × {k['n']:g}" for kind, k in sorted(g["kinds"].items()) if k["n"] > 0
+        )
+        spread = "" if g["bytes_max"] <= g["bytes"] * 1.001 else f" (max {_bytes(g['bytes_max'])})"
+        table.add_row(
+            cm(g["group"]),
+            str(g["ranks"]),
+            _bytes(g["bytes"]) + spread,
+            kinds,
+            f"{g['wait_s'] * 1000:.1f}",
+            "—" if g["gbps"] is None else f"{g['gbps']:.2f}",
+        )
+    lines: list = [table]
+    late = timing.get("late")
+    if not late:
+        return lines
+    rule = late["rule"]
+    if late["reason"]:
+        lines.append(f"late arrivals: no verdict: {late['reason']}")
+    elif not late["slow_ranks"]:
+        lines.append(
+            f"late arrivals: none (no rank entered a group's collectives ≥ {rule['ratio']}× later than its peers "
+            f"and ≥ {rule['floor_s'] * 1000:g} ms per step in {rule['min_slow']} of the last {late['windows']} "
+            "windows)"
+        )
+    else:
+        by_rank = {r["rank"]: r for r in late["ranks"]}
+        for rank in late["slow_ranks"]:
+            r = by_rank[rank]
+            lines.append(
+                f"[red]late arrival: rank {rank} on node {cm(r['node'])}[/red]: the others waited for it at "
+                f"{cm(', '.join(r['groups']))} collectives, {r['late_s'] * 1000:.1f} ms per step "
+                f"(in {r['late_windows']} of the last {late['windows']} windows)"
+            )
     return lines

@@ -389,9 +389,11 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
 
     ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
     if spec.metrics.timing_every:
-        from hpcscale.launch.waits import install
+        from hpcscale.launch import ledger, waits
 
-        ctx._waits = install()  # this thread's waits in every collective, whoever issues it (per-rank timing)
+        ctx._waits = waits.install()  # this thread's waits in every collective, whoever issues it (per-rank timing)
+        # and what each of its collectives sends, per group (the communication ledger), in the same timing rows
+        ctx.step_times.ledger = ledger.install(ctx._waits)
     if "auto" in (spec.checkpoint.every_steps, spec.checkpoint.local.every_steps):  # the job's MTBF, on every rank
         ctx._mtbf_s = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
     try:

@@ -5,7 +5,12 @@ Per step a rank only reads the clock a few times and appends seven floats to a l
 ranks exchange one small message each (an MPI gather of their window's means, on MPI's own communicator, so
 the training's process groups and streams are not touched) and MPI rank 0 appends one line. The gather is a
 collective: every rank records the same steps (the trainer's loop and ctx.checkpoint.step are collectives
-already)."""
+already).
+
+With the communication ledger (hpcscale.launch.ledger, `ledger` set by the launch) each step also hands over
+its traffic per group, and the gather carries the window's sums and the arrival times it noted; rank 0 lines
+up each group's arrivals across its ranks (`lateness`) and writes every rank's figures in the same line. The
+message grows with the groups and ARRIVALS_PER_STEP, not with the model."""
 
 from __future__ import annotations
 
@@ -14,10 +19,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from hpcscale.observe.timing import COLUMNS, make_line
 from hpcscale.rundir import TIMING
+
+# (group label, its global ranks) -> per step of the window, the arrival times noted on this rank
+Arrivals = dict[tuple[str, tuple[int, ...]], list[list[float]]]
 
 
 class StepTimes:
@@ -27,6 +36,8 @@ class StepTimes:
         self.path = run_dir / TIMING
         self._rows: list[tuple[float, ...]] = []
         self._warned = False
+        self.ledger = None  # hpcscale.launch.ledger.Ledger, when installed: each step's traffic
+        self._traffic: list = []  # the window's StepTraffic, one per recorded step
 
     @classmethod
     def for_context(cls, ctx) -> StepTimes:
@@ -59,28 +70,56 @@ class StepTimes:
         own = max(0.0, step_s - dp_wait_s - sync_s - comm)
         compute = max(0.0, own - data_s - ckpt_s)
         self._rows.append((step_s, own, compute, data_s, dp_wait_s, sync_s, ckpt_s, comm))
+        if self.ledger is not None:
+            self._traffic.append(self.ledger.take())
         if (step + 1) % self.every == 0:
             self._flush(step)
+
+    def restart(self) -> None:
+        """The step clock starts (a restore returned): what the ledger counted before (building the model, the
+        load) belongs to no step."""
+        if self.ledger is not None:
+            self.ledger.take()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work between steps that is not training (an evaluation): its traffic is left out of the steps'."""
+        if self.ledger is None:
+            yield
+            return
+        with self.ledger.aside():
+            yield
 
     def _flush(self, step: int) -> None:
         from mpi4py import MPI
 
         rows, self._rows = self._rows, []
+        traffic, self._traffic = self._traffic, []
         # means, not medians: a rank stopped for 30 ms in one step of five is as slow as one 6 ms slower in each
         means = [statistics.fmean(col) for col in zip(*rows, strict=True)] if rows else [0.0] * len(COLUMNS)
-        gathered = MPI.COMM_WORLD.gather((self.rank, self.node, self.pp, self.attempt, len(rows), means), root=0)
+        sums, arrivals = window_traffic(traffic)
+        steps = max(len(rows), 1)
+        ledger = {name: v / steps for name, v in sums.items()}
+        mine = (self.rank, self.node, self.pp, self.attempt, len(rows), means, ledger, arrivals)
+        gathered = MPI.COMM_WORLD.gather(mine, root=0)
         if gathered is None:
             return
-        gathered.sort()
+        gathered.sort(key=lambda g: g[0])
         attempt = next((g[3] for g in gathered if g[3] is not None), None)  # global rank 0 knows the attempt
+        steps = max(g[4] for g in gathered) or 1
+        late = lateness({g[0]: g[7] for g in gathered}, steps=steps)
+        for g in gathered:
+            g[6].update(late.get(g[0], {}))
+        extra = sorted({name for g in gathered for name in g[6]})
         line = make_line(
             time=time.time(),
             attempt=attempt,
             step=step,
-            steps=max(g[4] for g in gathered) or 1,
-            rows=[g[5] for g in gathered],
+            steps=steps,
+            rows=[list(g[5]) + [g[6].get(name, 0.0) for name in extra] for g in gathered],
             nodes=[g[1] for g in gathered],
             pp=[g[2] for g in gathered],
+            columns=(*COLUMNS, *extra),
         )
         self._append(line)
 
@@ -103,6 +142,57 @@ class StepTimes:
                     print(f"hpcscale: cannot record per-rank timing in {self.path}: {e}", file=sys.stderr, flush=True)
 
 
+def window_traffic(steps: list) -> tuple[dict[str, float], Arrivals]:
+    """A window's ledger (one StepTraffic per step): the sums of its columns (bytes.GROUP.KIND, n.GROUP.KIND,
+    wait_s.GROUP) and the arrivals per group instance and step."""
+    sums: dict[str, float] = {}
+    arrivals: Arrivals = {}
+    for i, t in enumerate(steps):
+        for (group, kind), (n, size) in t.counts.items():
+            sums[f"n.{group}.{kind}"] = sums.get(f"n.{group}.{kind}", 0) + n
+            sums[f"bytes.{group}.{kind}"] = sums.get(f"bytes.{group}.{kind}", 0) + size
+        for group, seconds in t.waited.items():
+            sums[f"wait_s.{group}"] = sums.get(f"wait_s.{group}", 0.0) + seconds
+        for key, times in t.arrivals.items():
+            per_step = arrivals.setdefault(key, [[] for _ in steps])
+            per_step[i] = times
+    return sums, arrivals
+
+
+def lateness(arrivals: dict[int, Arrivals], *, steps: int) -> dict[int, dict[str, float]]:
+    """Per rank, per group: late_s.GROUP, how late it entered the group's collectives after the group's first
+    rank, summed, per step; last.GROUP, the share of them it entered last. `arrivals`: each rank's noted arrivals
+    (rank -> (group, its ranks) -> per step, in issue order). The i-th arrival of every member of one group in
+    one step is one collective (each member issues the group's collectives in the same order); a step where a
+    member noted fewer is compared over the fewest."""
+    import numpy as np
+
+    instances: dict[tuple[str, tuple[int, ...]], dict[int, list[list[float]]]] = {}
+    for rank, mine in arrivals.items():
+        for key, per_step in mine.items():
+            instances.setdefault(key, {})[rank] = per_step
+    out: dict[int, dict[str, float]] = {}
+    for (group, _), by_rank in instances.items():
+        members = sorted(by_rank)
+        if len(members) < 2:
+            continue
+        late = np.zeros(len(members))
+        last = np.zeros(len(members))
+        compared = 0
+        for s in range(min(len(by_rank[r]) for r in members)):
+            k = min(len(by_rank[r][s]) for r in members)
+            if k == 0:
+                continue
+            at = np.array([by_rank[r][s][:k] for r in members])  # (members, k)
+            late += (at - at.min(axis=0)).sum(axis=1)
+            last += (at == at.max(axis=0)).sum(axis=1)
+            compared += k
+        for i, rank in enumerate(members):
+            out.setdefault(rank, {})[f"late_s.{group}"] = float(late[i]) / steps
+            out[rank][f"last.{group}"] = float(last[i]) / compared if compared else 0.0
+    return out
+
+
 class NoStepTimes:
     """Stand-in where no launch runs the entry (a unit test calling train(ctx) directly)."""
 
@@ -110,6 +200,13 @@ class NoStepTimes:
 
     def record(self, step: int, **_: float) -> None:
         pass
+
+    def restart(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
 
 
 class SaveSchedule:

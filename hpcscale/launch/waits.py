@@ -15,7 +15,8 @@ CPU/gloo:
 
 Only the installing thread's waits count: the checkpoint writer's collectives run on its own thread, and a
 save's blocking time is counted as checkpoint time by its caller. Both hooks are installed once per process
-and cost two clock reads per wait.
+and cost two clock reads per wait; the communication ledger (hpcscale.launch.ledger), installed beside them,
+is told each wait's handle and seconds (`on_wait`) to attribute blocked time to the collective's group.
 
 On GPUs with NCCL a `wait()` only orders the current stream after the collective and returns at once: the
 rank blocks where it next waits for the GPU (a `.item()`, the stop check's settle), which per-rank timing
@@ -35,6 +36,8 @@ class CollectiveWaits:
     def __init__(self) -> None:
         self.total_s = 0.0
         self.thread = threading.get_ident()
+        # (the Work or tensor waited on, seconds): the communication ledger's per-group blocked time
+        self.on_wait = None
 
     def _timed(self, fn):
         import torch
@@ -51,7 +54,10 @@ class CollectiveWaits:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total_s += time.perf_counter() - t
+                took = time.perf_counter() - t
+                self.total_s += took
+                if self.on_wait is not None and args:
+                    self.on_wait(args[0], took)
 
         wait.__hpcscale_timed__ = True
         return wait

@@ -159,7 +159,7 @@ def tokens_by_step(data: RunData) -> dict[int, float] | None:
 
 def build(run: Path, out: Path) -> dict:
     """Write the report into `out` (created; never written through a symlink); returns what was written."""
-    from hpcscale.observe.timing import judge, read_windows
+    from hpcscale.observe.timing import judge, judge_arrivals, read_windows, traffic
 
     data = read_run(run)
     try:
@@ -167,13 +167,21 @@ def build(run: Path, out: Path) -> dict:
     except BadInput:  # a FIFO or a device: no per-rank timing, the rest of the report stands
         windows = []
     verdict = judge(windows) if windows else None
+    comm = None
+    if windows:
+        comm = {
+            "step": windows[-1].step,
+            "steps": windows[-1].steps,
+            "groups": [g.to_json() for g in traffic(windows[-1])],
+            "late": judge_arrivals(windows).to_json(),
+        }
     import matplotlib
 
     matplotlib.use("Agg")
     images = {"loss.png": _plot_loss(data), "throughput.png": _plot_throughput(data)}
     if windows:
         images["ranks.png"] = _plot_ranks(windows, verdict)
-    summary = summarize(data, verdict, list(images))
+    summary = summarize(data, verdict, list(images), comm=comm)
     files = {**images, "summary.md": render_markdown(summary).encode()}
     dfd = _open_out(out)
     try:
@@ -354,7 +362,8 @@ def _plot_ranks(windows, verdict) -> bytes:
     return _save(fig)
 
 
-def summarize(data: RunData, verdict, images: list[str]) -> dict:
+def summarize(data: RunData, verdict, images: list[str], *, comm: dict | None = None) -> dict:
+    """The summary's figures; `comm`: the newest window's traffic per group and the late-arrival verdict."""
     steps = sorted(data.train)
     last = data.train[steps[-1]]
     tokens = tokens_by_step(data)
@@ -374,6 +383,7 @@ def summarize(data: RunData, verdict, images: list[str]) -> dict:
         "restarts": [{"step": s, "attempt": a} for s, _, a in data.restarts],
         "checkpoints": sorted({s for s, _, _ in data.saves}),
         "stragglers": None if verdict is None else verdict.to_json(),
+        "communication": comm,
         "skipped_lines": data.skipped,
         "metrics_bytes_not_read": data.cut_bytes,
         "images": images,
@@ -414,6 +424,7 @@ def render_markdown(s: dict) -> str:
         lines.append(f"| stragglers | {named} |")
     else:
         lines.append(f"| stragglers | none in the last {v['windows']} windows of the newest attempt |")
+    lines += _communication_rows(s.get("communication"))
     if s["skipped_lines"]:
         lines.append(f"| damaged metrics lines skipped | {s['skipped_lines']} |")
     if s.get("metrics_bytes_not_read"):
@@ -425,3 +436,44 @@ def render_markdown(s: dict) -> str:
     for image in s["images"]:
         lines += [f"![{image}]({image})", ""]
     return "\n".join(lines)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if scale == 1e9 else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _communication_rows(comm: dict | None) -> list[str]:
+    """Summary rows: each group's bytes per step in the newest window (by kind, with GB/s over the time blocked
+    in them where a rank was blocked), and the ranks the others waited for at collectives."""
+    if not comm or not comm["groups"]:
+        return []
+    first = comm["step"] - comm["steps"] + 1
+    rows = []
+    for g in comm["groups"]:
+        kinds = ", ".join(
+            f"{clean(kind, limit=40)} {_bytes(k['bytes'])} × {k['n']:g}"
+            for kind, k in sorted(g["kinds"].items())
+            if k["n"] > 0
+        )
+        rate = "" if g["gbps"] is None else f"; {g['gbps']:.2f} GB/s over {g['wait_s'] * 1000:.1f} ms blocked"
+        rows.append(
+            f"| traffic per step, {clean(g['group'], limit=64)} (steps {first}-{comm['step']}) | "
+            f"{_bytes(g['bytes'])} on {g['ranks']} rank(s): {kinds}{rate} |"
+        )
+    late = comm["late"]
+    if late["reason"]:
+        rows.append(f"| late arrivals | no verdict: {late['reason']} |")
+    elif late["slow_ranks"]:
+        by_rank = {r["rank"]: r for r in late["ranks"]}
+        named = ", ".join(
+            f"rank {r} on {clean(by_rank[r]['node'], limit=40)} ({by_rank[r]['late_s'] * 1000:.1f} ms per step at "
+            f"{clean(', '.join(by_rank[r]['groups']), limit=200)})"
+            for r in late["slow_ranks"]
+        )
+        rows.append(f"| late arrivals (the others waited for) | {named} |")
+    else:
+        rows.append(f"| late arrivals | none in the last {late['windows']} windows of the newest attempt |")
+    return rows

@@ -25,16 +25,30 @@ ckpt_s):
              judged on. In synchronous training every rank's step_s is the slowest rank's, so step_s cannot tell
              who is slow; the slow rank is the one that waits least.
 
+The communication ledger (hpcscale.launch.ledger) adds, after those, columns per process group (named by its
+mesh axis: mesh_dp, mesh_tp, mesh_pp, mesh_dp_shard, mesh_dp_replicate; default_pg; other) and kind of
+collective (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, send, recv, barrier, ...), each the
+rank's mean per step over the window, 0 where the rank made none:
+- bytes.GROUP.KIND: bytes of those collectives (all_gather: the gathered output; reduce_scatter, all_to_all:
+                    the input; the rest: the tensor);
+- n.GROUP.KIND:     how many were issued;
+- wait_s.GROUP:     seconds blocked waiting for the group's collectives (part of dp_wait_s, sync_s and comm_s);
+- late_s.GROUP:     how late the rank entered the group's collectives after the group's first rank, summed (over
+                    the first collectives of each step, hpcscale.launch.ledger.ARRIVALS_PER_STEP per group);
+- last.GROUP:       the share of those collectives the rank entered last (0 to 1).
+Lines from versions without the ledger have none of them.
+
 A line may be torn (a run killed mid-write) or damaged: readers skip it, never fail on it.
 
 Reading is bounded whatever the file holds (it lives in a run directory others may write): only the last
 TAIL_BYTES of the file are read (a FIFO or a device is refused: BadInput), a line over MAX_LINE bytes is
 skipped unparsed, a window of more than MAX_RANKS ranks is skipped, and at most MAX_WINDOWS windows (the
-newest) are kept. The verdict takes time linear in the ranks of the windows it judges.
+newest) are kept. The verdicts take time linear in the ranks (and groups) of the windows they judge.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Iterable
@@ -45,9 +59,10 @@ from hpcscale.errors import BadInput
 from hpcscale.util.bounded import loads_json, read_tail
 
 COLUMNS = ("step_s", "own_s", "compute_s", "data_s", "dp_wait_s", "sync_s", "ckpt_s", "comm_s")
-MAX_LINE = 4 << 20  # 4 MiB: 16k ranks of 7 figures take ~1.2 MB
+MAX_LINE = 16 << 20  # 16 MiB: 16k ranks of 8 timing figures and ~30 of the ledger's take ~5 MB
 MAX_RANKS = 16384  # ranks in one window (2,048 nodes of 8 GPUs); larger windows are skipped
-TAIL_BYTES = 16 << 20  # read from the end of timing.jsonl: ~13 windows of MAX_RANKS ranks, thousands of small ones
+TAIL_BYTES = 64 << 20  # read from the end of timing.jsonl: ~12 windows of MAX_RANKS ranks, thousands of small ones
+LEDGER = ("bytes", "n", "wait_s", "late_s", "last")  # the ledger's column prefixes (bytes.GROUP.KIND, late_s.GROUP)
 MAX_WINDOWS = 512  # windows kept (the newest): the report's heatmap over time, status's verdict
 
 # The straggler rule (docs/observability.md): a rank is slow in a window when its own time is at least RATIO
@@ -73,19 +88,33 @@ class Window:
 
 
 def make_line(
-    *, time: float, attempt: int | None, step: int, steps: int, rows: list[list[float]], nodes: list[str], pp: list[int]
+    *,
+    time: float,
+    attempt: int | None,
+    step: int,
+    steps: int,
+    rows: list[list[float]],
+    nodes: list[str],
+    pp: list[int],
+    columns: Iterable[str] = COLUMNS,
 ) -> dict:
-    """The JSON line for one window (rows in COLUMNS order, index = global rank)."""
+    """The JSON line for one window (rows in `columns` order, index = global rank). Figures keep 6 decimals; a
+    whole number is written as one (a mean of bytes per step)."""
     return {
         "time": round(time, 3),
         "attempt": attempt,
         "step": step,
         "steps": steps,
-        "columns": list(COLUMNS),
-        "ranks": [[round(float(v), 6) for v in row] for row in rows],
+        "columns": list(columns),
+        "ranks": [[_figure(v) for v in row] for row in rows],
         "nodes": nodes,
         "pp": pp,
     }
+
+
+def _figure(v: float) -> float | int:
+    r = round(float(v), 6)
+    return int(r) if r.is_integer() and abs(r) < 2**53 else r
 
 
 def parse_line(doc: object) -> Window | None:
@@ -94,6 +123,8 @@ def parse_line(doc: object) -> Window | None:
         return None
     columns, ranks, nodes, pp = doc.get("columns"), doc.get("ranks"), doc.get("nodes"), doc.get("pp")
     if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+        return None
+    if len(set(columns)) != len(columns):
         return None
     if not (isinstance(ranks, list) and isinstance(nodes, list) and isinstance(pp, list)):
         return None
@@ -247,3 +278,163 @@ def judge(windows: Iterable[Window]) -> Stragglers:
     slow_ranks = [v.rank for v in verdicts if v.slow_windows >= MIN_SLOW]
     slow_nodes = list(dict.fromkeys(newest.nodes[i] for i in slow_ranks))
     return Stragglers(len(recent), verdicts, slow_ranks, slow_nodes, per_node=node_relative)
+
+
+# ---- the communication ledger (hpcscale.launch.ledger) -------------------------------------------------------------
+# A rank arrives late in a window when, in some group, its summed lateness per step is at least LATE_FLOOR_S and
+# LATE_RATIO times the median of the group's other ranks; it is the rank the others keep waiting for when late in
+# at least MIN_SLOW of the last WINDOWS windows. Lateness is measured on the ranks' clocks: across nodes their
+# offset adds to it (hpcscale.launch.ledger), so a floor well above NTP's millisecond matters there.
+LATE_RATIO = 2.0
+LATE_FLOOR_S = 0.002
+
+
+def _ledger_columns(window: Window) -> dict[str, dict[str, list[str]]]:
+    """group -> {"bytes": [column...], "n": [...], "wait_s": [...], "late_s": [...], "last": [...]}."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for column in window.ranks[0]:
+        prefix, _, rest = column.partition(".")
+        if prefix not in LEDGER or not rest:
+            continue
+        group = rest.partition(".")[0]
+        out.setdefault(group, {p: [] for p in LEDGER})[prefix].append(column)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class GroupTraffic:
+    """One process group's traffic in a window, per step: medians over the ranks that used the group."""
+
+    group: str
+    ranks: int  # ranks that issued collectives in it
+    bytes: float  # bytes per step, every kind
+    bytes_max: float  # the most any rank issued (pipeline stages differ)
+    kinds: dict[str, dict[str, float]]  # kind -> {"bytes": per step, "n": collectives per step}
+    wait_s: float  # seconds per step blocked in its collectives
+    gbps: float | None  # bytes over the time blocked in them (GB/s), where a rank was blocked at all
+
+    def to_json(self) -> dict:
+        return {
+            "group": self.group,
+            "ranks": self.ranks,
+            "bytes": self.bytes,
+            "bytes_max": self.bytes_max,
+            "kinds": self.kinds,
+            "wait_s": self.wait_s,
+            "gbps": self.gbps,
+        }
+
+
+def traffic(window: Window) -> list[GroupTraffic]:
+    """Each group's traffic per step in `window`, by name; [] for a line without the ledger's columns."""
+    out = []
+    for group, cols in sorted(_ledger_columns(window).items()):
+        members = [row for row in window.ranks if any(row[c] > 0 for c in cols["n"])]
+        if not members:
+            continue
+        totals = [sum(row[c] for c in cols["bytes"]) for row in members]
+        kinds = {}
+        for c in cols["bytes"]:
+            kind = c.split(".", 2)[2]
+            n = f"n.{group}.{kind}"
+            kinds[kind] = {
+                "bytes": statistics.median(row[c] for row in members),
+                "n": statistics.median(row.get(n, 0.0) for row in members),
+            }
+        waits = [sum(row[c] for c in cols["wait_s"]) for row in members]
+        rates = [b / w / 1e9 for b, w in zip(totals, waits, strict=True) if w > 0 and b > 0]
+        out.append(
+            GroupTraffic(
+                group=group,
+                ranks=len(members),
+                bytes=statistics.median(totals),
+                bytes_max=max(totals),
+                kinds=kinds,
+                wait_s=round(statistics.median(waits), 6),
+                gbps=round(statistics.median(rates), 3) if rates else None,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class LateArrivals:
+    windows: int  # windows judged (the last WINDOWS of the newest attempt)
+    slow_ranks: list[int]  # late in at least MIN_SLOW of them
+    slow_nodes: list[str]
+    ranks: list[dict]  # per rank: late_windows, groups it was late in, its largest lateness (s per step)
+    reason: str = ""  # why no verdict, when there is none
+
+    def to_json(self) -> dict:
+        return {
+            "windows": self.windows,
+            "rule": {"ratio": LATE_RATIO, "floor_s": LATE_FLOOR_S, "windows": WINDOWS, "min_slow": MIN_SLOW},
+            "slow_ranks": self.slow_ranks,
+            "slow_nodes": self.slow_nodes,
+            "reason": self.reason,
+            "ranks": self.ranks,
+        }
+
+
+def _median_without(ordered: list[float], p: int) -> float:
+    """The median of sorted `ordered` without its element at index `p` (len(ordered) >= 2)."""
+
+    def at(k: int) -> float:  # the k-th of the remaining elements
+        return ordered[k] if k < p else ordered[k + 1]
+
+    m = len(ordered) - 1
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+
+def judge_arrivals(windows: Iterable[Window]) -> LateArrivals:
+    """The ranks the others keep waiting for at collectives, in the newest attempt's last WINDOWS windows."""
+    every = list(windows)
+    if not every:
+        return LateArrivals(0, [], [], [], reason="no timing recorded yet (metrics.timing_every)")
+    newest = every[-1]
+    recent = [w for w in every if w.attempt == newest.attempt and w.nodes == newest.nodes and w.pp == newest.pp][
+        -WINDOWS:
+    ]
+    recent = [w for w in recent if any(cols["late_s"] for cols in _ledger_columns(w).values())]
+    n = len(newest.nodes)
+    late_windows = [0] * n
+    groups: list[set[str]] = [set() for _ in range(n)]
+    worst: list[list[float]] = [[] for _ in range(n)]
+    for w in recent:
+        late_here = [False] * n
+        most = [0.0] * n
+        for group, cols in _ledger_columns(w).items():
+            if not cols["late_s"]:
+                continue
+            column = cols["late_s"][0]
+            members = [i for i, row in enumerate(w.ranks) if any(row[c] > 0 for c in cols["n"])]
+            ordered = sorted(w.ranks[i][column] for i in members)
+            for i in members:
+                value = w.ranks[i][column]
+                most[i] = max(most[i], value)
+                if len(ordered) < 2 or value < LATE_FLOOR_S:
+                    continue
+                if value >= LATE_RATIO * _median_without(ordered, bisect.bisect_left(ordered, value)):
+                    late_here[i] = True
+                    groups[i].add(group)
+        for i in range(n):
+            late_windows[i] += late_here[i]
+            worst[i].append(most[i])
+    ranks = [
+        {
+            "rank": i,
+            "node": newest.nodes[i],
+            "late_windows": late_windows[i],
+            "groups": sorted(groups[i]),
+            "late_s": round(statistics.median(worst[i]), 6) if worst[i] else 0.0,
+        }
+        for i in range(n)
+    ]
+    if not recent:
+        return LateArrivals(0, [], [], ranks, reason="no arrival times recorded (no collectives, or an older version)")
+    if len(recent) < MIN_SLOW:
+        reason = f"{len(recent)} window(s) with arrival times in this attempt; a verdict needs {MIN_SLOW}"
+        return LateArrivals(len(recent), [], [], ranks, reason=reason)
+    slow_ranks = [i for i in range(n) if late_windows[i] >= MIN_SLOW]
+    slow_nodes = list(dict.fromkeys(newest.nodes[i] for i in slow_ranks))
+    return LateArrivals(len(recent), slow_ranks, slow_nodes, ranks)

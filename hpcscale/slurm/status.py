@@ -161,8 +161,9 @@ def _job_name(rd: RunDir) -> str | None:
 
 
 def _timing(rd: RunDir, notes: list[str]) -> dict | None:
-    """The newest window (per rank: the medians; its step and attempt) and the straggler verdict."""
-    from hpcscale.observe.timing import judge, read_windows
+    """The newest window (per rank: the means; its step and attempt), its traffic per process group, the straggler
+    verdict and the late-arrival verdict."""
+    from hpcscale.observe.timing import judge, judge_arrivals, read_windows, traffic
 
     try:
         windows = read_windows(rd.path / TIMING)
@@ -182,6 +183,8 @@ def _timing(rd: RunDir, notes: list[str]) -> dict | None:
             {"rank": i, "node": newest.nodes[i], "pp": newest.pp[i], **row} for i, row in enumerate(newest.ranks)
         ],
         "stragglers": verdict.to_json(),
+        "traffic": [g.to_json() for g in traffic(newest)],  # [] before the ledger's columns
+        "late": judge_arrivals(windows).to_json(),
     }
 
 
