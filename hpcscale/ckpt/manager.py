@@ -126,7 +126,9 @@ class CheckpointManager:
         # A save's collectives wait for the slowest rank's writes and rank 0's commit, which on a busy parallel
         # filesystem can outlast the training's collective timeout: never less than gloo's default 30 minutes
         self.group = dist.new_group(
-            backend="gloo", timeout=timedelta(seconds=max(timeout_s, CKPT_GROUP_MIN_TIMEOUT_S)) if timeout_s else None
+            backend="gloo",
+            timeout=timedelta(seconds=max(timeout_s, CKPT_GROUP_MIN_TIMEOUT_S)) if timeout_s else None,
+            group_desc="ckpt",  # how the communication ledger names its traffic on the training thread
         )
         self.device = device if device is not None else torch.device("cpu")
         refusal: list = [None]

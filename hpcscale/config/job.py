@@ -143,7 +143,8 @@ class Metrics:
 
     timing_every: int = setting(
         "Every N steps, rank 0 gathers each rank's step-time breakdown over those steps (one small MPI gather) "
-        "into RUN/timing.jsonl: what `hpcscale status` names stragglers from. 0 turns it off.",
+        "into RUN/timing.jsonl, with the communication ledger (bytes and collectives per process group, how late "
+        "each rank arrived at them): what `hpcscale status` names stragglers and shows traffic from. 0 turns it off.",
         default=20,
         min=0,
     )

@@ -591,7 +591,8 @@ class Checkpointer:
         is left out of the step times (per-rank timing, checkpoint.every_steps: auto)."""
         t = time.perf_counter()
         w = self._waited()
-        with self._watchdog.paused(reason):
+        times = self._ctx.step_times  # an evaluation's collectives are no step's traffic either
+        with self._watchdog.paused(reason), times.paused() if times is not None else contextlib.nullcontext():
             yield
         if self._t_last is not None:
             self._t_last += time.perf_counter() - t
@@ -625,6 +626,7 @@ class Checkpointer:
             tier="node-local",
         )
         self._times = ctx.step_times or NoStepTimes()
+        self._times.restart()  # the ledger's counts from before the first step (model build, the load) are no step's
         self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
         self._collective_last = ctx._collective_s
         self._t_last = time.perf_counter()
