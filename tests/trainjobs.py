@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
@@ -21,6 +22,21 @@ PARAMS = {
 }
 
 
+# What a GPU cluster runs by default, on CPU ranks: fused AdamW, bf16 mixed precision, async saves (and, for a
+# user's model, foreach AdamW: torch's default on CUDA). HPCSCALE_TEST_GPU_DEFAULTS=1 turns it on for every job
+# this module makes; tests/test_gpu_defaults.py always runs it.
+GPU_DEFAULTS = {
+    "params": {"fused_optimizer": True},
+    "parallel": {"mixed_precision": "bf16"},
+    "checkpoint": {"async": True},
+    "user_params": {"optimizer": "foreach"},
+}
+
+
+def gpu_defaults_on() -> bool:
+    return os.environ.get("HPCSCALE_TEST_GPU_DEFAULTS", "") == "1"
+
+
 def job_spec(
     path: Path,
     *,
@@ -32,9 +48,15 @@ def job_spec(
     checkpoint: dict | None = None,
     dp_shard: int = 1,
     parallel: dict | None = None,
+    gpu_defaults: bool | None = None,
     **params,
 ) -> Path:
-    """A job running the reference trainer with PARAMS (overridden by `params`) at the given layout."""
+    """A job running the reference trainer with PARAMS (overridden by `params`) at the given layout; with
+    `gpu_defaults` (default: HPCSCALE_TEST_GPU_DEFAULTS) the GPU_DEFAULTS settings under any given here."""
+    if gpu_defaults if gpu_defaults is not None else gpu_defaults_on():
+        params = {**GPU_DEFAULTS["params"], **params}
+        parallel = {**GPU_DEFAULTS["parallel"], **(parallel or {})}
+        checkpoint = {**GPU_DEFAULTS["checkpoint"], **(checkpoint or {})}
     spec = {
         "name": f"tiny-tp{tp}-pp{pp}",
         "site": site,

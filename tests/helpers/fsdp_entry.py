@@ -1,14 +1,14 @@
-"""A user entry point (`train.entry: fsdp_entry:main`) with its own model, trained at any layout through
-ctx.parallelize and ctx.checkpoint: sharded (parallel.dp_shard), tensor-parallel (a plan for its blocks) and
-pipelined (cut_stage, then ctx.pipeline on the stage ctx.parallelize placed: its replicas averaged or
-sharded). Every layout sees the same global batch per step, so its losses must be the single process's.
+"""A user entry point (`train.entry: fsdp_entry:main`) with its own model, trained at any layout through ctx.parallelize
+and ctx.checkpoint: sharded (parallel.dp_shard), tensor-parallel (a plan for its blocks) and pipelined (cut_stage,
+then ctx.pipeline on the stage ctx.parallelize placed: its replicas averaged or sharded). Every layout sees the same
+global batch per step, so its losses must be the single process's.
 
-params: steps (default 12), lr, slow_rank and slow_ms (that rank sleeps so long before each step, as behind a
-slow data loader), meta (build the model on the meta device and let ctx.parallelize materialize
-each rank's shards with `init`; otherwise it is built whole and initialized the same way). Clips the global
-gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss` and `grad_norm` per step (the global mean loss, the
-norm before clipping) and, at the end, the bytes of parameters, gradients and optimizer state this rank holds
-(RUN/state_bytes.RANK) for the memory checks.
+params: steps (default 12), lr, optimizer (AdamW's kernels: loop, the default, foreach or fused), slow_rank and
+slow_ms (that rank sleeps so long before each step, as behind a slow data loader), meta (build the model on the meta
+device and let ctx.parallelize materialize each rank's shards with `init`; otherwise it is built whole and
+initialized the same way). Clips the global gradient norm to 0.5 with ctx.clip_grad_norm_. Logs `loss` and
+`grad_norm` per step (the global mean loss, the norm before clipping) and, at the end, the bytes of parameters,
+gradients and optimizer state this rank holds (RUN/state_bytes.RANK) for the memory checks.
 """
 
 from __future__ import annotations
@@ -110,7 +110,11 @@ def main(ctx):
             for n, s in (("fc", ColwiseParallel()), ("proj", RowwiseParallel()))
         }
     model = ctx.parallelize(model, tp_plan=plan, init=init if meta else None, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=float(ctx.params.get("lr", 1e-2)), foreach=False)
+    # optimizer: "loop" (per-parameter kernels), "foreach" or "fused" (torch's defaults on GPUs)
+    kernel = {"loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=float(ctx.params.get("lr", 1e-2)), **kernel[ctx.params.get("optimizer", "loop")]
+    )
     start = ctx.checkpoint.restore(model, opt)
     dp, rows = ctx.dims.dp, BATCH // ctx.dims.dp
     pipe = ctx.pipeline(model, n_microbatches=2, loss_fn=loss_fn) if pp > 1 else None

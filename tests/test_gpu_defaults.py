@@ -1,0 +1,121 @@
+"""What a GPU cluster runs by default, proven on CPU ranks: fused AdamW (foreach for a user's model, torch's
+default on CUDA), bf16 mixed precision and async saves, at every layout. Each layout trains, saving several
+times; a copy of its run directory keeps only the saves up to a later one (not the first: a process's later
+saves are the ones a stale-state shortcut got wrong) and resumes from it, and the resumed steps' losses must be
+the uninterrupted run's, bit for bit. A save that kept stale optimizer state, a kernel that refuses the
+layout's parameters, or a resume that restores less than it saved fails here."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+from trainjobs import GPU_DEFAULTS, job_spec, losses
+
+STEPS, EVERY, RESUME_AT = 12, 4, 8  # saves at 4, 8 and 12 (the end); the resume starts from 8
+
+
+def _run(job: Path, run: Path, *extra: str) -> str:
+    result = run_cli("run", str(job), "--local", "--run-dir", str(run), *extra, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _resume_from_a_later_save(run: Path, tmp: Path) -> Path:
+    """A copy of `run` holding only its saves up to RESUME_AT, as if it had stopped there."""
+    copy = tmp / "resumed"
+    shutil.copytree(run, copy, symlinks=True)
+    ckpts = copy / "checkpoints"
+    saved = sorted(int(p.name.split("-")[1]) for p in ckpts.glob("step-*"))
+    assert saved == [EVERY, RESUME_AT, STEPS], saved
+    for step in saved:
+        if step > RESUME_AT:
+            shutil.rmtree(ckpts / f"step-{step:08d}")
+    (ckpts / "LATEST").write_text(f"step-{RESUME_AT:08d}\n")
+    return copy
+
+
+def _user_job(path: Path, *, tp: int, pp: int, ranks: int, dp_shard: int) -> Path:
+    spec = {
+        "name": "user-gpu-defaults",
+        "site": "local",
+        "tasks_per_node": ranks,
+        "parallel": {"tp": tp, "pp": pp, "dp_shard": dp_shard, **GPU_DEFAULTS["parallel"]},
+        "timeout_seconds": 60,
+        "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers")},
+        "checkpoint": {"every_steps": EVERY, "keep_last": 5, **GPU_DEFAULTS["checkpoint"]},
+        "train": {"entry": "fsdp_entry:main", "params": {"steps": STEPS, **GPU_DEFAULTS["user_params"]}},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+LAYOUTS = {  # id: (tp, pp, ranks, dp_shard)
+    "dp2": (1, 1, 2, 1),
+    "dp_shard2": (1, 1, 2, 2),
+    "hsdp2x2": (1, 1, 4, 2),
+    "tp2": (2, 1, 2, 1),
+    "pp2": (1, 2, 2, 1),
+    "tp2-dp_shard2": (2, 1, 4, 2),
+    "pp2-dp_shard2": (1, 2, 4, 2),
+}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "user-tp2", "user-dp_shard2"])
+def test_gpu_defaults_save_several_times_and_resume_from_a_later_save_bit_for_bit(mpi, tmp_path, layout):
+    if layout.startswith("user-"):
+        tp, dp_shard = (2, 1) if layout == "user-tp2" else (1, 2)
+        job = _user_job(tmp_path / "job.yaml", tp=tp, pp=1, ranks=2, dp_shard=dp_shard)
+    else:
+        tp, pp, ranks, dp_shard = LAYOUTS[layout]
+        job = job_spec(
+            tmp_path / "job.yaml",
+            tp=tp,
+            pp=pp,
+            ranks=ranks,
+            dp_shard=dp_shard,
+            gpu_defaults=True,
+            steps=STEPS,
+            n_layer=2,
+            checkpoint={"every_steps": EVERY, "keep_last": 5},
+        )
+    spec = yaml.safe_load(job.read_text())
+    assert spec["parallel"]["mixed_precision"] == "bf16"
+    uninterrupted = tmp_path / "run"
+    _run(job, uninterrupted)
+    expected = losses(uninterrupted)
+    assert sorted(expected) == list(range(STEPS))
+    resumed = _resume_from_a_later_save(uninterrupted, tmp_path)
+    out = _run(job, resumed, "--reuse")
+    assert f"resumed from checkpoint step {RESUME_AT}" in out, out[-2000:]
+    again = losses(resumed)  # the resumed attempt's rows come last: they win for steps RESUME_AT..
+    for step in range(RESUME_AT, STEPS):
+        assert again[step] == expected[step], (step, again[step], expected[step])
+
+
+@pytest.mark.parametrize("example", ["gpt-dgx.yaml", "gpt-hsdp.yaml"])
+def test_the_gpu_examples_layouts_and_numerics_start_and_train_here_scaled_down(mpi, tmp_path, example):
+    """docs/examples' GPU jobs with their own parallel and numerics settings (fused AdamW, bf16, tp with the
+    reference GPT's replicated norms and embeddings beside its split linears), on 4 CPU ranks: each degree cut
+    to 2, the model to the tests' tiny GPT."""
+    spec = yaml.safe_load((REPO / "docs" / "examples" / example).read_text())
+    parallel = dict(spec["parallel"])
+    parallel["tp"] = min(parallel.get("tp", 1), 2)
+    parallel["pp"] = min(parallel.get("pp", 1), 2)
+    if parallel.get("dp_shard", 1) > 1:
+        parallel["dp_shard"] = 2
+    ranks = parallel["tp"] * parallel["pp"] * parallel.get("dp_shard", 1)
+    numerics = {k: spec["train"]["params"][k] for k in ("bf16", "tf32", "fused_optimizer", "deterministic")}
+    assert numerics["fused_optimizer"] and parallel["tp"] == 2
+    if numerics["bf16"]:  # on a GPU `auto` is bf16 for this trainer; on CPU ranks it has to be asked for
+        parallel["mixed_precision"] = "bf16"
+    job = job_spec(tmp_path / "job.yaml", tp=parallel.pop("tp"), pp=parallel.pop("pp"), ranks=ranks, steps=4)
+    scaled = yaml.safe_load(job.read_text())
+    scaled["parallel"] |= parallel
+    scaled["train"]["params"] |= numerics
+    job.write_text(yaml.safe_dump(scaled))
+    _run(job, tmp_path / "run")
+    assert sorted(losses(tmp_path / "run")) == [0, 1, 2, 3]
