@@ -301,6 +301,7 @@ def test_smoke_runs_its_cpu_half_on_the_slurm_cluster_and_says_what_it_skipped(l
         "binding": "skip",
         "allreduce": "pass",
         "layout": "pass",
+        "traffic": "pass",
         "checkpoint": "pass",
         "resume": "pass",
         "nccl-timeout": "skip",
@@ -310,6 +311,11 @@ def test_smoke_runs_its_cpu_half_on_the_slurm_cluster_and_says_what_it_skipped(l
     checks = {c["name"]: c for c in report["checks"]}
     assert "needs NCCL" in checks["nccl-timeout"]["detail"]
     assert checks["layout"]["figures"]["grad_norm_rel_diff"] <= 1e-5
+    # the ledger's bytes per step: tp's all-reduces inside the blocks, the stages' activations over pp
+    traffic = checks["traffic"]["figures"]
+    assert traffic["mesh_tp"]["kinds"]["all_reduce"]["bytes"] > 0, checks["traffic"]
+    assert traffic["mesh_pp"]["kinds"]["send"]["bytes"] > 0, checks["traffic"]
+    assert "resumed at step 2" in checks["resume"]["detail"]  # the second of the run's saves (every step)
     ranks = checks["devices"]["figures"]["ranks"]
     assert sorted(r["node"] for r in ranks) == ["n1", "n1", "n2", "n2"] or len({r["node"] for r in ranks}) == 2
 

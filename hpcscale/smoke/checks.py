@@ -4,15 +4,19 @@ run directory:
 
 1. devices: each rank's device, GPU UUID, CPUs and NUMA nodes (a rank whose CPUs are not on its GPU's NUMA node
    fails `binding`), and an all-reduce over every rank, checked and timed (bus bandwidth);
-2. layout: the reference GPT at tp x pp x dp for a few steps (bf16 on GPUs), its losses and gradient norms
-   against the same job at tp = pp = 1 (every rank data-parallel): equal to 1e-5 in fp32 on the CPU; within
-   BF16_TOLERANCE on GPUs, where bf16 rounds differently per layout. A wrong gradient scale or a missing
-   reduction moves the gradient norm by a factor, far outside either;
-3. checkpoint: the layout run's mid-run save, asynchronous (copied out of GPU memory on the writer thread's own
+2. layout: the reference GPT at tp x pp x dp for a few steps, with what GPU jobs run by default (fused AdamW;
+   bf16 on GPUs, whose pipeline stages then send bf16; the dp ranks sharded with FSDP2 when dp > 1, as HSDP
+   in replica pairs from dp = 4), its losses and gradient norms against the same job at tp = pp = 1 (every rank
+   data-parallel, replicated): equal to 1e-5 in fp32 on the CPU; within BF16_TOLERANCE on GPUs, where bf16
+   rounds differently per layout. A wrong gradient scale or a missing reduction moves the gradient norm by a
+   factor, far outside either;
+3. traffic: the layout run's communication ledger, bytes per step in each process group;
+4. checkpoint: the layout run's mid-run save, asynchronous (copied out of GPU memory on the writer thread's own
    stream), verified chunk by chunk (`hpcscale ckpt verify`);
-4. resume: the same job stopped at that step and resumed gives the uninterrupted run's losses bit for bit
+5. resume: the same job stopped at that step (its second save, not its first: a process's later saves are the
+   ones that must not keep stale optimizer state) and resumed gives the uninterrupted run's losses bit for bit
    (deterministic kernels);
-5. nccl-timeout: one rank never joins a collective; NCCL's watchdog aborts the others after timeout_seconds,
+6. nccl-timeout: one rank never joins a collective; NCCL's watchdog aborts the others after timeout_seconds,
    and the diagnosis `hpcscale resume --dry-run` shows names the late rank and its node. NCCL only: on the CPU
    (gloo) it is skipped, and the report says so.
 
@@ -84,14 +88,23 @@ class SmokePlan:
     gpu: bool  # whether the ranks are expected on GPUs (sizes the model and the all-reduce)
     min_busbw_gbps: float | None = None  # the all-reduce fails below this bus bandwidth (None: reported only)
 
-    def spec(self, name: str, *, entry: str, params: dict, tp: int = 1, pp: int = 1, **extra: Any) -> dict:
+    @property
+    def dp_shard(self) -> int:
+        """How the layout run shards its dp ranks: all of them (FSDP) up to 3, in halves (HSDP, two replicas)
+        from 4 when dp is even, none at dp = 1."""
+        dp = self.layout.dp
+        return dp // 2 if dp >= 4 and dp % 2 == 0 else dp
+
+    def spec(
+        self, name: str, *, entry: str, params: dict, tp: int = 1, pp: int = 1, dp_shard: int = 1, **extra: Any
+    ) -> dict:
         """A job spec for one smoke job."""
         spec: dict[str, Any] = {
             "name": f"smoke-{name}",
             "site": self.site,
             "nodes": self.layout.nodes,
             "tasks_per_node": self.layout.tasks_per_node,
-            "parallel": {"tp": tp, "pp": pp},
+            "parallel": {"tp": tp, "pp": pp, **({"dp_shard": dp_shard} if dp_shard > 1 else {})},
             "timeout_seconds": 120,
             "hang_timeout_seconds": 60,
             "signals": {"requeue": False},
@@ -110,7 +123,7 @@ class SmokePlan:
         """The reference GPT, small: a fixed global batch every layout divides (world x 2 samples), enough
         micro-batches for every pipeline stage, and heads for any tp up to 8."""
         base = {"steps": self.steps, "global_batch": self.layout.world * 2, "micro_batch": 2, "log_every": 1}
-        base |= {"eval_every": 0, "seed": 11, "warmup_steps": 2, "deterministic": True}
+        base |= {"eval_every": 0, "seed": 11, "warmup_steps": 2, "deterministic": True, "fused_optimizer": True}
         if self.gpu:
             return base | {"seq_len": 128, "n_layer": 2 * self.layout.pp, "n_embd": 512, "n_head": 8, "bf16": True}
         return base | {"seq_len": 32, "n_layer": max(4, self.layout.pp), "n_embd": 32, "n_head": 4}
@@ -147,22 +160,28 @@ def run_smoke(plan: SmokePlan, root: Path, run: Runner, *, say: Callable[[str], 
 
     params = plan.trainer_params()
     half = plan.steps // 2
-    ckpt = {"every_steps": half, "async": True, "keep_last": 5}
+    every = half // 2 if half % 2 == 0 else 1  # half is the second save or a later one
+    ckpt = {"every_steps": every, "async": True, "keep_last": plan.steps}
+    ledger = {"timing_every": every}  # a window of the ledger closes before the end
     reference = job("reference", plan.spec("reference", entry="builtin", params=params))
-    layout = job(
+    layout_spec = plan.spec(
         "layout",
-        plan.spec("layout", entry="builtin", params=params, tp=lay.tp, pp=lay.pp, checkpoint=ckpt),
+        entry="builtin",
+        params=params,
+        tp=lay.tp,
+        pp=lay.pp,
+        dp_shard=plan.dp_shard,
+        checkpoint=ckpt,
+        metrics=ledger,
     )
+    layout = job("layout", layout_spec)
     report.checks.append(compare_layout(reference, layout, gpu=gpu))
+    report.checks.append(traffic_check(layout))
     report.checks.append(verify_checkpoint(layout, half))
     resumed = None
     if layout.ok:  # the layout run as if it had stopped after its mid-run (asynchronous) save
         stopped_at(layout.run_dir, root / "resume", half)
-        resumed = job(
-            "resume",
-            plan.spec("layout", entry="builtin", params=params, tp=lay.tp, pp=lay.pp, checkpoint=ckpt),
-            reuse=True,
-        )
+        resumed = job("resume", layout_spec, reuse=True)
     report.checks.append(compare_resume(layout, resumed, half))
     if gpu:
         spec = plan.spec("timeout", entry="hpcscale.smoke.probe:stall", params={})
@@ -296,6 +315,27 @@ def compare_layout(reference: JobOutcome, layout: JobOutcome, *, gpu: bool) -> C
     if not learns:
         return Check("layout", "fail", detail + "; but the loss did not fall (or is not finite)", figures)
     return Check("layout", "pass", detail, figures)
+
+
+def traffic_check(layout: JobOutcome) -> Check:
+    """The layout run's bytes per step in each process group, from its newest ledger window (timing.jsonl)."""
+    from hpcscale.observe.timing import read_windows, traffic
+    from hpcscale.rundir import TIMING
+
+    windows = read_windows(layout.run_dir / TIMING) if (layout.run_dir / TIMING).is_file() else []
+    groups = traffic(windows[-1]) if windows else []
+    if not groups:
+        return Check(
+            "traffic", "fail", f"no communication ledger in {layout.run_dir / TIMING} (layout run {layout.how})"
+        )
+    parts = [
+        f"{g.group} {g.bytes / 2**20:.2f} MiB ("
+        + ", ".join(f"{kind} {k['bytes'] / 2**20:.2f}" for kind, k in sorted(g.kinds.items()))
+        + ")"
+        for g in groups
+    ]
+    figures = {g.group: {"bytes": g.bytes, "kinds": g.kinds, "gbps": g.gbps} for g in groups}
+    return Check("traffic", "pass", "per step: " + "; ".join(parts), figures)
 
 
 def verify_checkpoint(layout: JobOutcome, step: int) -> Check:
