@@ -309,7 +309,7 @@ REFUSED = {  # call -> what its BadInput says (docs/context-api.md, "Errors"), a
     "parallelize init": "init= initializes a model built on the meta device",
     "parallelize twice": "this model was already parallelized",
     "clip_grad_norm_ max_norm": "max_norm is -1.0",
-    "metrics.log tensor": "ctx.metrics.log: loss is a Tensor",
+    "metrics.log tensor": "ctx.metrics.log: loss is a tensor of 3 elements",
     "checkpoint.step before restore": "ctx.checkpoint.step() before ctx.checkpoint.restore",
     "checkpoint.save before restore": "ctx.checkpoint.save() before ctx.checkpoint.restore",
     "checkpoint.restore optimizer without model": "an optimizer needs its model",
@@ -355,7 +355,7 @@ def test_every_documented_bad_call_is_refused_with_bad_input_naming_it(mpi, tmp_
         spec["train"]["params"] = {"uncaught": "metrics.log tensor"}
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
         r = run_local(tmp_path / "job.yaml", tmp_path / "run2")
-        assert r.returncode == 2 and "ctx.metrics.log: loss is a Tensor" in r.stdout + r.stderr, r.stderr[-2000:]
+        assert r.returncode == 2 and "ctx.metrics.log: loss is a tensor of 3" in r.stdout + r.stderr, r.stderr[-2000:]
 
 
 # ---- the JSON state's rules ----------------------------------------------------------------------------------

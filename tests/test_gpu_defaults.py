@@ -7,6 +7,7 @@ layout's parameters, or a resume that restores less than it saved fails here."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -119,3 +120,25 @@ def test_the_gpu_examples_layouts_and_numerics_start_and_train_here_scaled_down(
     job.write_text(yaml.safe_dump(scaled))
     _run(job, tmp_path / "run")
     assert sorted(losses(tmp_path / "run")) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp_shard2", "tp2", "pp2"])
+def test_a_training_step_reads_the_device_once(mpi, tmp_path, layout):
+    """The built-in trainer at the GPU defaults keeps the loss and the gradient norm on the device: they ride on
+    the stop check's all-reduce and come back with its one read (tests/helpers/sync_count_entry.py counts every
+    read of a tensor's value and copy to the host on the training thread, between step ends). The first step
+    (the pipeline's shape inference, lazy optimizer state) and the last (the progress line) may read more."""
+    tp, pp, ranks, dp_shard = LAYOUTS[layout]
+    job = job_spec(tmp_path / "job.yaml", tp=tp, pp=pp, ranks=ranks, dp_shard=dp_shard, gpu_defaults=True, steps=6)
+    spec = yaml.safe_load(job.read_text())
+    spec["train"]["entry"] = "sync_count_entry:main"
+    spec["environment"] = {"PYTHONPATH": str(REPO / "tests" / "helpers")}
+    spec.pop("checkpoint", None)  # a save step reads tensors to write them: the steps here have none
+    job.write_text(yaml.safe_dump(spec))
+    _run(job, tmp_path / "run")
+    for rank in range(ranks):
+        counts = json.loads((tmp_path / "run" / f"syncs.{rank}.json").read_text())
+        assert sorted(map(int, counts)) == list(range(6))
+        for step in range(1, 5):
+            n, where = counts[str(step)]
+            assert n == 1 and where[0].startswith("tolist at context.py"), (rank, step, where)

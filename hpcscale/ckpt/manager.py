@@ -886,7 +886,7 @@ def _staging_line(staged: list[tuple[int, int, str | None]]) -> str:
         top = max(range(len(pinned)), key=pinned.__getitem__)
         each = f"at most {pinned[top] / mib:.1f} MiB (rank {top}), {sum(pinned) / mib:.1f} MiB over {len(staged)} ranks"
     line = (
-        f"hpcscale: checkpoint staging: pinned host memory per rank: {each}; staging buffers "
+        f"hpcscale: staging for checkpoints: pinned host memory per rank: {each}; staging buffers "
         f"{min(held) / mib:.1f} to {max(held) / mib:.1f} MiB per rank"
     )
     problems = [(r, why) for r, (_, _, why) in enumerate(staged) if why]

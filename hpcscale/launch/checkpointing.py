@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -264,11 +264,21 @@ class Checkpointer:
         self._start_clock(restored.step)
         return restored.step
 
-    def step(self, step: int, *, data_s: float = 0.0) -> None:
+    def step(
+        self,
+        step: int,
+        *,
+        data_s: float = 0.0,
+        sums: dict[str, Any] | None = None,
+        report: Callable[[dict[str, float]], None] | None = None,
+    ) -> None:
         """Step `step` (0-based) is finished: beat the hang watchdog, save on the job's period
         (checkpoint.every_steps, asynchronous as checkpoint.async says) and, when any rank got a stop signal,
         save now and stop every rank together (StopRequested: exit 75, requeued by the batch script).
         `data_s`: the seconds of the step spent waiting for data, when the code knows (per-rank timing).
+        `sums`: one-element tensors (a loss, its contribution from this rank) summed over every rank in the stop
+        flag's own all-reduce, and read back with it: the step's one host sync serves both. `report(values)` gets
+        them as numbers, on every rank, before anything is saved or a stop raised (log the step there).
         The last step (`steps` set) saves nothing here: close() saves the end state after the code returns."""
         if not self._registered:
             raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
@@ -279,7 +289,13 @@ class Checkpointer:
         t_sync = time.perf_counter()
         # the stop flag, and whether a drain due can start without waiting: one all-reduce, so every rank agrees
         draining = self._drain_due is not None
-        stop, tier_busy = self._ctx._any_of(self._ctx.stop.requested, draining and self._drain_would_wait())
+        flags, values = self._ctx._any_of_and_sums(
+            (self._ctx.stop.requested, draining and self._drain_would_wait()), sums or {}
+        )
+        stop, tier_busy = flags
+        t_read = time.perf_counter()
+        if report is not None:
+            report(values)
         if stop:
             self.save(step + 1, asynchronous=False)
             self.manager.wait()
@@ -291,7 +307,7 @@ class Checkpointer:
         t_saves = time.perf_counter()
         wait_s = self._waited() - self._waits_last  # the step's collective waits, saves left out
         # the stop flag's all-reduce, and the step's other collectives made for the code (ctx._collective_s)
-        sync_s = t_saves - t_sync + self._ctx._collective_s - self._collective_last
+        sync_s = t_read - t_sync + self._ctx._collective_s - self._collective_last
         self._collective_last = self._ctx._collective_s
         work_s = t_saves - self._t_last  # the user's step, from the previous step() to this one's stop check
         self._saves.step(work_s)

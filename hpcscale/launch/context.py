@@ -52,6 +52,14 @@ def _loggable(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "numel")  # torch stays unimported
+
+
+def _scalar_tensor(value: Any) -> bool:
+    return _is_tensor(value) and value.numel() == 1
+
+
 class MetricsLogger:
     """JSON lines in RUN/metrics.jsonl, written by global rank 0 only; `print` echoes progress to stdout.
     Every line names its attempt (RUN/attempts.jsonl): a step repeated after a requeue or resume is told apart."""
@@ -68,17 +76,20 @@ class MetricsLogger:
 
     def log(self, **values: Any) -> None:
         """Append one JSON line of `values` to metrics.jsonl (rank 0; every rank checks them): numbers,
-        strings, booleans, None, and lists and dicts of them. Anything else (a tensor: log float(t)) is
-        BadInput naming the key."""
+        strings, booleans, None, and lists and dicts of them, and one-element tensors (a loss, a norm), whose
+        value is read where the line is written: on rank 0, the one host sync of the call, and none on the other
+        ranks. Anything else is BadInput naming the key."""
         for key, value in values.items():
-            if not _loggable(value):
+            if not (_loggable(value) or _scalar_tensor(value)):
                 from hpcscale.errors import BadInput
 
+                what = f"a tensor of {value.numel()} elements" if _is_tensor(value) else f"a {type(value).__name__}"
                 raise BadInput(
-                    f"ctx.metrics.log: {key} is a {type(value).__name__}; log numbers, strings, booleans or None "
-                    "(lists and dicts of them): a tensor's value is float(t)"
+                    f"ctx.metrics.log: {key} is {what}; log numbers, strings, booleans, None (lists and dicts of "
+                    "them) or a one-element tensor"
                 )
         if self._f is not None:
+            values = {k: v.item() if _scalar_tensor(v) else v for k, v in values.items()}
             head = (
                 {"time": round(time.time(), 3)}
                 if self.attempt is None
@@ -132,6 +143,7 @@ class Context:
     # seconds this rank spent in the step's collectives that hpcscale makes for it (clip_grad_norm_'s all-reduces,
     # the reference trainer's loss all-reduce): waiting for peers, which per-rank timing counts as sync
     _collective_s: float = field(default=0.0, repr=False)
+    _pp_group: Any = field(default=None, repr=False)  # mesh["pp"]'s group, looked up once (slicing the mesh reads it)
     # every collective wait of the training thread (hpcscale.launch.waits), when per-rank timing is on
     _waits: Any = field(default=None, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
@@ -266,13 +278,15 @@ class Context:
             last=self.pp_rank == self.dims.pp - 1,
         )
 
-    def clip_grad_norm_(self, max_norm: float, parameters: Any = None) -> float:
+    def clip_grad_norm_(self, max_norm: float, parameters: Any = None) -> Any:
         """Clip the gradients to a global norm of `max_norm` (0: measure only) and return the norm before
         clipping: the norm of the whole model's gradient, as one process training it would compute, under
         every layout (tensor-parallel and FSDP shards summed over their groups, pipeline stages summed,
-        replicas counted once; hpcscale.parallel.clip). `parameters`: by default those of every model given to
-        ctx.parallelize. torch.nn.utils.clip_grad_norm_ takes a tp-sharded model's norm wrongly or raises
-        (`mixed torch.Tensor and DTensor`). A collective: call it in every rank, after backward."""
+        replicas counted once; hpcscale.parallel.clip), as a 0-dim fp64 tensor on the rank's device, the same
+        on every rank, as torch's clip_grad_norm_ returns it: nothing waits for it until it is read (float(norm),
+        ctx.metrics.log). `parameters`: by default those of every model given to ctx.parallelize.
+        torch.nn.utils.clip_grad_norm_ takes a tp-sharded model's norm wrongly or raises (`mixed torch.Tensor and
+        DTensor`). A collective: call it in every rank, after backward."""
         from hpcscale.errors import BadInput
         from hpcscale.parallel.clip import clip_grad_norm
 
@@ -281,11 +295,13 @@ class Context:
         if parameters is None:
             parameters = [q for m in self._models for q in m.parameters()]
         params = [q for q in parameters if q.requires_grad]
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        if self._pp_group is None and self.dims.pp > 1:
+            self._pp_group = self.mesh["pp"].get_group()
+        pp_group = self._pp_group
         waited: list[float] = []
         norm = clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device, waited=waited)
         self._collective_s += sum(waited)
-        return float(norm)  # the host waits here: clipping is queued by now
+        return norm
 
     def token_batches(
         self,
@@ -364,9 +380,18 @@ class Context:
 
     def _any_of(self, *flags: bool) -> list[bool]:
         """For each flag, whether any rank's is set: one all-reduce (collective: every rank, same count)."""
+        return self._any_of_and_sums(flags, {})[0]
+
+    def _any_of_and_sums(self, flags: Any, sums: dict[str, Any]) -> tuple[list[bool], dict[str, float]]:
+        """For each flag, whether any rank's is set, and each of `sums` (one-element tensors on this rank's
+        device) summed over every rank, in fp64: one all-reduce and one read back to the host."""
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=self.device)
+        flags = list(flags)
+        parts = [torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64, device=self.device)]
+        parts += [v.detach().reshape(1).to(device=self.device, dtype=torch.float64) for v in sums.values()]
+        t = torch.cat(parts)
         dist.all_reduce(t)
-        return [bool(x > 0) for x in t.tolist()]
+        values = t.tolist()  # the host waits here, once, for everything the step queued
+        return [x > 0 for x in values[: len(flags)]], dict(zip(sums, values[len(flags) :], strict=True))

@@ -23,6 +23,7 @@ step in every case.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import asdict
@@ -36,7 +37,6 @@ from hpcscale.config.yamlsrc import YamlSource
 from hpcscale.data.loader import TokenLoader
 from hpcscale.data.prepare import default_corpus_dataset
 from hpcscale.launch.context import Context
-from hpcscale.parallel.device import settle
 from hpcscale.parallel.fsdp import reshard
 from hpcscale.parallel.pipeline import cut_stage
 from hpcscale.rundir import JOB
@@ -200,15 +200,24 @@ def train(ctx: Context) -> None:
             loss = (pipe.step if training else pipe.eval)(inputs, targets)
             return loss if loss is not None else torch.zeros((), device=ctx.device)
 
+    def contribution(loss: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global mean loss (last stage, tp rank 0 of each dp replica): summed over
+        every rank it is the mean."""
+        return loss / dims.dp if (last and ctx.tp_rank == 0) else torch.zeros((), device=ctx.device)
+
     def agree(loss: torch.Tensor) -> float:
-        """One all-reduce per step: the global mean loss (last stage, tp rank 0 of each dp replica)."""
-        contribution = loss / dims.dp if (last and ctx.tp_rank == 0) else torch.zeros((), device=ctx.device)
-        t = contribution.float().reshape(1)
+        """The global mean loss: one all-reduce (evaluation; a training step's rides on the stop check's)."""
+        t = contribution(loss).float().reshape(1)
         dist.all_reduce(t)
         return float(t[0])
 
+    pin = ctx.device.type == "cuda"
+
     def to_device(batch):
-        return tuple(torch.from_numpy(a).to(ctx.device) for a in batch)
+        """The batch on the rank's device. On a GPU from pinned memory, asynchronously: a copy from pageable
+        memory would make the host wait for everything queued on the stream first."""
+        tensors = (torch.from_numpy(a) for a in batch)
+        return tuple((t.pin_memory() if pin else t).to(ctx.device, non_blocking=pin) for t in tensors)
 
     def evaluate(step: int) -> None:
         batches = loader.val_batches(cfg.eval_batches)
@@ -224,29 +233,19 @@ def train(ctx: Context) -> None:
         ctx.metrics.log(step=step, val_loss=val)
         ctx.metrics.print(f"step {step:6d}  val_loss {val:.4f}")
 
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        inputs, targets = to_device(loader.next_batch())
-        data_s = time.perf_counter() - t0
-        lr = lr_at(step, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss = run_batch(inputs, targets, training=True)
-        grad_norm = ctx.clip_grad_norm_(cfg.grad_clip)
-        opt.step()  # after a deferred save's copy of the tensors is taken (ctx.checkpoint's pre-step hook)
-        settle(ctx.device)  # the step's queued kernels are done: what agree() waits for from here is its peers
-        t_comm = time.perf_counter()
-        loss_value = agree(loss)
+    def log_step(
+        values: dict[str, float], *, step: int, lr: float, t0: float, t_check: float, comm_before: float
+    ) -> None:
+        """The step's line, from the loss and norm the stop check's all-reduce brought back."""
         t_end = time.perf_counter()
-        ctx._collective_s += t_end - t_comm  # waiting for the slowest peer: per-rank timing counts it as sync
-        comm_s = sum(sync.comm_wait_s for sync in ctx._syncs) + (t_end - t_comm)
         step_s = t_end - t0
+        comm_s = comm_before + (t_end - t_check)  # the check waits for the slowest rank's step too
+        loss_value = values["loss"]
         ctx.metrics.log(
             step=step,
             loss=loss_value,
             lr=lr,
-            grad_norm=grad_norm,
+            grad_norm=values["grad_norm"],
             step_time_s=step_s,
             tokens_per_s=tokens_per_step / step_s,
             comm_share=comm_s / step_s,
@@ -259,7 +258,27 @@ def train(ctx: Context) -> None:
                 f"{tokens_per_step / step_s:8.0f} tok/s  {cfg.steps - step - 1} steps left, about "
                 f"{int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
             )
-        checkpoint.step(step, data_s=data_s)  # watchdog, stop signal, periodic save, round, per-rank timing
+
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        inputs, targets = to_device(loader.next_batch())
+        data_s = time.perf_counter() - t0
+        lr = lr_at(step, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss = run_batch(inputs, targets, training=True)
+        grad_norm = ctx.clip_grad_norm_(cfg.grad_clip)  # a device tensor: read with the stop flag below
+        opt.step()  # after a deferred save's copy of the tensors is taken (ctx.checkpoint's pre-step hook)
+        comm_before = sum(sync.comm_wait_s for sync in ctx._syncs)
+        t_check = time.perf_counter()
+        # the norm is the same on every rank: rank 0's alone makes the sum exact
+        norm_share = grad_norm if ctx.rank == 0 else torch.zeros((), device=ctx.device)
+        sums = {"loss": contribution(loss), "grad_norm": norm_share}
+        # watchdog, stop signal, periodic save, round, per-rank timing; the step's line is logged by log_step()
+        # after the stop check's all-reduce, which also sums the loss and the norm: one host sync per step
+        at = {"step": step, "lr": lr, "t0": t0, "t_check": t_check, "comm_before": comm_before}
+        checkpoint.step(step, data_s=data_s, sums=sums, report=functools.partial(log_step, **at))
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
             with checkpoint.paused("evaluation"):
                 evaluate(step)

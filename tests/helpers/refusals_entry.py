@@ -55,7 +55,7 @@ def main(ctx):
     attempt("pipeline n_microbatches", lambda: ctx.pipeline(model, n_microbatches=0, loss_fn=None))
     attempt("pipeline 1f1b", lambda: ctx.pipeline(model, n_microbatches=1, loss_fn=None))
     attempt("clip_grad_norm_ max_norm", lambda: ctx.clip_grad_norm_(-1.0))
-    attempt("metrics.log tensor", lambda: ctx.metrics.log(step=0, loss=torch.ones(())))
+    attempt("metrics.log tensor", lambda: ctx.metrics.log(step=0, loss=torch.ones(3)))
     attempt("checkpoint.step before restore", lambda: ctx.checkpoint.step(0))
     attempt("checkpoint.save before restore", lambda: ctx.checkpoint.save(1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
