@@ -142,3 +142,27 @@ def test_a_training_step_reads_the_device_once(mpi, tmp_path, layout):
         for step in range(1, 5):
             n, where = counts[str(step)]
             assert n == 1 and where[0].startswith("tolist at context.py"), (rank, step, where)
+
+
+def test_a_tensor_parallel_plan_that_names_few_modules_trains_with_foreach_adamw(mpi, tmp_path):
+    """tests/helpers/tp_owners_entry.py at tp = 2: modules the plan leaves alone (a root owning a parameter it
+    adds to its children's output, running statistics, tensors made in forward, a tied embedding and head)
+    compute as without tensor parallelism, every parameter is a DTensor (so foreach AdamW takes the group), the
+    tie holds, and the losses are the whole model's trained in one process."""
+    spec = {
+        "name": "tp-owners",
+        "site": "local",
+        "tasks_per_node": 2,
+        "parallel": {"tp": 2},
+        "timeout_seconds": 60,
+        "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers")},
+        "train": {"entry": "tp_owners_entry:main"},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    _run(tmp_path / "job.yaml", tmp_path / "run")
+    for rank in range(2):
+        got = json.loads((tmp_path / "run" / f"tp_owners.{rank}.json").read_text())
+        assert got["all_dtensors"] and got["tied"], got
+        assert "head.weight" not in got["params"]  # one parameter under its first name, as named_parameters() has it
+        for a, b in zip(got["losses"], got["reference"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], got["reference"])

@@ -18,8 +18,8 @@ which gives every replica the same weights by construction.
 With tensor parallelism, every parameter the plan does not split becomes a DTensor replicated over the tp mesh
 (`replicate_unplanned`), as torchtitan's plans make norms and embeddings: torch's fused and foreach optimizer
 kernels (AdamW's defaults on GPUs) refuse a parameter group that mixes plain tensors and DTensors, and a plan
-rarely names every module. The module computes as before: its plain-tensor inputs are taken as replicated,
-its outputs handed back as plain tensors, and its gradients are the same on every tp rank.
+rarely names every module. The module computes as before, on the local tensors (every tp rank holds the same
+values and computes the same gradients, as without the conversion).
 
 With parallel.dp_shard > 1 the data parallelism is torch's FSDP2 instead (hpcscale.parallel.fsdp.shard_model):
 the replicas are made identical first, then each block and the root are sharded over the dp mesh; FSDP
@@ -42,33 +42,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _replicated_in(mesh: Any):
-    from torch.distributed.tensor import DTensor, Replicate
+class _LocalDuringForward:
+    """Forward hooks that show a module its replicated DTensor parameters as their local tensors while its own
+    forward runs (`to_local()`, through which autograd hands the gradient back to the DTensor), then put the
+    DTensors back, even when forward raises. The module's code, its buffers, tensors it makes and custom
+    kernels then see plain tensors exactly as without tensor parallelism; only the optimizer and the
+    checkpoints see DTensors. What is read at call time is whatever the module holds then (FSDP2 swaps in its
+    unsharded parameters before a block's forward)."""
 
-    def to_dtensor(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-            return DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-        return t
+    def __init__(self, names: list[str]):
+        self.names = names
+        self._saved: list[dict[str, Any]] = []  # a stack: a module may be called inside its own forward
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-        from torch.utils._pytree import tree_map
+    def enter(self, module: nn.Module, args: Any) -> None:
+        saved = {n: module._parameters[n] for n in self.names}
+        for n, p in saved.items():
+            if p is not None and hasattr(p, "to_local"):
+                module._parameters[n] = p.to_local()  # bypasses __setattr__'s Parameter check, for this call only
+        self._saved.append(saved)
 
-        return tree_map(to_dtensor, args), tree_map(to_dtensor, kwargs)
-
-    return hook
-
-
-def _local_out(module: nn.Module, args: Any, output: Any) -> Any:
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map_only
-
-    return tree_map_only(DTensor, lambda t: t.to_local(), output)
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._saved:
+            module._parameters.update(self._saved.pop())
 
 
 def replicate_unplanned(model: nn.Module, tp_mesh: Any) -> list[str]:
     """Make every parameter of `model` that is not a DTensor yet a DTensor replicated over `tp_mesh`, in
-    place, and have each module owning one take plain-tensor inputs as replicated and give DTensor outputs back
-    as plain tensors (forward hooks; names and values unchanged). Returns the modules so changed."""
+    place (names and values unchanged; a parameter two modules share stays one), and have each module owning
+    one compute with their local tensors (_LocalDuringForward). Returns the modules so changed."""
     from torch.distributed.tensor import DTensor, Replicate
 
     changed = []
@@ -83,8 +84,9 @@ def replicate_unplanned(model: nn.Module, tp_mesh: Any) -> list[str]:
                 local = DTensor.from_local(p.detach(), tp_mesh, [Replicate()], run_check=False)
                 made[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
             module.register_parameter(n, made[id(p)])
-        module.register_forward_pre_hook(_replicated_in(tp_mesh), with_kwargs=True)
-        module.register_forward_hook(_local_out)
+        hooks = _LocalDuringForward([n for n, _ in own])
+        module.register_forward_pre_hook(hooks.enter)
+        module.register_forward_hook(hooks.exit, always_call=True)
         changed.append(name)
     return changed
 
@@ -96,10 +98,13 @@ def parallelize(
     tp_mesh: Any = None,
     tp_plan: dict[str, Any] | None = None,
     shard: Any,
+    device: torch.device | None = None,
 ) -> Any:
     """Apply `tp_plan` over `tp_mesh` (torch.distributed.tensor.parallel.parallelize_module), make the dp
     replicas identical, then return `shard(model)`: what averages or shards its gradients over the replicas
-    (a GradSync, or FSDP2's ShardedSync; Context.parallelize says which). In place."""
+    (a GradSync, or FSDP2's ShardedSync; Context.parallelize says which). In place. `device`: where the rest
+    of a model built with its weights goes once the plan has placed its split parameters (the caller moves a
+    model without a plan itself)."""
     tp = tp_mesh.size() if tp_mesh is not None else 1
     if tp > 1:
         if not tp_plan:
@@ -110,7 +115,11 @@ def parallelize(
             )
         from torch.distributed.tensor.parallel import parallelize_module
 
+        # A model with weights comes here still on the host: torch moves each planned parameter to the mesh's
+        # device and keeps the rank's slice, one parameter at a time, so the device never holds the whole model.
         parallelize_module(model, tp_mesh, tp_plan)
+        if device is not None and not on_meta(model):
+            model.to(device)  # what the plan does not split: whole on every tp rank anyway
         replicate_unplanned(model, tp_mesh)
     if dp_group is not None and dist.get_world_size(dp_group) > 1 and not on_meta(model):
         with torch.no_grad():
