@@ -38,8 +38,9 @@ it came last. time.time() is one clock for every process of a node; across nodes
 millisecond, PTP: microseconds) adds to every lateness, so lateness between nodes means something only well
 above it.
 
-Not counted: another thread's collectives (the checkpoint writer's saves run on their own thread and gloo group:
-only the installing thread counts, as for the wait clock); collectives issued from C++ without the Python API
+Not counted: another thread's collectives outside a backward pass (the checkpoint writer's saves run on their own
+thread and gloo group); a backward pass is counted on whichever thread torch's autograd engine runs it (on GPUs its
+own device threads); collectives issued from C++ without the Python API
 (DDP's reducer: hpcscale's own gradient sync does not use it; the autograd backward of the `*_autograd`
 functional collectives, which DTensor does not use); code compiled by torch.compile (its collectives are graph
 ops; nothing is counted while tracing either). Blocked time per group (`wait_s`) is attributed where
@@ -243,7 +244,13 @@ class Ledger:
             self.current.waited[label] = self.current.waited.get(label, 0.0) + seconds
 
     def _counts_here(self) -> bool:
-        return threading.get_ident() == self.thread and not torch.compiler.is_compiling()
+        """The installing (training) thread, or a backward pass on any thread: on GPUs torch's autograd engine
+        runs backward on its own per-device threads, and the collectives issued there (GradSync's buckets,
+        FSDP's reduce-scatters and backward all-gathers, tensor parallelism's backward all-reduces) are the
+        training's. The checkpoint writer's threads run no backward."""
+        if torch.compiler.is_compiling():
+            return False
+        return threading.get_ident() == self.thread or torch._C._current_graph_task_id() != -1
 
     # ---- the wrappers ------------------------------------------------------------------------------------------
     def _pg_method(self, fn, kind: str, at: int | None):
