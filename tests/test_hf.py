@@ -77,10 +77,10 @@ def _val_loss(run: Path) -> float:
     return [r["val_loss"] for r in rows if "val_loss" in r][-1]
 
 
-def _close(got: dict[int, float], want: dict[int, float]) -> None:
+def _close(got: dict[int, float], want: dict[int, float], *, within: float = 1e-5) -> None:
     assert sorted(got) == sorted(want) and len(got) == 16
     worst = max(abs(got[k] - want[k]) / abs(want[k]) for k in got)
-    assert worst <= 1e-5, f"max relative difference {worst:.2e}"
+    assert worst <= within, f"max relative difference {worst:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,10 @@ def test_a_transformers_model_trains_at_every_layout_stops_resumes_and_exports(c
     # the page's own layout, uninterrupted: one process's losses
     whole = tmp_path / "tp2-dp_shard2"
     _run(_job(code, "page"), whole)
-    _close(losses(whole), want)
+    # tp 2: the attention's and the MLP's partial sums are all-reduced in another order than one process adds
+    # them; with transformers 5.24's Llama that alone moves step 16's loss by 1.09e-5 (a gradient scale or a
+    # missing reduction moves it by orders of magnitude more)
+    _close(losses(whole), want, within=2e-5)
     # the same, stopped by SIGTERM mid-run, then resumed: bitwise the uninterrupted run
     run = tmp_path / "stopped"
     proc = subprocess.Popen(
