@@ -511,7 +511,7 @@ class ShardWriter:
         self.pool = staging if staging is not None else StagingPool()
         self._drain_buffers: dict[str, torch.Tensor] = {}  # what a drain reads node-local files into (staging)
         # The chunks the save in flight wrote or referenced; known (for dedup) only once it commits.
-        self._candidate: dict[str, list[ChunkRef]] = {}
+        self._candidate: list[ChunkRef] = []
 
     def snapshot(
         self, shards: list[LocalShard], *, copy: bool, ready: torch.cuda.Event | None = None
@@ -616,7 +616,7 @@ class ShardWriter:
                     else:
                         result.referenced_bytes += ref.length
                     refs.append(ref)
-                self._candidate[_key(s)] = refs
+                self._candidate += refs
                 rows.append((s.name, s.global_shape, dtype_name(s.tensor), s.offset, tuple(s.tensor.shape), refs))
             fault("data_written", self.rank)
         except BaseException:
@@ -633,9 +633,8 @@ class ShardWriter:
 
     def committed(self, removed_files: list[str]) -> None:
         """The save in flight is committed: its chunks become known (dedup), minus files retention removed."""
-        for refs in self._candidate.values():
-            for ref in refs:
-                self.known.setdefault(ref.hash, ref)
+        for ref in self._candidate:
+            self.known.setdefault(ref.hash, ref)
         self._candidate.clear()
         if removed_files:
             gone = set(removed_files)

@@ -16,6 +16,7 @@ from hpcscale.cli.options import (
     print_json,
     site_option,
 )
+from hpcscale.observe.timing import human_bytes
 
 job_argument = click.argument("job", type=click.Path(dir_okay=False))
 run_dir_option = click.option(
@@ -272,14 +273,6 @@ def format_timing(timing: dict, run: Path) -> list:
     return lines
 
 
-def _bytes(n: float) -> str:
-    """Bytes in decimal units (as GB/s is): 512 B, 271.1 kB, 1.34 GB."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.{2 if scale == 1e9 else 1}f} {unit}"
-    return f"{n:.0f} B"
-
-
 def format_traffic(timing: dict) -> list:
     """The newest window's traffic per process group (the communication ledger) and the late-arrival verdict
     (docs/observability.md); nothing for a run recorded without the ledger."""
@@ -298,13 +291,13 @@ def format_traffic(timing: dict) -> list:
         table.add_column(col, justify="left" if col in ("group", "by kind (bytes × collectives)") else "right")
     for g in groups:
         kinds = ", ".join(
-            f"{cm(kind)} {_bytes(k['bytes'])} × {k['n']:g}" for kind, k in sorted(g["kinds"].items()) if k["n"] > 0
+            f"{cm(kind)} {human_bytes(k['bytes'])} × {k['n']:g}" for kind, k in sorted(g["kinds"].items()) if k["n"] > 0
         )
-        spread = "" if g["bytes_max"] <= g["bytes"] * 1.001 else f" (max {_bytes(g['bytes_max'])})"
+        spread = "" if g["bytes_max"] <= g["bytes"] * 1.001 else f" (max {human_bytes(g['bytes_max'])})"
         table.add_row(
             cm(g["group"]),
             str(g["ranks"]),
-            _bytes(g["bytes"]) + spread,
+            human_bytes(g["bytes"]) + spread,
             kinds,
             f"{g['wait_s'] * 1000:.1f}",
             "—" if g["gbps"] is None else f"{g['gbps']:.2f}",

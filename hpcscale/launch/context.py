@@ -39,8 +39,9 @@ def _append_only(path: Path):
 
 
 def _loggable(value: Any, depth: int = 0) -> bool:
-    """Whether json.dumps writes `value` as a metrics value: plain JSON, bounded nesting."""
-    if value is None or isinstance(value, bool | int | float | str):
+    """Whether `value` is a metrics value: plain JSON or one-element tensors (read when written), bounded
+    nesting."""
+    if value is None or isinstance(value, bool | int | float | str) or _scalar_tensor(value):
         return True
     if depth < 8 and isinstance(value, list | tuple):
         return all(_loggable(v, depth + 1) for v in value)
@@ -60,6 +61,17 @@ def _scalar_tensor(value: Any) -> bool:
     return _is_tensor(value) and value.numel() == 1
 
 
+def _plain(value: Any) -> Any:
+    """`value` (a _loggable one) with its tensors read: what json.dumps writes."""
+    if _scalar_tensor(value):
+        return value.item()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 class MetricsLogger:
     """JSON lines in RUN/metrics.jsonl, written by global rank 0 only; `print` echoes progress to stdout.
     Every line names its attempt (RUN/attempts.jsonl): a step repeated after a requeue or resume is told apart."""
@@ -76,11 +88,11 @@ class MetricsLogger:
 
     def log(self, **values: Any) -> None:
         """Append one JSON line of `values` to metrics.jsonl (rank 0; every rank checks them): numbers,
-        strings, booleans, None, and lists and dicts of them, and one-element tensors (a loss, a norm), whose
-        value is read where the line is written: on rank 0, the one host sync of the call, and none on the other
-        ranks. Anything else is BadInput naming the key."""
+        strings, booleans, None and one-element tensors (a loss, a norm), and lists and dicts of them; a
+        tensor's value is read where the line is written: on rank 0 (a host sync there), on no other rank.
+        Anything else is BadInput naming the key."""
         for key, value in values.items():
-            if not (_loggable(value) or _scalar_tensor(value)):
+            if not _loggable(value):
                 from hpcscale.errors import BadInput
 
                 what = f"a tensor of {value.numel()} elements" if _is_tensor(value) else f"a {type(value).__name__}"
@@ -89,7 +101,7 @@ class MetricsLogger:
                     "them) or a one-element tensor"
                 )
         if self._f is not None:
-            values = {k: v.item() if _scalar_tensor(v) else v for k, v in values.items()}
+            values = {k: _plain(v) for k, v in values.items()}
             head = (
                 {"time": round(time.time(), 3)}
                 if self.attempt is None
@@ -210,7 +222,7 @@ class Context:
             raise BadInput(f"ctx.parallelize: init is {init!r}, not a function of one module")
         p = self.job.parallel
         dp_group = self.mesh["dp"].get_group() if self.dims.dp > 1 else None
-        if not meta:
+        if not meta and self.dims.tp == 1:  # with tp, parallelize moves each parameter after slicing it
             model.to(self.device)
         # replicated data parallelism: automatic at the end of each backward, except a pipeline stage's, whose
         # micro-batch backward passes run inside the schedule: ctx.pipeline arms and finishes it per step
@@ -231,10 +243,12 @@ class Context:
             if meta:
                 materialize(m, init, seed=seed, device=self.device)
             if self.dims.sharded:
-                return ShardedSync(m, replicas=self.dims.dp_replicate)
+                return ShardedSync(m, replicas=self.dims.dp_replicate, pipeline=self.dims.pp > 1)
             return GradSync(m, dp_group, bucket_mb=bucket_mb, automatic=automatic)
 
-        sync = parallelize(model, dp_group=dp_group, tp_mesh=self.mesh["tp"], tp_plan=tp_plan, shard=shard)
+        sync = parallelize(
+            model, dp_group=dp_group, tp_mesh=self.mesh["tp"], tp_plan=tp_plan, shard=shard, device=self.device
+        )
         self._models.append(model)
         self._syncs.append(sync)
         return model
@@ -298,9 +312,11 @@ class Context:
         if self._pp_group is None and self.dims.pp > 1:
             self._pp_group = self.mesh["pp"].get_group()
         pp_group = self._pp_group
-        waited: list[float] = []
+        # timing the all-reduces needs the stream settled around them: on CPU that costs nothing; on a GPU it would
+        # be two waits for the device each step, and per-rank timing books NCCL's waits as next to nothing anyway
+        waited: list[float] | None = [] if self.device.type == "cpu" else None
         norm = clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device, waited=waited)
-        self._collective_s += sum(waited)
+        self._collective_s += sum(waited or ())
         return norm
 
     def token_batches(
@@ -389,7 +405,10 @@ class Context:
         import torch.distributed as dist
 
         flags = list(flags)
-        parts = [torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64, device=self.device)]
+        host = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
+        if self.device.type == "cuda":  # from page-locked memory the copy is queued, not waited for
+            host = host.pin_memory()
+        parts = [host.to(self.device, non_blocking=True)]
         parts += [v.detach().reshape(1).to(device=self.device, dtype=torch.float64) for v in sums.values()]
         t = torch.cat(parts)
         dist.all_reduce(t)

@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 from hpcscale.errors import BadInput
+from hpcscale.observe.timing import human_bytes
 from hpcscale.portable.files import atomic_write
 from hpcscale.rundir import JOB, METRICS, TIMING, RunDir
 from hpcscale.util.bounded import loads_json, read_bounded, read_tail
@@ -438,13 +439,6 @@ def render_markdown(s: dict) -> str:
     return "\n".join(lines)
 
 
-def _bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.{2 if scale == 1e9 else 1}f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _communication_rows(comm: dict | None) -> list[str]:
     """Summary rows: each group's bytes per step in the newest window (by kind, with GB/s over the time blocked
     in them where a rank was blocked), and the ranks the others waited for at collectives."""
@@ -454,14 +448,14 @@ def _communication_rows(comm: dict | None) -> list[str]:
     rows = []
     for g in comm["groups"]:
         kinds = ", ".join(
-            f"{clean(kind, limit=40)} {_bytes(k['bytes'])} × {k['n']:g}"
+            f"{clean(kind, limit=40)} {human_bytes(k['bytes'])} × {k['n']:g}"
             for kind, k in sorted(g["kinds"].items())
             if k["n"] > 0
         )
         rate = "" if g["gbps"] is None else f"; {g['gbps']:.2f} GB/s over {g['wait_s'] * 1000:.1f} ms blocked"
         rows.append(
             f"| traffic per step, {clean(g['group'], limit=64)} (steps {first}-{comm['step']}) | "
-            f"{_bytes(g['bytes'])} on {g['ranks']} rank(s): {kinds}{rate} |"
+            f"{human_bytes(g['bytes'])} on {g['ranks']} rank(s): {kinds}{rate} |"
         )
     late = comm["late"]
     if late["reason"]:

@@ -325,6 +325,14 @@ class GroupTraffic:
         }
 
 
+def human_bytes(n: float) -> str:
+    """Bytes in decimal units (as GB/s is): 512 B, 271.1 kB, 1.34 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if scale == 1e9 else 1}f} {unit}"
+    return f"{n:.0f} B"
+
+
 def traffic(window: Window) -> list[GroupTraffic]:
     """Each group's traffic per step in `window`, by name; [] for a line without the ledger's columns."""
     out = []

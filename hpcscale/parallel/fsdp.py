@@ -249,9 +249,10 @@ class ShardedSync:
     comm_wait_s = 0.0
     comm_wait_total_s = 0.0
 
-    def __init__(self, model: nn.Module, *, replicas: int = 1):
+    def __init__(self, model: nn.Module, *, replicas: int = 1, pipeline: bool = False):
         self.model = model
         self.replicas = replicas  # dp_replicate: HSDP's replica groups, all-reduced across after each reduce-scatter
+        self.pipeline = pipeline  # a pipeline stage: its schedule drives FSDP's reductions, accumulate() leaves them
 
     def begin(self, accumulation_steps: int) -> None:
         pass
@@ -276,17 +277,20 @@ class ShardedSync:
         """A step's micro-batches before its last (Context.accumulate): under HSDP each backward still
         reduce-scatters within its shard group, so gradients stay sharded, but the all-reduce across replicas
         waits for the last micro-batch (FSDP2's set_requires_all_reduce), once per step instead of once per
-        micro-batch. Without replicas there is nothing to defer: FSDP reduce-scatters every micro-batch."""
+        micro-batch. Without replicas there is nothing to defer: FSDP reduce-scatters every micro-batch. Nor on a
+        pipeline stage, whose schedule accumulates its micro-batches and reduces once per step itself: deferring
+        the all-reduce around a whole pipe.step() would skip it."""
         import contextlib
 
         @contextlib.contextmanager
         def deferred():
-            if self.replicas > 1:
+            defer = self.replicas > 1 and not self.pipeline
+            if defer:
                 self.model.set_requires_all_reduce(False)
             try:
                 yield
             finally:
-                if self.replicas > 1:
+                if defer:
                     self.model.set_requires_all_reduce(True)
 
         return deferred()

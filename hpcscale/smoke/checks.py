@@ -176,7 +176,7 @@ def run_smoke(plan: SmokePlan, root: Path, run: Runner, *, say: Callable[[str], 
     )
     layout = job("layout", layout_spec)
     report.checks.append(compare_layout(reference, layout, gpu=gpu))
-    report.checks.append(traffic_check(layout))
+    report.checks.append(traffic_check(layout, plan))
     report.checks.append(verify_checkpoint(layout, half))
     resumed = None
     if layout.ok:  # the layout run as if it had stopped after its mid-run (asynchronous) save
@@ -317,8 +317,19 @@ def compare_layout(reference: JobOutcome, layout: JobOutcome, *, gpu: bool) -> C
     return Check("layout", "pass", detail, figures)
 
 
-def traffic_check(layout: JobOutcome) -> Check:
-    """The layout run's bytes per step in each process group, from its newest ledger window (timing.jsonl)."""
+def expected_groups(plan: SmokePlan) -> list[str]:
+    """The process groups the layout run must send bytes in: each mesh axis it splits."""
+    lay, shard = plan.layout, plan.dp_shard
+    out = ["mesh_tp"] if lay.tp > 1 else []
+    out += ["mesh_pp"] if lay.pp > 1 else []
+    if lay.dp > 1:
+        out += ["mesh_dp"] if shard == 1 else ["mesh_dp_shard"] + (["mesh_dp_replicate"] if lay.dp > shard else [])
+    return out
+
+
+def traffic_check(layout: JobOutcome, plan: SmokePlan) -> Check:
+    """The layout run's bytes per step in each process group, from its newest ledger window (timing.jsonl);
+    it fails when a group the layout splits moved nothing (a reduction or a stage's sends missing)."""
     from hpcscale.observe.timing import read_windows, traffic
     from hpcscale.rundir import TIMING
 
@@ -335,6 +346,9 @@ def traffic_check(layout: JobOutcome) -> Check:
         for g in groups
     ]
     figures = {g.group: {"bytes": g.bytes, "kinds": g.kinds, "gbps": g.gbps} for g in groups}
+    silent = [name for name in expected_groups(plan) if not figures.get(name, {}).get("bytes")]
+    if silent:
+        return Check("traffic", "fail", f"nothing sent in {', '.join(silent)}; per step: " + "; ".join(parts), figures)
     return Check("traffic", "pass", "per step: " + "; ".join(parts), figures)
 
 
