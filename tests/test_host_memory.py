@@ -128,7 +128,7 @@ def test_a_cpu_rank_pins_nothing_and_the_first_save_that_stages_says_so_once(gro
     for step in (2, 3):
         m.save(step, state, {"step": step}, asynchronous=True)
         m.wait()
-    said = [x for x in lines if "checkpoint staging" in x]
+    said = [x for x in lines if "staging for checkpoints" in x]
     assert len(said) == 1, lines
     assert "pinned host memory per rank: rank 0 0.0 MiB" in said[0], said
     assert m.staging.pinned_bytes == 0 and m.staging.nbytes == writer.aligned_size(300 * 300 * 4) + writer.ALIGN
