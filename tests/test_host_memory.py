@@ -229,7 +229,7 @@ def test_cpu_ranks_of_run_local_return_freed_blocks_by_default_and_keep_a_users_
     r = run_cli("run", str(_fsdp_job(tmp_path / "a.yaml")), "--local", "--run-dir", str(run), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for got in _reports(run):
-        assert got == {THRESHOLD: "131072", "heap_serves_1mib": False, "dp_shard": 2}, got
+        assert got == {THRESHOLD: "1048576", "heap_serves_1mib": False, "dp_shard": 2}, got
     own = _fsdp_job(tmp_path / "b.yaml", environment={THRESHOLD: "2097152"})
     run = tmp_path / "own"
     r = run_cli("run", str(own), "--local", "--run-dir", str(run), timeout=300)
@@ -240,8 +240,8 @@ def test_cpu_ranks_of_run_local_return_freed_blocks_by_default_and_keep_a_users_
 
 def test_the_default_threshold_gives_way_to_the_users_environment_and_spares_gpu_and_command_jobs(tmp_path):
     cpu = load_job(_fsdp_job(tmp_path / "cpu.yaml", device="cpu"))
-    assert rank_env(cpu, environ={})[THRESHOLD] == "131072"
-    assert rank_env(cpu, environ={THRESHOLD: ""})[THRESHOLD] == "131072"  # empty: glibc would map everything
+    assert rank_env(cpu, environ={})[THRESHOLD] == "1048576"
+    assert rank_env(cpu, environ={THRESHOLD: ""})[THRESHOLD] == "1048576"  # empty: glibc would map everything
     assert THRESHOLD not in rank_env(cpu, environ={THRESHOLD: "65536"})  # the command's own, passed on by mpirun
     own = load_job(_fsdp_job(tmp_path / "own.yaml", device="cpu", environment={THRESHOLD: "4096"}))
     assert rank_env(own, environ={THRESHOLD: "65536"})[THRESHOLD] == "4096"  # the job's wins, as for any variable
@@ -259,7 +259,7 @@ def test_the_batch_script_gives_cpu_ranks_the_threshold_unless_the_job_or_the_su
     (line,) = [x for x in text.splitlines() if THRESHOLD in x]
     assert line.index(THRESHOLD) < text.index("srun")  # exported before the ranks start
     probe = f'{line}; printf %s "${THRESHOLD}"'
-    for inherited, want in ((None, "131072"), ("", "131072"), ("65536", "65536")):
+    for inherited, want in ((None, "1048576"), ("", "1048576"), ("65536", "65536")):
         env = {k: v for k, v in os.environ.items() if k != THRESHOLD} | (
             {THRESHOLD: inherited} if inherited is not None else {}
         )

@@ -2,7 +2,7 @@
 a small model placed by ctx.parallelize (sharded at the job's parallel.dp_shard) trains `steps` AdamW steps,
 then each rank writes RUN/environ.RANK: its MALLOC_MMAP_THRESHOLD_ and whether glibc's malloc served a 1 MiB
 block from its heap right after a 4 MiB block was freed (it does when the mmap threshold is glibc's dynamic one,
-raised by that free, or fixed above 1 MiB; a threshold fixed at 128 KiB maps it: the block goes back when freed).
+raised by that free, or fixed above 1 MiB; a threshold fixed at 1 MiB maps it: the block goes back when freed).
 """
 
 from __future__ import annotations
