@@ -240,3 +240,16 @@ def ckpt_saved_1_2(mpi, tmp_path_factory) -> Path:
     out = ckpt_job(str(root), "save", "1", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     return root
+
+
+@pytest.fixture()
+def group():
+    """A one-rank gloo process group for the test's duration (a checkpoint manager in one process)."""
+    import torch.distributed as dist  # here, not at the top: the CLI tests never import torch
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the kernel picks a free one
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -298,13 +298,12 @@ def test_export_of_a_trained_model_loads_with_safetensors(run_2x2x2, tmp_path):
 
 
 @pytest.mark.parametrize("kernel", ["fused", "foreach", "data", "no_grad_copy"])
-def test_every_save_holds_what_the_tensors_hold_whatever_updated_them(tmp_path, kernel):
+def test_every_save_holds_what_the_tensors_hold_whatever_updated_them(group, tmp_path, kernel):
     """torch's fused and foreach AdamW kernels (the defaults on GPUs), writes through `.data` and copies under
     no_grad change a tensor without moving the version counter a save could look at, and state_dict() hands
     out fresh objects whose id() is reused: the second save must still hold the values after the update, and
     an unchanged tensor must still cost no bytes (its chunks hash to what is stored)."""
     import torch
-    import torch.distributed as dist
 
     from hpcscale.ckpt.manager import CheckpointManager
     from hpcscale.layout import ParallelDims
@@ -336,27 +335,22 @@ def test_every_save_holds_what_the_tensors_hold_whatever_updated_them(tmp_path, 
                 out |= {f"optim/{i}/{k}": v for k, v in s.items() if v.dim() > 0}
         return out
 
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the kernel picks a free one
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0)
-        update()  # the optimizer's state exists before the first save
-        m.save(1, state(), {}, asynchronous=True)
-        m.wait()
-        update()
-        expected = {k: v.clone() for k, v in state().items()}
-        m.save(2, state(), {}, asynchronous=kernel != "data")
-        m.wait()
-        loaded = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
-        fresh = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, read_only=True)
-        assert fresh.load_latest(loaded, check_rng=False).step == 2
-        for name, value in expected.items():
-            assert torch.equal(loaded[name], value), name
-        # the frozen tensor cost nothing at the second save: its one chunk was referenced
-        sync = m.save(3, {"frozen": frozen}, {}, asynchronous=False)
-        assert sync.new_bytes == 0 and sync.referenced_bytes == 4000
-    finally:
-        dist.destroy_process_group()
+    m = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0)
+    update()  # the optimizer's state exists before the first save
+    m.save(1, state(), {}, asynchronous=True)
+    m.wait()
+    update()
+    expected = {k: v.clone() for k, v in state().items()}
+    m.save(2, state(), {}, asynchronous=kernel != "data")
+    m.wait()
+    loaded = {k: torch.full_like(v, float("nan")) for k, v in expected.items()}
+    fresh = CheckpointManager(tmp_path, dims=ParallelDims(pp=1, dp=1, tp=1), rank=0, read_only=True)
+    assert fresh.load_latest(loaded, check_rng=False).step == 2
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value), name
+    # the frozen tensor cost nothing at the second save: its one chunk was referenced
+    sync = m.save(3, {"frozen": frozen}, {}, asynchronous=False)
+    assert sync.new_bytes == 0 and sync.referenced_bytes == 4000
 
 
 def test_load_reads_across_padding_in_few_preadvs_and_shared_chunks_once(tmp_path, monkeypatch):

@@ -14,23 +14,12 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpcscale.ckpt.manager import CheckpointManager, _Background
 from hpcscale.errors import RuntimeFailure
 from hpcscale.layout import ParallelDims
 
 LIMIT_S = 20.0  # a save of these few KiB takes milliseconds; a dead thread is noticed within POLL_S
-
-
-@pytest.fixture()
-def group():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the kernel picks a free one
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _manager(root) -> CheckpointManager:

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 from conftest import REPO, run_cli
 
@@ -33,16 +32,6 @@ from hpcscale.slurm.render import render_script
 from hpcscale.slurm.resolve import resolve
 
 DIMS = ParallelDims(pp=1, dp=1, tp=1)
-
-
-@pytest.fixture()
-def group():
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: the kernel picks a free one
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 # ---- the staging pool -------------------------------------------------------------------------------------------
