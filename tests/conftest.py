@@ -253,3 +253,62 @@ def group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+class OtherUser:
+    """A real second unix user (`hpcscale-other`, made with useradd when missing) in the test user's primary
+    group, as a colleague on a shared project is: what they create first is theirs (their uid, their umask), and
+    `run(...)` runs a command as them (setpriv drops to their uid, gid and groups). Tests run as root in CI."""
+
+    name = "hpcscale-other"
+
+    def __init__(self) -> None:
+        import grp
+        import pwd
+
+        try:
+            pw = pwd.getpwnam(self.name)
+        except KeyError:
+            subprocess.run(
+                ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--gid", str(os.getgid()), self.name],
+                check=True,
+                capture_output=True,
+            )
+            pw = pwd.getpwnam(self.name)
+        self.uid, self.gid = pw.pw_uid, pw.pw_gid
+        self.group = grp.getgrgid(self.gid).gr_name
+
+    def run(self, *argv: str, **kw) -> subprocess.CompletedProcess[str]:
+        """argv as this user, in the shared group, umask 002 (group-writable, as shared project directories
+        are set up)."""
+        cmd = [
+            "setpriv",
+            f"--reuid={self.uid}",
+            f"--regid={self.gid}",
+            "--init-groups",
+            "sh",
+            "-c",
+            'umask 002; exec "$@"',
+            "sh",
+            *argv,
+        ]
+        return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+    def make(self, path: Path, *, directory: bool = False, text: str = "", mode: int | None = None) -> Path:
+        """Create `path` as this user would have (owner theirs; mode group-writable unless given)."""
+        path = Path(path)
+        if directory:
+            path.mkdir(parents=True, exist_ok=False)
+        else:
+            path.write_text(text)
+        os.chown(path, self.uid, self.gid)
+        os.chmod(path, mode if mode is not None else (0o2775 if directory else 0o664))
+        return path
+
+
+@pytest.fixture(scope="session")
+def other_user() -> OtherUser:
+    """A second real unix user (see OtherUser). Needs root: outside CI a non-root run skips, in CI it fails."""
+    if os.geteuid() != 0:
+        need(False, "root (useradd and setpriv make a second unix user)")
+    return OtherUser()
