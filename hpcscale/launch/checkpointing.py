@@ -27,7 +27,8 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.launch.signals import STOP_LINE, StopRequested
 from hpcscale.launch.watchdog import NoWatchdog
 from hpcscale.parallel.device import settle
+
+if TYPE_CHECKING:
+    from hpcscale.ckpt.manager import Restored
 
 PROGRESS_EVERY_S = 30.0  # a user loop's progress line (steps left, time left): at most this often
 FORMAT = 1  # the JSON state's layout ("hpcscale.context" in it)
@@ -92,6 +96,16 @@ def _upgraded(state: dict) -> dict:
     return {**out, "hpcscale.context": FORMAT, "objects": {"loader": state["loader"]}}
 
 
+@dataclass(frozen=True, slots=True)
+class TierChoice:
+    """What a restart loaded (Checkpointer._load_newest): the step, from which tier and why."""
+
+    restored: Restored | None  # None when no step of either tier loads on every rank
+    tier: str  # "shared" or "node-local"
+    why: str  # for the resume line: what was moved, what the other tier offered
+    dirty: bool  # nothing loaded, and a refused step had already been partly read into the tensors
+
+
 class Checkpointer:
     """The object behind `ctx.checkpoint` (docs/context-api.md). Every method is a collective: call it at the
     same point in every rank."""
@@ -139,11 +153,8 @@ class Checkpointer:
         tensors, model_sd, optim_sd = self._tensors()
         dist.barrier()  # restore_s is the load alone, not a peer's slower start-up
         t0 = time.perf_counter()
-        restored, tier, dirty = self._restore_node_local(tensors), "node-local", False
-        if restored is None:
-            dirty = self._local is not None and self._local.tensors_dirty
-            restored, tier = manager.load_latest(tensors, check_state=self._state_problem), "shared"
-        dirty = restored is None and (dirty or manager.tensors_dirty)
+        choice = self._load_newest(tensors)
+        restored, dirty = choice.restored, choice.dirty
         if self._local is not None:  # node-local steps newer than where the run restarts are of another timeline
             self._local.discard_after(restored.step if restored is not None else None)
         if dirty and self.rebuild is not None:  # every rank alike
@@ -241,15 +252,7 @@ class Checkpointer:
         self._ctx.metrics.log(
             step=restored.step - 1, restored_from=restored.step, restore_s=round(time.perf_counter() - t0, 4)
         )
-        where = ""
-        if self._local is not None and tier == "node-local":
-            files, nbytes = self._local.moved
-            where = (
-                f" of the node-local tier ({files} data file(s), {nbytes / 2**20:.1f} MiB moved between nodes; "
-                "nothing read from the shared tier)"
-            )
-        elif self._local is not None:
-            where = " of the shared tier (the node-local tier holds no complete step as new)"
+        where = f" of the {choice.tier} tier ({choice.why})" if self._local is not None else ""
         self._ctx.metrics.print(
             f"hpcscale: resumed from checkpoint step {restored.step}{where}"
             + ("" if restored.rng is not None else " (new layout: resharded)")
@@ -512,14 +515,51 @@ class Checkpointer:
         except RuntimeFailure as e:  # raised on every rank alike (the commit's outcome is broadcast)
             self._ctx.metrics.print(f"hpcscale: warning: a node-local checkpoint was not saved: {e}")
 
-    def _restore_node_local(self, tensors: dict) -> Any:
-        """The newest step the node-local tier holds whole across this job's nodes, if it is at least as new as
-        the shared tier's newest; None otherwise (and when the job has no node-local tier)."""
-        local = self._local
+    def _load_newest(self, tensors: dict) -> TierChoice:
+        """Load the newest step that every rank can load and verify, from either tier (the node-local one at an
+        equal step: it reads nothing from the shared filesystem). A step counts only once it has loaded: the
+        shared tier's newest listed step may be damaged, and then a node-local step older than it but newer
+        than the shared step that does load is the one to take.
+
+        1. Node-local steps at least as new as the shared tier's newest listed one: one that loads is at least as
+           new as anything the shared tier could give, and nothing is read from the shared tier.
+        2. Otherwise the shared tier, falling back past what it refuses: `s`, the newest shared step that loads.
+        3. When the shared tier fell back past refused steps (or had none that loads), the node-local steps
+           newer than `s`: one that loads replaces every element the shared load wrote (and its RNG and trainer
+           state are its own). The shared tier's manager keeps what step 2 verified: its next saves deduplicate
+           against `s` and set its refused steps aside. A node-local step refused after part of it was read
+           into the tensors leaves them dirty: `s` is loaded again.
+        Every branch is taken on every rank alike (each load's outcome is agreed on over the checkpoint group)."""
+        local, manager, check = self._local, self.manager, self._state_problem
         if local is None:
-            return None
-        newest_shared = self.manager.newest_committed()
-        return local.load_node_local(tensors, at_least=newest_shared, check_state=self._state_problem)
+            restored = manager.load_latest(tensors, check_state=check)
+            return TierChoice(restored, "shared", "", restored is None and manager.tensors_dirty)
+
+        def moved() -> str:  # by the node-local load that succeeded
+            files, nbytes = local.moved
+            return f"{files} data file(s), {nbytes / 2**20:.1f} MiB moved between nodes"
+
+        listed = manager.newest_committed()
+        restored = local.load_node_local(tensors, at_least=listed, check_state=check)
+        if restored is not None:
+            return TierChoice(restored, "node-local", f"{moved()}; nothing read from the shared tier", False)
+        dirty = local.tensors_dirty
+        shared = manager.load_latest(tensors, check_state=check)
+        dirty = shared is None and (dirty or manager.tensors_dirty)
+        if listed is not None and (shared is None or shared.step < listed):
+            after = None if shared is None else shared.step + 1
+            newer = local.load_node_local(tensors, at_least=after, check_state=check)
+            if newer is not None:
+                than = (
+                    "no step of the shared tier loads on every rank"
+                    if shared is None
+                    else f"newer than step {shared.step}, the shared tier's newest that every rank can load"
+                )
+                return TierChoice(newer, "node-local", f"{moved()}; {than}", False)
+            if local.tensors_dirty and shared is not None:  # a refused node-local step overwrote part of it
+                shared = manager.load_latest(tensors, check_state=check)
+            dirty = (dirty or local.tensors_dirty) if shared is None else False
+        return TierChoice(shared, "shared", "the node-local tier holds no newer step that every rank can load", dirty)
 
     @property
     def _local(self):

@@ -1,0 +1,91 @@
+"""Recovery decides from what verifies, never from what is merely listed, and its arithmetic stays bounded
+whatever the run directory's files say.
+
+- The checkpoint tier a restart loads (hpcscale.launch.checkpointing): with the shared tier's newest step
+  damaged, a newer node-local step is taken over an older shared one (real ranks through `run --local`, the
+  losses bitwise those of the uninterrupted run).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+from trainjobs import job_spec
+
+from hpcscale.ckpt.format import committed_steps
+
+
+# ---- which checkpoint a restart loads --------------------------------------------------------------------------
+def _node_local_job(tmp: Path, steps: int) -> Path:
+    """The built-in trainer on 2 ranks, node-local saves every 2 steps, shared saves every 4 (drained from the
+    node-local tier; the end of the run saved to the shared tier itself)."""
+    site = tmp / "site.yaml"
+    local = yaml.safe_load((REPO / "site_configs" / "local.yaml").read_text())
+    local["filesystems"]["node_local"] = str(tmp / "node-local")
+    site.write_text(yaml.safe_dump(local))
+    job = job_spec(tmp / "job.yaml", tp=1, pp=1, ranks=2, steps=steps, log_every=1)
+    spec = yaml.safe_load(job.read_text())
+    spec["site"] = str(site)
+    spec["checkpoint"] = {"every_steps": 4, "local": {"every_steps": 2}}
+    job.write_text(yaml.safe_dump(spec))
+    return job
+
+
+def _loss_rows(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
+def _flip_a_byte(step_dir: Path) -> None:
+    data = sorted((step_dir / "data").glob("*.bin"))[0]
+    with open(data, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize(
+    ("damaged", "why"),
+    [
+        ((8,), "newer than step 4, the shared tier's newest that every rank can load"),
+        ((8, 4), "no step of the shared tier loads on every rank"),
+    ],
+    ids=["newest", "every-shared-step"],
+)
+def test_a_damaged_shared_step_gives_way_to_a_newer_node_local_step_not_an_older_shared_one(
+    mpi, tmp_path, damaged, why
+):
+    """Shared tier: steps 4 (drained) and 8 (the end of the run); node-local tier: 4 and 6. Step 8 damaged (and
+    step 4 too): the restart takes node-local step 6, newer than any shared step that loads, says which tier
+    and why, and trains steps 6 and 7 again to the same losses bit for bit."""
+    job = _node_local_job(tmp_path, steps=8)
+    run = tmp_path / "run"
+    first = run_cli("run", str(job), "--local", "--run-dir", str(run), timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert committed_steps(run / "checkpoints")[:2] == [8, 4]
+    (node,) = (tmp_path / "node-local").glob("hpcscale-*")
+    assert committed_steps(node)[0] == 6
+    want = {r["step"]: r["loss"] for r in _loss_rows(run)}
+    for step in damaged:
+        _flip_a_byte(run / "checkpoints" / f"step-{step:08d}")
+
+    again = run_cli("run", str(job), "--local", "--run-dir", str(run), "--reuse", timeout=600)
+    log = again.stdout + again.stderr
+    assert again.returncode == 0, log[-3000:]
+    for step in damaged:
+        assert f"refusing checkpoint step-{step:08d}" in log, log[-3000:]
+    m = re.search(r"resumed from checkpoint step (\d+) of the (\S+) tier \(([^\n]*)\)", log)
+    assert m and (int(m.group(1)), m.group(2)) == (6, "node-local"), log[-3000:]
+    assert why in m.group(3), log[-3000:]
+    resumed = [r for r in _loss_rows(run) if r.get("attempt") == 2]
+    assert [r["step"] for r in resumed] == [6, 7], resumed
+    for r in resumed:
+        assert r["loss"] == want[r["step"]], (r, want)
+    # the refused step 8 was set aside when the run saved step 8 again, and that save verifies
+    assert list((run / "checkpoints" / "refused").glob("step-00000008-*"))
+    assert run_cli("ckpt", "verify", str(run / "checkpoints" / "step-00000008")).returncode == 0
