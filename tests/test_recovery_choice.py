@@ -4,6 +4,9 @@ whatever the run directory's files say.
 - The checkpoint tier a restart loads (hpcscale.launch.checkpointing): with the shared tier's newest step
   damaged, a newer node-local step is taken over an older shared one (real ranks through `run --local`, the
   losses bitwise those of the uninterrupted run).
+- The failure backoff of the requeue decision (hpcscale.recovery.requeue): doubled per failure up to
+  restart.max_backoff_seconds, however many failures RUN/attempts.jsonl counts; absurd settings are refused
+  by validation (exit 2, FILE:LINE: KEY).
 """
 
 from __future__ import annotations
@@ -15,9 +18,13 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trainjobs import job_spec
 
 from hpcscale.ckpt.format import committed_steps
+from hpcscale.config.job import MAX_BACKOFF_S, JobSpec, Restart, Signals
+from hpcscale.recovery.requeue import decide, failure_backoff
 
 
 # ---- which checkpoint a restart loads --------------------------------------------------------------------------
@@ -89,3 +96,57 @@ def test_a_damaged_shared_step_gives_way_to_a_newer_node_local_step_not_an_older
     # the refused step 8 was set aside when the run saved step 8 again, and that save verifies
     assert list((run / "checkpoints" / "refused").glob("step-00000008-*"))
     assert run_cli("ckpt", "verify", str(run / "checkpoints" / "step-00000008")).returncode == 0
+
+
+# ---- the failure backoff ----------------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(
+    base=st.integers(0, MAX_BACKOFF_S),
+    cap=st.integers(0, MAX_BACKOFF_S),
+    used=st.one_of(st.integers(0, 80), st.integers(0, 10**12)),
+)
+def test_the_backoff_doubles_up_to_its_cap_and_never_builds_2_to_the_used(base, cap, used):
+    got = failure_backoff(base, used, cap)
+    if used <= 80:
+        assert got == min(cap, base * 2**used)
+    else:
+        assert got == (cap if base and cap else 0)  # 2^used beyond any cap, computed without it
+    assert 0 <= got <= cap
+
+
+def _failed_ends(n: int, job: str = "7") -> list[dict]:
+    return [{"event": "end", "job_id": job, "cause": "failed", "requeue": True, "progress": True, "checkpoint": i}
+            for i in range(n)]  # fmt: skip
+
+
+def test_a_long_attempt_log_waits_the_cap_not_2_to_the_power_of_its_length():
+    """200,000 failures requeued before (a log others can append to, or a long run with a large budget): the
+    wait is restart.max_backoff_seconds, decided at once (uncapped, 30 x 2^200000 s has 60,000 digits: the
+    batch script's decision died formatting it, and time.sleep refuses it with OverflowError)."""
+    spec = JobSpec(name="t", site="local", signals=Signals(), restart=Restart(max_failures=10**9))
+    d = decide(spec, _failed_ends(200_000), job_id="7", cause="failed", checkpoint=200_000)
+    assert d.requeue and d.backoff_s == 600
+    spec = JobSpec(name="t", site="local", signals=Signals(),
+                   restart=Restart(max_failures=10, failure_backoff_seconds=30, max_backoff_seconds=100))  # fmt: skip
+    waits = [decide(spec, _failed_ends(n), job_id="7", cause="failed", checkpoint=n).backoff_s for n in range(5)]
+    assert waits == [30, 60, 100, 100, 100]
+    spec = JobSpec(name="t", site="local", signals=Signals(),
+                   restart=Restart(failure_backoff_seconds=900, max_backoff_seconds=120))  # fmt: skip
+    assert decide(spec, [], job_id="7", cause="failed", checkpoint=1).backoff_s == 120  # capped from the first
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("failure_backoff_seconds", MAX_BACKOFF_S + 1),
+        ("max_backoff_seconds", 10**12),
+        ("max_backoff_seconds", 10**400),
+        ("failure_backoff_seconds", -1),
+    ],
+)
+def test_an_absurd_backoff_setting_is_refused_with_its_file_line_and_key(tmp_path, key, value):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: t\nsite: local\ntrain:\n  entry: builtin\nrestart:\n  max_failures: 3\n  {key}: {value}\n")
+    out = run_cli("config", "validate", str(job))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{job}:7: restart.{key}:" in out.stdout + out.stderr, out.stdout + out.stderr

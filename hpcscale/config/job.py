@@ -204,6 +204,9 @@ class Signals:
     )
 
 
+MAX_BACKOFF_S = 86400  # a day: a failed job holds its whole allocation idle while it waits
+
+
 @dataclass(kw_only=True, slots=True)
 class Restart:
     """Budgets of automatic requeues from inside the job, and what `hpcscale resume` excludes."""
@@ -215,9 +218,19 @@ class Restart:
     max_failures: int = setting("Requeues after a failure (a rank crashed, a node died).", default=2, min=0)
     failure_backoff_seconds: int = setting(
         "Seconds a failed job waits (holding its allocation) before it requeues itself, doubled at each further "
-        "failure; Slurm adds its own requeue delay (the credential lifetime, 120 s by default).",
+        "failure up to `max_backoff_seconds`; Slurm adds its own requeue delay (the credential lifetime, 120 s by "
+        "default).",
         default=30,
         min=0,
+        max=MAX_BACKOFF_S,
+    )
+    max_backoff_seconds: int = setting(
+        "The longest a failed job waits before it requeues itself, however many failures came before (the doubled "
+        "`failure_backoff_seconds` stops here; a `failure_backoff_seconds` above it waits this long from the first "
+        "failure).",
+        default=600,
+        min=0,
+        max=MAX_BACKOFF_S,
     )
     max_no_progress: int = setting(
         "Consecutive attempts that end without a new checkpoint (preemptions aside) after which the job is not "

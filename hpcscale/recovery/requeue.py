@@ -15,9 +15,9 @@ trapped, not fatal), then calls `hpcscale requeue "$RUN" --exit-code $rc` (`hpcs
    other ranks after one failed (--kill-on-bad-exit), and a rank that armed its handlers does not die of it.
 2. Whether to requeue (`decide`), with separate budgets counted over this Slurm job's earlier attempts in
    RUN/attempts.jsonl: `restart.max_preemptions`, `max_time_limits`, `max_failures` (each failure waits
-   `failure_backoff_seconds`, doubled each time), and a stop after `max_no_progress` consecutive attempts
-   (preemptions aside) that committed no new checkpoint: a job that crashes at every start ends at its cap
-   instead of looping.
+   `failure_backoff_seconds`, doubled each time up to `max_backoff_seconds`), and a stop after
+   `max_no_progress` consecutive attempts (preemptions aside) that committed no new checkpoint: a job that
+   crashes at every start ends at its cap instead of looping.
 3. The decision is appended to RUN/attempts.jsonl (an `end` event) before anything else happens; a failure
    waits its backoff here (the allocation is held meanwhile: a requeued job's start time cannot be set from
    inside the job, Slurm sets it when the job re-enters the queue), then `scontrol requeue`, which ends this
@@ -80,6 +80,17 @@ def classify(exit_code: int, stopped: bool, seconds_left: float | None, grace_s:
     return "failed"
 
 
+def failure_backoff(base_s: int, used: int, cap_s: int) -> int:
+    """base_s x 2^used seconds, at most cap_s (restart.failure_backoff_seconds, the failures requeued before,
+    restart.max_backoff_seconds). `used` is counted from RUN/attempts.jsonl, which others may append to: 2^used
+    is never built (a million lines would make it a million bits), nor is anything longer than cap_s slept."""
+    if base_s <= 0 or cap_s <= 0:
+        return 0
+    if used >= cap_s.bit_length():  # 2^used > cap_s already
+        return cap_s
+    return min(cap_s, base_s << max(used, 0))
+
+
 def decide(spec: JobSpec, events: list[dict], *, job_id: str | None, cause: str, checkpoint: int | None) -> Decision:
     """Whether this attempt's job goes back in the queue. `events`: RUN/attempts.jsonl so far (this attempt's
     begin and stop included, its end not yet)."""
@@ -120,7 +131,7 @@ def decide(spec: JobSpec, events: list[dict], *, job_id: str | None, cause: str,
             return Decision(cause, False, why, **common)
     backoff = 0
     if cause == "failed":
-        backoff = spec.restart.failure_backoff_seconds * 2**used
+        backoff = failure_backoff(r.failure_backoff_seconds, used, r.max_backoff_seconds)
     why = f"requeue {used + 1} of restart.{budget_key} = {budget}" + (f", starting in {backoff} s" if backoff else "")
     return Decision(cause, True, why, backoff_s=backoff, **common)
 
@@ -245,7 +256,10 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
         if decision.backoff_s:
             # From inside the job, this is the one backoff that holds: a requeued job's start time is set by
             # Slurm when it re-enters the queue (cred_expire later), after this script is gone.
-            say(f"hpcscale: waiting {decision.backoff_s} s before the requeue (restart.failure_backoff_seconds)")
+            say(
+                f"hpcscale: waiting {decision.backoff_s} s before the requeue (restart.failure_backoff_seconds, "
+                f"doubled at each failure, at most restart.max_backoff_seconds)"
+            )
             time.sleep(decision.backoff_s)
         # `scontrol requeue` ends this batch script (SIGTERM, then SIGKILL after KillWait): the decision is
         # already recorded above.
