@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from conftest import run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -206,3 +213,219 @@ def test_prepare_with_a_tokenizer_stores_each_files_ids_in_order_with_the_tokeni
     h.update((tmp / "tok.json").read_bytes())
     assert listed["tokenizer.json"] == h.hexdigest() == m.meta["tokenizer_hash"]
     assert (tmp / "ds" / "tokenizer.json").read_bytes() == (tmp / "tok.json").read_bytes()
+
+
+# -- where the dataset is built: nothing planted by another user is written through or replaced ------------
+
+
+@pytest.fixture
+def area(other_user) -> Path:
+    """A directory both users can reach (pytest's own tmp is root's alone, 0700), removed afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="hpcscale-test-data-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base)
+
+
+def _shared_dir(other_user, tmp_path: Path) -> Path:
+    """A project directory the other user (same group) can write to, as shared project areas are."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, os.getuid(), other_user.gid)
+    os.chmod(shared, 0o2775)
+    return shared
+
+
+def test_prepare_builds_in_a_private_directory_and_never_writes_through_a_planted_link(other_user, area):
+    """The other user plants a symbolic link at every build name they could guess (the old `.NAME.tmp.PID`)
+    pointing into a directory of theirs: the dataset is built elsewhere, appears at --out as a real directory
+    of ours, and nothing lands in theirs."""
+    shared = _shared_dir(other_user, area)
+    theirs = other_user.make(area / "theirs", directory=True)
+    (area / "corpus.txt").write_text("hello hpcscale\n" * 400)
+    for name in (f".ds.tmp.{os.getpid()}", ".ds.tmp", ".ds"):
+        r = other_user.run("ln", "-s", str(theirs), str(shared / name))
+        assert r.returncode == 0, r.stderr
+    m = prepare(area / "corpus.txt", shared / "ds", sample_len=33, shard_samples=50)
+    out = shared / "ds"
+    assert out.is_dir() and not out.is_symlink() and out.lstat().st_uid == os.getuid()
+    assert list(theirs.iterdir()) == []
+    assert {f.path for f in m.files} <= {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~_umask()  # mkdir's mode, not the build's 0700
+    leftovers = sorted(p.name for p in shared.iterdir())
+    assert leftovers == sorted([f".ds.tmp.{os.getpid()}", ".ds.tmp", ".ds", "ds"])  # theirs left as they were
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("planted", ["dangling link", "link to their dir", "empty dir", "file"])
+def test_prepare_refuses_whatever_the_other_user_planted_at_the_final_name(other_user, area, planted):
+    """A name that exists at --out, whoever made it and whatever it is, is refused with exit 2 and left as it
+    is; no build directory is left behind."""
+    shared = _shared_dir(other_user, area)
+    theirs = other_user.make(area / "theirs", directory=True)
+    (area / "corpus.txt").write_text("hello hpcscale\n" * 400)
+    out = shared / "ds"
+    if planted == "dangling link":
+        assert other_user.run("ln", "-s", str(theirs / "later"), str(out)).returncode == 0
+    elif planted == "link to their dir":
+        assert other_user.run("ln", "-s", str(theirs), str(out)).returncode == 0
+    elif planted == "empty dir":
+        other_user.make(out, directory=True)
+    else:
+        other_user.make(out, text="theirs")
+    before = os.lstat(out)
+    r = run_cli("data", "prepare", str(area / "corpus.txt"), "--out", str(out), "--seq-len", "32")
+    assert r.returncode == 2, r.stderr
+    assert str(out) in r.stderr and "exists" in r.stderr and "Traceback" not in r.stderr
+    after = os.lstat(out)
+    assert (after.st_ino, after.st_uid, after.st_mode) == (before.st_ino, before.st_uid, before.st_mode)
+    assert list(theirs.iterdir()) == []
+    assert [p.name for p in shared.iterdir()] == ["ds"]
+
+
+def test_a_failed_prepare_leaves_nothing_behind(tmp_path):
+    (tmp_path / "corpus.txt").write_text("tiny")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(BadInput, match="fewer than one sample"):
+        prepare(tmp_path / "corpus.txt", tmp_path / "out" / "ds", sample_len=33)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_the_default_dataset_is_used_only_when_it_is_ours(other_user, area):
+    """In a shared scratch directory, a default dataset (or its parent) planted by another user is refused with
+    exit 2 naming it, never trained on; one of ours is prepared once and reused."""
+    from hpcscale.data.prepare import default_corpus_dataset
+
+    shared = _shared_dir(other_user, area)
+    other_user.make(shared / "hpcscale-data", directory=True)
+    with pytest.raises(BadInput, match=r"hpcscale-data: refusing the default dataset: owned by hpcscale-other"):
+        default_corpus_dataset(shared, sample_len=33)
+    os.rmdir(shared / "hpcscale-data")
+    assert other_user.run("ln", "-s", str(area), str(shared / "hpcscale-data")).returncode == 0
+    with pytest.raises(BadInput, match="a symbolic link"):
+        default_corpus_dataset(shared, sample_len=33)
+
+
+# -- a tokenizer's vocabulary: the largest id + 1, and the shards' dtype holds it ------------------------------
+
+
+def _sparse_tokenizer(path: Path, vocab: dict[str, int], added: list[str] = ()) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if added:
+        tok.add_tokens(list(added))
+    tok.save(str(path))
+
+
+@pytest.mark.parametrize(
+    "vocab, added, want_vocab, want_dtype",
+    [
+        ({"[UNK]": 0, "a": 5, "b": 300}, [], 301, "uint16"),
+        ({"[UNK]": 0, "a": 5, "b": 70000}, [], 70001, "uint32"),
+        ({"[UNK]": 0, "a": 5, "b": 70000}, ["zz"], 70001, "uint32"),  # an added token takes a free id (3)
+        ({"[UNK]": 0, "a": 1, "b": 2}, ["zz"], 4, "uint16"),  # ...or the next one past the vocabulary
+    ],
+)
+def test_a_tokenizer_with_gaps_in_its_ids_gets_its_largest_id_plus_one(tmp_path, vocab, added, want_vocab, want_dtype):
+    """vocab_size is the largest id + 1 over the whole vocabulary (added tokens too), not the number of
+    entries; ids over 65535 are stored as uint32; the loader reads back exactly the ids written."""
+    from tokenizers import Tokenizer
+
+    _sparse_tokenizer(tmp_path / "tok.json", vocab, added)
+    text = " ".join(["a", "b", "zz", "a", "q"] * 200)
+    (tmp_path / "corpus.txt").write_text(text)
+    r = run_cli(
+        "data", "prepare", str(tmp_path / "corpus.txt"), "--tokenizer", str(tmp_path / "tok.json"),
+        "--out", str(tmp_path / "ds"), "--seq-len", "15", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["vocab_size"] == want_vocab
+    m = read_manifest(tmp_path / "ds" / "manifest.json")
+    assert (m.dataset.vocab_size, m.dataset.dtype) == (want_vocab, want_dtype)
+    ids = Tokenizer.from_file(str(tmp_path / "tok.json")).encode(text, add_special_tokens=False).ids
+    stored = np.concatenate([np.fromfile(tmp_path / "ds" / s.path, dtype=want_dtype) for s in m.dataset.shards])
+    assert stored.tolist() == ids[: len(stored)] and max(ids) < want_vocab
+    loader = TokenLoader(tmp_path / "ds" / "manifest.json", seq_len=15, global_batch=4, dp_rank=0, dp_size=1, seed=0)
+    x, _ = loader.next_batch()
+    assert x.dtype == np.int64 and set(x.reshape(-1).tolist()) <= set(ids)
+
+
+def test_a_dataset_whose_manifest_understates_its_vocabulary_is_refused_before_a_batch_reaches_a_model(tmp_path):
+    """A dataset prepared before vocab_size was the largest id + 1 (its manifest says 3 for ids up to 300):
+    the loader refuses the batch, naming the manifest, the id and vocab_size; a manifest without `dtype` (from
+    before it was written) reads its shards as uint16."""
+    _sparse_tokenizer(tmp_path / "tok.json", {"[UNK]": 0, "a": 5, "b": 300})
+    (tmp_path / "corpus.txt").write_text("a b " * 400)
+    prepare(tmp_path / "corpus.txt", tmp_path / "ds", sample_len=16, tokenizer=tmp_path / "tok.json")
+    path = tmp_path / "ds" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["dataset"]["vocab_size"] = 3
+    del doc["dataset"]["dtype"]
+    path.write_text(json.dumps(doc))
+    assert read_manifest(path).dataset.dtype == "uint16"
+    loader = TokenLoader(path, seq_len=15, global_batch=4, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(
+        BadInput, match=r"manifest.json: sample \d+ holds token id (300|5), but the dataset's vocab_size is 3"
+    ):
+        loader.next_batch()
+
+
+def test_the_trainer_refuses_a_dataset_with_ids_past_its_vocabulary_before_the_first_step(mpi, tmp_path):
+    """The built-in trainer sizes its model to the manifest's vocab_size; ids past it (an old dataset of a
+    tokenizer with gaps in its ids) end the job with exit 2 naming the manifest, before any step (was: an
+    IndexError inside the embedding; on a GPU, a device-side assert)."""
+    from trainjobs import job_spec
+
+    _sparse_tokenizer(tmp_path / "tok.json", {"[UNK]": 0, "a": 5, "b": 300})
+    (tmp_path / "corpus.txt").write_text("a b " * 2000)
+    prepare(tmp_path / "corpus.txt", tmp_path / "ds", sample_len=33, tokenizer=tmp_path / "tok.json")
+    path = tmp_path / "ds" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["dataset"]["vocab_size"] = 6  # 300 is past it
+    path.write_text(json.dumps(doc))
+    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=1, steps=2)
+    spec = yaml.safe_load(job.read_text())
+    spec["data"] = {"manifest": str(path)}
+    job.write_text(yaml.safe_dump(spec))
+    r = run_cli("run", str(job), "--local", "-n", "1", "--run-dir", str(tmp_path / "run"), timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert f"{path}: sample" in out and "vocab_size is 6" in out and "IndexError" not in out, out[-3000:]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text()
+
+
+def test_a_tokenizer_pass_holds_bounded_memory_whatever_the_corpus_size(tmp_path):
+    """12 MB of text through a tokenizer, in a fresh process: its peak RSS grows by far less than the text's
+    130-220 bytes per byte that encoding it whole held (12 MB took 1.5 GB); the bound is a constant."""
+    import random
+
+    words = [f"w{i}" for i in range(500)]
+    _sparse_tokenizer(tmp_path / "tok.json", {"[UNK]": 0, **{w: 5 + 7 * i for i, w in enumerate(words)}})
+    rnd = random.Random(0)
+    lines = (" ".join(rnd.choices(words, k=12)) + "\n" for _ in range(12 * 2**20 // 60))
+    (tmp_path / "corpus.txt").write_text("".join(lines))
+    probe = """
+import resource, sys
+from pathlib import Path
+from hpcscale.data.prepare import prepare, load_tokenizer
+src, out, tok = (Path(a) for a in sys.argv[1:])
+load_tokenizer(tok)  # the library and numpy loaded: the baseline
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+prepare(src, out, tokenizer=tok)
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+    files = [str(tmp_path / n) for n in ("corpus.txt", "ds", "tok.json")]
+    r = subprocess.run([sys.executable, "-c", probe, *files], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    before, after = (int(v) * 1024 for v in r.stdout.split())
+    grown = after - before
+    assert grown < 200 << 20, f"peak RSS grew by {grown >> 20} MiB over 12 MiB of text"
+    assert read_manifest(tmp_path / "ds" / "manifest.json").dataset.samples == (12 * 2**20 // 60 * 12) // 257

@@ -21,6 +21,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+import pytest
 import xxhash
 from click.testing import CliRunner
 from conftest import run_cli
@@ -331,3 +332,43 @@ def test_stage_of_a_manifest_listing_a_file_and_a_path_under_it_is_exit_2(tmp_pa
     assert result.returncode == 2, result.stdout + result.stderr
     assert "'Data.bin/x' lies under 'Data.bin', which is listed as a file" in result.stderr
     assert not dst.exists()
+
+
+TOKEN_DTYPE = st.one_of(st.sampled_from(["uint8", "uint16", "uint32"]), st.text(max_size=8), st.integers(), st.none())
+COUNT = st.one_of(st.integers(-2, 2**40), st.booleans(), st.floats(allow_nan=False), st.text(max_size=4), st.none())
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.one_of(st.just(...), TOKEN_DTYPE), vocab=COUNT, sample_len=COUNT)
+def test_a_dataset_reads_back_its_dtype_and_vocabulary_or_is_refused_naming_the_key(dtype, vocab, sample_len):
+    """`dataset.dtype` (uint8, uint16 or uint32; absent, from before it was written: uint16) and
+    `dataset.vocab_size` / `sample_len` (positive integers): a manifest with them reads back exactly what it
+    says, and one that written again reads the same; anything else is BadInput naming the key."""
+    from hpcscale.data.manifest import manifest_text, parse_manifest
+
+    doc = {
+        "format": "hpcscale-manifest",
+        "version": 1,
+        "hash_algorithm": "xxh128",
+        "files": [{"path": "shards/000000.bin", "size": 0, "hash": "0" * 32}],
+        "dataset": {"kind": "tokens", "vocab_size": vocab, "sample_len": sample_len, "shards": []},
+    }
+    doc["dataset"]["shards"] = [{"path": "shards/000000.bin", "samples": 0}]
+    if dtype is not ...:
+        doc["dataset"]["dtype"] = dtype
+    good_count = [type(v) is int and v > 0 for v in (vocab, sample_len)]
+    good_dtype = dtype is ... or dtype in ("uint8", "uint16", "uint32")
+    if not all(good_count):
+        key = "vocab_size" if not good_count[0] else "sample_len"
+        with pytest.raises(BadInput, match=rf"m\.json: dataset\.{key}: "):
+            parse_manifest(doc, "m.json")
+        return
+    if not good_dtype:
+        with pytest.raises(BadInput, match=r"m\.json: dataset\.dtype: .* is not uint8, uint16 or uint32"):
+            parse_manifest(doc, "m.json")
+        return
+    m = parse_manifest(doc, "m.json")
+    want = "uint16" if dtype is ... else dtype
+    assert (m.dataset.dtype, m.dataset.vocab_size, m.dataset.sample_len) == (want, vocab, sample_len)
+    again = parse_manifest(json.loads(manifest_text(m)), "again.json")
+    assert again.dataset == m.dataset and json.loads(manifest_text(m))["dataset"]["dtype"] == want

@@ -5,6 +5,12 @@ Sample space: every sample of the manifest's shards, in manifest order; the last
 held out for validation. Global batch k of an epoch is `perm[k*B:(k+1)*B]` where perm is the permutation of
 training samples drawn from numpy's PCG64 seeded with (seed, epoch); dp rank r takes positions
 [r*B/dp, (r+1)*B/dp) of it. So the union over dp ranks is the same global batch at any dp.
+
+Shards hold the manifest's `dataset.dtype` (uint8, uint16 or uint32; a manifest without one: uint16). Every
+id of a batch is checked against the manifest's `vocab_size` before the batch is returned: a dataset whose
+manifest understates its vocabulary (what a tokenizer with gaps in its ids once produced) is refused (BadInput,
+exit 2) naming the manifest, the id and the sample, before that batch reaches a model (the first batch: before
+the first step), never an index past the embedding. The check is one max over the batch.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class TokenLoader:
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.sample_len = ds.sample_len
         self.vocab_size = ds.vocab_size
+        self.manifest_path = manifest_path
         self._shards = [
             np.memmap(root / s.path, dtype=ds.dtype, mode="r").reshape(s.samples, ds.sample_len) for s in ds.shards
         ]
@@ -79,6 +86,13 @@ class TokenLoader:
         rows = np.stack(
             [self._shards[s][i - self._starts[s], : self.seq_len + 1] for s, i in zip(shard, indices, strict=True)]
         )
+        if rows.size and int(rows.max()) >= self.vocab_size:
+            row = int(np.argmax(rows.max(axis=1)))
+            raise BadInput(
+                f"{self.manifest_path}: sample {int(indices[row])} holds token id {int(rows[row].max())}, but the "
+                f"dataset's vocab_size is {self.vocab_size}: ids must be below it (prepare the data again with "
+                "this hpcscale: it sizes the vocabulary to the tokenizer's largest id)"
+            )
         rows = rows.astype(np.int64)
         return rows[:, :-1], rows[:, 1:]  # inputs (B, T), targets (B, T)
 

@@ -54,12 +54,15 @@ class TokenShard:
     samples: int
 
 
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+
+
 @dataclass(frozen=True, slots=True)
 class TokenDataset:
     """Token shards for the reference trainer: each shard is raw `dtype` tokens, `samples` × `sample_len`."""
 
-    dtype: str
-    vocab_size: int
+    dtype: str  # one of TOKEN_DTYPES; a manifest without one was written when every tokenizer's ids were uint16
+    vocab_size: int  # every id is below it (the largest id + 1)
     sample_len: int  # tokens per sample: the longest seq_len it serves is sample_len - 1
     shards: list[TokenShard]
 
@@ -268,8 +271,8 @@ def _read_dataset(d: Any, where: str, paths: set[str]) -> TokenDataset:
         if not isinstance(s.get("path"), str) or not _int(s.get("samples")) or s["samples"] < 0:
             raise BadInput(f"{where}: dataset.shards[{i}]: needs a path and a whole number of samples")
     shards = [TokenShard(s["path"], s["samples"]) for s in shards_raw]
-    ds = TokenDataset(str(d.get("dtype")), d["vocab_size"], d["sample_len"], shards)
-    if ds.dtype not in ("uint8", "uint16", "uint32"):
+    ds = TokenDataset(str(d.get("dtype", "uint16")), d["vocab_size"], d["sample_len"], shards)
+    if ds.dtype not in TOKEN_DTYPES:
         raise BadInput(f"{where}: dataset.dtype: '{ds.dtype[:40]}' is not uint8, uint16 or uint32")
     for i, s in enumerate(ds.shards):
         if s.path not in paths:

@@ -2,59 +2,132 @@
 
 By default tokens are bytes (vocabulary 256, uint8): no tokenizer needed. With a Hugging Face `tokenizers`
 file (`--tokenizer tokenizer.json`: local, nothing downloaded; the `hf` extra installs the library) each file's
-text is encoded by it and the ids are stored as uint16 (uint32 for a vocabulary over 65536); the tokenizer file
-is copied into the dataset as `tokenizer.json`, so the manifest hashes it like any shard and the dataset carries
-the tokenizer that made it wherever it is staged; `meta` records its hash, the dataset its vocabulary size.
+text is encoded by it; the dataset's vocabulary size is the tokenizer's largest id + 1 (hpcscale.data.corpus),
+and the ids are stored as uint16, or uint32 when an id is over 65535 (the manifest's `dataset.dtype` says
+which). The tokenizer file is read once and those bytes are copied into the dataset as `tokenizer.json`, so
+the manifest hashes the tokenizer that made the ids like any shard and the dataset carries it wherever it is
+staged; `meta` records its hash.
 
 Files are read in sorted order and joined with a blank line (bytes), or encoded one by one and their ids
-concatenated (a tokenizer), so the same corpus gives the same shards byte for byte. The output directory
-appears atomically (built under a temporary name, then renamed).
+concatenated (a tokenizer), so the same corpus gives the same shards byte for byte. Memory is bounded whatever
+the corpus's size: text is read, encoded and written as it streams (hpcscale.data.corpus), and a shard is
+written as its tokens come.
+
+The output directory appears whole or not at all, and nothing is written through a name someone else could
+have planted: it is built in a fresh private directory beside it and renamed into place without replacing
+anything (hpcscale.data.builddir). A name that exists (a directory, a file, a symbolic link, dangling or not)
+is refused with exit 2 and left as it is.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import stat
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from hpcscale.data.manifest import MANIFEST_NAME, Manifest, TokenDataset, TokenShard, entry_for, write_manifest
+from hpcscale.data import corpus
+from hpcscale.data.builddir import BuildDir
+from hpcscale.data.corpus import TEXT_SUFFIXES, corpus_files, load_tokenizer  # noqa: F401  (re-exported)
+from hpcscale.data.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    TokenDataset,
+    TokenShard,
+    hasher,
+    manifest_text,
+)
 from hpcscale.errors import BadInput
-
-TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".cfg", ".html")
-
+from hpcscale.portable import hashing, paths
+from hpcscale.portable.files import atomic_write
+from hpcscale.util import trust
 
 TOKENIZER_NAME = "tokenizer.json"
 
 
-def load_tokenizer(path: Path):
-    """A Hugging Face `tokenizers` Tokenizer from a local file; BadInput (exit 2) naming the file when the
-    library is missing or the file is not a tokenizer."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise BadInput(
-            f"--tokenizer {path}: the tokenizers library is not installed (pip install 'hpcscale[hf]')"
-        ) from None
-    if not path.is_file():
-        raise BadInput(f"--tokenizer {path}: no such file")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises its own Exception for any unreadable file
-        raise BadInput(f"--tokenizer {path}: not a tokenizers file ({str(e)[:200]})") from None
+class ShardWriter:
+    """Token shards of `shard_samples` samples x `sample_len` tokens, written into `shards/` of a BuildDir as
+    the tokens come: only whole samples are written (what is left at the end, less than one sample, is not),
+    each shard hashed as it is written and fsync'd when full. Memory: less than one sample held back."""
+
+    def __init__(self, build: BuildDir, *, dtype: np.dtype, sample_len: int, shard_samples: int, algorithm: str):
+        self.build, self.dtype, self.algorithm = build, np.dtype(dtype), algorithm
+        self.sample_len, self.shard_samples = sample_len, shard_samples
+        self.dir_fd = build.mkdir("shards")
+        self.carry = np.empty(0, self.dtype)  # tokens short of a whole sample
+        self.tokens = 0  # seen, all told
+        self.shards: list[TokenShard] = []
+        self.entries: list[FileEntry] = []
+        self._fd: int | None = None
+        self._hash = None
+        self._samples = 0  # in the open shard
+
+    def add(self, ids: np.ndarray) -> None:
+        self.tokens += len(ids)
+        data = np.concatenate([self.carry, ids.astype(self.dtype, copy=False)]) if len(self.carry) else ids
+        whole = len(data) // self.sample_len
+        self.carry = np.array(data[whole * self.sample_len :], dtype=self.dtype)
+        samples = np.asarray(data[: whole * self.sample_len], dtype=self.dtype).reshape(whole, self.sample_len)
+        while len(samples):
+            if self._fd is None:
+                self._open()
+            take = samples[: self.shard_samples - self._samples]
+            self._write(take)
+            samples = samples[len(take) :]
+            if self._samples == self.shard_samples:
+                self._close()
+
+    def finish(self) -> None:
+        if self._fd is not None:
+            self._close()
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards) + self._samples
+
+    def _open(self) -> None:
+        self.rel = f"shards/{len(self.shards):06d}.bin"
+        self._fd = BuildDir.create(self.rel.split("/")[1], dir_fd=self.dir_fd)
+        self._hash = hashing.hasher(self.algorithm)
+        self._samples = 0
+
+    def _write(self, samples: np.ndarray) -> None:
+        view = memoryview(np.ascontiguousarray(samples)).cast("B")
+        self._hash.update(view)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self._samples += len(samples)
+
+    def _close(self) -> None:
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self.shards.append(TokenShard(self.rel, self._samples))
+        entry = FileEntry(self.rel, st.st_size, st.st_mtime_ns, self._hash.hexdigest(), st.st_mode & paths.MODE_BITS)
+        self.entries.append(entry)
+        self._samples = 0
 
 
-def corpus_files(src: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
-    if src.is_file():
-        return [src]
-    if not src.is_dir():
-        raise BadInput(f"{src}: no such file or directory")
-    files = sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink() and p.suffix in suffixes)
-    if not files:
-        raise BadInput(f"{src}: no text files ({', '.join(suffixes)})")
-    return files
+def _write_file(build: BuildDir, name: str, data: bytes, algorithm: str) -> FileEntry:
+    fd = BuildDir.create(name, dir_fd=build.fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    h = hashing.hasher(algorithm)
+    h.update(data)
+    return FileEntry(name, st.st_size, st.st_mtime_ns, h.hexdigest(), st.st_mode & paths.MODE_BITS)
 
 
 def prepare(
@@ -74,54 +147,41 @@ def prepare(
     with `seed` (document_order), so that the last samples, which training holds out for validation
     (train.val_fraction), are a seeded sample of whole documents from across the corpus (but the one the
     split cuts), never its last files by name."""
-    if out.exists():
+    out = Path(out)
+    if os.path.lexists(out):
         raise BadInput(f"{out} exists; choose a new --out (prepared datasets are never overwritten)")
-    parts: list[bytes] = []
-    total = 0
-    for path in corpus_files(src):
-        data = path.read_bytes()
-        if max_bytes is not None and total + len(data) > max_bytes:
-            data = data[: max_bytes - total]
-        parts.append(data)
-        total += len(data) + 2
-        if max_bytes is not None and total >= max_bytes:
-            break
-    parts = [parts[i] for i in document_order(len(parts), seed)]
-    if tokenizer is None:
-        tokens = np.frombuffer(b"\n\n".join(parts), dtype=np.uint8)
-        vocab, meta = 256, {"source": str(src), "tokenizer": "bytes"}
+    if sample_len < 1 or shard_samples < 1:
+        raise BadInput(f"sample length {sample_len} and samples per shard {shard_samples} must be at least 1")
+    hasher(hash_algorithm)  # an unknown algorithm: BadInput before any work
+    loaded = load_tokenizer(tokenizer) if tokenizer is not None else None
+    docs = corpus.documents(src, max_bytes)
+    docs = [docs[i] for i in document_order(len(docs), seed)]
+    if loaded is None:
+        tokens: Iterator[np.ndarray] = corpus.byte_tokens(docs)
+        dtype, vocab, meta = np.dtype(np.uint8), 256, {"source": str(src), "tokenizer": "bytes"}
     else:
-        tok = load_tokenizer(tokenizer)
-        vocab = tok.get_vocab_size(with_added_tokens=True)
-        dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-        encoded = tok.encode_batch([p.decode("utf-8", errors="replace") for p in parts], add_special_tokens=False)
-        tokens = np.concatenate([np.asarray(e.ids, dtype=dtype) for e in encoded] or [np.empty(0, dtype)])
+        tokens = corpus.tokenizer_ids(loaded, docs, name=tokenizer)
+        dtype, vocab = corpus.token_dtype(loaded.vocab_size), loaded.vocab_size
         meta = {"source": str(src), "tokenizer": TOKENIZER_NAME}
-    meta |= {"documents": len(parts), "document_order": f"shuffled, seed {seed}"}
-    n_samples = len(tokens) // sample_len
-    if n_samples == 0:
-        raise BadInput(f"{src}: corpus has {len(tokens)} tokens, fewer than one sample of {sample_len}")
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "shards").mkdir(parents=True)
-    extra = []
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, tmp / TOKENIZER_NAME)
-        extra.append(entry_for(tmp, TOKENIZER_NAME, hash_algorithm))
-        meta["tokenizer_hash"] = extra[0].hash
-    shards = []
-    for k, start in enumerate(range(0, n_samples, shard_samples)):
-        count = min(shard_samples, n_samples - start)
-        rel = f"shards/{k:06d}.bin"
-        with open(tmp / rel, "wb") as f:
-            f.write(tokens[start * sample_len : (start + count) * sample_len].tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        shards.append(TokenShard(rel, count))
-    files = [entry_for(tmp, s.path, hash_algorithm) for s in shards] + extra
-    manifest = Manifest(hash_algorithm, files, TokenDataset(tokens.dtype.name, vocab, sample_len, shards), meta)
-    write_manifest(tmp / MANIFEST_NAME, manifest)
-    os.replace(tmp, out)
+    meta |= {"documents": len(docs), "document_order": f"shuffled, seed {seed}"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with BuildDir(out) as build:
+        extra = []
+        if loaded is not None:
+            extra.append(_write_file(build, TOKENIZER_NAME, loaded.text, hash_algorithm))
+            meta["tokenizer_hash"] = extra[0].hash
+        writer = ShardWriter(
+            build, dtype=dtype, sample_len=sample_len, shard_samples=shard_samples, algorithm=hash_algorithm
+        )
+        for ids in tokens:
+            writer.add(ids)
+        writer.finish()
+        if writer.samples == 0:
+            raise BadInput(f"{src}: corpus has {writer.tokens} tokens, fewer than one sample of {sample_len}")
+        dataset = TokenDataset(dtype.name, vocab, sample_len, writer.shards)
+        manifest = Manifest(hash_algorithm, writer.entries + extra, dataset, meta)
+        atomic_write(MANIFEST_NAME, manifest_text(manifest), dir_fd=build.fd)
+        build.commit()
     return manifest
 
 
@@ -132,14 +192,34 @@ def document_order(n: int, seed: int) -> list[int]:
 
 def default_corpus_dataset(scratch: Path, *, sample_len: int) -> Path:
     """Python's own standard library sources as a dataset (a corpus every machine has), prepared once per
-    scratch directory and sample length. Returns the manifest path."""
-    out = scratch / "hpcscale-data" / f"pystdlib-shuffled-{sample_len}"
+    scratch directory and sample length. Returns the manifest path. A scratch directory may be shared: the
+    dataset found there is used only when `hpcscale-data`, the dataset's directory and its manifest are
+    yours (or root's) and none is a symbolic link; otherwise BadInput (exit 2) naming what is not."""
+    home = scratch / "hpcscale-data"
+    out = home / f"pystdlib-shuffled-{sample_len}"
     manifest = out / MANIFEST_NAME
-    if not manifest.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
+    _refuse_unless_ours(home)
+    if not os.path.lexists(out):
         try:
             prepare(Path(sysconfig.get_paths()["stdlib"]), out, sample_len=sample_len, max_bytes=8 << 20)
         except BadInput:
-            if not manifest.exists():  # another process won the rename race: its dataset is identical
+            if not os.path.lexists(manifest):  # another process won the rename race: its dataset is identical
                 raise
+    _refuse_unless_ours(out)
+    _refuse_unless_ours(manifest)
     return manifest
+
+
+def _refuse_unless_ours(path: Path) -> None:
+    st = os.lstat(path)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "a symbolic link"
+    elif st.st_uid not in trust.trusted_owners():
+        why = trust.problem(st, directory=stat.S_ISDIR(st.st_mode))
+    if why:
+        raise BadInput(
+            f"{path}: refusing the default dataset: {why}; someone else may have put it there. Remove it, or "
+            "name a dataset of yours with data.manifest"
+        )
