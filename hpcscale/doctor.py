@@ -10,7 +10,6 @@ import fcntl
 import json
 import os
 import shutil
-import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from hpcscale.config.site import SiteConfig
 from hpcscale.slurm.client import SLURM_COMMANDS, SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
+from hpcscale.util.pystart import child_env, python_command
 from hpcscale.util.slurmtime import parse_duration
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -218,8 +218,8 @@ def _torch_detail(info: dict) -> tuple[Status, str]:
 def _python_probe(name: str, code: str, describe, fix: str) -> CheckResult:
     from hpcscale.launch.local import local_env  # MPI_Init as root and on a host without shared memory
 
-    try:
-        out = proc.run([sys.executable, "-c", code], env=local_env(), timeout=120)
+    try:  # nothing imported from where the user stands (util/pystart)
+        out = proc.run(python_command(code), env=child_env(local_env()), timeout=120)
         status, detail = describe(json.loads(out.stdout.strip().splitlines()[-1]))
     except proc.CommandFailed as e:
         last = e.tool_message.strip().splitlines()[-1] if e.tool_message.strip() else str(e)

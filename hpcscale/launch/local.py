@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -37,6 +36,7 @@ from hpcscale.launch.signals import RANKS_READY, STOP_LINE, STOP_SAVE_S, StopFor
 from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
+from hpcscale.util.pystart import child_env, hpcscale_command
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +60,14 @@ def local_env() -> dict[str, str]:
 def rank_env(job: LoadedJob, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """What mpirun's ranks get on top of `environ` (this command's own environment, which mpirun passes on): the
     site's `environment.variables`, the job's `environment:`, local_env(), one OpenMP thread per rank, and on CPU
-    ranks hpcscale's defaults (config.rank_env) for names none of those nor `environ` sets."""
+    ranks hpcscale's defaults (config.rank_env) for names none of those nor `environ` sets. PYTHONPATH keeps
+    its absolute entries only: an empty or relative one names the working directory (util/pystart)."""
     spec, site = job.spec, job.site.config
     env = {**site.environment.variables, **spec.environment, **local_env(), "OMP_NUM_THREADS": "1"}
     for name, value in rank_defaults(spec, env, on_cpu=_ranks_on_cpu(spec, environ)).items():
         if not environ.get(name):  # glibc would read an empty value as 0 (map everything): the default stands in
             env[name] = value
-    return env
+    return child_env(env, environ)
 
 
 def _ranks_on_cpu(spec, environ: Mapping[str, str]) -> bool:
@@ -132,12 +133,7 @@ def run_local(
         "--bind-to",
         "none",
         *site.launcher.extra_args,
-        sys.executable,
-        "-m",
-        "hpcscale",
-        "launch",
-        "--run-dir",
-        str(run_dir),
+        *hpcscale_command("launch", "--run-dir", str(run_dir)),  # nothing imported from where the user stands
     ]
     index = rd.next_index()
     begun = rd.next_attempt()  # the number the attempt this run starts will get

@@ -63,6 +63,7 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+MAX_RANKS = 1 << 20  # the most ranks a `begin` record's placement is worked out for (rank_nodes)
 
 
 @dataclass(slots=True)
@@ -173,7 +174,9 @@ def rank_nodes(events: list[dict], job_id: str | None) -> tuple[ParallelDims | N
         dims = None
     if dims is not None and dims.world_size != world:
         dims = None
-    if not isinstance(nodes, list) or type(world) is not int or not nodes or world % len(nodes):
+    if type(world) is not int or world > MAX_RANKS:  # the record is a file others may write: a world of 10^12
+        return None, None  # ranks is neither listed here nor enumerated by the failure diagnosis (its groups)
+    if not isinstance(nodes, list) or not nodes or world % len(nodes):
         return dims, None
     per_node = world // len(nodes)
     return dims, [str(nodes[r // per_node]) for r in range(world)]
@@ -480,15 +483,16 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob, prepared: Prepared |
         "source": list(site.environment.source),
     }
     if plan.kind == "local":
-        import sys
+        from hpcscale.util.pystart import child_env, hpcscale_command
 
         out["command"] = [
             "mpirun", "-n", str(spec.world_size), "--oversubscribe", "--bind-to", "none", *site.launcher.extra_args,
-            sys.executable, "-m", "hpcscale", "launch", "--run-dir", str(rd.path),
+            *hpcscale_command("launch", "--run-dir", str(rd.path)),
         ]  # fmt: skip
         from hpcscale.launch.local import local_env
 
-        out["environment"] = {**env, **local_env(), "OMP_NUM_THREADS": "1"}  # as run_local sets it
+        # as run_local sets it (PYTHONPATH's absolute entries only)
+        out["environment"] = child_env({**env, **local_env(), "OMP_NUM_THREADS": "1"}, {})
         return out
     prepared = prepared or prepare_resubmission(rd, plan, loaded)
     # as handed to Slurm (vetted, symlinks resolved); None: the default

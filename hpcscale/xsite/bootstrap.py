@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import os
 
+from hpcscale.util.pystart import SAFE_PATH
+
 # In the order they are executed remotely: each after every module it imports. The last one is the agent.
 AGENT_MODULES = (
     "hpcscale.portable.errors",
@@ -44,8 +46,10 @@ AGENT_MODULES = (
     "hpcscale.xsite.agent",
 )
 
-BOOT = (
-    "import os,sys,marshal\n"
+# SAFE_PATH first: the agent runs in the remote home (ssh's working directory) and under -S imports even os
+# through sys.path, whose first entry is -c's '' (hpcscale.util.pystart)
+BOOT = SAFE_PATH + (
+    "\nimport os,sys,marshal\n"
     "def r(n):\n"
     " b=b''\n"
     " while len(b)<n:\n"

@@ -262,8 +262,7 @@ class Channel:
         self.stalled = False
         self.reading = self.writing = 0.0
         self.progress = time.monotonic()
-        # -S: the agent loads site-packages only if it needs a hash module (hpcscale.portable.hashing._site)
-        remote = shlex.join([*shlex.split(remote_python), "-S", "-c", BOOT, role, ep.path])
+        remote = agent_command(remote_python, role, ep.path)
         cmd = [*ssh]
         if ep.port:
             cmd += ["-p", str(ep.port)]
@@ -474,6 +473,13 @@ class Channel:
             if self.stderr_fd >= 0:
                 os.close(self.stderr_fd)
                 self.stderr_fd = -1
+
+
+def agent_command(remote_python: str, role: str, root: str) -> str:
+    """The shell command ssh runs at the other end: the agent (BOOT, which imports nothing from the working
+    directory there) serving `role` for `root`. -S: the agent loads site-packages only if it needs a hash
+    module (hpcscale.portable.hashing._site), so nothing of site-packages runs before BOOT either."""
+    return shlex.join([*shlex.split(remote_python), "-S", "-c", BOOT, role, root])
 
 
 def connect_early(src: Endpoint, dst: Endpoint, ssh: Sequence[str], remote_python: str) -> Channel | None:

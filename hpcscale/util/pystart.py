@@ -1,0 +1,82 @@
+"""How hpcscale starts Python: never with the working directory on the import path.
+
+`python -m hpcscale` and `python -c CODE` put the directory they start in first on sys.path (its absolute path
+for -m, '' for -c), ahead of the standard library and site-packages: a `yaml.py` or `json.py` left where the
+user stands, or in a run directory a colleague can write (Slurm starts the ranks there), would run as the user
+in every rank. Python 3.11's `-P` (PYTHONSAFEPATH) leaves that entry out, but hpcscale supports 3.10; `-I`
+would also drop PYTHONPATH, where users' entry modules come from (`train.entry: module:function`). The
+console script `hpcscale` is clean (its sys.path[0] is its own bin directory), but the one on PATH may belong
+to another installation than the interpreter the front end runs in. So every Python process hpcscale starts
+(mpirun's ranks, doctor's probes, the staging agent) is `python -c` with SAFE_PATH first, which, before
+anything is imported from a path:
+
+1. drops every relative sys.path entry: -c's '' and, where the interpreter has not made them absolute (3.10
+   and older under -S), PYTHONPATH's empty and relative entries;
+2. imports os: already loaded by site, frozen on 3.11+, or else found in the standard library, since no
+   relative entry is left;
+3. drops the entries Python made absolute from PYTHONPATH's empty or relative entries (`:/a`, `.`, `src`: each
+   names the working directory or a place under it), unless PYTHONPATH also names that directory by its
+   absolute path.
+
+What stays is PYTHONPATH's absolute entries, the standard library and site-packages (with what .pth files
+add). SAFE_PATH alone is not enough where site runs: site makes PYTHONPATH's relative entries absolute and
+then runs the `import` lines of .pth files, before any -c code, so a threading.py where the user stands runs
+at start-up. The environment a child gets therefore carries PYTHONPATH's absolute entries only
+(`child_env`; the rendered sbatch script does the same for its ranks). `clean_import_path` applies SAFE_PATH
+to a process that is already running (a rank started by a user's own batch script through the console script).
+
+SAFE_PATH is one line of Python 3.8+ with the standard library only: the staging agent runs it on other
+sites' python3 (hpcscale.xsite.bootstrap). Stdlib only here too: every layer may import this.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+SAFE_PATH = (
+    "import sys;"
+    "sys.path[:]=[p for p in sys.path if p[:1]=='/'];"
+    "import os;"
+    "_e=None if sys.flags.ignore_environment else os.environ.get('PYTHONPATH');"
+    "_e=_e.split(os.pathsep) if _e else [];"
+    "_d={os.path.abspath(x) for x in _e if not os.path.isabs(x)}-{os.path.abspath(x) for x in _e if os.path.isabs(x)};"
+    "sys.path[:]=[p for p in sys.path if p not in _d];"
+    "del _e,_d;"
+)
+
+# `python -c ... hpcscale ARGS`: sys.argv is then ['-c', 'hpcscale', ARGS...]; the command line reads as
+# `hpcscale ARGS` to click, and to ps / pgrep -f 'hpcscale launch --run-dir RUN'.
+_RUN_HPCSCALE = "del sys.argv[0];from hpcscale.cli.entry import main;main()"
+
+
+def absolute_entries(pythonpath: str) -> str:
+    """PYTHONPATH's absolute entries, in order: its empty and relative ones name the working directory."""
+    return os.pathsep.join(e for e in pythonpath.split(os.pathsep) if os.path.isabs(e))
+
+
+def child_env(env: Mapping[str, str], environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`env`, what a child gets on top of `environ`, with the PYTHONPATH it ends up with (env's, else environ's)
+    cut to its absolute entries (an empty PYTHONPATH is no PYTHONPATH to Python)."""
+    out = dict(env)
+    pythonpath = env.get("PYTHONPATH", environ.get("PYTHONPATH"))
+    if pythonpath is not None:
+        out["PYTHONPATH"] = absolute_entries(pythonpath)
+    return out
+
+
+def python_command(code: str, *args: str) -> list[str]:
+    """This interpreter running `code` after SAFE_PATH, `args` as its sys.argv[1:]."""
+    return [sys.executable, "-c", SAFE_PATH + code, *args]
+
+
+def hpcscale_command(*args: str) -> list[str]:
+    """`hpcscale ARGS` run by this interpreter (the hpcscale the front end runs), importing nothing from the
+    working directory."""
+    return python_command(_RUN_HPCSCALE, "hpcscale", *args)
+
+
+def clean_import_path() -> None:
+    """SAFE_PATH applied to this process's sys.path (the same code its children run first)."""
+    exec(SAFE_PATH, {})  # a constant of this module: the very code the children run
