@@ -15,6 +15,8 @@
    against a raw O_DIRECT write of the same bytes from host memory, and a verified load back into GPU memory
    against a cold raw read, five repetitions side by side.
 5. ckpt_sharded: scripts/bench/ckpt_sharded.py as it is (8 CPU ranks over gloo) on this machine's disk.
+6. ledger_gpu: two ranks on gloo, each with a model on the GPU, all-reduce from gradient hooks during backward:
+   the communication ledger counts them although torch's autograd engine runs them on its device thread.
 
     DEVICE=cpu python3 scripts/experiments/gpu_path.py   # parts 2 and 3 on the CPU: a dry run of the script
 """
@@ -153,7 +155,7 @@ device: {DEVICE}
 train:
   entry: builtin
   params: {{steps: 30, global_batch: 16, micro_batch: 8, seq_len: 128, n_layer: 4, n_embd: 256, n_head: 4,
-           bf16: {str(DEVICE == "cuda").lower()}, eval_every: 0}}
+           bf16: {str(DEVICE == "cuda").lower()}, eval_every: 0, fused_optimizer: true}}
 """
 
 
@@ -216,6 +218,7 @@ def stop_resume(tag: str, checkpoint: str, node_local: bool = False) -> dict:
     la, lb = losses(work / "a"), losses(work / "b")
     same = [s for s in la if s in lb and la[s] == lb[s]]
     resumed = [x for x in (c.stdout + c.stderr).splitlines() if "resumed from" in x][:1]
+    staging = [x for x in (a.stdout + a.stderr).splitlines() if "pinned host memory per rank" in x][:1]
     tiers = _tiers(work, out_b + c.stdout + c.stderr) if node_local else {}
     shutil.rmtree(work, ignore_errors=True)
     return {
@@ -227,6 +230,7 @@ def stop_resume(tag: str, checkpoint: str, node_local: bool = False) -> dict:
         "first_diff": next((s for s in sorted(la) if lb.get(s) != la[s]), None),
         "resumed_line": resumed,
         "from_node_local": bool(resumed) and "of the node-local tier" in resumed[0],
+        "staging_line": staging,
         **tiers,
     }
 
@@ -441,6 +445,68 @@ def user_bf16():
     }
 
 
+def _ledger_rank(rank: int, port: int, q) -> None:
+    """One of two ranks on a gloo group (NCCL refuses two ranks on one GPU; gloo does not care), each with a
+    model on the device: a gradient hook all-reduces over the group during backward. On CUDA torch's autograd
+    engine runs that hook on its device thread, not the training thread: the ledger must count it there."""
+    import threading
+
+    from hpcscale.launch.ledger import install
+
+    dev = torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ledger = install()
+    main = threading.get_ident()
+    threads = []
+    m = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(dev)
+
+    def hook(grad):
+        threads.append(threading.get_ident())
+        flat = grad.detach().float().cpu().contiguous()  # gloo's all-reduce takes CPU tensors
+        dist.all_reduce(flat)
+        return grad
+
+    for prm in m.parameters():
+        prm.register_hook(hook)
+    ledger.take()
+    for _ in range(2):
+        m(torch.randn(8, 32, device=dev)).sum().backward()
+    dist.barrier()  # on the training thread: counted as well
+    traffic = ledger.take()
+    q.put(
+        {
+            "rank": rank,
+            "hook_threads_other_than_main": sum(t != main for t in threads),
+            "hooks": len(threads),
+            "counts": {f"{g}/{k}": v for (g, k), v in traffic.counts.items()},
+        }
+    )
+    dist.destroy_process_group()
+
+
+def ledger_gpu():
+    """The communication ledger counts collectives issued in backward on torch's autograd device threads."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ledger_rank, args=(r, 29561, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted((q.get(timeout=180) for _ in procs), key=lambda d: d["rank"])
+    for p in procs:
+        p.join(60)
+    params = 4  # two Linear layers: weight and bias each
+    for d in got:
+        allreduce = d["counts"].get("default_pg/all_reduce", [0, 0])
+        assert d["hooks"] == 2 * params, d
+        assert allreduce[0] == 2 * params, (
+            f"rank {d['rank']}: {allreduce[0]} of {2 * params} backward all-reduces counted: {d}"
+        )
+    return {"ranks": got}
+
+
 parts = {
     "user_bf16": user_bf16,
     "components": components,
@@ -448,9 +514,13 @@ parts = {
     "nodelocal": nodelocal,
     "ckpt_gpu": ckpt_gpu,
     "ckpt_sharded": ckpt_sharded,
+    "ledger_gpu": ledger_gpu,
 }
-for name in os.environ.get("PARTS", ",".join(parts)).split(","):
-    record(name, parts[name])
-    save_results()
-shown = {k: ({kk: vv for kk, vv in v.items() if kk != "tb"} if isinstance(v, dict) else v) for k, v in results.items()}
-print(json.dumps(shown, indent=1))
+if __name__ == "__main__":  # the ledger part's ranks import this file (spawn): they must not run the parts
+    for name in os.environ.get("PARTS", ",".join(parts)).split(","):
+        record(name, parts[name])
+        save_results()
+    shown = {
+        k: ({kk: vv for kk, vv in v.items() if kk != "tb"} if isinstance(v, dict) else v) for k, v in results.items()
+    }
+    print(json.dumps(shown, indent=1))
