@@ -7,6 +7,9 @@ whatever the run directory's files say.
 - The failure backoff of the requeue decision (hpcscale.recovery.requeue): doubled per failure up to
   restart.max_backoff_seconds, however many failures RUN/attempts.jsonl counts; absurd settings are refused
   by validation (exit 2, FILE:LINE: KEY).
+- Progress between attempts (restart.max_no_progress): a checkpoint committed since the previous attempt's end,
+  not a newer newest step: a damaged newest step stays listed while the attempts after it commit older steps.
+- The placement `resume` works out from an attempt's `begin` record (rank -> node) is bounded in ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from trainjobs import job_spec
 
 from hpcscale.ckpt.format import committed_steps
 from hpcscale.config.job import MAX_BACKOFF_S, JobSpec, Restart, Signals
-from hpcscale.recovery.requeue import decide, failure_backoff
+from hpcscale.recovery.requeue import committed_now, decide, failure_backoff
+from hpcscale.recovery.resume import MAX_RANKS, rank_nodes
 
 
 # ---- which checkpoint a restart loads --------------------------------------------------------------------------
@@ -150,3 +154,85 @@ def test_an_absurd_backoff_setting_is_refused_with_its_file_line_and_key(tmp_pat
     out = run_cli("config", "validate", str(job))
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"{job}:7: restart.{key}:" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+# ---- progress between attempts ----------------------------------------------------------------------------------
+def _commit(root: Path, step: int) -> None:
+    """What the listing of committed checkpoints sees of a commit: the step's index file, put in place last."""
+    d = root / f"step-{step:08d}"
+    (d / "data").mkdir(parents=True)
+    (d / "index.h5").write_bytes(b"index of step %d" % step)
+
+
+def _ended(root: Path, spec: JobSpec, events: list[dict], *, commits: list[int]) -> dict:
+    """An attempt of job 7 that committed `commits` and failed: its `end` event, as after_step records it."""
+    for step in commits:
+        _commit(root, step)
+    committed = committed_now(root)
+    d = decide(spec, events, job_id="7", cause="failed", checkpoint=committed[0][0] if committed else None,
+               committed=committed)  # fmt: skip
+    return {"event": "end", "job_id": "7", "cause": "failed", "requeue": d.requeue, "progress": d.progress,
+            "checkpoint": d.checkpoint, "committed": d.committed, "why": d.why}  # fmt: skip
+
+
+def test_attempts_that_commit_below_a_damaged_newest_step_make_progress(tmp_path):
+    """Steps 4 and 8 committed, 8 damaged: the next attempts load 4 and commit 5, then 6, then fail. Each made
+    progress (judged by the newest listed step, 8 throughout, they made none, and the second was the last:
+    restart.max_no_progress = 2). An attempt that commits nothing makes none; step 8 saved again after its
+    refused copy was set aside is a new checkpoint."""
+    root = tmp_path / "checkpoints"
+    spec = JobSpec(name="t", site="local", signals=Signals(), restart=Restart(max_failures=10, max_no_progress=2))
+    events = [_ended(root, spec, [], commits=[4, 8])]
+    for step in (5, 6):
+        events.append(_ended(root, spec, events, commits=[step]))
+        assert events[-1]["progress"] and events[-1]["requeue"], events[-1]
+    events.append(_ended(root, spec, events, commits=[]))
+    assert not events[-1]["progress"] and events[-1]["requeue"], events[-1]  # the first without progress
+    (root / "refused").mkdir()
+    (root / "step-00000008").rename(root / "refused" / "step-00000008-20261128T000000Z")
+    events.append(_ended(root, spec, events, commits=[8]))
+    assert events[-1]["progress"] and events[-1]["requeue"], events[-1]
+    events.append(_ended(root, spec, events, commits=[]))
+    events.append(_ended(root, spec, events, commits=[]))
+    assert not events[-1]["requeue"] and "no new checkpoint in 2 consecutive attempts" in events[-1]["why"]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(checkpoint=JSON, committed=JSON, progress=JSON, requeue=JSON)
+def test_an_end_event_others_wrote_never_breaks_the_decision(checkpoint, committed, progress, requeue):
+    """RUN/attempts.jsonl may be appended to by others: whatever its last `end` event holds, the decision is
+    made (no TypeError comparing a step with a string), and a list that is not one of [step, identity] pairs
+    counts as none."""
+    spec = JobSpec(name="t", site="local", signals=Signals(), restart=Restart(max_failures=3))
+    end = {"event": "end", "job_id": "7", "cause": "failed", "checkpoint": checkpoint, "committed": committed,
+           "progress": progress, "requeue": requeue}  # fmt: skip
+    for now in ([[12, "1:2"]], None):
+        d = decide(spec, [end], job_id="7", cause="failed", checkpoint=12, committed=now)
+        assert isinstance(d.progress, bool) and isinstance(d.requeue, bool)
+
+
+# ---- the placement of a begin record ----------------------------------------------------------------------------
+def test_a_begin_record_claiming_a_huge_world_is_not_enumerated():
+    """A `begin` record (RUN/attempts.jsonl) saying 10^12 ranks on one node, its layout agreeing: neither the
+    rank -> node list nor the layout (whose groups the NCCL timeout diagnosis enumerates) is taken; before the
+    bound, resume built a list of 10^12 names. A real record's placement is still worked out."""
+    huge = {"event": "begin", "job_id": "7", "nodes": ["n1"], "world_size": 10**12,
+            "layout": {"pp": 1, "dp": 10**12, "tp": 1}}  # fmt: skip
+    assert rank_nodes([huge], "7") == (None, None)
+    edge = {
+        **huge,
+        "world_size": MAX_RANKS + 2,
+        "nodes": ["n1", "n2"],
+        "layout": {"pp": 1, "dp": MAX_RANKS + 2, "tp": 1},
+    }
+    assert rank_nodes([edge], "7") == (None, None)
+    real = {**huge, "world_size": 4, "nodes": ["n1", "n2"], "layout": {"pp": 1, "dp": 2, "tp": 2}}
+    dims, placement = rank_nodes([real], "7")
+    assert dims.world_size == 4 and placement == ["n1", "n1", "n2", "n2"]

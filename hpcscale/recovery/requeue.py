@@ -16,8 +16,9 @@ trapped, not fatal), then calls `hpcscale requeue "$RUN" --exit-code $rc` (`hpcs
 2. Whether to requeue (`decide`), with separate budgets counted over this Slurm job's earlier attempts in
    RUN/attempts.jsonl: `restart.max_preemptions`, `max_time_limits`, `max_failures` (each failure waits
    `failure_backoff_seconds`, doubled each time up to `max_backoff_seconds`), and a stop after
-   `max_no_progress` consecutive attempts (preemptions aside) that committed no new checkpoint: a job that
-   crashes at every start ends at its cap instead of looping.
+   `max_no_progress` consecutive attempts (preemptions aside) that committed no new checkpoint (one the
+   previous attempt's end did not list: `_progress`): a job that crashes at every start ends at its cap
+   instead of looping.
 3. The decision is appended to RUN/attempts.jsonl (an `end` event) before anything else happens; a failure
    waits its backoff here (the allocation is held meanwhile: a requeued job's start time cannot be set from
    inside the job, Slurm sets it when the job re-enters the queue), then `scontrol requeue`, which ends this
@@ -25,7 +26,8 @@ trapped, not fatal), then calls `hpcscale requeue "$RUN" --exit-code $rc` (`hpcs
    `cred_expire`, 120 s by default) before it may start.
 
 The restarted job reruns the script from the top; its ranks resume from the newest checkpoint that every rank
-can read and verify (hpcscale.ckpt.manager.load_latest). SLURM_RESTART_COUNT is in each `begin` event.
+can load and verify, from either tier (hpcscale.launch.checkpointing, Checkpointer._load_newest).
+SLURM_RESTART_COUNT is in each `begin` event.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from hpcscale.ckpt.format import committed_steps
+from hpcscale.ckpt.format import INDEX, committed_steps, step_dir_name
 from hpcscale.config.job import JobSpec
 from hpcscale.errors import STOPPED_EXIT_CODE
 from hpcscale.launch.failure import signalled_task
@@ -65,7 +67,8 @@ class Decision:
     backoff_s: int = 0
     attempt: int | None = None
     checkpoint: int | None = None  # newest committed step when the attempt ended
-    progress: bool = True  # a newer checkpoint than at the end of the previous attempt
+    progress: bool = True  # a checkpoint committed since the end of the previous attempt
+    committed: list | None = None  # committed_now() when the attempt ended: what the next one is judged against
 
 
 def classify(exit_code: int, stopped: bool, seconds_left: float | None, grace_s: int, cancelled: bool = False) -> str:
@@ -91,27 +94,76 @@ def failure_backoff(base_s: int, used: int, cap_s: int) -> int:
     return min(cap_s, base_s << max(used, 0))
 
 
-def decide(spec: JobSpec, events: list[dict], *, job_id: str | None, cause: str, checkpoint: int | None) -> Decision:
+PROGRESS_STEPS = 64  # the newest committed checkpoints an `end` event lists (Decision.committed)
+
+
+def committed_now(root: Path) -> list[list]:
+    """[[step, identity of its index file], ...] of the newest PROGRESS_STEPS committed checkpoints in `root`,
+    newest first: what the next attempt's progress is judged against. A step saved again after its refused copy
+    was set aside has a new index file, so a new identity. Only listed and lstat'ed: nothing planted there is
+    opened or waited on."""
+    try:
+        steps = committed_steps(root)[:PROGRESS_STEPS]
+    except OSError:
+        return []
+    out = []
+    for step in steps:
+        try:
+            st = os.lstat(root / step_dir_name(step) / INDEX)
+        except OSError:
+            continue
+        out.append([step, f"{st.st_ino}:{st.st_mtime_ns}"])
+    return out
+
+
+def _progress(ends: list[dict], checkpoint: int | None, committed: list | None) -> bool:
+    """Whether the attempt committed a checkpoint: one in `committed` that the previous attempt's end did not list.
+    Not "a newer newest step": a damaged newest checkpoint stays listed (it is set aside only when a save reaches
+    its step), and the attempts that train from the one before it and commit steps below it make progress. An
+    end event without a usable list (an older hpcscale's, or one others wrote) falls back to comparing the
+    newest step, counting a value that is not a step as none."""
+    before = ends[-1] if ends else {}
+    seen = before.get("committed")
+    usable = isinstance(seen, list) and all(
+        isinstance(c, list) and len(c) == 2 and type(c[0]) is int and isinstance(c[1], str) for c in seen
+    )
+    if committed is not None and usable:
+        known = {(step, ident) for step, ident in seen}
+        return any((step, ident) not in known for step, ident in committed)
+    previous = before.get("checkpoint")
+    previous = previous if type(previous) is int else None
+    return checkpoint is not None and (previous is None or checkpoint > previous)
+
+
+def decide(
+    spec: JobSpec,
+    events: list[dict],
+    *,
+    job_id: str | None,
+    cause: str,
+    checkpoint: int | None,
+    committed: list | None = None,
+) -> Decision:
     """Whether this attempt's job goes back in the queue. `events`: RUN/attempts.jsonl so far (this attempt's
-    begin and stop included, its end not yet)."""
+    begin and stop included, its end not yet). `checkpoint`: the newest committed step now; `committed`: the
+    newest committed checkpoints now (committed_now), which judge progress."""
     begins = [e for e in events if e.get("event") == "begin"]
     attempt = begins[-1].get("attempt") if begins else None
     ends = [e for e in events if e.get("event") == "end"]
-    previous = next((e.get("checkpoint") for e in reversed(ends)), None)
-    progress = checkpoint is not None and (previous is None or checkpoint > previous)
+    progress = _progress(ends, checkpoint, committed)
+    common = {"attempt": attempt, "checkpoint": checkpoint, "progress": progress, "committed": committed}
     if cause == "completed":
-        return Decision(cause, False, "the job finished", attempt=attempt, checkpoint=checkpoint, progress=progress)
+        return Decision(cause, False, "the job finished", **common)
     if cause == "cancelled":
         why = "Slurm ended the job before its time limit (scancel, a node failure): not requeued here"
-        return Decision(cause, False, why, attempt=attempt, checkpoint=checkpoint, progress=progress)
+        return Decision(cause, False, why, **common)
     if not spec.signals.requeue:
-        return Decision(cause, False, "signals.requeue is false", attempt=attempt, checkpoint=checkpoint)
+        return Decision(cause, False, "signals.requeue is false", **common)
     mine = [e for e in ends if job_id is not None and e.get("job_id") == job_id]
     budget_key = BUDGETS[cause]
     r = spec.restart
     budget = {"preempted": r.max_preemptions, "time_limit": r.max_time_limits, "failed": r.max_failures}[cause]
     used = sum(1 for e in mine if e.get("cause") == cause and e.get("requeue"))
-    common = {"attempt": attempt, "checkpoint": checkpoint, "progress": progress}
     if used >= budget:
         why = f"{cause.replace('_', ' ')} budget spent: {used} of restart.{budget_key} = {budget} requeues used"
         return Decision(cause, False, why, **common)
@@ -228,11 +280,9 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
     stopped = any(e.get("event") == "stop" and e.get("attempt") == attempt for e in events) if begins else False
     seconds_left, cancelled = _job_now(client, job_id) if job_id and exit_code != 0 else (None, False)
     cause = classify(exit_code, stopped, seconds_left, spec.signals.grace_seconds, cancelled)
-    try:
-        steps = committed_steps(rd.checkpoints)
-    except OSError:
-        steps = []
-    decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=steps[0] if steps else None)
+    committed = committed_now(rd.checkpoints)
+    newest = committed[0][0] if committed else None
+    decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=newest, committed=committed)
     # A task that died of a signal is how the attempt ended, whatever srun's exit code (see signalled_task)
     died = signalled_task(attempt_lines(rd, job_id)) if cause == "failed" and job_id else None
     code = 128 + died.signum if died else exit_code
