@@ -149,3 +149,24 @@ def test_status_falls_back_to_scontrol_when_sacct_cannot_answer(local_cluster, t
 def test_status_of_a_non_run_directory_is_bad_input(tmp_path):
     result = run_cli("status", str(tmp_path))
     assert result.returncode == 2 and "not an hpcscale run directory" in result.stderr
+
+
+def test_a_name_with_separators_keeps_its_state_and_name_in_status(local_cluster, tmp_path):
+    """A job name holding `|`, spaces and `Key=value`: status reads the job from sacct (it was skipped there,
+    and became UNKNOWN once scontrol forgot the job) and, when sacct cannot answer, from scontrol, with its
+    real state and its whole name both ways."""
+    name = "a|b|c JobState=FAILED ExitCode=9:0 | x"
+    run_dir = tmp_path / "run"
+    sub = _submit(_job(tmp_path, name=name, nodes=1, tasks_per_node=1), "--run-dir", str(run_dir))
+    assert wait_for_job(sub["job_id"], local_cluster) == "COMPLETED"
+    status = _settled_status(run_dir, lambda job: job["name"] != "allocation")
+    (job,) = status["submissions"][0]["jobs"]
+    assert status["source"] == "sacct"
+    assert (job["job_id"], job["name"], job["state"], job["exit_code"]) == (sub["job_id"], name, "COMPLETED", "0:0")
+    site = yaml.safe_load((run_dir / "site.yaml").read_text())
+    site["slurm"]["cluster"] = "nosuchcluster"  # sacct fails: scontrol, which still knows the job
+    (run_dir / "site.yaml").write_text(yaml.safe_dump(site))
+    status = json.loads(run_cli("status", str(run_dir), "--json").stdout)
+    (job,) = status["submissions"][0]["jobs"]
+    assert "scontrol" in status["source"]
+    assert (job["name"], job["state"], job["exit_code"]) == (name, "COMPLETED", "0:0")

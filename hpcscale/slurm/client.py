@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcscale.config.site import SiteConfig
+from hpcscale.slurm import parse
 from hpcscale.util import proc
 from hpcscale.util.paths import expand_path
 from hpcscale.util.trust import check_trusted
@@ -64,11 +65,29 @@ class SlurmClient:
         return proc.run(args, env=self.env, timeout=timeout, check=check, input=input)
 
     def show(self, kind: str, name: str = "", *, timeout: float = 30) -> list[dict[str, str]]:
-        """`scontrol show KIND [NAME] -o`, one dict of KEY=VALUE per record; [] when scontrol knows none.
+        """`scontrol show KIND [NAME]`, one dict of KEY=VALUE per record; [] when scontrol knows none.
 
-        Values are split at whitespace, so a value with a space in it (a Reason, a path) is cut at the space."""
+        Jobs are read from the multi-line form (hpcscale.slurm.parse.scontrol_jobs): a job's name, working
+        directory, comment and log paths come whole, spaces, `|` and `Key=` inside them included, and never
+        change another key. Other kinds (partitions, nodes: what an administrator wrote) from `-o`, split at
+        whitespace, so a value with a space in it is cut at the space."""
+        if kind == "job":
+            out = self.run("scontrol", "show", "job", *([name] if name else []), check=False, timeout=timeout)
+            return parse.scontrol_jobs(out.stdout, name)
         out = self.run("scontrol", "show", kind, "-o", *([name] if name else []), check=False, timeout=timeout)
-        return [dict(p.split("=", 1) for p in line.split() if "=" in p) for line in out.stdout.splitlines() if line]
+        return [dict(p.split("=", 1) for p in line.split() if "=" in p) for line in out.stdout.split("\n") if line]
+
+    def sacct(self, job_ids: list[str], fields: tuple[str, ...], *args: str, timeout: float = 30) -> list[dict]:
+        """sacct's rows for `job_ids` (`args`: more options, e.g. -X, -D), field -> value, read as
+        hpcscale.slurm.parse says (at most one field a user chooses, last). CommandFailed with sacct's words
+        when it fails or accounting is off."""
+        cmd = ["sacct", *args, "-j", ",".join(job_ids), *parse.sacct_args(fields)]
+        if self.cluster:
+            cmd += ["-M", self.cluster]
+        out = self.run(*cmd, timeout=timeout)
+        if "disabled" in out.stderr:
+            raise proc.CommandFailed(out.args, out.stderr)
+        return parse.sacct_rows(out.stdout, fields)
 
     def config(self, *, timeout: float = 30) -> dict[str, str]:
         """`scontrol show config` as KEY -> VALUE; CommandFailed when no controller answers."""

@@ -15,13 +15,15 @@ from hpcscale.config.errors import ConfigError
 from hpcscale.config.yamlsrc import parse_yaml
 from hpcscale.errors import BadInput
 from hpcscale.rundir import JOB, TIMING, RunDir, Submission
+from hpcscale.slurm import parse
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.bounded import loads_json, read_bounded, read_tail
 
 METRICS_TAIL = 8 << 20  # bytes read from the end of metrics.jsonl for the last step and the last plan
 
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End")
+# JobName, which the user chooses, last: hpcscale.slurm.parse reads any text there (`|` included) as the name
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End", "JobName")
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,19 +246,19 @@ def _last_metrics(lines: list[bytes], *, key: str = "loss") -> dict | None:
 
 
 def _sacct(client: SlurmClient, ids: list[str]) -> dict[str, list[JobState]]:
-    args = ["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", ",".join(SACCT_FIELDS)]
-    if client.cluster:
-        args += ["-M", client.cluster]
-    out = client.run(*args, timeout=30)
-    if "disabled" in out.stderr:
-        raise proc.CommandFailed(out.args, out.stderr)
     result: dict[str, list[JobState]] = {}
-    for line in out.stdout.splitlines():
-        fields = line.split("|")
-        if len(fields) != len(SACCT_FIELDS):
-            continue
-        base = fields[0].split("_")[0].split(".")[0]
-        result.setdefault(base, []).append(JobState(*fields))
+    for row in client.sacct(ids, SACCT_FIELDS, "-X"):
+        state = JobState(
+            job_id=row["JobID"],
+            name=row["JobName"],
+            state=row["State"],
+            exit_code=row["ExitCode"],
+            nodes=row["NodeList"],
+            elapsed=row["Elapsed"],
+            start=row["Start"],
+            end=row["End"],
+        )
+        result.setdefault(parse.job_base(row["JobID"]), []).append(state)
     return result
 
 
