@@ -14,11 +14,13 @@ from hpcscale.config.job import JobSpec
 from hpcscale.config.overrides import Override, apply_overrides, parse_overrides
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.train import TrainConfig, train_checks
-from hpcscale.config.yamlsrc import YamlSource, load_yaml
+from hpcscale.config.yamlsrc import MAX_BYTES, YamlSource, load_yaml, parse_yaml
+from hpcscale.errors import BadInput
 from hpcscale.layout import ParallelDims, layout_problems
 from hpcscale.util.hostlist import expand
 from hpcscale.util.resources import SITE_CONFIGS, find_shipped
 from hpcscale.util.slurmtime import parse_duration
+from hpcscale.util.trust import read_trusted
 
 SITE_PATH_ENV = "HPCSCALE_SITE_PATH"
 
@@ -42,27 +44,56 @@ class LoadedJob:
 
 
 def site_search_path() -> list[Path]:
-    """Where site names are looked up, first match wins: $HPCSCALE_SITE_PATH (colon-separated),
-    ./site_configs, ~/.config/hpcscale/sites, then the site configs shipped with hpcscale."""
-    dirs = [Path(p) for p in os.environ.get(SITE_PATH_ENV, "").split(":") if p]
-    dirs += [Path.cwd() / "site_configs", Path.home() / ".config" / "hpcscale" / "sites"]
+    """Where site names are looked up, first match wins: $HPCSCALE_SITE_PATH (colon-separated absolute
+    directories), ~/.config/hpcscale/sites, then the site configs shipped with hpcscale. Never the working
+    directory: a site file there is used only when the user names it by its path (`site: ./site_configs/x.yaml`,
+    `--site ./x.yaml`), since a site names programs, libraries and PYTHONPATH entries that every rank runs."""
+    dirs = []
+    for entry in (p for p in os.environ.get(SITE_PATH_ENV, "").split(":") if p):
+        if not os.path.isabs(entry):
+            raise BadInput(
+                f"{SITE_PATH_ENV}: '{entry}' is not an absolute directory; site names are never looked up where "
+                "you stand: give the directory's absolute path, or name the site file by its path"
+            )
+        dirs.append(Path(entry))
+    dirs += [Path.home() / ".config" / "hpcscale" / "sites"]
     shipped = find_shipped(SITE_CONFIGS)  # inside the installed wheel, or the checkout's for editable installs
     dirs += [shipped] if shipped is not None else []
     return dirs
 
 
+@dataclass(frozen=True, slots=True)
+class FoundSite:
+    path: Path
+    # Found by name in a directory others may write ($HPCSCALE_SITE_PATH, ~/.config/hpcscale/sites): read only
+    # from a file the user may trust. Not the shipped site configs: they belong to the installation whose code
+    # runs anyway (whoever can write them can write hpcscale itself), nor a file the user named by its path.
+    vet: bool
+
+
+def _named_by_path(name_or_path: str) -> bool:
+    return name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
+
+
 def find_site(name_or_path: str, *, relative_to: Path | None = None) -> Path | None:
     """The file for a site name (or an explicit path to a site file), or None."""
-    if name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path:
+    found = _find_site(name_or_path, relative_to=relative_to)
+    return found.path if found is not None else None
+
+
+def _find_site(name_or_path: str, *, relative_to: Path | None = None) -> FoundSite | None:
+    if _named_by_path(name_or_path):
         p = Path(name_or_path).expanduser()
         if not p.is_absolute() and relative_to is not None:
             p = relative_to / p
-        return p if p.is_file() else None
+        return FoundSite(p, vet=False) if p.is_file() else None
+    shipped = find_shipped(SITE_CONFIGS)
     for d in site_search_path():
         for ext in (".yaml", ".yml"):
             candidate = d / f"{name_or_path}{ext}"
             if candidate.is_file():
-                return candidate
+                # a symlink (a dotfiles manager's) is followed, and the file it leads to checked and read
+                return FoundSite(Path(os.path.realpath(candidate)), vet=d != shipped)
     return None
 
 
@@ -83,24 +114,38 @@ def parse_site(src: YamlSource) -> SiteConfig:
     return site
 
 
-def load_site(path: str | Path) -> LoadedSite:
+def load_site(path: str | Path, *, vet: bool = False) -> LoadedSite:
+    """The site config in `path`; with `vet`, read only from a file owned by the user or root and writable by no
+    one else, checked on the descriptor read (hpcscale.util.trust, as a run directory's site.yaml)."""
     p = Path(path)
-    return LoadedSite(parse_site(load_yaml(p)), p)
+    if not vet:
+        return LoadedSite(parse_site(load_yaml(p)), p)
+    data = read_trusted(p, what="site config", max_bytes=MAX_BYTES)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([ConfigIssue(str(p), None, "", f"not UTF-8 text ({e.reason})")]) from None
+    return LoadedSite(parse_site(parse_yaml(text, str(p))), p)
+
+
+def _load_found(found: FoundSite) -> LoadedSite:
+    return load_site(found.path, vet=found.vet)
 
 
 def _no_such_site(name: str) -> str:
     known = known_sites()
     return (
         f"no such site '{name}'{did_you_mean(name, known)}; known sites: {', '.join(known) or 'none'} "
-        f"(search path: ${SITE_PATH_ENV}, ./site_configs, ~/.config/hpcscale/sites)"
+        f"(search path: ${SITE_PATH_ENV}, ~/.config/hpcscale/sites, the shipped sites; a site file elsewhere, "
+        "the working directory included, is named by its path: ./site_configs/NAME.yaml)"
     )
 
 
 def resolve_site(name_or_path: str, *, relative_to: Path | None = None) -> LoadedSite:
-    found = find_site(name_or_path, relative_to=relative_to)
+    found = _find_site(name_or_path, relative_to=relative_to)
     if found is None:
         raise ConfigError([ConfigIssue(name_or_path, None, "", _no_such_site(name_or_path))])
-    return load_site(found)
+    return _load_found(found)
 
 
 def load_job(path: str | Path, *, site: str | None = None, overrides: Sequence[str] = ()) -> LoadedJob:
@@ -116,10 +161,10 @@ def load_job(path: str | Path, *, site: str | None = None, overrides: Sequence[s
     if site:  # the --site option: a bad name is the option's fault, not the spec's
         loaded_site = resolve_site(site)
     else:
-        found = find_site(spec.site, relative_to=p.parent)
+        found = _find_site(spec.site, relative_to=p.parent)
         if found is None:
             raise ConfigError([ConfigIssue(*src.locate(("site",)), "site", _no_such_site(spec.site))])
-        loaded_site = load_site(found)
+        loaded_site = _load_found(found)
     check_job(spec, loaded_site.config, dec)
     dec.raise_if_any()
     return LoadedJob(spec, p, loaded_site, tuple(dec.warnings), parsed, src)
