@@ -28,6 +28,7 @@ from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, St
 from hpcscale.portable.lock import process_start_time
 from hpcscale.rundir import METRICS, TENSORBOARD, RunDir, Submission, link_checkpoints, site_checkpoint_root
 from hpcscale.util.paths import expand_path
+from hpcscale.util.pystart import clean_import_path
 
 # The reference trainer is loaded by name like any user's entry point: launch runs entry points, it does not
 # know the trainer (hpcscale.train sits above launch and builds on its Context).
@@ -208,13 +209,14 @@ def apply_environment(loaded: LoadedJob) -> None:
     """Give this rank the job's environment (the site's `environment.variables`, then the job spec's
     `environment:`), whatever started it: the rendered script and `run --local` export them, an admin's own
     script calling `hpcscale launch` may not. A variable the rank already has keeps its value (the script that
-    started it said so); PYTHONPATH's entries are added to the import path this process already has, after
-    the ones there, so `train.entry` is found. Runs before the bootstrap, so NCCL, gloo and CUDA see the
-    variables when they start."""
+    started it said so); PYTHONPATH's absolute entries are added to the import path this process already has,
+    after the ones there, so `train.entry` is found (an empty or relative entry would name the working
+    directory: never, util/pystart). Runs before the bootstrap, so NCCL, gloo and CUDA see the variables when
+    they start."""
     wanted = {**loaded.site.config.environment.variables, **loaded.spec.environment}
     for name, value in wanted.items():
         if name == "PYTHONPATH":
-            for entry in (e for e in value.split(os.pathsep) if e):
+            for entry in (e for e in value.split(os.pathsep) if os.path.isabs(e)):
                 if entry not in sys.path:
                     sys.path.append(entry)
                 have = os.environ.get(name, "").split(os.pathsep)
@@ -232,6 +234,9 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
     stop = StopFlag()
     stop.install()  # before the slow imports and MPI_Init: a stop signal during start-up is not lost
+    # A rank started by a batch script through the console script: its PYTHONPATH's relative entries name the
+    # run directory; nothing from there for mpi4py, torch or the entry (run --local's ranks are clean already)
+    clean_import_path()
     from mpi4py import MPI
 
     loaded = RunDir(run_dir).load_job()
