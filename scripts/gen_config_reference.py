@@ -32,8 +32,9 @@ Two kinds of YAML file configure hpcscale:
 - a **site config** (`site_configs/<name>.yaml`) describes one cluster, or this machine, once;
 - a **job spec** describes one training job and names its site with `site:`.
 
-Site names are looked up, first match wins, in `$HPCSCALE_SITE_PATH` (colon-separated directories),
-`./site_configs`, `~/.config/hpcscale/sites`, and the site configs shipped with hpcscale; `site:` may also be a
+Site names are looked up, first match wins, in `$HPCSCALE_SITE_PATH` (colon-separated absolute directories),
+`~/.config/hpcscale/sites`, and the site configs shipped with hpcscale (never in the working directory; a file
+found by name that is not shipped must be yours or root's and writable by no one else); `site:` may also be a
 path to a site file (relative to the job spec). Unknown keys are errors (with a did-you-mean); every error
 reads `FILE:LINE: KEY: MESSAGE` and exits with code 2. Paths may use `~` and `$VARIABLES`, expanded when used.
 Any job spec key can also be set on the command line of `run`, `submit`, `render` and `config validate` with
