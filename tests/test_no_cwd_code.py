@@ -286,3 +286,13 @@ def test_validation_says_an_entry_only_in_the_working_directory_is_not_found(tmp
     spec["environment"] = {"PYTHONPATH": str(tmp_path)}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
     assert not [w for w in load_job(tmp_path / "job.yaml").warnings if w.key == "train.entry"]
+
+
+def test_a_relative_site_search_path_is_refused(tmp_path):
+    """$HPCSCALE_SITE_PATH=site_configs would search where the user stands: exit 2, saying so."""
+    (tmp_path / "site_configs").mkdir()
+    (tmp_path / "site_configs" / "mine.yaml").write_text(PLANTED_SITE.replace("name: local", "name: mine"))
+    result = run_cli("config", "validate", str(_job(tmp_path / "jobs", site="mine")), cwd=tmp_path,
+                     env={"HPCSCALE_SITE_PATH": "site_configs"})  # fmt: skip
+    said = result.stdout + result.stderr
+    assert result.returncode == 2 and "HPCSCALE_SITE_PATH: 'site_configs' is not an absolute directory" in said, said

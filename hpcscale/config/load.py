@@ -92,8 +92,10 @@ def _find_site(name_or_path: str, *, relative_to: Path | None = None) -> FoundSi
         for ext in (".yaml", ".yml"):
             candidate = d / f"{name_or_path}{ext}"
             if candidate.is_file():
+                if d == shipped:
+                    return FoundSite(candidate, vet=False)
                 # a symlink (a dotfiles manager's) is followed, and the file it leads to checked and read
-                return FoundSite(Path(os.path.realpath(candidate)), vet=d != shipped)
+                return FoundSite(Path(os.path.realpath(candidate)), vet=True)
     return None
 
 
