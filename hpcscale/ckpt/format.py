@@ -107,6 +107,9 @@ class TensorView:
     offsets: np.ndarray  # (S, ndim) int64
     shapes: np.ndarray  # (S, ndim) int64
     shard: Callable[[int], ShardRecord]
+    # chunks(j, a, b): chunks a to b (exclusive) of shard j, built from the tables without the rest of the
+    # shard's (an export reads a block of a tensor at a time: a shard may have millions of chunks)
+    chunks: Callable[[int, int, int], list[ChunkRef]] | None = None
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -127,6 +130,7 @@ def tensor_view(index: Index, name: str) -> TensorView | None:
         np.array([s.offset for s in rec.shards], dtype=np.int64).reshape(len(rec.shards), nd),
         np.array([s.shape for s in rec.shards], dtype=np.int64).reshape(len(rec.shards), nd),
         rec.shards.__getitem__,
+        lambda j, a, b: rec.shards[j].chunks[a:b],
     )
 
 
@@ -173,21 +177,27 @@ class TensorTable(Mapping):
             i["shard_offset"][a:b, :nd],
             i["shard_shape"][a:b, :nd],
             lambda j: self._shard(a + j, nd),
+            lambda j, c0, c1: self._chunks(a + j, c0, c1),
         )
 
     def _shard(self, j: int, nd: int) -> ShardRecord:
+        i = self._t.ints
+        refs = self._chunks(j, 0, int(i["shard_chunk_count"][j]))
+        return ShardRecord(tuple(i["shard_offset"][j, :nd].tolist()), tuple(i["shard_shape"][j, :nd].tolist()), refs)
+
+    def _chunks(self, j: int, a: int, b: int) -> list[ChunkRef]:
+        """Chunks a to b (exclusive, clipped to the shard's) of shard row j."""
         t, i = self._t, self._t.ints
         files = self._files
         start, count = int(i["shard_chunk_start"][j]), int(i["shard_chunk_count"][j])
-        rows = t.chunks[start : start + count]
-        refs = [
+        rows = t.chunks[start + max(0, a) : start + min(b, count)]
+        return [
             ChunkRef(h.decode(), files[f], o, n)
             for h, f, o, n in zip(
                 rows["hash"].tolist(), rows["file"].tolist(), rows["offset"].tolist(), rows["length"].tolist(),
                 strict=True,
             )
         ]  # fmt: skip
-        return ShardRecord(tuple(i["shard_offset"][j, :nd].tolist()), tuple(i["shard_shape"][j, :nd].tolist()), refs)
 
     def _record(self, k: int) -> TensorRecord:
         view = self.view(self._names[k])
@@ -222,6 +232,22 @@ class Index:
         if self.tables is not None:
             return int(self.tables.chunks["length"].sum())
         return sum(c.length for t in self.tensors.values() for s in t.shards for c in s.chunks)
+
+    def stored_bytes(self) -> int:
+        """The bytes of its distinct chunk locations (file, offset, length): what its data files hold for it. A
+        chunk referenced by several shards (identical content: content addressing stores it once) counts once,
+        so this is at most total_bytes(), and far less when deduplication expands the checkpoint."""
+        if self.tables is None:
+            return sum(n for _, _, n in {(c.file, c.offset, c.length) for t in self.tensors.values()
+                                         for s in t.shards for c in s.chunks})  # fmt: skip
+        c = self.tables.chunks
+        if not len(c):
+            return 0
+        order = np.lexsort((c["length"], c["offset"], c["file"]))
+        f, o, n = c["file"][order], c["offset"][order], c["length"][order]
+        new = np.ones(len(c), dtype=bool)
+        new[1:] = (f[1:] != f[:-1]) | (o[1:] != o[:-1]) | (n[1:] != n[:-1])
+        return int(n[new].sum())
 
     def chunk_count(self) -> int:
         if self.tables is not None:

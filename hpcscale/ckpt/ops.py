@@ -41,6 +41,15 @@ def checkpoints_root(path: Path) -> Path:
     raise BadInput(f"{path}: no such run or checkpoint directory")
 
 
+def size_text(n: int) -> str:
+    """Bytes in binary units: 512 B, 1.5 KiB, 24.0 TiB (TiB the largest)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
     step: int
@@ -170,7 +179,9 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
     What a passing report proves is in docs/checkpoint-format.md ("What `ckpt verify` proves"): the index's root
     digest matches its contents and DIGEST; its structure is sound (every tensor tiled by its shards, every
     shard exactly its chunks, offsets and lengths in range); every chunk referenced is in place and has its
-    recorded hash. A checkpoint directory without an index raises VerificationFailure (exit 3)."""
+    recorded hash. A checkpoint directory without an index raises VerificationFailure (exit 3). Each distinct
+    chunk is read once, however many tensors reference it: verify reads what is stored, not what is declared
+    (`details`: `declared_bytes`, `stored_bytes`)."""
     if not (step_dir / INDEX).exists():
         raise VerificationFailure(f"{step_dir}: no {INDEX} (not a committed checkpoint)")
     t0 = time.perf_counter()
@@ -187,6 +198,11 @@ def verify(step_dir: Path, *, progress: Callable[[int, int], None] | None = None
             "tensors": len(index.tensors) if index else 0,
             "version": index.version if index else VERSION,
             "digest": exam.digest,
+            # what the tensors declare against what the data files hold for them (each distinct chunk once):
+            # content addressing may make the first far larger (a tensor of zeros is one chunk), and a load or an
+            # export produces the declared bytes
+            "declared_bytes": index.total_bytes() if index else None,
+            "stored_bytes": index.stored_bytes() if index else None,
         },
     )
     report.problems += [VerifyProblem(path=f"{step_dir.name}/{p.file}", problem=p.problem) for p in exam.problems]
@@ -255,6 +271,7 @@ def inspect(step_dir: Path) -> dict:
         "version": index.version,
         "digest": index.digest,
         "bytes": index.total_bytes(),
+        "stored_bytes": index.stored_bytes(),
         "files": sorted(index.files()),
         "trainer_state": index.trainer_state,
         "tensors": [

@@ -4,7 +4,9 @@ copies the overlap into place; the saved layout and the loading layout may diffe
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from hpcscale.errors import VerificationFailure
 RUN_BYTES = 16 << 20  # adjacent chunks read with one preadv, up to about this many bytes...
 RUN_CHUNKS = 500  # ...and this many chunks (with a gap's buffer between each two: below IOV_MAX, 1024 on Linux)
 GAP_BYTES = 4096  # a run reads through a gap this long at most: a chunk's padding (under writer.ALIGN), no chunk
+PIECE_BYTES = 16 << 20  # a chunk needed only in part (fill_box) is read and hashed in pieces this long at most
 
 
 class ChunkReader:
@@ -29,6 +32,7 @@ class ChunkReader:
         self._fds: dict[str, int] = {}
         self.bytes_read = 0
         self._gap: memoryview | None = None  # where a run's gaps are read to: one buffer, reused
+        self._piece: memoryview | None = None  # where read_part reads: one buffer of PIECE_BYTES, reused
 
     def _fd(self, tensor: str, ref) -> int:
         fd = self._fds.get(ref.file)
@@ -87,6 +91,37 @@ class ChunkReader:
                 raise VerificationFailure(
                     f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: hash mismatch (corrupt data)"
                 )
+
+    def read_part(self, tensor: str, ref: ChunkRef, lo: int, hi: int, put: Callable[[int, memoryview], None]) -> None:
+        """Read chunk `ref` whole, PIECE_BYTES at a time, hashing every byte, and hand its bytes [lo, hi) to
+        `put(position from lo, bytes)` as they pass. Memory: one piece, whatever the chunk's length. Raises
+        VerificationFailure when the chunk is short or its hash differs, after `put` has seen bytes of it: the
+        caller discards what it put (an export removes its unfinished file)."""
+        fd = self._fd(tensor, ref)
+        if self._piece is None:
+            self._piece = memoryview(bytearray(PIECE_BYTES))
+        h = xxhash.xxh3_128()
+        pos = 0
+        while pos < ref.length:
+            view = self._piece[: min(PIECE_BYTES, ref.length - pos)]
+            got = os.preadv(fd, [view], ref.offset + pos)
+            if got == 0:
+                break
+            h.update(view[:got])
+            a, b = max(lo, pos), min(hi, pos + got)
+            if a < b:
+                put(a - lo, view[a - pos : b - pos])
+            pos += got
+        self.bytes_read += pos
+        if pos != ref.length:
+            raise VerificationFailure(
+                f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: file truncated "
+                f"({pos} of {ref.length} bytes)"
+            )
+        if h.hexdigest() != ref.hash:
+            raise VerificationFailure(
+                f"tensor {tensor}: chunk {ref.hash} in {ref.file} at {ref.offset}: hash mismatch (corrupt data)"
+            )
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -152,12 +187,75 @@ def _region(name: str, shard: ShardRecord, dtype: torch.dtype, lo, hi):
     return buf, needed, full[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard.offset, strict=True))]
 
 
-def read_shard_region(reader: ChunkReader, name: str, shard: ShardRecord, dtype: torch.dtype, lo, hi) -> torch.Tensor:
-    """The saved shard's elements in the global box [lo, hi), reading only the chunks that span it."""
-    buf, needed, region = _region(name, shard, dtype, lo, hi)
-    for at, ref in needed:
-        reader.read(name, ref, memoryview(buf[at : at + ref.length]))
-    return region
+def _ravel(index, shape) -> int:
+    """Row-major position of `index` in `shape` (0 for a scalar)."""
+    at = 0
+    for x, n in zip(index, shape, strict=True):
+        at = at * n + x
+    return at
+
+
+def _put(dest: np.ndarray, at: int, data: memoryview) -> None:
+    """Write `data` into `dest`'s bytes [at, at + len(data)) in row-major order, `dest` being a (strided) uint8
+    view: a partial first row, whole rows in one assignment, a partial last row, each dimension down."""
+    src = np.frombuffer(data, dtype=np.uint8)
+    if dest.ndim == 1:
+        dest[at : at + src.size] = src
+        return
+    row = math.prod(dest.shape[1:])
+    first, skip = divmod(at, row)
+    done = 0
+    if skip:
+        take = min(row - skip, src.size)
+        _put(dest[first], skip, data[:take])
+        done, first = take, first + 1
+    whole = (src.size - done) // row
+    if whole:
+        dest[first : first + whole] = src[done : done + whole * row].reshape((whole, *dest.shape[1:]))
+        done, first = done + whole * row, first + whole
+    if done < src.size:
+        _put(dest[first], 0, data[done:])
+
+
+def fill_box(reader: ChunkReader, view: TensorView, chunk_bytes: int, lo, hi, out: np.ndarray) -> None:
+    """Fill `out` with the elements of `view`'s tensor in the global box [lo, hi) from every saved shard that
+    overlaps it. `out` is uint8 of shape (hi - lo) + (element size,); the box must be one whose overlap with any
+    shard is contiguous in that shard (the whole tensor, or a block from hpcscale.ckpt.export: one index along
+    the leading dimensions, a range along one, the whole extent after it). Only chunks holding bytes of the box
+    are read, each whole and hashed a piece at a time (ChunkReader.read_part), so memory is `out` and one piece.
+    VerificationFailure on a bad chunk, or when the shards do not cover the box (read_index proved the tiling;
+    counted again here because an element no shard writes would go out as whatever `out` held)."""
+    if out.size == 0:
+        return
+    elt = out.shape[-1]
+    box_lo, box_hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    start_of = np.maximum(view.offsets, box_lo)
+    end_of = np.minimum(view.offsets + view.shapes, box_hi)
+    covered = 0
+    for j in (start_of < end_of).all(axis=1).nonzero()[0].tolist():
+        a, b = start_of[j].tolist(), end_of[j].tolist()
+        offset, shape = view.offsets[j].tolist(), view.shapes[j].tolist()
+        count = math.prod(y - x for x, y in zip(a, b, strict=True)) * elt
+        first = _ravel([x - o for x, o in zip(a, offset, strict=True)], shape) * elt
+        last = (_ravel([y - 1 - o for y, o in zip(b, offset, strict=True)], shape) + 1) * elt
+        if last - first != count:
+            raise ValueError(f"box {lo}..{hi} is not contiguous in shard {offset} {shape} of {view.name}")
+        dest = out[tuple(slice(x - low, y - low) for x, y, low in zip(a, b, lo, strict=True))]
+        c0, c1 = first // chunk_bytes, (first + count - 1) // chunk_bytes + 1  # every chunk but a shard's last is full
+        for k, ref in enumerate(view.chunks(j, c0, c1), start=c0):
+            pos = k * chunk_bytes  # the chunk's place in the shard's bytes
+            lo_b, hi_b = max(first, pos), min(first + count, pos + ref.length)
+
+            def put(at: int, data: memoryview, dest=dest, base=lo_b - first) -> None:
+                _put(dest, base + at, data)
+
+            reader.read_part(view.name, ref, lo_b - pos, hi_b - pos, put)
+        covered += count
+    if covered != out.size:
+        raise VerificationFailure(
+            f"tensor {view.name}: its shards cover {covered // elt} of the {out.size // elt} elements "
+            f"from {list(lo)} to {list(hi)}"
+        )
 
 
 def overlapping(view: TensorView, t: LocalShard) -> list:

@@ -20,11 +20,9 @@ def ckpt() -> None:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    from hpcscale.ckpt.ops import size_text
+
+    return size_text(n)
 
 
 def _layout(layout: dict | None) -> str:
@@ -105,7 +103,9 @@ def verify(path: Path, as_json: bool) -> None:
     range); every chunk must be in place with its recorded hash. Exits 3 naming each problem (the tensor and
     chunk, or what is wrong in the index). A pass does not prove who wrote the checkpoint: someone who rewrote
     data and index and recomputed the digest is caught only by a signature over DIGEST
-    (docs/checkpoint-format.md, "What ckpt verify proves").
+    (docs/checkpoint-format.md, "What ckpt verify proves"). A pass says how many bytes of tensor data the
+    checkpoint declares and how many its files hold (each distinct chunk read once): content addressing may make
+    the first far larger, and a load or an export produces what is declared.
 
     \b
     Examples:
@@ -139,10 +139,20 @@ def verify(path: Path, as_json: bool) -> None:
         if report.passed:
             click.echo(
                 f"ok: step {report.details['step']}: {report.details['tensors']} tensors, {report.items} chunks, "
-                f"{_size(report.bytes)} verified in {report.seconds:.2f}s; root digest {report.details['digest']}"
+                f"{_declared(report.details['declared_bytes'], report.details['stored_bytes'])}, verified in "
+                f"{report.seconds:.2f}s; root digest {report.details['digest']}"
             )
     if not report.passed:
         raise VerificationFailure(f"{report.target}: {len(report.problems)} problem(s); the checkpoint is damaged")
+
+
+def _declared(declared: int, stored: int) -> str:
+    """`24.0 TiB of tensor data in 1.0 GiB of distinct chunks (x24576 by deduplication)`: what loading or
+    exporting the checkpoint produces against what its files hold (the expansion shown from 2x)."""
+    text = f"{_size(declared)} of tensor data in {_size(stored)} of distinct chunks"
+    if stored and declared >= 2 * stored:
+        text += f" (x{declared / stored:.0f} by deduplication)"
+    return text
 
 
 @ckpt.command()
@@ -165,7 +175,7 @@ def inspect(path: Path, as_json: bool) -> None:
     lineage = state.pop("lineage", None)
     click.echo(
         f"step {doc['step']}  world {doc['world_size']}  layout {doc['layout']}  parent {doc['parent']}  "
-        f"{_size(doc['bytes'])}  trainer state {state}"
+        f"{_declared(doc['bytes'], doc['stored_bytes'])}  trainer state {state}"
     )
     for line in _lineage_lines(lineage):
         click.echo(line)
@@ -242,15 +252,28 @@ def gc(path: Path, keep: int, every: int, dry_run: bool, as_json: bool) -> None:
 @click.option("-o", "out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="Output file.")
 @json_option
 def export(path: Path, fmt: str, out: Path, as_json: bool) -> None:
-    """Write the model of a checkpoint as one consolidated file for inference.
+    """Write the model of a checkpoint (its model/ tensors, named without model/) as one file for inference.
 
     PATH is a step directory, or a run directory (or its checkpoints/) for its newest committed checkpoint;
-    a path with no committed checkpoint exits 2. The index is checked whole first (root digest, structure:
-    every tensor fully covered) and every chunk's hash on read; on any problem it exits 3 and writes nothing."""
+    a path with no committed checkpoint exits 2. Before anything is read, the output's directory must exist
+    (it is not created, and not a symbolic link). Then, before a chunk is read: the index is checked whole
+    (root digest, structure: every tensor fully covered; exit 3), every tensor must fit the format (safetensors
+    cannot hold a tensor named __metadata__ or some dtypes; exit 2 naming it), and what the tensors declare must
+    fit the output's free space (exit 2). Every chunk's hash is checked as it is read (exit 3). On any problem
+    nothing is written; the file appears whole, by rename (a symbolic link at -o is replaced, never followed),
+    with the mode of any new file (0666 less the umask). Memory stays under 100 MiB whatever the model's size
+    (docs/checkpoint-format.md, "Export").
+
+    \b
+    Example:
+      hpcscale ckpt export RUN -o model.safetensors
+    """
     from hpcscale.ckpt.export import export as run_export
 
     doc = run_export(_step_dir(path), fmt, out)
     if as_json:
         print_json(doc)
     else:
-        click.echo(f"{doc['tensors']} tensors, {doc['parameters']:,} parameters -> {doc['out']} ({fmt})")
+        click.echo(
+            f"{doc['tensors']} tensors, {doc['parameters']:,} parameters, {_size(doc['bytes'])} -> {doc['out']} ({fmt})"
+        )
