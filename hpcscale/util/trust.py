@@ -17,6 +17,24 @@ directory holding it must pass the same owner check and be writable by neither g
 sticky (like /tmp: nobody can then rename another's file away). Anything else is refused
 with `UntrustedFile` (BadInput, exit 2) naming the file, its owner and mode, and the fix.
 
+Directories hpcscale keeps state in and later reads back as its own (a checkpoint tier's directory: what a
+resume loads) are trusted by the same owner rule, and never taken over from someone who made them first:
+- such a directory is made by this process with mkdir, which fails when the name exists (O_EXCL semantics),
+  with a mode that no umask widens to group or other write (0700 on a node's own disk, 0755 on a shared tier);
+  every directory from the shared place it sits in (a node-local scratch root, a site's checkpoint_root, a
+  run directory others may write) down to it is made, or checked, that way (`private_dir`);
+- one that already exists (a resume, another rank of the job first) is opened without following a symbolic
+  link (O_NOFOLLOW|O_DIRECTORY) and accepted only if fstat on that descriptor says it is owned by the user or
+  root and writable by neither its group nor others (group write only for the owner's user-private group, as
+  above; a sticky bit does not help: others could still add entries); when its mode lets its group or others
+  in, the directories in it (two levels: a step and its data) must pass the same test, by lstat;
+- anything else is refused with `UntrustedFile` (exit 2 for a command; a job's ranks stop at start, every rank
+  alike, with the line), naming the directory, its owner and mode, and the fix. Nothing in it is read, moved
+  or deleted.
+The shared place itself is not trusted, only used: where it lets others rename entries (writable by them and
+not sticky), they could move a checked directory away while a job runs; the next start refuses what they put
+in its place.
+
 Text taken from a run directory (metrics, logs, job names, node names, Slurm's answers about its jobs) reaches
 the terminal only through `clean` (control characters, escape sequences included, shown as visible escapes),
 and where rich renders markup, through `clean_markup` (the same, then rich.markup.escape): a value can neither
@@ -187,6 +205,134 @@ def check_trusted(path: str | Path, *, what: str, parent: bool = False, director
             check_fd(dfd, d, what=f"directory of the {what}", directory=True)
         finally:
             os.close(dfd)
+
+
+# ---- directories hpcscale keeps its own state in -------------------------------------------------------------
+PRIVATE_DEPTH = 2  # levels checked inside a directory others may enter: a checkpoint step, then its data/
+
+
+def private_dir(path: str | Path, *, what: str, mode: int = 0o700, below: str | Path | None = None) -> None:
+    """Make `path` a directory only the user (or root) can write, or accept the one there only if it is one
+    (the rules above; UntrustedFile otherwise). `below` is the shared place it sits in (default: its parent),
+    made if missing and otherwise not judged; each directory from there down to `path` is made with `mode`
+    (mkdir failing on an existing name) or checked on the descriptor it is opened as. Safe when several
+    processes (every rank on a node) call it at once: one makes each directory, the others check it."""
+    p = Path(path)
+    base = Path(below) if below is not None else p.parent
+    names = p.relative_to(base).parts
+    if not names or ".." in names:
+        raise ValueError(f"{p}: not a directory below {base}")
+    if mode & 0o022:
+        raise ValueError(f"mode {mode:04o}: a private directory is writable by no one else")
+    try:
+        os.makedirs(base, exist_ok=True)
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadInput(f"{base}: cannot make or open the directory for the {what} ({e.strerror})") from None
+    try:
+        here = base
+        for name in names:
+            here = here / name
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+            except FileExistsError:
+                pass  # someone's: judged below, on the descriptor
+            except OSError as e:
+                raise BadInput(f"{here}: cannot make the {what} ({e.strerror})") from None
+            inner = _open_dir(here, name, fd, what)
+            os.close(fd)
+            fd = inner
+            check_dir_fd(fd, here, what=what)
+        _check_inside(fd, p, what)
+    finally:
+        os.close(fd)
+
+
+def check_private_dir(path: str | Path, *, what: str) -> None:
+    """Accept the existing directory `path` leads to (through a symbolic link: a run's checkpoints/ linked to
+    its directory under checkpoint_root) only as private_dir would accept it."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadInput(f"{p}: cannot open the {what} ({e.strerror})") from None
+    try:
+        check_dir_fd(fd, p, what=what)
+        _check_inside(fd, p, what)
+    finally:
+        os.close(fd)
+
+
+def _open_dir(path: Path, name: str, dir_fd: int, what: str) -> int:
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a symbolic link (O_NOFOLLOW), or not a directory at all
+            kind = "a symbolic link" if os.path.islink(path) else "not a directory"
+            raise UntrustedFile(
+                f"{path}: refusing the {what}: {kind}; hpcscale keeps it only in a real directory of its own. "
+                f"Fix: remove {path} if it is not yours to keep (hpcscale then makes the directory)"
+            ) from None
+        raise BadInput(f"{path}: cannot open the {what} ({e.strerror})") from None
+
+
+def check_dir_fd(fd: int, path: Path, *, what: str, sticky_ok: bool = False) -> os.stat_result:
+    """fstat the directory `fd` (opened from `path`) and refuse it (UntrustedFile) unless it is the user's or
+    root's and no one else can write it. `sticky_ok`: a sticky directory others may write (like /tmp) is
+    accepted, for one hpcscale only writes into and never reads back (report -o): others can add names there
+    but not replace or remove the user's files."""
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UntrustedFile(f"{path}: refusing the {what}: not a directory")
+    why = problem(st, directory=sticky_ok)  # by default no sticky exception: others could still add steps
+    if why is not None:
+        raise refuse_dir(path, st, why, what=what)
+    return st
+
+
+def _check_inside(fd: int, path: Path, what: str) -> None:
+    """The directories inside one that its group or others may enter: each must pass the same test, or its
+    contents (a step's index and digest) could be replaced by whoever can write it."""
+    if stat.S_IMODE(os.fstat(fd).st_mode) & 0o011:  # otherwise no one else gets in: what is inside is the owner's
+        _check_level(fd, path, what, PRIVATE_DEPTH)
+
+
+def _check_level(fd: int, path: Path, what: str, depth: int) -> None:
+    with os.scandir(fd) as entries:
+        names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    for name in names:
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another rank's retention)
+        if (why := problem(st)) is not None:
+            raise refuse_dir(path / name, st, why, what=f"directory in the {what}")
+        if depth > 1:
+            try:
+                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                _check_level(inner, path / name, what, depth - 1)
+            finally:
+                os.close(inner)
+
+
+def refuse_dir(path: Path, st: os.stat_result, why: str, *, what: str) -> UntrustedFile:
+    """The refusal of a directory hpcscale would keep its state in, with the fix."""
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in (os.geteuid(), 0):
+        fix = (
+            f"someone else made {path} first, so whatever is in it is theirs: have its owner (or root) remove "
+            "it, or use another directory; hpcscale then makes it anew, as yours"
+        )
+    else:
+        fix = f"check what is in it, then chmod -R go-w {path}"
+    return UntrustedFile(
+        f"{path}: refusing the {what}: {why} (owner {_owner(st.st_uid)}, mode {mode:04o}); hpcscale writes "
+        "its state only into directories that you (or root) made and no one else can write. "
+        f"Nothing in it was read or changed. Fix: {fix}"
+    )
 
 
 # ---- text from files others may write, on its way to a terminal ---------------------------------------------
