@@ -746,6 +746,58 @@ def test_the_writer_refuses_an_inconsistent_round(tmp_path, keys):
     assert not list(tmp_path.iterdir())
 
 
+# ---- round numbers: what a partner's record may name is bounded ---------------------------------------------------
+
+_ROUND_NUMBERS = st.integers(min_value=-(2**70), max_value=2**70) | st.sampled_from(
+    [0, rf.MAX_ROUND, rf.MAX_ROUND + 1, 2**63 - 1, 2**63, -1]
+)
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=_ROUND_NUMBERS)
+def test_a_contributions_base_round_is_a_round_number_six_digits_can_name(tmp_path_factory, keys, keyring, n):
+    """Signed by a partner's own key, a base round is read only from 0 to 999999: what a record's file name can
+    spell. Any other number (or a bool, a float) is refused naming the field, never a traceback."""
+    d = tmp_path_factory.mktemp("base")
+    path = _contrib(d, keys["a"])
+    _resign(path, keys["a"], lambda doc: doc.update(base_round=n))
+    if 0 <= n <= rf.MAX_ROUND:
+        named = path.with_name(f"contrib-a-r{n:06d}.json")
+        path.with_suffix(".safetensors").rename(named.with_suffix(".safetensors"))
+        path.rename(named)
+        assert _read(named, keyring).base_round == n
+    else:
+        assert "field 'base_round': expected a round number from 0 to 999999" in _rejected(path, keyring)
+
+
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=_ROUND_NUMBERS, where=st.sampled_from(["round", "accepted.base_round", "rejected.base_round"]))
+def test_a_rounds_numbers_are_round_numbers_six_digits_can_name(tmp_path_factory, keys, keyring, n, where):
+    d = tmp_path_factory.mktemp("round")
+    theta = _tensors()
+    entry = {"site": "a", "payload_sha256": "0" * 64, "tokens": 1, "steps": 1, "base_round": 3}
+    path = rf.write_round(d, round=4, parent=3, outer={"lr": 0.7, "momentum": 0.9, "nesterov": True, "rule": "m"},
+                          accepted=[entry], rejected=[{"site": "b", "reason": "r", "base_round": 3}], theta=theta,
+                          momentum=theta, key=keys["agg"])  # fmt: skip
+
+    def change(doc):
+        if where == "round":
+            doc.update(round=n, parent=None if n == 0 else n - 1 if type(n) is int else n)
+        else:
+            doc[where.split(".")[0]][0]["base_round"] = n
+
+    _resign(path, keys["agg"], change)
+    read = lambda p, ring: rf.read_round(p, keyring=ring, aggregator="agg")  # noqa: E731
+    if 0 <= n <= rf.MAX_ROUND:
+        named = path.with_name(f"round-{n:06d}.json") if where == "round" else path
+        if named != path:
+            path.with_suffix(".safetensors").rename(named.with_suffix(".safetensors"))
+            path.rename(named)
+        assert read(named, keyring) is not None
+    else:
+        assert f"field '{where}': expected a round number from 0 to 999999" in _rejected(path, keyring, read)
+
+
 # ---- fuzzing: anything from outside is Rejected, never another exception, quickly ----
 
 

@@ -109,8 +109,10 @@ def test_two_sites_auto_one_sends_a_reversed_and_scaled_delta_the_round_does_not
     honest = _honest(2)
     _send(tmp_path, keys, agg, "a", 0, honest)
     _send(tmp_path, keys, agg, "b", 0, {k: -50 * v for k, v in honest.items()})
-    rounds.tick(config, "a")
-    assert _along(_step(agg, keys, 1, "a"), honest) >= -1e-6  # stalled at worst, never reversed
+    [held] = _events(rounds.tick(config, "a", now=0.0), "rejected")  # 50× the other's: held out of the round
+    assert held["site"] == "b" and held["reason"].startswith("held out")
+    assert _events(rounds.tick(config, "a", now=3601.0), "published")  # at the quorum timeout, without b
+    assert _along(_step(agg, keys, 1, "a"), honest) > 0
 
 
 def test_two_sites_auto_a_huge_token_claim_buys_nothing(tmp_path):
@@ -154,39 +156,54 @@ def test_three_sites_auto_one_outlier_cannot_move_a_coordinate_beyond_the_honest
         assert bool(((mean >= lo - 1e-6) & (mean <= hi + 1e-6)).all())
 
 
-@pytest.mark.parametrize("sites", [("a", "b"), ("a", "b", "c")])
-def test_a_scaled_up_delta_after_the_first_round_is_cut_to_the_usual_size_or_refused(tmp_path, sites):
-    """2 sites: cut to 10× the norms recent rounds applied (neither site can outvote the other, and refusing
-    would let a tiny Δ get the honest one refused); 3: refused by the other sites' median."""
+@pytest.mark.parametrize("case", ["two sites", "three sites", "three sites, two in"])
+def test_a_scaled_up_delta_after_the_first_round_is_held_out_refused_or_cut(tmp_path, case):
+    """Round 2, the last site sends 50× its usual Δ. Two sites: held out (one other site to compare with: the
+    aggregator's own is kept); three: refused by the other contributions' median; three of which two are in
+    the round: cut to 10× the median of the other two sites' recent norms."""
+    sites = ("a", "b") if case == "two sites" else ("a", "b", "c")
     config, keys, agg = _setup(tmp_path, sites)
     for s, seed in zip(sites, range(10, 20), strict=False):
         _send(tmp_path, keys, agg, s, 0, _honest(seed))
     assert _events(rounds.tick(config, "a"), "published")
-    for s, seed in zip(sites[:-1], range(20, 30), strict=False):
+    senders = sites[:-1] if case != "three sites, two in" else ("a",)
+    for s, seed in zip(senders, range(20, 30), strict=False):
         _send(tmp_path, keys, agg, s, 1, _honest(seed))
     _send(tmp_path, keys, agg, sites[-1], 1, {k: 50 * v for k, v in _honest(99).items()})
     report = rounds.tick(config, "a", now=100.0)
-    if len(sites) == 2:
-        [published] = _events(report, "published")
-        assert published["accepted"] == ["a", "b"] and 0 < published["clipped"]["b"] < 1 / 4
-    else:  # refused: it does not count toward the quorum of 3 either, so the round waits for its timeout
-        assert not _events(report, "published")
-        [refused] = _events(report, "rejected")
-        assert refused["site"] == "c" and "the median of the other sites" in refused["reason"]
-        [published] = _events(rounds.tick(config, "a", now=100.0 + 3601), "published")
-        assert published["accepted"] == ["a", "b"] and [x["site"] for x in published["rejected"]] == ["c"]
+    assert not _events(report, "published")  # what is refused or held out does not count toward the quorum
+    later = rounds.tick(config, "a", now=100.0 + 3601)
+    [published] = _events(later, "published")
+    if case == "three sites, two in":
+        assert published["accepted"] == ["a", "c"] and 0 < published["clipped"]["c"] < 1 / 4
+        [c] = [x for x in _round(agg, keys, 2, "a").accepted if x.site == "c"]
+        r1 = {x.site: x.norm for x in _round(agg, keys, 1, "a").accepted}
+        assert c.norm == pytest.approx(10 * (r1["a"] + r1["b"]) / 2, rel=1e-5)  # the median of two: their mean
+        return
+    [refused] = _events(report, "rejected")
+    assert refused["site"] == sites[-1]
+    if case == "two sites":
+        assert refused["reason"].startswith("held out")
+        assert "a's median ‖Δ‖ applied in its last 1 rounds" in refused["reason"]
+    else:
+        assert "the median of the other sites" in refused["reason"]
+    assert published["accepted"] == list(sites[:-1]) and [x["site"] for x in published["rejected"]] == [sites[-1]]
 
 
-def test_two_sites_a_tiny_delta_cannot_get_the_honest_one_refused(tmp_path):
+def test_two_sites_a_tiny_delta_cannot_stall_the_round_or_get_the_honest_one_refused(tmp_path):
     """The 2-site attack on a ratio rule: send ‖Δ‖ ≪ the honest one's, so the honest one looks like the
-    outlier. Neither is refused; the round is the clipped mean (a stall at worst)."""
+    outlier. With one site to compare with, the aggregator's own site's contribution is kept and the other held
+    out: the round goes on with the honest Δ whole (at the quorum timeout)."""
     config, keys, agg = _setup(tmp_path, ("a", "b"))
     honest = _honest(2)
     _send(tmp_path, keys, agg, "a", 0, honest)
     _send(tmp_path, keys, agg, "b", 0, {k: -1e-6 * v for k, v in honest.items()})
-    [published] = _events(rounds.tick(config, "a"), "published")
-    assert published["accepted"] == ["a", "b"] and published["rejected"] == []
-    assert _along(_step(agg, keys, 1, "a"), honest) >= -1e-9
+    [held] = _events(rounds.tick(config, "a", now=0.0), "rejected")
+    assert held["site"] == "b" and "the aggregator's site a sent" in held["reason"]
+    [published] = _events(rounds.tick(config, "a", now=3601.0), "published")
+    assert published["accepted"] == ["a"] and [x["site"] for x in published["rejected"]] == ["b"]
+    step = _step(agg, keys, 1, "a")
+    assert all(torch.allclose(step[k], -0.7 * 1.9 * honest[k], atol=1e-6) for k in step)
 
 
 # ---- a poisoned round at a site: refused, and the next valid one taken ------------------------------------------

@@ -15,9 +15,17 @@ from hpcscale.xsite.signing import generate_key, load_private
 
 
 def sites_with_round0(
-    tmp: Path, sites: tuple[str, ...], theta0: dict[str, torch.Tensor], *, name: str, quorum: dict, outer: dict
+    tmp: Path,
+    sites: tuple[str, ...],
+    theta0: dict[str, torch.Tensor],
+    *,
+    name: str,
+    quorum: dict,
+    outer: dict,
+    bound: bool = False,
 ) -> tuple[XsiteConfig, Path]:
-    """(the config, the keys directory) of `sites`, the first the aggregator, with round 0 = theta0 published."""
+    """(the config, the keys directory) of `sites`, the first the aggregator, with round 0 = theta0 published.
+    bound: round 0 names its training, as the tick's own round 0 does (every later record is then bound to it)."""
     keys = tmp / "keys"
     keys.mkdir()
     for s in sites:
@@ -47,5 +55,6 @@ def sites_with_round0(
     published.mkdir(parents=True)
     rf.write_round(published, round=0, parent=None, outer=rounds._outer(config), accepted=[], rejected=[],
                    theta=theta0, momentum={k: torch.zeros_like(v) for k, v in theta0.items()},
-                   key=load_private(keys / f"{sites[0]}.key"))  # fmt: skip
+                   key=load_private(keys / f"{sites[0]}.key"),
+                   training=rf.training_id(name, theta0) if bound else None)  # fmt: skip
     return config, keys

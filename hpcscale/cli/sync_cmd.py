@@ -88,6 +88,8 @@ def status_cmd(config_path: Path, site: str, as_json: bool) -> None:
         click.echo(f"  round {pending['round']:4d}  pending{since}")
         if pending["blocked"]:
             click.echo(f"              blocked: {pending['blocked']}")
+        if pending.get("behind"):
+            click.echo(f"              behind: {pending['behind']}")
         for site, reason in sorted(pending["rejected"].items()):
             click.echo(f"              rejected {site}: {reason}")
     for r in doc["rounds"]:

@@ -78,14 +78,17 @@ class Outer:
     )
     trim: float = setting("trimmed_mean: the share cut at each end.", default=0.2, min=0, max=0.49)
     outlier_factor: float = setting(
-        "Refuse a contribution whose norm exceeds this many times the median of the others' (3 contributions "
-        "or more), and cut one above this many times the median norm applied in the last 5 rounds down to it.",
+        "Refuse a contribution whose norm exceeds this many times the median of the others' in its round (3 "
+        "contributions or more). One above this many times the other sites' recent norms (never its own: the "
+        "median over the other sites of each one's median norm applied in the last 5 rounds) is cut down to it "
+        "when 2 or more other sites make that reference, held out of the round when one does (with two sites: "
+        "the aggregator's own site's contribution is kept).",
         default=10.0,
         min=1,
     )
     max_delta_ratio: float = setting(
         "Reject a contribution whose norm exceeds this many times max(‖θ(base)‖, 1): no round of inner steps "
-        "moves the weights that far (the bound that holds in the first round, and for one site alone).",
+        "moves the weights that far (the bound that holds whatever else is known, or not yet).",
         default=100.0,
         min=1,
     )

@@ -372,33 +372,79 @@ def norm_outliers(norms: Mapping[str, float], factor: float = DEFAULT_OUTLIER_FA
 
 
 class Screen(NamedTuple):
-    """What `screen` decided: contributions refused (site -> reason), and those scaled down to the history
-    bound (site -> (factor ≤ 1, reason))."""
+    """What `screen` decided: contributions refused or held out of this round (site -> reason), and those scaled
+    down to their bound (site -> (factor ≤ 1, reason))."""
 
     rejected: dict[str, str]
     clipped: dict[str, tuple[float, str]]
+
+
+class _Scale(NamedTuple):
+    value: float  # a site's usual ‖Δ‖
+    how: str  # where it comes from, for a reason
+
+
+def _recent(values: Sequence[float]) -> list[float]:
+    """The norms of a history that can make a scale: finite numbers > 0 (a stored norm is read from a file)."""
+    out = []
+    for v in values:
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and 0 < v <= _FP32_MAX:
+            out.append(float(v))
+    return out
+
+
+def _scales(norms: Mapping[str, float], history: Mapping[str, Sequence[float]]) -> dict[str, _Scale]:
+    """site -> its scale: the median of its norms applied in recent rounds, or, for a site with none, its norm in
+    this round."""
+    out = {}
+    for site, values in history.items():
+        recent = _recent(values)
+        if recent:
+            how = f"{site}'s median ‖Δ‖ applied in its last {len(recent)} rounds"
+            out[site] = _Scale(statistics.median(recent), how)
+    for site, value in norms.items():
+        if site not in out:
+            out[site] = _Scale(float(value), f"{site}'s ‖Δ‖ this round")
+    return out
 
 
 def screen(
     norms: Mapping[str, float],
     *,
     theta_norm: float,
-    history: Sequence[float],
+    history: Mapping[str, Sequence[float]],
+    aggregator: str | None = None,
+    alone: bool = False,
     factor: float = DEFAULT_OUTLIER_FACTOR,
     max_delta_ratio: float = DEFAULT_MAX_DELTA_RATIO,
 ) -> Screen:
-    """The norm bounds a contribution must keep (each one a site cannot raise by itself):
+    """The norm bounds a contribution must keep. `norms`: site -> ‖Δ‖ of this round's contributions; `history`:
+    site -> the norms applied (after cuts) in the last HISTORY_ROUNDS published rounds, every site's;
+    `aggregator`: the aggregator's own site; `alone`: the training has this one site only.
+
     - refused, absolute: ‖Δ‖ > max_delta_ratio × max(‖θ(base)‖, 1). H inner steps move weights far (from a
       random start several times their own norm), never 100 times: this catches what would overflow or dwarf
-      the model in the first round, when nothing else is known (one site alone included);
-    - refused, with 3 or more contributions: `norm_outliers` (factor × the median of the others'). With 2,
-      neither can outvote the other, and flagging the larger would let a site that sends a tiny Δ have the
-      honest one refused: the `auto` rule clips both to the smaller instead;
-    - clipped (scaled down, never refused), history: ‖Δ‖ above factor × the median norm applied in the last
-      HISTORY_ROUNDS rounds is scaled down to it. An honest site's Δ keeps its scale from round to round, so a
-      scaled-up Δ is cut to the usual size; and since nothing is refused for it, no site can shrink the history
-      to have honest contributions refused (at worst they are cut, and the history recovers in a few rounds).
+      the model whatever else is known;
+    - refused, with 3 or more contributions: `norm_outliers` (factor × the median of the others' this round);
+    - then each contribution is compared with its REFERENCE, made of the OTHER sites' norms only: the median,
+      over every other site, of that site's scale (the median of its norms applied in the last HISTORY_ROUNDS
+      rounds, or its norm in this round when it has none applied). A site's own norms never enter its own
+      reference, so no site can raise its own bound, round after round. With no other site's norm known (the
+      first round with one contribution) the reference is the seed max(‖θ(base)‖, 1). A training of one site
+      has no other site: its own recent norms are its reference (the seed before it has any). Above factor ×
+      the reference:
+      - a reference made of 2 or more other sites (a median one dishonest site can move at most halfway to its
+        own scale with 2, not at all with 3 or more): cut to the bound (scaled down, not refused);
+      - a reference of one other site (two sites), or the seed: the two disagree, and norms cannot say which
+        one is wrong. The aggregator's own site decides: its contribution is kept as it is and the other
+        site's is held out of the round (refused for it, reason given), whichever of the two was above the
+        other's bound. Between two other sites, the one above is held out; a site alone above the seed is held
+        out too (the aggregator's own is kept);
+      - a training of one site: cut to the bound.
+    Held out and refused contributions neither count toward the quorum nor enter later references.
     """
+    if not (math.isfinite(factor) and factor >= 1):
+        raise BadInput(f"screen: factor must be a finite number ≥ 1, got {factor}")
     rejected: dict[str, str] = {}
     limit = max_delta_ratio * max(float(theta_norm), 1.0)
     for site, value in norms.items():
@@ -410,21 +456,49 @@ def screen(
                 f"‖Δ‖ = {value:.6g} > {max_delta_ratio:g} × max(‖θ(base)‖ = {theta_norm:.6g}, 1): no round of "
                 "inner steps moves the weights that far"
             )
-    rest = {s: v for s, v in norms.items() if s not in rejected}
+    rest = {s: float(v) for s, v in norms.items() if s not in rejected}
     if len(rest) >= 3:
         rejected |= norm_outliers(rest, factor=factor)
-    recent = [float(v) for v in history if math.isfinite(float(v)) and float(v) > 0]
+        rest = {s: v for s, v in rest.items() if s not in rejected}
+    scales = _scales(rest, {s: v for s, v in history.items() if not alone})
+    seed = _Scale(max(float(theta_norm), 1.0), "max(‖θ(base)‖, 1), no other site's norm being known yet")
+    held: dict[str, str] = {}
     clipped: dict[str, tuple[float, str]] = {}
-    if recent:
-        bound = factor * statistics.median(recent)
-        for site, value in norms.items():
-            if site not in rejected and value > bound:
-                why = (
-                    f"‖Δ‖ = {value:.6g} cut to {bound:.6g}: {factor:g} × {bound / factor:.6g}, the median norm "
-                    f"applied in the last {len(recent)} contribution(s) of recent rounds"
-                )
-                clipped[site] = (bound / value, why)
-    return Screen(rejected, clipped)
+    for site, value in rest.items():
+        others = {o: sc for o, sc in scales.items() if o != site}
+        if alone:
+            own = _recent(history.get(site, ()))
+            how = f"its own median ‖Δ‖ applied in its last {len(own)} rounds (the training's only site)"
+            others = {"": _Scale(statistics.median(own), how)} if own else {}
+        reference = statistics.median(sc.value for sc in others.values()) if others else seed.value
+        bound = factor * reference
+        if value <= bound:
+            continue
+        if len(others) >= 2:
+            where = f"the median of {', '.join(sc.how for sc in others.values())}"
+        else:
+            where = next(iter(others.values())).how if others else seed.how
+        if alone or len(others) >= 2:
+            why = f"‖Δ‖ = {value:.6g} cut to {bound:.6g}: {factor:g} × {reference:.6g}, {where}"
+            clipped[site] = (bound / value, why)
+            continue
+        undecided = (
+            "with one site to compare with, norms cannot tell which of the two is wrong: the aggregator's own "
+            "site's contribution is kept and the other held out of this round"
+        )
+        if site != aggregator:
+            held[site] = f"held out: ‖Δ‖ = {value:.6g} > {factor:g} × {reference:.6g}, {where}; " + (
+                undecided if others else "held out of this round (the aggregator's own site's would be kept)"
+            )
+            continue
+        other = next(iter(others), None)
+        if other in rest:
+            held[other] = (
+                f"held out: the aggregator's site {site} sent ‖Δ‖ = {value:.6g} > {factor:g} × {reference:.6g}, "
+                f"{where}; {undecided}"
+            )
+    rejected |= held
+    return Screen(rejected, {s: c for s, c in clipped.items() if s not in rejected})
 
 
 def capped_weights(tokens: Mapping[str, int], *, ratio: float = DEFAULT_MAX_WEIGHT_RATIO) -> dict[str, float]:

@@ -63,9 +63,10 @@ MAX_TENSORS = 100_000
 MAX_DIMS = 16
 MAX_DIM = 1 << 48
 MAX_INT = (1 << 63) - 1
+MAX_ROUND = 999_999  # round numbers: six digits in every record's file name (round-NNNNNN, contrib-S-rNNNNNN)
 MAX_LISTED_SITES = 10_000  # entries in a round's accepted and rejected lists
 MAX_REASON_CHARS = 4096
-_FP32_MAX = 3.4028234663852886e38  # a norm stored in a round: any finite fp32 value
+FP32_MAX = 3.4028234663852886e38  # a norm stored in a round: any finite fp32 value
 
 # safetensors dtype -> (torch's name for it, bytes per element). Only what the formats use. Names, not torch
 # dtypes: torch is imported where tensors are handled, not here (an idle `hpcscale sync` tick needs none of it).
@@ -224,6 +225,13 @@ def _int(value: object, field: str, minimum: int = 0) -> int:
     return value
 
 
+def _round_number(value: object, field: str) -> int:
+    """A round number: what a record's file name can spell (six digits), so no record names one that none can."""
+    if type(value) is not int or not 0 <= value <= MAX_ROUND:
+        raise Rejected(f"field '{field}': expected a round number from 0 to {MAX_ROUND}, got {_show(value)}")
+    return value
+
+
 def _float(value: object, field: str, lo: float, hi: float) -> float:
     if type(value) not in (int, float) or not math.isfinite(value) or not lo <= value <= hi:
         raise Rejected(f"field '{field}': expected a number from {lo} to {hi}, got {_show(value)}")
@@ -329,7 +337,7 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
         if not isinstance(encoding, str) or encoding not in ENCODINGS:
             raise Rejected(f"field 'encoding': {_show(encoding)}, expected one of {', '.join(ENCODINGS)}")
         site = _site(doc["site"], "site")
-        base_round = _int(doc["base_round"], "base_round")
+        base_round = _round_number(doc["base_round"], "base_round")
         out.update(
             site=site,
             base_round=base_round,
@@ -340,7 +348,7 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
             stem=contribution_stem(site, base_round),
         )
         return out
-    round_ = _int(doc["round"], "round")
+    round_ = _round_number(doc["round"], "round")
     parent = doc["parent"]
     if round_ == 0 and parent is not None:
         raise Rejected(f"field 'parent': {_show(parent)}, but round 0 has none (null)")
@@ -369,8 +377,8 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
                 payload_sha256=_text(a["payload_sha256"], "accepted.payload_sha256", _SHA256, "a sha256"),
                 tokens=_int(a["tokens"], "accepted.tokens"),
                 steps=_int(a["steps"], "accepted.steps"),
-                base_round=_int(a["base_round"], "accepted.base_round") if "base_round" in a else None,
-                norm=_float(a["norm"], "accepted.norm", 0.0, _FP32_MAX) if "norm" in a else None,
+                base_round=_round_number(a["base_round"], "accepted.base_round") if "base_round" in a else None,
+                norm=_float(a["norm"], "accepted.norm", 0.0, FP32_MAX) if "norm" in a else None,
             )
             for a in _list(
                 doc["accepted"],
@@ -383,7 +391,7 @@ def _parse_fields(doc: dict[str, Any], kind: str) -> dict[str, Any]:
             RejectedContribution(
                 site=_text(r["site"], "rejected.site", _PRINTABLE, "1-256 printable ASCII characters"),
                 reason=_reason(r["reason"]),
-                base_round=_int(r["base_round"], "rejected.base_round") if "base_round" in r else None,
+                base_round=_round_number(r["base_round"], "rejected.base_round") if "base_round" in r else None,
             )
             for r in _list(doc["rejected"], "rejected", {"site", "reason"}, frozenset({"base_round"}))
         ),
@@ -607,10 +615,12 @@ def read_contribution(
     expected_base_round: int | None = None,
     oldest_base_round: int | None = None,
     max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    payload: bool = True,
 ) -> Contribution:
     """A verified contribution, or Rejected. `max_bytes` bounds the payload file. Its base round must be
     `expected_base_round`, or (a late contribution folded into a later round) no older than
-    `oldest_base_round`."""
+    `oldest_base_round`. payload=False verifies the signed record only, and returns no tensors (what a record
+    says, for the price of its JSON: which round it builds on, with which θ digest)."""
     json_path = Path(json_path)
     try:
         text, doc, fields = _read_record(json_path, "contribution")
@@ -627,7 +637,7 @@ def read_contribution(
             )
         if expected_base_round is not None and base > expected_base_round:
             raise Rejected(f"for round {base + 1}, expected round {expected_base_round + 1}")
-        tensors = _payload(json_path, fields, max_bytes)
+        tensors = _payload(json_path, fields, max_bytes) if payload else {}
     except Rejected as e:
         raise Rejected(e.reason, json_path) from None
     return Contribution(
@@ -655,9 +665,11 @@ def read_round(
     expected_round: int | None = None,
     max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     need_momentum: bool = False,
+    payload: bool = True,
 ) -> PublishedRound:
     """A verified published round signed by one of `aggregator`'s keys, or Rejected. `max_bytes` bounds the
-    payload file; `need_momentum` refuses a site's copy (θ only) where the outer state is needed."""
+    payload file; `need_momentum` refuses a site's copy (θ only) where the outer state is needed. payload=False
+    verifies the signed record only: θ and the momentum come back empty."""
     json_path = Path(json_path)
     try:
         text, doc, fields = _read_record(json_path, "round")
@@ -670,7 +682,7 @@ def read_round(
         has_momentum = any(n.startswith(MOMENTUM) for n in fields["specs"])
         if need_momentum and not has_momentum:
             raise Rejected("holds θ only (a site's copy), but the outer state needs the momentum too")
-        tensors = _payload(json_path, fields, max_bytes)
+        tensors = _payload(json_path, fields, max_bytes) if payload else {}
     except Rejected as e:
         raise Rejected(e.reason, json_path) from None
     names = [n[len(THETA) :] for n in fields["specs"] if n.startswith(THETA)]
@@ -686,8 +698,8 @@ def read_round(
         payload_sha256=fields["payload_sha256"],
         key_id=fields["key_id"],
         specs=fields["specs"],
-        theta={n: tensors[THETA + n] for n in names},
-        momentum={n: tensors[MOMENTUM + n] for n in names} if has_momentum else None,
+        theta={n: tensors[THETA + n] for n in names} if payload else {},
+        momentum=({n: tensors[MOMENTUM + n] for n in names} if payload else {}) if has_momentum else None,
         training=fields["training"],
     )
 

@@ -18,6 +18,9 @@ Files only, pushed by the side that owns them (a site never needs to list a remo
 
 A tick, in order; each step is idempotent, every file is written whole under a temporary name and renamed
 (its JSON last), so a tick killed anywhere leaves a state the next one completes:
+0. (aggregator) catch up: when its sites are ahead of it (its own run was handed, or its sites contribute
+   against, a round it has not published: its state directory restored from an older copy), go on from the
+   newest round every verified record agrees on, or publish nothing (steps 1 and 4) and say how to recover;
 1. (aggregator) publish round 0 from its own run's start checkpoint (step 0, or the step its rounds started at:
    xsite.start_from), if not yet published;
 2. export: each round checkpoint of this site's run (trainer state `xsite.base_round` = b, at a round
@@ -25,7 +28,8 @@ A tick, in order; each step is idempotent, every file is written whole under a t
    encoded, hashed, signed; θ(b) is the verified round in the inbox;
 3. push the newest contribution to the aggregator's incoming/<site>;
 4. (aggregator) for the next round r: read every site's contribution for base r − 1, reject with a reason
-   what fails (signature, hash, base round, shapes, finite values, norm outliers); apply the outer step once
+   what fails (signature, hash, base round, shapes, finite values, norm bounds against the other sites'
+   norms: outer.screen); apply the outer step once
    a quorum is in or the timeout has passed; publish round r (θ and m together, signed);
 5. (aggregator) push the newest round's site copy (θ only: half the bytes; the momentum stays at the aggregator)
    to every site's inbox;
@@ -231,12 +235,16 @@ def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, clock: Tic
     aggregator = cfg.site(cfg.aggregator)
     assert aggregator is not None
     is_agg = me.name == aggregator.name
+    caught_up: list[bool] = []  # (aggregator) whether it may publish: not behind its sites, or caught up
     if is_agg:
-        _step("publish round 0", report, lambda: _publish_round0(cfg, me, key, report))
+        _step("catch up", report, lambda: caught_up.append(_catch_up(cfg, me, key, keyring, report)))
+        if caught_up == [True]:  # a catch-up that failed says nothing: publishing then could fork the rounds
+            _step("publish round 0", report, lambda: _publish_round0(cfg, me, key, report))
     _step("export", report, lambda: _export(cfg, me, key, keyring, report))
     _step("push contribution", report, lambda: _push_contribution(cfg, me, aggregator, report, clock))
     if is_agg:
-        _step("aggregate", report, lambda: _aggregate(cfg, me, key, keyring, report, clock))
+        if caught_up == [True]:
+            _step("aggregate", report, lambda: _aggregate(cfg, me, key, keyring, report, clock))
         for site in cfg.sites:
             push = lambda site=site: _push_round(cfg, me, site, key, keyring, report, clock)  # noqa: E731
             _step(f"push round to {site.name}", report, push)
@@ -313,6 +321,241 @@ def _outer(cfg: XsiteConfig) -> dict[str, Any]:
     return {"lr": o.lr, "momentum": o.momentum, "nesterov": True, "rule": o.rule, "encoding": cfg.encoding}
 
 
+# ---- 1b. an aggregator behind its sites --------------------------------------------------------------------------
+# Its state directory restored from an older copy (or rounds lost), an aggregator's newest round is older than
+# what its sites train from: their contributions are against rounds it does not have, and without this it would
+# never publish again, or publish a second, different round R + 1 (a fork) from contributions its backup held.
+BEHIND = "!behind"  # rejected.json key "R/!behind": what this aggregator said about being behind, said once
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """What names rounds past this aggregator's newest, by file name only (nothing verified yet): the newest
+    contribution file of each site against such a round, the newest round records in its inbox/ and outgoing/,
+    and the newest round its own run was handed."""
+
+    newest: int  # this aggregator's newest published round (-1: none)
+    handed: int | None  # its run's newest global round, when past `newest`
+    contributions: dict[str, tuple[int, Path]]  # site -> (base round, file)
+    copies: list[tuple[int, Path]]  # (round, record file)
+
+
+def _ahead_by_name(cfg: XsiteConfig, me: XsiteSite, state: Path, newest: int) -> Ahead | None:
+    """None when nothing names a round past `newest` (every usual tick: a few directory listings). One file per
+    site and directory is considered, its newest: a partner filling its incoming/ with names costs nothing."""
+    handed = latest_global(_run(me))
+    contributions = {}
+    for site in cfg.sites:
+        found = [
+            (int(m.group("base")), p)
+            for p in (state / INCOMING / site.name).glob("contrib-*.json")
+            if (m := _CONTRIB.match(p.name)) and m.group("site") == site.name and int(m.group("base")) > newest
+        ]
+        if found:
+            contributions[site.name] = max(found)
+    copies = [(r[-1], state / sub / f"{round_stem(r[-1])}.json") for sub in (INBOX, OUTGOING)
+              if (r := _rounds_in(state / sub)) and r[-1] > newest]  # fmt: skip
+    handed = handed if handed is not None and handed > newest else None
+    if handed is None and not contributions and not copies:
+        return None
+    return Ahead(newest, handed, contributions, copies)
+
+
+def _catch_up(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -> bool:
+    """(aggregator) True when it may publish. When sites are ahead of it, adopt the newest round R past its own
+    that every verified record agrees on, from θ(R) signed by its own key (a round record in its inbox/ or
+    outgoing/), or from θ(R) in its own run's xsite/ whose digest the sites' signed contributions against R
+    name (and no verified contribution names another); the round is written again with the outer momentum
+    restarted from zero (it was in the rounds lost). Otherwise say what is ahead and how to recover, in the log
+    once and in `sync status`; while this aggregator's own run or its own signed record shows a newer round,
+    it publishes nothing (that would fork the rounds). A partner alone naming a newer round is reported and
+    does not stop the training: its key can sign any number."""
+    state = _state(me)
+    published = _published(state)
+    newest = published[-1] if published else -1
+    ahead = _ahead_by_name(cfg, me, state, newest)
+    if ahead is None:
+        _say_behind(state, newest, None, report)
+        return True
+    from hpcscale.xsite.roundfile import Rejected, read_contribution, read_round
+
+    ours = None  # this aggregator's newest round's record, verified (its training, θ's names and shapes)
+    if published:
+        try:  # its JSON only: a partner naming a newer round every tick must not cost a read of θ every tick
+            ours = read_round(state / ROUNDS / f"{round_stem(newest)}.json", keyring=keyring,
+                              aggregator=cfg.aggregator, payload=False)  # fmt: skip
+        except Rejected as e:
+            report.errors.append(f"catch up: round {newest}, this aggregator's newest, does not verify: {e.reason}")
+            return False
+    named: dict[int, dict[str | None, list[str]]] = {}  # base round -> θ digest -> the sites naming it
+    trainings = set()
+    for site, (b, path) in sorted(ahead.contributions.items()):
+        try:
+            c = read_contribution(path, keyring=keyring, known_sites={site}, payload=False)
+        except Rejected:
+            continue  # not a record of this site: it names nothing (the aggregation says why, in its round)
+        if c.base_round == b and _same_training(cfg, ours, c.training):
+            named.setdefault(b, {}).setdefault(c.base_theta_sha256, []).append(site)
+            trainings.add(c.training)
+    signed = {}
+    for r, path in ahead.copies:
+        with contextlib.suppress(Rejected):
+            copy = read_round(path, keyring=keyring, aggregator=cfg.aggregator, expected_round=r)
+            if _same_training(cfg, ours, copy.training):
+                signed[r] = copy
+                trainings.add(copy.training)
+    training = ours.training if ours is not None else next(iter(trainings)) if len(trainings) == 1 else None
+    if ours is not None or training is not None:  # records of two trainings and no round here: adopt neither
+        candidates = set(named) | set(signed) | ({ahead.handed} if ahead.handed is not None else set())
+        for r in sorted(candidates, reverse=True):
+            if _adopt(cfg, me, key, report, ours, training, r, named.get(r, {}), signed.get(r)):
+                _say_behind(state, newest, None, report)
+                return True
+    blocking = ahead.handed is not None or bool(signed)
+    _say_behind(state, newest, _behind_message(cfg, me, ahead, named, signed, blocking), report)
+    if blocking:  # every tick: `sync` exits 1, and cron says so
+        report.errors.append(str(_read_json(state / REJECTED).get(f"{newest + 1}/{BEHIND}")))
+    return not blocking
+
+
+def _same_training(cfg: XsiteConfig, ours, theirs: str | None) -> bool:
+    """Whether a record's training is that of `ours` (this aggregator's newest round, None: none left here), or,
+    with no round here to say, one of this config's name."""
+    if ours is not None:
+        return theirs == ours.training
+    return theirs is not None and theirs.rsplit(":", 1)[0] == cfg.name
+
+
+def _adopt(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport, ours, training, r: int, digests, copy) -> bool:
+    """Write round r again from θ(r) that the records agree on (see _catch_up); False when they do not. `ours`:
+    this aggregator's newest round (None: none), `digests`: θ digest -> the sites whose verified contribution
+    against r names it, `copy`: round r signed by this aggregator's key, verified (None: none here)."""
+    if len(digests) > 1 or None in digests:  # verified contributions disagree on θ(r), or name none
+        return False
+    if copy is None and not (digests and global_path(_run(me), r).is_file()):
+        return False  # nothing to adopt θ(r) from (and no torch loaded to find that out)
+    import torch
+
+    from hpcscale.xsite.outer import check_outer_result
+    from hpcscale.xsite.roundfile import THETA, theta_digest, write_round
+
+    if copy is not None:
+        theta, source = copy.theta, f"{copy.path} (signed by this aggregator's key)"
+    else:
+        try:
+            theta = {k: v.float() for k, v in load_global(_run(me), r).items()}
+        except Exception:  # a torn or foreign file: nothing to adopt from
+            return False
+        sites = ", ".join(next(iter(digests.values())))
+        source = f"{global_path(_run(me), r)}, whose θ digest {sites} named in their signed contributions"
+    if digests and theta_digest(theta) not in digests:
+        return False
+    shapes = {k: tuple(v.shape) for k, v in theta.items()}
+    if ours is not None:  # θ's names and shapes: this training's, as its newest round here lists them
+        known = {n.removeprefix(THETA): spec.shape for n, spec in ours.specs.items() if n.startswith(THETA)}
+        if shapes != known:
+            return False
+    if check_outer_result(theta, {}):
+        return False
+    write_round(
+        _state(me) / ROUNDS,
+        round=r,
+        parent=None if r == 0 else r - 1,
+        outer=_outer(cfg),
+        accepted=[],
+        rejected=[],
+        theta=theta,
+        momentum={k: torch.zeros_like(v) for k, v in theta.items()},
+        key=key,
+        training=training,
+    )
+    report.add("caught up", round=r, after=-1 if ours is None else ours.round, source=source,
+               momentum="restarted from zero (it was in the rounds lost)")  # fmt: skip
+    return True
+
+
+def _say_behind(state: Path, newest: int, message: str | None, report: TickReport) -> None:
+    """Record (once: in the log when it changes) or clear what this aggregator says about being behind."""
+    seen = _read_json(state / REJECTED)
+    key = f"{newest + 1}/{BEHIND}"
+    stale = [k for k in seen if k.endswith(f"/{BEHIND}") and (k != key or message is None)]
+    if message is None and not stale:
+        return
+    for k in stale:
+        del seen[k]
+    if message is not None and seen.get(key) != message:
+        seen[key] = message
+        report.add("behind", round=newest, reason=message)
+    atomic_write(state / REJECTED, json.dumps(seen).encode())
+
+
+def _behind_message(cfg: XsiteConfig, me: XsiteSite, ahead: Ahead, named, signed, blocking: bool) -> str:
+    """What is ahead of this aggregator, and the exact way back."""
+    state = _state(me)
+    seen = []
+    if ahead.handed is not None:
+        seen.append(f"its own run was handed round {ahead.handed} ({global_path(_run(me), ahead.handed)})")
+    for b in sorted(named, reverse=True):
+        sites = sorted(s for group in named[b].values() for s in group)
+        seen.append(f"{', '.join(sites)} sent a signed contribution against round {b}")
+    for r in sorted(signed, reverse=True):
+        seen.append(f"a round {r} signed by its key is in {signed[r].path.parent}")
+    unverified = sorted(
+        s for s, (b, _) in ahead.contributions.items() if not any(s in g for g in named.get(b, {}).values())
+    )
+    if unverified:
+        seen.append(f"contribution files of {', '.join(unverified)} name newer rounds but do not verify")
+    target = max([-1 if ahead.handed is None else ahead.handed, *named, *signed])
+    newest = "none" if ahead.newest < 0 else f"round {ahead.newest}"
+    head = (
+        f"sites are ahead of this aggregator: its newest published round is {newest}, but "
+        + "; ".join(seen)
+        + f". Its state directory ({state}) was probably restored from an older copy, or rounds/ lost."
+    )
+    donors = [s for s in cfg.sites if s.name != me.name and any(s.name in g for g in named.get(target, {}).values())]
+    donor = (donors or [s for s in cfg.sites if s.name != me.name] or [me])[0]
+    how = (
+        f" To go on from round {target}: copy round-{target:06d}.json and round-{target:06d}.safetensors from "
+        f"the inbox of a site that has it into {state / INBOX}/, e.g. from {donor.name}: "
+        f"`{_fetch_command(donor, target, state / INBOX)}`; the next tick checks this aggregator's signature on "
+        f"it and publishes round {target + 1} on from it."
+    )
+    if blocking and ahead.handed is not None and not named.get(ahead.handed):
+        how += (
+            f" Or wait: once a site's signed contribution against round {ahead.handed} confirms the θ in "
+            f"{global_path(_run(me), ahead.handed)}, it goes on by itself (a site sends its contribution again "
+            f"after {_resend_after(cfg):.0f} s unanswered)."
+        )
+    if blocking:
+        how += " Until then it publishes nothing: a round from its older state would fork the training."
+    else:
+        how += (
+            " It goes on publishing meanwhile (only another site's records say so: a site's key can sign any "
+            "round number); a site ahead of it adopts its rounds once they pass the one it has."
+        )
+    return head + how
+
+
+def _fetch_command(site: XsiteSite, r: int, dest: Path) -> str:
+    """The command that copies round r's record from `site`'s inbox into `dest` (shown, never run)."""
+    import shlex
+
+    from hpcscale.xsite.channel import parse_endpoint
+
+    names = [f"{round_stem(r)}.json", f"{round_stem(r)}.safetensors"]
+    try:
+        ep = parse_endpoint(site.reach)
+    except BadInput:
+        ep = None
+    if ep is not None and ep.kind == "ssh":
+        host = f"{ep.user}@{ep.host}" if ep.user else ep.host
+        port = f"-P {ep.port} " if ep.port else ""
+        sources = " ".join(shlex.quote(f"{host}:{ep.path.rstrip('/')}/{INBOX}/{n}") for n in names)
+        return f"scp {port}{sources} {shlex.quote(str(dest))}/"
+    root = _state(site) if ep is None else Path(ep.path)
+    return f"cp {' '.join(shlex.quote(str(root / INBOX / n)) for n in names)} {shlex.quote(str(dest))}/"
+
+
 # ---- 2-3. export and push this site's contribution --------------------------------------------------------------
 def _verified_round(cfg: XsiteConfig, state: Path, keyring, r: int, where: str = INBOX, need_momentum: bool = False):
     from hpcscale.xsite.roundfile import read_round
@@ -330,10 +573,13 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
         if tag["base_round"] >= 0 and step > _start(tag) and (step - _start(tag)) % cfg.round_steps == 0:
             newest[tag["base_round"]] = (step, tag)  # the newest checkpoint of each base round
     oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
+    handed = latest_global(_run(me))
     for base, (step, tag) in sorted(newest.items()):
         stem = contrib_stem(me.name, base)
         if (
             base < oldest
+            # too late for any round: the last it could be folded into (quorum.late_rounds) was handed over already
+            or (handed is not None and base + 1 + cfg.quorum.late_rounds <= handed)
             or (state / OUTBOX / f"{stem}.json").exists()
             or (state / OUTBOX / f".skipped-{stem}").exists()
         ):
@@ -423,7 +669,9 @@ def _push_contribution(
     newest = mine[-1]
     base = int(_CONTRIB.match(newest.name).group("base"))
     handed = latest_global(_run(me))
-    answered = any(r > base for r in _rounds_in(state / INBOX)) or (handed is not None and handed > base)
+    # answered: a newer round was verified and handed over (not a name in the inbox, which anyone who can write
+    # there could plant to stop the resending)
+    answered = handed is not None and handed > base
     sent_marker = outbox / f".pushed-{newest.stem}"
     why = _unanswered(sent_marker, answered, cfg, clock)
     if why is None:
@@ -694,23 +942,38 @@ def _quorum(cfg: XsiteConfig, state: Path, r: int, on_time: list[str], clock: Ti
 
 
 def _screen(cfg: XsiteConfig, state: Path, r: int, base, valid: list[Checked]):
-    """outer.screen over these contributions: refused (no honest round could have their norm) and cut to the
-    usual size (history: the norms applied in the last HISTORY_ROUNDS published rounds)."""
+    """outer.screen over these contributions: refused (no honest round could have their norm), held out or cut
+    to the usual size, each against the other sites' norms applied in the last HISTORY_ROUNDS published rounds."""
     from hpcscale.xsite.outer import HISTORY_ROUNDS, l2_norm, screen
 
-    history = []
-    for past in range(max(1, r - HISTORY_ROUNDS), r):
-        doc = _read_json(state / ROUNDS / f"{round_stem(past)}.json")
-        for a in doc.get("accepted", []) if isinstance(doc.get("accepted"), list) else []:
-            if isinstance(a, dict) and isinstance(a.get("norm"), int | float) and not isinstance(a["norm"], bool):
-                history.append(float(a["norm"]))
     return screen(
         {c.site: c.norm for c in valid},
         theta_norm=l2_norm(base.theta),
-        history=history,
+        history=_applied_norms(cfg, state, range(max(1, r - HISTORY_ROUNDS), r)),
+        aggregator=cfg.aggregator,
+        alone=len(cfg.sites) == 1,
         factor=cfg.outer.outlier_factor,
         max_delta_ratio=cfg.outer.max_delta_ratio,
     )
+
+
+def _applied_norms(cfg: XsiteConfig, state: Path, rounds: range) -> dict[str, list[float]]:
+    """site -> the norms its contributions were applied with in these published rounds (this aggregator's own
+    records; a round missing, unreadable or without norms adds nothing). Only this config's sites, and only
+    finite numbers from 0 to fp32's largest: whatever the file says, a norm that could not be a Δ's is left out."""
+    from hpcscale.xsite.roundfile import FP32_MAX
+
+    sites = {s.name for s in cfg.sites}
+    out: dict[str, list[float]] = {}
+    for past in rounds:
+        doc = _read_json(state / ROUNDS / f"{round_stem(past)}.json")
+        for a in doc.get("accepted", []) if isinstance(doc.get("accepted"), list) else []:
+            if not isinstance(a, dict) or a.get("site") not in sites:
+                continue
+            norm = a.get("norm")
+            if isinstance(norm, int | float) and not isinstance(norm, bool) and 0 <= norm <= FP32_MAX:
+                out.setdefault(a["site"], []).append(float(norm))  # NaN fails the comparison above
+    return out
 
 
 def _combine(cfg: XsiteConfig, valid: list[Checked]) -> dict[str, torch.Tensor]:
@@ -791,7 +1054,8 @@ def _push_round(
     # answered: the site contributed from round r (or later), so it has it
     incoming = state / INCOMING / site.name
     answered = incoming.is_dir() and any(
-        (m := _CONTRIB.match(p.name)) and int(m.group("base")) >= r for p in incoming.glob("contrib-*.json")
+        (m := _CONTRIB.match(p.name)) and m.group("site") == site.name and int(m.group("base")) >= r
+        for p in incoming.glob("contrib-*.json")
     )
     why = _unanswered(marker, answered, cfg, clock)
     if why is None:
@@ -955,7 +1219,8 @@ def _pending(cfg: XsiteConfig, me: XsiteSite, state: Path) -> dict[str, Any]:
     from, or the next round's wait, its refused contributions and a result that was not published."""
     published = _published(state)
     r = published[-1] + 1 if published else 0
-    out: dict[str, Any] = {"round": r, "blocked": None, "waiting_since": None, "rejected": {}}
+    out: dict[str, Any] = {"round": r, "blocked": None, "behind": None, "waiting_since": None, "rejected": {}}
+    out["behind"] = _read_json(state / REJECTED).get(f"{r}/{BEHIND}")
     if r == 0:
         starts = [s for s, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and s == _start(tag)]
         if not starts:
@@ -972,7 +1237,7 @@ def _pending(cfg: XsiteConfig, me: XsiteSite, state: Path) -> dict[str, Any]:
         head, _, site = key.partition("/")
         if head == str(r) and site == "!outer":
             out["blocked"] = f"the outer step's result was not published: {reason}"
-        elif head == str(r):
+        elif head == str(r) and site != BEHIND:
             out["rejected"][site] = reason
     return out
 
