@@ -36,6 +36,7 @@ from torch import nn
 
 from hpcscale.errors import BadInput
 from hpcscale.parallel.init import on_meta
+from hpcscale.parallel.tp_check import check_plan
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -115,6 +116,7 @@ def parallelize(
             )
         from torch.distributed.tensor.parallel import parallelize_module
 
+        check_plan(model, tp_plan, tp=tp)  # before torch splits anything: an uneven split fails only at forward
         # A model with weights comes here still on the host: torch moves each planned parameter to the mesh's
         # device and keeps the rank's slice, one parameter at a time, so the device never holds the whole model.
         parallelize_module(model, tp_mesh, tp_plan)
