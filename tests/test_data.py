@@ -346,7 +346,8 @@ def test_a_tokenizer_with_gaps_in_its_ids_gets_its_largest_id_plus_one(tmp_path,
         "--out", str(tmp_path / "ds"), "--seq-len", "15", "--json",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["vocab_size"] == want_vocab
+    doc = json.loads(r.stdout)
+    assert (doc["vocab_size"], doc["dtype"]) == (want_vocab, want_dtype)
     m = read_manifest(tmp_path / "ds" / "manifest.json")
     assert (m.dataset.vocab_size, m.dataset.dtype) == (want_vocab, want_dtype)
     ids = Tokenizer.from_file(str(tmp_path / "tok.json")).encode(text, add_special_tokens=False).ids

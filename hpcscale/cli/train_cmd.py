@@ -173,6 +173,7 @@ def prepare(
         "samples": m.dataset.samples,
         "sample_len": m.dataset.sample_len,
         "vocab_size": m.dataset.vocab_size,
+        "dtype": m.dataset.dtype,
         "tokenizer": m.meta.get("tokenizer"),
         "documents": m.meta["documents"],
         "document_order": m.meta["document_order"],
