@@ -288,6 +288,43 @@ def test_prepare_refuses_whatever_the_other_user_planted_at_the_final_name(other
     assert [p.name for p in shared.iterdir()] == ["ds"]
 
 
+def test_what_appears_at_the_final_name_during_the_build_is_never_replaced(other_user, area):
+    """The other user plants a symbolic link, then an empty directory, at --out while the dataset is being built:
+    the rename into place refuses (RENAME_NOREPLACE), exit 2 naming --out; theirs stays as it was, the build
+    directory is gone."""
+    from hpcscale.data.builddir import BuildDir
+
+    shared = _shared_dir(other_user, area)
+    theirs = other_user.make(area / "theirs", directory=True)
+    out = shared / "ds"
+    for plant in (["ln", "-s", str(theirs), str(out)], ["mkdir", str(out)]):
+        appeared = r"ds: something appeared at this name while the dataset was prepared"
+        with pytest.raises(BadInput, match=appeared), BuildDir(out) as build:
+            os.close(BuildDir.create("data.bin", dir_fd=build.fd))
+            assert other_user.run(*plant).returncode == 0
+            build.commit()
+        assert out.lstat().st_uid == other_user.uid and list(theirs.iterdir()) == []
+        assert [p.name for p in shared.iterdir()] == ["ds"]
+        (out.unlink() if out.is_symlink() else out.rmdir())
+
+
+def test_a_build_directory_swapped_for_another_is_never_renamed_into_place(other_user, area):
+    """The other user (write access to the parent) renames the build directory away and puts one of theirs under
+    its name: the commit refuses it, and every file written went into ours, never theirs."""
+    from hpcscale.data.builddir import BuildDir
+
+    shared = _shared_dir(other_user, area)
+    out = shared / "ds"
+    with pytest.raises(BadInput, match="was replaced by someone else"), BuildDir(out) as build:
+        r = other_user.run("mv", str(shared / build.name), str(shared / "stolen"))
+        assert r.returncode == 0, r.stderr
+        assert other_user.run("mkdir", str(shared / build.name)).returncode == 0
+        os.close(BuildDir.create("data.bin", dir_fd=build.fd))
+        build.commit()
+    assert not out.exists() and (shared / "stolen" / "data.bin").exists()
+    assert list((shared / build.name).iterdir()) == []  # theirs: nothing written into it, left in place
+
+
 def test_a_failed_prepare_leaves_nothing_behind(tmp_path):
     (tmp_path / "corpus.txt").write_text("tiny")
     (tmp_path / "out").mkdir()

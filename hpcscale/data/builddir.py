@@ -29,7 +29,6 @@ import contextlib
 import ctypes
 import errno
 import os
-import stat
 from pathlib import Path
 
 from hpcscale.errors import BadInput
@@ -79,6 +78,15 @@ def _remove_tree(name: str, *, dir_fd: int) -> None:
 
 
 def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc/self/status): setting it to
+    read it back would, for that moment, apply to files other threads create."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
     mask = os.umask(0o077)
     os.umask(mask)
     return mask
@@ -108,10 +116,10 @@ class BuildDir:
             except FileExistsError:
                 continue
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.parent_fd)
-            st = os.fstat(fd)
-            if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            if os.fstat(fd).st_uid != os.geteuid():  # swapped between mkdir and open
                 os.close(fd)
-                raise BadInput(f"{self.out.parent / name}: the build directory just made is not ours alone")
+                raise BadInput(f"{self.out.parent / name}: the build directory just made is not ours")
+            os.fchmod(fd, 0o700)  # a default ACL on the parent may have widened mkdir's mode
             return name, fd
         raise FileExistsError(errno.EEXIST, "no unused temporary name", str(self.out.parent))
 

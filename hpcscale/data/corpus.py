@@ -15,6 +15,7 @@ against it before it is written.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from hpcscale.errors import BadInput
-from hpcscale.portable.files import NotRegularFile, read_regular
+from hpcscale.portable.files import NotRegularFile, open_regular, read_regular
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".yaml", ".yml", ".toml", ".cfg", ".html")
 READ_BYTES = 1 << 20
@@ -80,7 +81,11 @@ def documents(src: Path, max_bytes: int | None) -> list[Document]:
 def blocks(doc: Document) -> Iterator[bytes]:
     """The document's bytes, READ_BYTES at a time, at most `doc.limit` of them."""
     left = doc.limit
-    with open(doc.path, "rb") as f:
+    try:
+        fd, _ = open_regular(doc.path)  # a FIFO swapped in since the listing is refused, never waited on
+    except OSError as e:
+        raise BadInput(f"{doc.path}: cannot be read ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
         while left is None or left > 0:
             block = f.read(READ_BYTES if left is None else min(READ_BYTES, left))
             if not block:
