@@ -1,4 +1,4 @@
-"""`python -m hpcscale` is the `hpcscale` command (mpirun starts ranks this way, with the same interpreter)."""
+"""`python -m hpcscale` is the `hpcscale` command (what hpcscale starts itself runs through util/pystart)."""
 
 from hpcscale.cli.entry import main
 
