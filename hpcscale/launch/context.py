@@ -160,6 +160,11 @@ class Context:
     _waits: Any = field(default=None, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
     _models: list[Any] = field(default_factory=list, repr=False)  # ctx.parallelize's; _syncs[i] is _models[i]'s
+    # per model (id) given to ctx.parallelize: its ties across pipeline stages, (parameter, group of the stages
+    # holding a copy) each; ctx.pipeline sums their gradients after each step (hpcscale.parallel.ties)
+    _stage_ties: dict[int, list[Any]] = field(default_factory=dict, repr=False)
+    # id()s of tied parameters whose gradient a lower stage counts in the global norm (clip_grad_norm_)
+    _norm_skip: set[int] = field(default_factory=set, repr=False)
 
     @property
     def hooks(self) -> dict[str, Any]:
@@ -251,7 +256,39 @@ class Context:
         )
         self._models.append(model)
         self._syncs.append(sync)
+        self._stage_ties[id(model)] = self._tie_stages(model)
         return model
+
+    def _tie_stages(self, model: Any) -> list[Any]:
+        """The ties cut_stage found across stages in `model` (this rank's stage): each copy this stage holds gets
+        the whole model's initial value (broadcast from the stage whose module initializes it last) and a group of
+        the stages holding a copy at this rank's dp and tp position, over which ctx.pipeline sums its gradient.
+        Collective over those stages' ranks, in the same order on each (the ties' order, the same on all)."""
+        import torch
+        import torch.distributed as dist
+
+        from hpcscale.parallel.ties import STAGE_TIES
+
+        ties = model.__dict__.get(STAGE_TIES) or []
+        if not ties or self.dims.pp == 1:
+            return []
+        pp_ranks = self.mesh["pp"].mesh.tolist()  # the global ranks of this rank's pipeline, by stage
+        out = []
+        for tie in ties:
+            if self.pp_rank not in tie.stages or tie.here is None:
+                continue
+            if len(tie.stages) == self.dims.pp:
+                group = self.mesh["pp"].get_group()
+            else:  # only the member ranks take part (use_local_synchronization): the others hold no copy
+                group = dist.new_group([pp_ranks[s] for s in tie.stages], use_local_synchronization=True)
+            param = model.get_parameter(tie.here)
+            local = param.to_local() if hasattr(param, "to_local") else param
+            with torch.no_grad():
+                dist.broadcast(local, group=group, group_src=tie.stages.index(tie.init_stage))
+            if self.pp_rank != tie.stages[0]:
+                self._norm_skip.add(id(param))
+            out.append((param, group))
+        return out
 
     def pipeline(self, stage: Any, *, n_microbatches: int, loss_fn: Any, schedule: str = "1f1b") -> Any:
         """torch's pipeline schedule (`1f1b` or `gpipe`) for this rank's stage, after `ctx.parallelize(stage)`:
@@ -287,6 +324,7 @@ class Context:
         return Pipeline(
             built,
             [self._syncs[placed[0]]],
+            ties=self._stage_ties.get(id(stage), []),
             n_microbatches=n_microbatches,
             first=self.pp_rank == 0,
             last=self.pp_rank == self.dims.pp - 1,
@@ -315,7 +353,9 @@ class Context:
         # timing the all-reduces needs the stream settled around them: on CPU that costs nothing; on a GPU it would
         # be two waits for the device each step, and per-rank timing books NCCL's waits as next to nothing anyway
         waited: list[float] | None = [] if self.device.type == "cpu" else None
-        norm = clip_grad_norm(params, max_norm, pp_group=pp_group, device=self.device, waited=waited)
+        norm = clip_grad_norm(
+            params, max_norm, pp_group=pp_group, device=self.device, waited=waited, not_counted=self._norm_skip
+        )
         self._collective_s += sum(waited or ())
         return norm
 

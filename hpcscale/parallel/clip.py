@@ -61,6 +61,7 @@ def clip_grad_norm(
     pp_group: dist.ProcessGroup | None,
     device: torch.device | None = None,
     waited: list[float] | None = None,
+    not_counted: set[int] | frozenset[int] = frozenset(),
 ) -> torch.Tensor:
     """Clip the gradients of `params` in place to a global norm of `max_norm` (0 or inf: measure only) and
     return the global norm before clipping, a 0-dim fp64 tensor on `device`. A collective over the sharded
@@ -68,13 +69,15 @@ def clip_grad_norm(
     them make the same calls. `waited`: gets the seconds spent in those all-reduces appended (where a rank waits
     for its slowest peer: per-rank timing books it as waiting, not as the rank's own time); on a GPU the stream
     is settled before the clock starts and again before it stops, so the local norms' kernels are not counted
-    in it."""
+    in it. `not_counted`: id()s of parameters whose gradient is scaled but left out of the norm (a tied
+    parameter's copy on a pipeline stage whose gradient another stage counts: hpcscale.parallel.ties)."""
     grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in not_counted]
     if device is None:
         device = _local(grads[0]).device if grads else torch.device("cpu")
     by_key: dict[tuple[str, ...], list[torch.Tensor]] = {}
     groups: dict[tuple[str, ...], list[dist.ProcessGroup]] = {}
-    for g in grads:
+    for g in counted:
         key = _sharded_dims(g)
         if key not in by_key:
             by_key[key] = []

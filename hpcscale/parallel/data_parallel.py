@@ -106,6 +106,9 @@ def parallelize(
     (a GradSync, or FSDP2's ShardedSync; Context.parallelize says which). In place. `device`: where the rest
     of a model built with its weights goes once the plan has placed its split parameters (the caller moves a
     model without a plan itself)."""
+    from hpcscale.parallel.ties import find_ties, retie
+
+    ties = find_ties(model)
     tp = tp_mesh.size() if tp_mesh is not None else 1
     if tp > 1:
         if not tp_plan:
@@ -120,6 +123,7 @@ def parallelize(
         # A model with weights comes here still on the host: torch moves each planned parameter to the mesh's
         # device and keeps the rank's slice, one parameter at a time, so the device never holds the whole model.
         parallelize_module(model, tp_mesh, tp_plan)
+        retie(model, ties, why="ctx.parallelize")  # the plan gives each planned module a parameter of its own
         if device is not None and not on_meta(model):
             model.to(device)  # what the plan does not split: whole on every tp rank anyway
         replicate_unplanned(model, tp_mesh)

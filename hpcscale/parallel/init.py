@@ -46,6 +46,11 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.M
     yield prefix, module
 
 
+def post_order_names(model: nn.Module) -> list[str]:
+    """The qualified names of `model`'s modules in the order initialization visits them (children first)."""
+    return [name for name, _ in _post_order(model)]
+
+
 def on_meta(model: nn.Module) -> bool:
     """Whether `model` was built on the meta device: every parameter and buffer (BadInput when only some are,
     which to_empty would silently leave half uninitialized)."""
@@ -106,7 +111,15 @@ def materialize(model: nn.Module, init: Init | None, *, seed: int, device: torch
     and initialize them: bitwise what `initialize(model built whole, init, seed=seed)` holds at the same
     places. BadInput names the parameter or floating-point buffer that neither reset_parameters nor `init`
     set (they start as NaN, which is how a forgotten one is found)."""
-    model.to_empty(device=device)
+    from hpcscale.parallel.ties import find_ties, retie
+
+    ties = find_ties(model)
+    model.to_empty(device=device)  # a tie whose tensor changes device comes back as one tensor per module
+    retie(model, ties, why="ctx.parallelize")
+    # a tied parameter's full values as its earlier owner left them: the next owner's init starts from them, as
+    # in the model built whole, where each owner's init writes the one tensor in turn (the last one's values win)
+    tied = {id(model.get_parameter(names[0])) for names in ties}
+    drawn: dict[int, nn.Parameter] = {}  # tied parameters only: the rest are dropped after their module's init
     with torch.no_grad():
         for name, module in _post_order(model):
             own = dict(module.named_parameters(recurse=False))
@@ -115,7 +128,8 @@ def materialize(model: nn.Module, init: Init | None, *, seed: int, device: torch
                 continue
             for b in bufs.values():
                 b.fill_(math.nan)
-            full = {k: _nan_like(p) for k, p in own.items()}
+            full = {k: drawn[id(p)] if id(p) in drawn else _nan_like(p) for k, p in own.items()}
+            drawn.update({id(p): full[k] for k, p in own.items() if id(p) in tied})
             for k, t in full.items():
                 module._parameters[k] = t
             try:

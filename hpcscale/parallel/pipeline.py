@@ -27,6 +27,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpcscale.errors import BadInput
+from hpcscale.parallel.ties import STAGE_TIES, stage_ties
 
 # torch's schedule classes by name; torch.distributed.pipelining is imported where a schedule is built: it imports
 # dynamo (about a second), which a job at pp = 1 may never need
@@ -88,9 +89,19 @@ def cut_stage(
             )
     if pp == 1:
         return model
-    start = sum(split[:stage]) if split else 0
-    mine = range(start, start + split[stage]) if split else stage_layers(len(blocks), pp, stage)
-    keep = {str(i) for i in mine}
+    starts = [sum(split[:s]) for s in range(pp)] if split else None
+    runs = [range(starts[s], starts[s] + split[s]) if split else stage_layers(len(blocks), pp, s) for s in range(pp)]
+    block_stage = {str(i): s for s, run in enumerate(runs) for i in run}
+    ties = stage_ties(
+        model,
+        stage=stage,
+        pp=pp,
+        layers=layers,
+        block_stage=block_stage,
+        first_stage_only=first_stage_only,
+        last_stage_only=last_stage_only,
+    )
+    keep = {str(i) for i in runs[stage]}
     for key in keys:
         if key not in keep:
             # straight from _modules: ModuleList's own __delitem__ renumbers what is left, which would rename
@@ -100,6 +111,8 @@ def cut_stage(
         setattr(*_owner(model, path), None)
     for path in last_stage_only if stage < pp - 1 else ():
         setattr(*_owner(model, path), None)
+    # what ctx.parallelize needs to keep each tie one parameter across the stages (hpcscale.parallel.ties)
+    model.__dict__[STAGE_TIES] = ties
     return model
 
 
@@ -143,9 +156,19 @@ class Pipeline:
     caller's. `eval(inputs, targets)` runs forward only. Every stage passes what it has: the first stage its
     inputs, the last its targets; others nothing (what a stage does not take is ignored)."""
 
-    def __init__(self, schedule: Any, syncs: Sequence[Any], *, n_microbatches: int, first: bool, last: bool):
+    def __init__(
+        self,
+        schedule: Any,
+        syncs: Sequence[Any],
+        *,
+        n_microbatches: int,
+        first: bool,
+        last: bool,
+        ties: Sequence[tuple[torch.nn.Parameter, Any]] = (),
+    ):
         self.schedule = schedule
         self._syncs = list(syncs)
+        self._ties = list(ties)  # (parameter, group of the stages holding a copy): gradients summed after a step
         self.n_microbatches = n_microbatches
         self.first = first
         self.last = last
@@ -169,7 +192,23 @@ class Pipeline:
             raise
         for sync in self._syncs:
             sync.finish()
+        self._sum_tied()
         return loss
+
+    def _sum_tied(self) -> None:
+        """Sum each tied parameter's gradient over the stages holding a copy (after the data-parallel averaging:
+        the sum of averages is the average of sums), so every copy takes the same step."""
+        import torch.distributed as dist
+
+        for param, group in self._ties:
+            if param.grad is None:  # this stage's copy took no part in the step's loss
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            if hasattr(grad, "placements") and tuple(grad.placements) != tuple(param.placements):
+                # an embedding split by rows gets its gradient back replicated over tp; the head's copy is split:
+                # the same split on every stage makes the local pieces the same elements (a slice, no transfer)
+                grad = param.grad = grad.redistribute(param.device_mesh, param.placements)
+            dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)
 
     def eval(self, inputs: Any = None, targets: Any = None) -> torch.Tensor | None:
         return self._run(self.schedule.eval, inputs, targets)
