@@ -11,11 +11,17 @@ deleted tables, garbage attributes, integer attributes outside int64: uint64, hu
 
 In one process (a 1-rank gloo group, the checkpoint saved through the library's writer with tensors cut into
 several shards of several chunks), so a few hundred mutations take well under a minute.
+
+Crafted checkpoints (tests/helpers/ckpt_craft.py: any names, dtypes, grid shards with empty ones, chunks
+deduplicated so far that a few stored bytes declare more than the disk holds; sometimes hand-edited sizes,
+offsets, lengths or duplicated chunk references, resealed): `ckpt verify` and `ckpt export` never traceback and
+never allocate past a bound (RLIMIT_AS), and an export holds exactly what was crafted or is refused, naming why.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from pathlib import Path
 
@@ -375,3 +381,194 @@ def test_known_chunks_of_an_adopted_index_answer_as_a_dict_of_its_chunks(hashes,
     assert known.get(extra.hash) == extra
     known.clear()
     assert not known and all(known.get(h) is None for h in want)
+
+
+# -- crafted checkpoints: whatever an index declares, verify and export stay bounded and never traceback ----------
+
+ODD_NAMES = [
+    "model/__metadata__",
+    "model/",
+    "model/a",
+    "model/é/ü😀",
+    "model/\u202eevil",
+    'model/"q"\\',
+    "model/line\nbreak",
+    "model/" + "x" * 200,
+    "optim/model/a",
+    "modelx",
+]
+# any text that is UTF-8 (no surrogates) but NUL, which HDF5's strings cannot hold: no index can name them
+UTF8 = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00")
+NAME = st.one_of(st.sampled_from(ODD_NAMES), st.text(UTF8, max_size=8).map(lambda s: "model/" + s))
+HEADROOM = 128 << 20  # address space a verify or an export may add: a 64 MiB block and a 16 MiB piece fit
+BIG = 160 << 20  # a deduplicated tensor larger than that: exported whole, the old export would not fit
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(x for x in f if x.startswith("VmSize")).split()[1]) * 1024
+
+
+def _bounded_cli(*args: str):
+    """The CLI in this process with its address space limited to what it has now plus HEADROOM: past that an
+    allocation fails (MemoryError, or torch's RuntimeError), which the property counts as a failure."""
+    import resource
+
+    from click.testing import CliRunner
+
+    from hpcscale.cli.main import cli
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + HEADROOM, hard))
+    try:
+        result = CliRunner().invoke(cli, list(args))
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exc_info
+    return result.exit_code, result.output
+
+
+@st.composite
+def crafted(draw, free: int):
+    """(tensors for ckpt_craft.craft, chunk_bytes): odd names, any dtype, shapes with zero extents, grid shards
+    with empty ones among them, random or zero content; sometimes a deduplicated tensor of BIG bytes, or one
+    declaring twice what the output's filesystem has free."""
+    from ckpt_craft import Piece, Tensor
+
+    from hpcscale.ckpt.integrity import DTYPE_SIZES
+
+    size = draw(st.sampled_from(["small", "small", "small", "big", "beyond"]))
+    chunk_bytes = draw(st.sampled_from([8, 64, 1000, 4096])) if size == "small" else 64 << 20
+    tensors = {}
+    for name in draw(st.lists(NAME, min_size=1, max_size=4, unique=True)):
+        dtype = draw(st.sampled_from(sorted(DTYPE_SIZES)))
+        elt = DTYPE_SIZES[dtype]
+        shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+        pieces = []
+        cuts = [sorted(set(draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=2)))) if n > 1 else [] for n in shape]
+        bounds = [list(itertools.pairwise([0, *c, n])) for c, n in zip(cuts, shape, strict=True)]
+        for cell in itertools.product(*bounds):
+            offset, extent = tuple(a for a, _ in cell), tuple(b - a for a, b in cell)
+            n = int(np.prod(extent, dtype=np.int64)) * elt
+            data = None if draw(st.booleans()) else draw(st.binary(min_size=n, max_size=n))
+            pieces.append(Piece(offset, extent, data))
+        if shape and draw(st.booleans()):  # an empty piece on a boundary (an uneven split's last rank)
+            d = draw(st.integers(0, len(shape) - 1))
+            pieces.append(Piece(tuple(shape[d] if k == d else 0 for k in range(len(shape))), tuple(
+                0 if k == d else shape[k] for k in range(len(shape))
+            )))  # fmt: skip
+        tensors[name] = Tensor(dtype, shape, pieces)
+    if size != "small":
+        declared = BIG if size == "big" else 2 * free
+        tensors["model/zz_deduplicated"] = Tensor("float32", (declared // 4,), [Piece((0,), (declared // 4,))])
+    return tensors, chunk_bytes
+
+
+def _expected(spec) -> np.ndarray:
+    """The tensor's bytes as (shape..., element size) uint8, from its pieces (zeros where a piece has none)."""
+    from hpcscale.ckpt.integrity import DTYPE_SIZES
+
+    out = np.zeros((*spec.shape, DTYPE_SIZES[spec.dtype]), dtype=np.uint8)
+    for p in spec.pieces:
+        if p.data is not None and all(p.shape):
+            box = tuple(slice(o, o + n) for o, n in zip(p.offset, p.shape, strict=True))
+            out[box] = np.frombuffer(p.data, dtype=np.uint8).reshape(out[box].shape)
+    return out
+
+
+def _edit(f: h5py.File, data: st.DataObject) -> None:
+    """One hand edit of the kind that changes what is declared or where it is: a size, a chunk's offset or
+    length, a chunk reference duplicated onto another row."""
+    kind = data.draw(st.sampled_from(["tensor_shape", "shard_shape", "offset", "length", "duplicate"]))
+    if kind in ("tensor_shape", "shard_shape"):
+        arr = f[kind][()]
+        if arr.size:
+            i, j = data.draw(st.integers(0, arr.shape[0] - 1)), data.draw(st.integers(0, arr.shape[1] - 1))
+            arr[i, j] = data.draw(st.sampled_from([0, 1, 7, 1 << 20, 1 << 40, -1]))
+            replace_table(f, kind, arr)
+        return
+    arr = f["chunks"][()]
+    if not arr.size:
+        return
+    i = data.draw(st.integers(0, arr.shape[0] - 1))
+    if kind == "duplicate":
+        arr[data.draw(st.integers(0, arr.shape[0] - 1))] = arr[i]
+    else:
+        arr[kind][i] = data.draw(st.sampled_from([0, 1, 4096, 1 << 30, 1 << 61]))
+    replace_table(f, "chunks", arr)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_crafted_checkpoints_verify_and_export_without_traceback_within_the_memory_bound(tmp_path_factory, data):
+    """Crafted (and sometimes hand-edited, resealed) indexes: `ckpt verify` exits 0 or 3 and `ckpt export`
+    0, 2 or 3, never with a traceback, never allocating past HEADROOM (RLIMIT_AS); what verify refuses is never
+    exported; what is exported holds exactly the crafted bytes (unedited) and loads; nothing but the output is
+    ever left in its directory; declaring more than the output's filesystem holds is exit 2."""
+    import shutil
+    import tempfile
+
+    import torch
+    from ckpt_craft import craft
+    from safetensors.torch import load_file
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hpcscale.ckpt.export import SAFETENSORS_DTYPES
+
+    with FakeTensorMode():
+        torch.empty(1)  # its first use imports what it needs: not the export's memory
+    shm = Path("/dev/shm")  # the output on tmpfs where there is one: written at memory speed, not counted
+    out_dir = Path(tempfile.mkdtemp(dir=shm if shm.is_dir() else None))
+    try:
+        free = os.statvfs(out_dir).f_bavail * os.statvfs(out_dir).f_frsize
+        tensors, chunk_bytes = data.draw(crafted(free))
+        step = craft(tmp_path_factory.mktemp("crafted"), tensors, chunk_bytes=chunk_bytes)
+        edited = data.draw(st.booleans())
+        if edited:
+            try:
+                with h5py.File(step / "index.h5", "r+", locking=False) as f:
+                    _edit(f, data)
+            except (TypeError, ValueError, OSError, KeyError):
+                assume(False)
+            assume(reseal(step))
+        verified, text = _bounded_cli("ckpt", "verify", str(step))
+        assert verified in (0, 3), text
+        model = {k: v for k, v in tensors.items() if k.startswith("model/")}
+        beyond = "model/zz_deduplicated" in tensors and tensors["model/zz_deduplicated"].shape[0] * 4 > free
+        unholdable = any(k == "model/__metadata__" or v.dtype not in SAFETENSORS_DTYPES for k, v in model.items())
+        got = {}
+        for fmt in ("safetensors", "torch"):
+            out = out_dir / f"model.{fmt}"
+            code, text = _bounded_cli("ckpt", "export", str(step), "-o", str(out), "--format", fmt)
+            assert code in (0, 2, 3), text
+            assert sorted(p.name for p in out_dir.iterdir()) == ([out.name] if code == 0 else []), text
+            if verified == 3:
+                assert code != 0, "export wrote what verify refuses"
+            elif not edited:  # a sound checkpoint: only what the format or the filesystem cannot hold is refused
+                want = 2 if beyond or (fmt == "safetensors" and unholdable) else 0
+                assert code == want, text
+                if beyond and code == 2 and not (fmt == "safetensors" and unholdable):
+                    assert "free" in text and "model/zz_deduplicated" in text, text
+            if code == 0:
+                got[fmt] = (
+                    load_file(str(out)) if fmt == "safetensors" else torch.load(out, weights_only=True, mmap=True)
+                )
+                assert sorted(got[fmt]) == sorted(k.removeprefix("model/") for k in model)
+                if not edited:
+                    for name, spec in model.items():
+                        t = got[fmt][name.removeprefix("model/")]
+                        raw = t.reshape(-1).view(torch.uint8).numpy()
+                        if raw.size > (1 << 20):  # a deduplicated tensor of zeros: sampled
+                            assert spec.pieces[0].data is None and not raw[:: 1 << 12].any() and not raw[-4096:].any()
+                        else:
+                            assert np.array_equal(raw, _expected(spec).reshape(-1)), name
+                out.unlink()
+        if len(got) == 2:
+            same = [torch.equal(*(got[f][k].reshape(-1).view(torch.uint8) for f in got)) for k in got["torch"]]
+            assert all(same)
+    finally:
+        shutil.rmtree(out_dir)
