@@ -49,10 +49,9 @@ main(sys.argv[2:])
 """
 
 
-def export_limited(step: Path, out: Path, fmt: str, headroom: int = HEADROOM) -> subprocess.CompletedProcess:
-    """`hpcscale ckpt export` with its address space limited to what it had at start plus `headroom`."""
+def cli_limited(*args: str, headroom: int = HEADROOM) -> subprocess.CompletedProcess:
+    """`hpcscale ARGS` with its address space limited to what it had at start plus `headroom`."""
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}  # no per-thread heaps to reserve
-    args = ["ckpt", "export", str(step), "-o", str(out), "--format", fmt, "--json"]
     return subprocess.run(
         [sys.executable, "-c", LIMITED, str(headroom), *args], capture_output=True, text=True, env=env, cwd=REPO
     )
@@ -90,7 +89,7 @@ def test_a_deduplicated_model_exports_in_bounded_memory(tmp_path, fmt):
         chunk_bytes=16 * MiB,
     )
     out = tmp_path / f"model.{fmt}"
-    result = export_limited(step, out, fmt)
+    result = cli_limited("ckpt", "export", str(step), "-o", str(out), "--format", fmt, "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     doc = json.loads(result.stdout)
@@ -102,10 +101,11 @@ def test_a_deduplicated_model_exports_in_bounded_memory(tmp_path, fmt):
 
 
 def test_more_than_the_output_filesystem_holds_is_refused_before_reading_and_verify_shows_it(tmp_path):
-    """24 TiB declared in a 1 GiB sparse chunk verifies (dedup is legitimate) and says so; the export exits 2
-    naming the tensor before reading a chunk (the stored chunk is damaged: reading it would exit 3)."""
+    """24 TiB declared in a 1 GiB sparse chunk verifies (dedup is legitimate) and says so, reading the chunk a
+    piece at a time (under the address-space limit); the export exits 2 naming the tensor before reading a chunk
+    (the stored chunk is damaged: reading it would exit 3)."""
     step = craft(tmp_path / "ckpt", {"model/huge": zeros_tensor("float32", (6 << 40,))}, chunk_bytes=1 << 30)
-    verify = run_cli("ckpt", "verify", str(step))
+    verify = cli_limited("ckpt", "verify", str(step))
     assert verify.returncode == 0, verify.stderr
     assert "24.0 TiB of tensor data in 1.0 GiB of distinct chunks" in verify.stdout
     doc = json.loads(run_cli("ckpt", "verify", str(step), "--json").stdout)
