@@ -261,8 +261,8 @@ def export(path: Path, fmt: str, out: Path, as_json: bool) -> None:
     cannot hold a tensor named __metadata__ or some dtypes; exit 2 naming it), and what the tensors declare must
     fit the output's free space (exit 2). Every chunk's hash is checked as it is read (exit 3). On any problem
     nothing is written; the file appears whole, by rename (a symbolic link at -o is replaced, never followed),
-    with the mode of any new file (0666 less the umask). Memory stays under 100 MiB whatever the model's size
-    (docs/checkpoint-format.md, "Export").
+    with the mode of any new file (0666 less the umask). It holds at most 80 MiB of tensor data at a time,
+    whatever the checkpoint declares (docs/checkpoint-format.md, "Export").
 
     \b
     Example:
