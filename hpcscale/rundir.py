@@ -59,7 +59,7 @@ from hpcscale.errors import BadInput
 from hpcscale.portable.files import atomic_create, atomic_write
 from hpcscale.util.bounded import MiB, loads_json, read_bounded
 from hpcscale.util.paths import expand_path
-from hpcscale.util.trust import clean, read_trusted
+from hpcscale.util.trust import UntrustedFile, clean, private_dir, read_trusted
 
 JOB = "job.yaml"
 SITE = "site.yaml"
@@ -107,23 +107,29 @@ def default_run_dir(run_root: Path, job_name: str, now: datetime | None = None) 
     return candidate
 
 
-def _create_once(path: Path, text: str) -> str:
+def _create_once(path: Path, text: str, *, what: str) -> str:
     """Write `text` to `path` unless it exists (atomic_create: a reader never sees it half written, and of
-    every rank of a job calling it at once exactly one writes); return what the file holds."""
-    atomic_create(path, text)
-    return read_bounded(path, max_bytes=4096, what=path.name).decode(errors="replace").strip()
+    every rank of a job calling it at once exactly one writes); return what the file holds. The file names a
+    directory (a run id) or says whose one is (an owner mark), so it is read only if trusted
+    (hpcscale.util.trust.read_trusted: the user's or root's, writable by no one else; UntrustedFile, exit 2)."""
+    atomic_create(path, text)  # mode 0644 at most: no umask makes it group-writable
+    return read_trusted(path, what=what, max_bytes=4096).decode(errors="replace").strip()
 
 
-def link_checkpoints(work_dir: Path, target: Path, *, run_id: str) -> Path:
-    """Make `work_dir/checkpoints` lead to `target` (under the site's separate checkpoint root), creating it.
+def link_checkpoints(work_dir: Path, target: Path, *, run_id: str, below: Path | None = None) -> Path:
+    """Make `work_dir/checkpoints` lead to `target` (under the site's separate checkpoint root, `below`; by
+    default target's parent), creating it.
 
-    Called by every rank when the job starts (on compute nodes, where that filesystem is mounted; never on
-    the login node at submit time); safe to call from every rank at once. A run directory that already holds
-    real checkpoints keeps them where they are: moving a run's checkpoints is the operator's decision, never
-    a side effect."""
+    Every directory from `below` down to `target` is made by this user, or accepted only if it is this user's
+    (or root's) and no one else can write it (hpcscale.util.trust.private_dir; UntrustedFile, exit 2): a
+    checkpoint root everyone can write lets anyone make a run's directory, and its owner mark, before the run
+    does, and plant a step the run would resume from. Called by every rank when the job starts (on compute
+    nodes, where that filesystem is mounted; never on the login node at submit time); safe to call from every
+    rank at once. A run directory that already holds real checkpoints keeps them where they are: moving a
+    run's checkpoints is the operator's decision, never a side effect."""
     link = work_dir / CHECKPOINTS
-    target.mkdir(parents=True, exist_ok=True)
-    owner = _create_once(target / OWNER, run_id)
+    private_dir(target, below=below, mode=0o755, what="run's checkpoint directory under checkpoint_root")
+    owner = _create_once(target / OWNER, run_id, what="owner mark of a checkpoint directory")
     if owner != run_id:
         raise BadInput(
             f"{target} holds the checkpoints of another run (run id {owner}, this run is {run_id}); "
@@ -153,7 +159,9 @@ def claim_checkpoints(root: Path, run_id: str) -> str | None:
         owner = None
     else:
         try:
-            owner = read_bounded(marker, max_bytes=256, what="owner mark").decode(errors="replace").strip()
+            owner = read_trusted(marker, what="owner mark", max_bytes=256).decode(errors="replace").strip()
+        except UntrustedFile as e:
+            return str(e)
         except BadInput as e:
             return f"{e}: refusing a checkpoint directory whose owner is unknown"
     if owner is None:
@@ -163,7 +171,7 @@ def claim_checkpoints(root: Path, run_id: str) -> str | None:
                 "links checkpoints elsewhere only under filesystems.checkpoint_root, marked first. Refusing to "
                 f"write into (or delete in) another directory; make {root} a directory of this run's"
             )
-        owner = _create_once(marker, run_id)
+        owner = _create_once(marker, run_id, what="owner mark")
     if owner != run_id:
         return (
             f"{root} holds the checkpoints of another run (run id {owner}, this run is {run_id}); refusing to "
@@ -179,6 +187,32 @@ def site_checkpoint_root(site: SiteConfig) -> Path | None:
     return expand_path(root) if root else None
 
 
+NODE_LOCAL_DIR = "hpcscale-{run_id}"  # a run's directory under the site's filesystems.node_local, on each node
+
+
+def node_local_dir(site: LoadedSite, node: str, run_id: str, *, sweep: str | None = None) -> Path:
+    """This node's directory of the run's node-local checkpoint tier: <filesystems.node_local>/hpcscale-<run id>
+    (/sweep/<NNNN> for an array task), made by this user with mode 0700, or accepted only if it is this user's
+    (or root's) and no one else can write it (hpcscale.util.trust.private_dir; UntrustedFile, exit 2). The node-
+    local root is shared by every user of the node, and the run id is no secret (RUN/run-id): a directory made
+    there first by someone else could hold a step they planted, which the resume would load. Every rank on the
+    node calls it at start, at once."""
+    base = expand_path(site.config.filesystems.node_local)
+    path = base / NODE_LOCAL_DIR.format(run_id=run_id)
+    if "$" in str(path):
+        raise BadInput(
+            f"{site.path}: filesystems.node_local of site '{site.config.name}' expands to {path} on node {node}: "
+            "a variable it names is not set in the job's environment"
+        )
+    if sweep is not None:
+        path = path / "sweep" / sweep
+    try:
+        private_dir(path, below=base, mode=0o700, what="node-local checkpoint directory")
+    except BadInput as e:
+        raise type(e)(f"node {node}: {e}") from None
+    return path
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
@@ -189,13 +223,16 @@ class RunDir:
     @classmethod
     def create(cls, path: Path, *, reuse: bool = False) -> RunDir:
         """A new run directory; an existing one only with `reuse` (and only if it is a run directory)."""
-        if path.exists():
-            if not reuse:
+        if not reuse:  # made here, failing if it exists: someone could make it first (a run root's names are
+            path.parent.mkdir(parents=True, exist_ok=True)  # predictable) and would then own the run's directory
+            try:
+                path.mkdir()
+            except FileExistsError:
                 raise BadInput(
                     f"run directory {path} exists; pass --reuse to add a submission to it, or choose another --run-dir"
-                )
-            if not (path / SUBMISSIONS).exists() and any(path.iterdir()):
-                raise BadInput(f"{path} exists and is not an hpcscale run directory; refusing to write into it")
+                ) from None
+        elif path.exists() and not (path / SUBMISSIONS).exists() and any(path.iterdir()):
+            raise BadInput(f"{path} exists and is not an hpcscale run directory; refusing to write into it")
         (path / LOGS).mkdir(parents=True, exist_ok=True)
         (path / "submissions").mkdir(exist_ok=True)
         return cls(path)
@@ -224,9 +261,10 @@ class RunDir:
 
     def run_id(self) -> str:
         """This run's id, created on first use (run directories from before it get one then): 12 lowercase hex
-        digits. It names a directory under the checkpoint root, so anything else in the file (a path, `..`) is
-        refused (BadInput), never joined into a path."""
-        value = _create_once(self.path / RUN_ID, secrets.token_hex(6))
+        digits. It names a directory under the checkpoint root and on each node, so a file someone else wrote
+        is refused (UntrustedFile), and so is anything but an id in it (a path, `..`: BadInput), never joined
+        into a path."""
+        value = _create_once(self.path / RUN_ID, secrets.token_hex(6), what="run id")
         if not re.fullmatch(r"[0-9a-f]{12}", value):
             raise BadInput(f"{self.path / RUN_ID}: {value[:40]!r} is not a run id (12 lowercase hex digits)")
         return value

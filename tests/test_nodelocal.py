@@ -145,7 +145,10 @@ def test_a_step_older_than_the_shared_tiers_newest_is_not_taken(tmp_path):
 def test_a_full_node_local_disk_fails_the_save_on_every_rank_alike_and_keeps_the_older_step(tmp_path):
     base = tmp_path / "nodes"
     (base / "b").mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(base / "b")], capture_output=True)
+    # mode 0700: the node's directory of the run (a fresh tmpfs is 1777, and the tier refuses a directory others
+    # can write)
+    opts = "size=64k,mode=0700"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(base / "b")], capture_output=True)
     need(mounted.returncode == 0, f"mounting a tmpfs (root): {mounted.stderr.decode().strip()}")
     try:
         saved = _run(tmp_path, "save", nodes=["a", "b"], action="save", steps=[10])

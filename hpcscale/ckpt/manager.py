@@ -48,6 +48,7 @@ from hpcscale.ckpt.writer import ShardWriter, StagingPool, commit, install, prep
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.layout import ParallelDims
 from hpcscale.portable.files import atomic_write
+from hpcscale.util.trust import check_private_dir, private_dir
 
 CKPT_GROUP_MIN_TIMEOUT_S = 1800  # gloo's own default: a save may wait this long for a slow filesystem
 
@@ -96,7 +97,9 @@ class CheckpointManager:
         GPU, not GPU 0. timeout_s: the job's timeout_seconds; the checkpoint group's collective timeout is that
         or CKPT_GROUP_MIN_TIMEOUT_S, whichever is longer. owner: the run's id; the directory is claimed for it
         (hpcscale.rundir.claim_checkpoints) before anything in it is written or removed, and a directory another
-        run owns is refused on every rank (BadInput).
+        run owns is refused on every rank (BadInput). Before that (unless read_only) `root` is made by this user,
+        or accepted only if it is this user's (or root's) and no one else can write it (_take_root): otherwise
+        every rank raises BadInput, and nothing under it was read, written or removed.
 
         node_local: `root` is a directory on each node's own storage (the node-local tier, hpcscale.ckpt.nodelocal):
         every node writes its ranks' data and its own copy of the index, partner nodes keep copies of the data,
@@ -131,22 +134,11 @@ class CheckpointManager:
             group_desc="ckpt",  # how the communication ledger names its traffic on the training thread
         )
         self.device = device if device is not None else torch.device("cpu")
-        refusal: list = [None]
-        if node_local is not None and self._keeper:
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)  # others who can write there could plant files
-        if rank == 0 and not read_only and node_local is None:
-            root.mkdir(parents=True, exist_ok=True)
-            if owner is not None:
-                from hpcscale.rundir import claim_checkpoints
-
-                try:
-                    refusal = [claim_checkpoints(root, owner)]
-                except Exception as e:  # rank 0 raising alone would leave the others in the broadcast
-                    refusal = [f"{root}: cannot mark it as this run's: {type(e).__name__}: {e}"]
-        if owner is not None and not read_only:  # every rank refuses together: one raising alone would hang
-            dist.broadcast_object_list(refusal, src=0, group=self.group)
-            if refusal[0] is not None:
-                raise BadInput(refusal[0])
+        if not read_only:  # every rank refuses together: one raising alone would leave the others waiting
+            refusals: list = [None] * dist.get_world_size()
+            dist.all_gather_object(refusals, self._take_root(owner) if self._keeper else None, group=self.group)
+            if refused := next((r for r in refusals if r), None):
+                raise BadInput(refused)
         if self._keeper and not read_only:
             leftovers = list(root.glob(".tmp-*"))
             if leftovers:
@@ -172,6 +164,29 @@ class CheckpointManager:
         self._bg = _Background(f"hpcscale-ckpt-{rank}", background_nice, device=self.device)
         self._pending = False  # an async save was handed to it and not yet waited for
         self._staged: threading.Event | None = None  # a deferred save's copy taken (wait_staged)
+
+    def _take_root(self, owner: str | None) -> str | None:
+        """The keeper, before anything under `root` is read, written or removed: make `root` a directory only
+        this user can write, or accept the one there only if it is one (hpcscale.util.trust.private_dir: someone
+        who made it first could have planted a step in it), then claim it for run `owner`. Returns why this
+        run must not use it (None: it may)."""
+        from hpcscale.rundir import claim_checkpoints
+
+        root = self.root
+        where = f"node {self.node_local.node_of[self.rank]}: " if self.node_local is not None else ""
+        what = "node-local checkpoint directory" if self.node_local is not None else "checkpoint directory"
+        try:
+            if self.node_local is None and root.is_symlink():  # to the run's directory under checkpoint_root
+                check_private_dir(root, what=what)
+            else:  # 0700 on a node's own disk; 0755 on the shared tier, whose readers may be colleagues
+                private_dir(root, what=what, mode=0o700 if self.node_local is not None else 0o755)
+            if owner is not None and self.node_local is None:
+                return claim_checkpoints(root, owner)
+        except BadInput as e:
+            return f"{where}{e}"
+        except Exception as e:
+            return f"{where}{root}: cannot make it this run's {what}: {type(e).__name__}: {e}"
+        return None
 
     def pin(self, step: int, why: str) -> None:
         """Keep `step` whatever the retention policy says, until unpin(step); on disk (PINNED) from rank 0."""
@@ -455,7 +470,7 @@ class CheckpointManager:
             try:
                 tmp = self.root / f".tmp-{name}"
                 if self.rank != 0:
-                    tmp.mkdir(parents=True, exist_ok=True)
+                    tmp.mkdir(mode=0o755, exist_ok=True)  # inside the node's private root (_take_root)
                     for f, blob in detail[0].items():
                         atomic_write(tmp / f, blob)
                 keep = frozenset(self.pinned)
@@ -745,7 +760,7 @@ class CheckpointManager:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
             aside = self.root / REFUSED
             try:
-                aside.mkdir(exist_ok=True)
+                aside.mkdir(mode=0o755, exist_ok=True)  # inside the private root (_take_root)
                 for step in steps:
                     name = step_dir_name(step)
                     (self.root / name).rename(aside / f"{name}-{stamp}")

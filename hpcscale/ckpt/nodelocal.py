@@ -286,7 +286,7 @@ def _transfer_run(transfers, run: range, *, rank: int, root: Path, group, receiv
     problems: list[str] = []
     ends: dict[int, _End] = {}
     for i, src, dst, path in mine:
-        end = _End(path, peer=dst if rank == src else src, sending=rank == src)
+        end = _End(path, peer=dst if rank == src else src, sending=rank == src, root=root)
         problem = end.open_send() if end.sending else None
         if problem:
             problems.append(problem)
@@ -337,8 +337,8 @@ def _wait_all(works) -> None:
 class _End:
     """One side of one file's transfer on this rank."""
 
-    def __init__(self, path: Path, *, peer: int, sending: bool):
-        self.path, self.peer, self.sending = path, peer, sending
+    def __init__(self, path: Path, *, peer: int, sending: bool, root: Path):
+        self.path, self.peer, self.sending, self.root = path, peer, sending, root
         self.size = -1
         self.fd: int | None = None
         self.buf: torch.Tensor | None = None
@@ -367,7 +367,7 @@ class _End:
 
     def open_receive(self) -> str | None:
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _make_dirs(self.root, self.path.parent)
             self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             self.problem = self.reported = f"{self.path}: {e.strerror or e}"
@@ -411,6 +411,16 @@ class _End:
         return self.problem if self.problem != self.reported else None
 
 
+def _make_dirs(root: Path, directory: Path) -> None:
+    """`directory` and those between it and the node's `root` (the manager made root private: hpcscale.util.trust
+    .private_dir), each mode 0755 whatever the umask: a step received from a partner is as closed to others as
+    one saved here. Several ranks may make them at once."""
+    here = root
+    for name in directory.relative_to(root).parts:
+        here = here / name
+        here.mkdir(mode=0o755, exist_ok=True)
+
+
 # ---- the record `hpcscale resume` reads ---------------------------------------------------------------------
 RECORD = "node-local.json"  # in the run directory: which nodes hold the newest node-local step
 RECORD_MAX_BYTES = 4 << 20
@@ -418,12 +428,14 @@ RECORD_MAX_BYTES = 4 << 20
 
 def write_node_local_record(path: Path, *, step: int, nodes: list[str], holders: dict[str, list[str]]) -> None:
     """Rank 0, after each node-local save: the step, the nodes that took part (each holds the index), and for
-    each data file the nodes that hold a copy."""
+    each data file the nodes that hold a copy. Mode 0644 whatever the umask: `resume` trusts only a record
+    no one else can write (plan_from_record)."""
     import json
 
     from hpcscale.portable.files import atomic_write
 
-    atomic_write(path, json.dumps({"step": step, "nodes": nodes, "holders": holders}, sort_keys=True) + "\n")
+    text = json.dumps({"step": step, "nodes": nodes, "holders": holders}, sort_keys=True) + "\n"
+    atomic_write(path, text, mode=0o644, exact_mode=True)
 
 
 @dataclass(frozen=True)
@@ -436,15 +448,25 @@ class LocalChoice:
 def plan_from_record(path: Path, *, lost: set[str], max_nodes: int) -> LocalChoice:
     """What the node-local tier can give a resubmission that avoids the nodes in `lost`: the newest node-local
     step (as recorded by the job) if the other nodes that hold it cover every one of its data files, and are no
-    more than the job's nodes. The record is the job's own file in the run directory: read bounded, every field
-    checked; whatever is wrong with it means "no node-local step", said in `why`."""
+    more than the job's nodes. The record is the job's own file in the run directory, and it chooses the nodes
+    the resubmission runs on (`--nodelist`), so it is trusted as job.yaml is (hpcscale.util.trust.read_trusted:
+    owned by the user or root, writable by no one else, not a symbolic link, checked on the descriptor read,
+    at most RECORD_MAX_BYTES): UntrustedFile (BadInput, exit 2) otherwise. Within that, every field is checked;
+    whatever is wrong with its contents means "no node-local step", said in `why`."""
     from hpcscale.errors import BadInput
-    from hpcscale.util.bounded import load_json
+    from hpcscale.util.bounded import loads_json
+    from hpcscale.util.trust import UntrustedFile, read_trusted
 
     if not os.path.lexists(path):
         return LocalChoice(None, [], "no node-local step recorded")
     try:
-        data = load_json(path, max_bytes=RECORD_MAX_BYTES, what="node-local record")
+        data = loads_json(
+            read_trusted(path, what="node-local record", max_bytes=RECORD_MAX_BYTES),
+            source=str(path),
+            max_bytes=RECORD_MAX_BYTES,
+        )
+    except UntrustedFile:
+        raise
     except (OSError, ValueError, BadInput) as e:
         return LocalChoice(None, [], f"{path}: unreadable: {e}")
     ok = (

@@ -582,7 +582,10 @@ class ShardWriter:
         result = SaveResult(step)
         tmp = self.root / f".tmp-{step_dir_name(step)}"
         final_rel = f"{step_dir_name(step)}/data/rank-{self.rank:05d}.bin"
-        (tmp / "data").mkdir(parents=True, exist_ok=True)
+        # every rank at once; 0755 whatever the umask: no one else may add or replace a step's files (the
+        # manager made `root` so, hpcscale.util.trust.private_dir; group write inside would undo that)
+        tmp.mkdir(mode=0o755, exist_ok=True)
+        (tmp / "data").mkdir(mode=0o755, exist_ok=True)
         if self.rank == 0:  # who writes this save: gc leaves a .tmp-* alone while its writer runs
             from hpcscale.ckpt.retention import mark_writer
 
@@ -696,6 +699,7 @@ def prepare_index(
         chunk_bytes=CHUNK_BYTES,  # where this module cut the chunks (tests cut smaller ones)
     )
     digest = write_index(tmp / f"{INDEX}.tmp", index)
+    os.chmod(tmp / f"{INDEX}.tmp", 0o644)  # HDF5 creates it 0666 less the umask: group-writable under umask 002
     write_digest_file(tmp, digest)  # inside the directory the rename below commits, with the index
     os.replace(tmp / f"{INDEX}.tmp", tmp / INDEX)
     index.digest = digest

@@ -26,7 +26,15 @@ from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.failure import failure_line, lost_a_peer
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.portable.lock import process_start_time
-from hpcscale.rundir import METRICS, TENSORBOARD, RunDir, Submission, link_checkpoints, site_checkpoint_root
+from hpcscale.rundir import (
+    METRICS,
+    TENSORBOARD,
+    RunDir,
+    Submission,
+    link_checkpoints,
+    node_local_dir,
+    site_checkpoint_root,
+)
 from hpcscale.util.paths import expand_path
 from hpcscale.util.pystart import clean_import_path
 
@@ -344,17 +352,11 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         target = checkpoint_root / f"{run_dir.name}-{run_id}"
         if sweep_index is not None:
             target = target / "sweep" / work_dir.name
-        link_checkpoints(work_dir, target, run_id=run_id)
-    node_local = None  # this node's directory of the node-local checkpoint tier (checkpoint.local)
+        link_checkpoints(work_dir, target, run_id=run_id, below=checkpoint_root)
+    node_local = None  # this node's directory of the node-local checkpoint tier (checkpoint.local), made private
     if spec.checkpoint.local.every_steps and loaded.site.config.filesystems.node_local:
-        node_local = expand_path(loaded.site.config.filesystems.node_local) / f"hpcscale-{run_id}"
-        if "$" in str(node_local):
-            raise BadInput(
-                f"{loaded.site.path}: filesystems.node_local of site '{loaded.site.config.name}' expands to "
-                f"{node_local} on node {info.node}: a variable it names is not set in the job's environment"
-            )
-        if sweep_index is not None:
-            node_local = node_local / "sweep" / work_dir.name
+        sweep = work_dir.name if sweep_index is not None else None
+        node_local = node_local_dir(loaded.site, info.node, run_id, sweep=sweep)
     attempt = _begin_attempt(work_dir, info, dims) if info.rank == 0 else None
     tensorboard = work_dir / TENSORBOARD / f"attempt-{attempt}" if spec.metrics.tensorboard else None
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)

@@ -32,7 +32,7 @@ from hpcscale.observe.timing import human_bytes
 from hpcscale.portable.files import atomic_write
 from hpcscale.rundir import JOB, METRICS, TIMING, RunDir
 from hpcscale.util.bounded import loads_json, read_bounded, read_tail
-from hpcscale.util.trust import clean
+from hpcscale.util.trust import check_dir_fd, clean
 
 MAX_LINE = 1 << 20
 METRICS_TAIL = 64 << 20  # bytes of metrics.jsonl read (its end): ~300k steps
@@ -194,22 +194,32 @@ def build(run: Path, out: Path) -> dict:
 
 
 def _open_out(out: Path) -> int:
-    """The output directory, created if missing, opened once with O_NOFOLLOW|O_DIRECTORY: a symlink at `out`
-    (planted before, or swapped in after the mkdir) is refused; everything is then written relative to it."""
+    """The output directory, created if missing (mode 0755 whatever the umask), opened once with
+    O_NOFOLLOW|O_DIRECTORY: a symlink at `out` (planted before, or swapped in after the mkdir) is refused;
+    everything is then written relative to it. One that exists is used only if it is the user's or root's and
+    no one else can write it, or sticky (hpcscale.util.trust.check_dir_fd): someone who made it first could
+    otherwise replace the report's files after it is written."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.mkdir(mode=0o755)
     except FileExistsError:
-        pass  # a symlink or a file: refused below
+        pass  # one that exists (a directory, a symlink or a file): judged below, on the descriptor
     except OSError as e:
         raise BadInput(f"-o {out}: cannot create the directory ({e.strerror})") from None
     try:
-        return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP or os.path.islink(out):
             raise BadInput(f"-o {out}: a symbolic link; the report writes only into a real directory") from None
         if e.errno == errno.ENOTDIR:
             raise BadInput(f"-o {out}: exists and is not a directory") from None
         raise BadInput(f"-o {out}: cannot open the directory ({e.strerror})") from None
+    try:
+        check_dir_fd(fd, out, what="report directory (-o)", sticky_ok=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _save(fig) -> bytes:

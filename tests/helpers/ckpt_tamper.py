@@ -87,6 +87,7 @@ def save_in_process(root: Path, step: int, tensors: dict, *, chunk_bytes: int = 
     saved = writer.CHUNK_BYTES
     writer.CHUNK_BYTES = chunk_bytes
     try:
+        root.mkdir(parents=True, exist_ok=True)  # a CheckpointManager's part (made private there), not the writer's
         w = writer.ShardWriter(root, rank=0, group=None, direct_io=False)
         rows, _ = w.write(step, w.snapshot(shards, copy=False))
         writer.commit(
