@@ -21,6 +21,7 @@ never allocate past a bound (RLIMIT_AS), and an export holds exactly what was cr
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import sys
 from pathlib import Path
@@ -537,6 +538,10 @@ def test_crafted_checkpoints_verify_and_export_without_traceback_within_the_memo
             assume(reseal(step))
         verified, text = _bounded_cli("ckpt", "verify", str(step))
         assert verified in (0, 3), text
+        code, text = _bounded_cli("ckpt", "inspect", str(step))  # the index alone: a bad chunk passes it
+        assert code in (0, 3) and (code == 0 or verified == 3), text
+        code, text = _bounded_cli("ckpt", "ls", str(step.parent), "--json")
+        assert code == 0 and (json.loads(text)["checkpoints"][0]["verified"] == "ok" or verified == 3), text
         model = {k: v for k, v in tensors.items() if k.startswith("model/")}
         beyond = "model/zz_deduplicated" in tensors and tensors["model/zz_deduplicated"].shape[0] * 4 > free
         unholdable = any(k == "model/__metadata__" or v.dtype not in SAFETENSORS_DTYPES for k, v in model.items())
