@@ -13,13 +13,12 @@ import torch
 import yaml
 from conftest import REPO, run_cli
 
-LAYOUTS = {  # id: (ranks, parallel, meta)
+# id: (ranks, parallel, meta). Replicated dp takes one rank's path (GradSync over the materialized model); FSDP2
+# keeps its own ties (test_hf trains the page's tied Llama at dp_shard 4 and pp 2 x dp_shard 2, built whole); a
+# pipeline of a model built whole starts from equal copies anyway: the meta builds below are the harder cases.
+LAYOUTS = {
     "one-rank-meta": (1, {}, True),
-    "dp2-meta": (2, {}, True),
     "tp2-meta": (2, {"tp": 2}, True),
-    "pp2": (2, {"pp": 2}, False),
-    "pp2-meta": (2, {"pp": 2}, True),
-    "dp_shard2-meta": (2, {"dp_shard": 2}, True),
     "pp2-tp2-meta": (4, {"pp": 2, "tp": 2}, True),
     "pp2-dp_shard2-meta": (4, {"pp": 2, "dp_shard": 2}, True),
 }
