@@ -304,7 +304,9 @@ def _zip_records(fd: int) -> dict[str, _ZipRecord]:
     out = {}
     with os.fdopen(os.dup(fd), "rb") as fh, zipfile.ZipFile(fh) as z:
         central = {}
-        at = z.start_dir
+        at = getattr(z, "start_dir", None)  # where the central directory starts (zipfile reads it there)
+        if at is None:
+            raise RuntimeFailure("this Python's zipfile does not say where an archive's directory starts")
         for _ in z.infolist():
             head = os.pread(fd, 46, at)
             n, m, k = struct.unpack("<HHH", head[28:34])
