@@ -177,3 +177,28 @@ def test_a_steps_time_and_throughput_join_its_loss_in_either_order_and_attempt(t
     assert (data.train[0]["step_time_s"], data.train[0]["tokens_per_s"]) == (0.5, 100.0)
     assert (data.train[1]["step_time_s"], data.train[1]["tokens_per_s"], data.train[1]["attempt"]) == (2.0, 25.0, 2)
     assert "step_time_s" not in data.train[2]
+
+
+def test_tokens_survive_steps_logged_without_timing(tmp_path):
+    """A run stopped and resumed logs its first step after the resume without tokens/s and step time: the tokens
+    axis and the summary's tokens stay, that step counted as the median timed step, and the summary says so."""
+    rows = [
+        {"step": s, "loss": 3.0 - s / 10, "step_time_s": 0.5, "tokens_per_s": 200.0, "attempt": 1} for s in range(4)
+    ]
+    rows.append({"step": 4, "loss": 2.5, "attempt": 2})  # the first step after the resume: no timing
+    rows += [{"step": s, "loss": 2.4, "step_time_s": 0.25, "tokens_per_s": 400.0, "attempt": 2} for s in (5, 6)]
+    (tmp_path / "job.yaml").write_text("name: m\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from hpcscale.observe.report import tokens_by_step
+
+    data = read_run(tmp_path)
+    tokens = tokens_by_step(data)
+    assert tokens is not None and tokens[3] == 400.0 and tokens[4] == 500.0 and tokens[6] == 700.0
+    s = summarize(data, None, [])
+    assert s["tokens"] == 700 and s["untimed_steps"] == 1
+    assert "1 step(s) without timing counted as the median step" in render_markdown(s)
+    only_loss = tmp_path / "loss-only"
+    only_loss.mkdir()
+    (only_loss / "job.yaml").write_text("name: m\n")
+    (only_loss / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
+    assert tokens_by_step(read_run(only_loss)) is None

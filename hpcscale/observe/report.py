@@ -144,18 +144,31 @@ def _when(stamp: object) -> float:
 
 
 def tokens_by_step(data: RunData) -> dict[int, float] | None:
-    """Cumulative tokens at the end of each step (tokens_per_s × step_time_s of each step); None when the run
-    does not log them (a Context entry point that logs only its loss)."""
+    """Cumulative tokens at the end of each step (tokens_per_s × step_time_s of each step); a step logged without
+    them (the first step after a resume, a step whose timing line was lost) counts as the median timed step's
+    tokens, since every step of a run trains the same global batch. None when no step logs them (a Context entry
+    point that logs only its loss)."""
+    per_step = {}
+    for step, row in data.train.items():
+        if _finite(row.get("tokens_per_s")) and _finite(row.get("step_time_s")):
+            per_step[step] = row["tokens_per_s"] * row["step_time_s"]
+    if not per_step:
+        return None
+    typical = sorted(per_step.values())[len(per_step) // 2]
     out, total = {}, 0.0
     for step in sorted(data.train):
-        row = data.train[step]
-        if not (_finite(row.get("tokens_per_s")) and _finite(row.get("step_time_s"))):
-            return None
-        total += row["tokens_per_s"] * row["step_time_s"]
+        total += per_step.get(step, typical)
         if not math.isfinite(total) or total > MAX_FIGURE:
             return None
         out[step] = total
     return out
+
+
+def untimed_steps(data: RunData) -> int:
+    """How many training steps logged no tokens/s and step time (tokens_by_step counts them at the median)."""
+    return sum(
+        1 for row in data.train.values() if not (_finite(row.get("tokens_per_s")) and _finite(row.get("step_time_s")))
+    )
 
 
 def build(run: Path, out: Path) -> dict:
@@ -388,6 +401,7 @@ def summarize(data: RunData, verdict, images: list[str], *, comm: dict | None = 
         "best_val_loss": min(data.val.values()) if data.val else None,
         "final_val_loss": data.val[max(data.val)] if data.val else None,
         "tokens": round(tokens[steps[-1]]) if tokens else None,
+        "untimed_steps": untimed_steps(data) if tokens else 0,
         "median_step_s": sorted(times)[len(times) // 2] if times else None,
         "median_tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
         "attempts": data.attempts,
@@ -408,6 +422,8 @@ def render_markdown(s: dict) -> str:
     restarts = ", ".join(f"attempt {r['attempt']} from step {r['step']}" for r in s["restarts"])
     saved = s["checkpoints"]
     shown = ", ".join(map(str, saved[-8:])) + (" …" if len(saved) > 8 else "")
+    n = s.get("untimed_steps", 0)
+    untimed = f"; {n} step(s) without timing counted as the median step" if n else ""
     lines = [
         f"# {s['name']}",
         "",
@@ -416,7 +432,7 @@ def render_markdown(s: dict) -> str:
         f"| steps logged | {s['steps']} (last step {s['last_step']}) |",
         f"| final training loss | {s['final_loss']:.4f} |",
         f"| validation loss, final / best | {num(s['final_val_loss'], '.4f')} / {num(s['best_val_loss'], '.4f')} |",
-        f"| tokens | {num(s['tokens'], ',')} (tokens/s × step time, summed over steps) |",
+        f"| tokens | {num(s['tokens'], ',')} (tokens/s × step time, summed over steps{untimed}) |",
         f"| median step | {num(s['median_step_s'] and s['median_step_s'] * 1000, '.1f')} ms |",
         f"| median tokens/s | {num(s['median_tokens_per_s'], ',.0f')} |",
         f"| attempts | {s['attempts']} ({len(s['restarts'])} restart(s){': ' + restarts if restarts else ''}) |",
