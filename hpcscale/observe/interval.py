@@ -78,6 +78,16 @@ def job_mtbf(*, node_mtbf_hours: float, nodes: int, events: list[dict], now: flo
     prior being the site's job MTBF counted as one failure observed over that long."""
     prior = node_mtbf_hours * HOUR / max(1, nodes)
     begins = [e for e in events if e.get("event") == "begin" and isinstance(e.get("time"), str)]
+    # each attempt's first end and whether it stopped, in one pass: the log is a file others may append to,
+    # and this runs at every job start (begins x events was hours on a log of a million lines)
+    first_end: dict = {}
+    stopped: set = set()
+    for e in events:
+        kind = e.get("event")
+        if kind == "end":
+            first_end.setdefault(_attempt_key(e.get("attempt")), e)
+        elif kind == "stop":
+            stopped.add(_attempt_key(e.get("attempt")))
     failures = 0
     exposure = 0.0
     for i, begin in enumerate(begins):
@@ -85,11 +95,11 @@ def job_mtbf(*, node_mtbf_hours: float, nodes: int, events: list[dict], now: flo
         if start is None:
             continue
         later = begins[i + 1] if i + 1 < len(begins) else None
-        attempt = begin.get("attempt")
-        own = [e for e in events if e.get("attempt") == attempt and e is not begin]
-        end = next((e for e in own if e.get("event") == "end"), None)
-        stopped = any(e.get("event") == "stop" for e in own)
-        if (end is not None and end.get("cause") == "failed") or (end is None and later is not None and not stopped):
+        attempt = _attempt_key(begin.get("attempt"))
+        end = first_end.get(attempt)
+        if (end is not None and end.get("cause") == "failed") or (
+            end is None and later is not None and attempt not in stopped
+        ):
             failures += 1
         finish = _seconds(end["time"]) if end is not None and isinstance(end.get("time"), str) else None
         if finish is None:
@@ -97,6 +107,16 @@ def job_mtbf(*, node_mtbf_hours: float, nodes: int, events: list[dict], now: flo
         if finish is not None and finish > start:
             exposure += finish - start
     return Mtbf((exposure + prior) / (failures + 1), node_mtbf_hours, nodes, failures, exposure)
+
+
+def _attempt_key(value: object) -> object:
+    """An attempt number as a dict key that matches as == does (1, 1.0 and True alike): JSON lists and objects,
+    which a hand-edited log may hold there, as tuples and frozensets of the same."""
+    if isinstance(value, list):
+        return ("list", tuple(_attempt_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", frozenset((k, _attempt_key(v)) for k, v in value.items()))
+    return value
 
 
 def _seconds(stamp: str) -> float | None:
