@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from xsite_harness import sites_with_round0
 
@@ -191,6 +191,7 @@ _history = st.dictionaries(_site_names, st.lists(_norm | st.sampled_from([math.n
 @settings(max_examples=300, deadline=None)
 @given(norms=st.dictionaries(_site_names, _norm, min_size=1), history=_history, own=st.lists(_norm, max_size=6),
        site=_site_names, aggregator=_site_names | st.none())  # fmt: skip
+@example(norms={"a": 0.0, "d": 1.0}, history={}, own=[1.0], site="a", aggregator="d")  # via the aggregator's check
 def test_a_sites_own_history_never_changes_what_is_decided_about_it(norms, history, own, site, aggregator):
     """By construction: a site's reference is made of the other sites' norms, so whatever it sent before (its
     applied norms, here replaced by any others) cannot change whether its contribution is kept, cut or held."""
@@ -229,6 +230,49 @@ def test_what_is_kept_is_within_the_factor_of_the_other_sites(norms, history, ag
                 scales.append(norms[other])
         reference = statistics.median(scales) if scales else 65.0
         assert applied <= DEFAULT_OUTLIER_FACTOR * reference * (1 + 1e-9), (site, applied, reference, s)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+_entry = (
+    st.fixed_dictionaries(
+        {"site": st.sampled_from(["a", "b", "zz"]) | _json, "norm": _json | st.floats(allow_nan=True)}
+    )
+    | _json
+)
+
+
+@pytest.fixture(scope="module")
+def two_site_config(tmp_path_factory):
+    from hpcscale.config.xsite import load_xsite
+
+    tmp = tmp_path_factory.mktemp("config")
+    (tmp / "xsite.yaml").write_text(
+        "name: t\naggregator: a\nround_steps: 1\nkeys: /k\nsites:\n"
+        + "".join(f"  - {{name: {s}, run: /r{s}, state: /s{s}, reach: /s{s}, key: /k{s}}}\n" for s in "ab")
+    )
+    return load_xsite(tmp / "xsite.yaml")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(docs=st.lists(st.fixed_dictionaries({"accepted": st.lists(_entry, max_size=5) | _json}) | _json, max_size=5))
+def test_the_norms_read_back_from_round_records_are_bounded_whatever_the_files_say(
+    tmp_path_factory, two_site_config, docs
+):
+    """The history is read from the aggregator's own round records, which others may have written over: any
+    JSON there adds only finite norms from 0 to fp32's largest, of this config's sites, and never raises."""
+    import json
+
+    state = tmp_path_factory.mktemp("norms")
+    (state / rounds.ROUNDS).mkdir()
+    for r, doc in enumerate(docs, start=1):
+        (state / rounds.ROUNDS / f"round-{r:06d}.json").write_text(json.dumps(doc))  # NaN and Infinity too
+    got = rounds._applied_norms(two_site_config, state, range(1, len(docs) + 1))
+    assert set(got) <= {"a", "b"}
+    assert all(type(v) is float and 0 <= v <= rf.FP32_MAX for values in got.values() for v in values)
 
 
 def _figures() -> None:

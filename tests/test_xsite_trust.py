@@ -13,6 +13,7 @@ import torch
 from xsite_harness import sites_with_round0
 
 from hpcscale.config.xsite import load_xsite
+from hpcscale.errors import BadInput
 from hpcscale.xsite import roundfile as rf
 from hpcscale.xsite import rounds
 from hpcscale.xsite.outer import decode, encode
@@ -517,3 +518,41 @@ def test_a_contribution_or_round_lost_after_its_push_is_sent_again(tmp_path):
     assert not [e for e in _events(rounds.tick(config, "a", now=now + 3900), "pushed") if e["to"] == "b"]
     pushed = [e for e in _events(rounds.tick(config, "a", now=now + 3800 + 3700), "pushed") if e["to"] == "b"]
     assert pushed and "sending it again" in pushed[0]["again"] and inbox_b.exists()
+
+
+# ---- the tick's own files, planted as links, FIFOs or junk ------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_files_planted_in_a_state_directory_neither_hang_a_tick_nor_lead_its_writes_elsewhere(tmp_path):
+    """Links, FIFOs and junk where a tick keeps its log, records and push markers: nothing is written through a
+    link, no FIFO is waited on (each would hang the tick, or `sync status`, for ever), and junk reads as
+    nothing (a log line that is a list, a round that is not a number)."""
+    config, keys, agg = _setup(tmp_path, ("a", "b"))
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (agg / rounds.LOG).symlink_to(victim)
+    os.mkfifo(agg / rounds.QUORUM)
+    os.mkfifo(agg / rounds.REJECTED)
+    outbox_b = tmp_path / "state-b" / rounds.OUTBOX
+    outbox_b.mkdir(parents=True)
+    rf.write_contribution(outbox_b, site="b", base_round=0, steps=10, tokens=1000, encoding="fp32",
+                          tensors=encode(_honest(3), "fp32"), key=load_private(keys / "b.key"))  # fmt: skip
+    os.mkfifo(outbox_b / ".pushed-contrib-b-r000000")
+    assert [e["to"] for e in _events(rounds.tick(config, "b", now=10.0), "pushed")] == ["a"]
+    _send(tmp_path, keys, agg, "a", 0, _honest(2))
+    report = rounds.tick(config, "a", now=20.0)
+    assert _events(report, "published") and victim.read_text() == "precious\n"
+    assert any("cannot append" in e for e in report.errors), report.errors  # said, on the terminal
+    (agg / rounds.LOG).unlink()
+    (agg / rounds.LOG).write_text('[1, 2]\n{"event": "published", "round": [1]}\n7\n{"event": "pushed", "bytes": 5}\n')
+    doc = rounds.status(config, "a")  # never a traceback
+    assert doc["bytes_sent"] == 5 and [r["round"] for r in doc["rounds"]] == [0, 1]
+    state_b = tmp_path / "state-b"
+    os.mkfifo(state_b / rounds.TRAINING)
+    run_b = tmp_path / "run-b"
+    run_b.mkdir()
+    (run_b / "job.yaml").write_text("name: b\n")
+    assert (state_b / rounds.INBOX / "round-000001.json").exists()  # pushed by a's tick
+    with pytest.raises(BadInput, match="TRAINING"):  # exit 2 naming the file, not a wait on a FIFO
+        rounds.tick(config, "b", now=30.0)

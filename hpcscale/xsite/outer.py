@@ -436,10 +436,12 @@ def screen(
       - a reference made of 2 or more other sites (a median one dishonest site can move at most halfway to its
         own scale with 2, not at all with 3 or more): cut to the bound (scaled down, not refused);
       - a reference of one other site (two sites), or the seed: the two disagree, and norms cannot say which
-        one is wrong. The aggregator's own site decides: its contribution is kept as it is and the other
-        site's is held out of the round (refused for it, reason given), whichever of the two was above the
-        other's bound. Between two other sites, the one above is held out; a site alone above the seed is held
-        out too (the aggregator's own is kept);
+        one is wrong. The aggregator's own site decides: its contribution is kept as it is, and the other
+        site's is held out of the round (refused for it, reason given) when it is above factor × the
+        aggregator site's scale, or when the aggregator site's ‖Δ‖ is above factor × the other's ‖Δ‖ in this
+        round (this round's claims, so that no past norm of the other's decides about it). Between two other
+        sites, the one above is held out; a site alone above the seed is held out too (the aggregator's own is
+        kept);
       - a training of one site: cut to the bound.
     Held out and refused contributions neither count toward the quorum nor enter later references.
     """
@@ -464,12 +466,26 @@ def screen(
     seed = _Scale(max(float(theta_norm), 1.0), "max(‖θ(base)‖, 1), no other site's norm being known yet")
     held: dict[str, str] = {}
     clipped: dict[str, tuple[float, str]] = {}
+    undecided = (
+        "with one site to compare with, norms cannot tell which of the two is wrong: the aggregator's own site's "
+        "contribution is kept and the other held out of this round"
+    )
     for site, value in rest.items():
         others = {o: sc for o, sc in scales.items() if o != site}
         if alone:
             own = _recent(history.get(site, ()))
             how = f"its own median ‖Δ‖ applied in its last {len(own)} rounds (the training's only site)"
             others = {"": _Scale(statistics.median(own), how)} if own else {}
+        if site == aggregator and not alone and len(others) < 2:
+            # Kept as it is. The other site of the pair is held out when this Δ is over factor × ITS Δ this round:
+            # a decision about the other made of this round's claims, never of the other's own past norms.
+            other = next(iter(others), None)
+            if other in rest and value > factor * rest[other]:
+                held[other] = (
+                    f"held out: the aggregator's site {site} sent ‖Δ‖ = {value:.6g} > {factor:g} × "
+                    f"{rest[other]:.6g}, {other}'s ‖Δ‖ this round; {undecided}"
+                )
+            continue
         reference = statistics.median(sc.value for sc in others.values()) if others else seed.value
         bound = factor * reference
         if value <= bound:
@@ -482,21 +498,9 @@ def screen(
             why = f"‖Δ‖ = {value:.6g} cut to {bound:.6g}: {factor:g} × {reference:.6g}, {where}"
             clipped[site] = (bound / value, why)
             continue
-        undecided = (
-            "with one site to compare with, norms cannot tell which of the two is wrong: the aggregator's own "
-            "site's contribution is kept and the other held out of this round"
+        held[site] = f"held out: ‖Δ‖ = {value:.6g} > {factor:g} × {reference:.6g}, {where}; " + (
+            undecided if others else "held out of this round (the aggregator's own site's would be kept)"
         )
-        if site != aggregator:
-            held[site] = f"held out: ‖Δ‖ = {value:.6g} > {factor:g} × {reference:.6g}, {where}; " + (
-                undecided if others else "held out of this round (the aggregator's own site's would be kept)"
-            )
-            continue
-        other = next(iter(others), None)
-        if other in rest:
-            held[other] = (
-                f"held out: the aggregator's site {site} sent ‖Δ‖ = {value:.6g} > {factor:g} × {reference:.6g}, "
-                f"{where}; {undecided}"
-            )
     rejected |= held
     return Screen(rejected, {s: c for s, c in clipped.items() if s not in rejected})
 

@@ -43,6 +43,7 @@ a round. A site that is down does not stop the others: its push fails, is logged
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -61,6 +62,7 @@ from hpcscale.portable import lock as tick_lock
 from hpcscale.portable.errors import StageError
 from hpcscale.portable.files import atomic_write
 from hpcscale.portable.hashing import SHA256
+from hpcscale.util.bounded import read_bounded, read_tail
 from hpcscale.util.paths import expand_path
 from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # one owner of the record names
 from hpcscale.xsite.roundfile import round_stem
@@ -214,17 +216,21 @@ LOG_MAX_BYTES = 16 << 20  # log.jsonl past this keeps its newest half (sync stat
 
 
 def _append_log(state: Path, events: list[dict[str, Any]]) -> None:
+    """Append to log.jsonl, never through a planted symlink (O_NOFOLLOW) nor into anything but a regular file."""
     if not events:
         return
     path = state / LOG
-    with open(path, "a") as f:
-        for e in events:
-            f.write(json.dumps(e) + "\n")
-    if path.stat().st_size > LOG_MAX_BYTES:
-        with open(path, "rb") as f:
-            f.seek(-(LOG_MAX_BYTES // 2), os.SEEK_END)
-            tail = f.read()
-        atomic_write(path, tail[tail.find(b"\n") + 1 :])  # from the first whole line
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.write(fd, "".join(json.dumps(e) + "\n" for e in events).encode())
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    if size > LOG_MAX_BYTES:
+        tail = read_tail(path, max_bytes=LOG_MAX_BYTES // 2, what="sync log")
+        atomic_write(path, tail.data)  # whole lines (read_tail drops the one the cut falls in)
 
 
 def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, clock: TickClock) -> None:
@@ -644,13 +650,13 @@ def _unanswered(marker: Path, answered: bool, cfg: XsiteConfig, clock: TickClock
     if answered:
         return None
     try:
-        text = marker.read_text()
+        text = read_bounded(marker, max_bytes=4096, what="push marker")
         mtime = marker.stat().st_mtime
-    except FileNotFoundError:
+    except (BadInput, OSError):  # missing, or not a marker this tick wrote: push (again)
         return "not pushed yet"
     try:  # the tick's clock at the push; a marker from before it held only the bytes: its mtime then
         at = float(json.loads(text)["at"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):
         at = mtime
     age = clock.wall - at
     if age < _resend_after(cfg):
@@ -678,7 +684,7 @@ def _push_contribution(
         return
     n = _push(cfg, _pair(newest), outbox, _endpoint(aggregator, me, f"{INCOMING}/{me.name}"))
     _fault("pushed")
-    sent_marker.write_text(json.dumps({"bytes": n, "at": clock.wall}))
+    atomic_write(sent_marker, json.dumps({"bytes": n, "at": clock.wall}).encode())  # replaces a planted link
     again = {} if why == "not pushed yet" else {"again": why}
     report.add("pushed", file=newest.name, to=aggregator.name, bytes=n, **again)
 
@@ -902,8 +908,13 @@ def _foreign(cfg: XsiteConfig, state: Path, published) -> str | None:
     """Why a verified round must not be used by this site (None: it may): it names another training than the
     one this site follows (state/TRAINING, recorded at the first round handed over), or, before that, another
     config's name; or it names none while this site follows one."""
-    known_path = state / TRAINING
-    known = known_path.read_text().strip() if known_path.is_file() else None
+    known = None
+    if os.path.lexists(state / TRAINING):  # unreadable (a FIFO, a device, not text): BadInput, the tick stops
+        data = read_bounded(state / TRAINING, max_bytes=4096, what="record of the training this site follows")
+        try:
+            known = data.decode("ascii").strip()
+        except UnicodeDecodeError:
+            raise BadInput(f"{state / TRAINING}: not a training's name (delete it only to start again)") from None
     if published.training is None:
         return None if known is None else f"names no training, and this site follows {known}"
     if known is None:
@@ -968,7 +979,7 @@ def _applied_norms(cfg: XsiteConfig, state: Path, rounds: range) -> dict[str, li
     for past in rounds:
         doc = _read_json(state / ROUNDS / f"{round_stem(past)}.json")
         for a in doc.get("accepted", []) if isinstance(doc.get("accepted"), list) else []:
-            if not isinstance(a, dict) or a.get("site") not in sites:
+            if not isinstance(a, dict) or not isinstance(a.get("site"), str) or a["site"] not in sites:
                 continue
             norm = a.get("norm")
             if isinstance(norm, int | float) and not isinstance(norm, bool) and 0 <= norm <= FP32_MAX:
@@ -1002,11 +1013,16 @@ def _decided(state: Path, rounds: range) -> set[tuple[str, int]]:
     return out
 
 
+STATE_JSON_MAX = 16 << 20  # quorum.json, rejected.json, a round's record: bounded (pruned to keep_rounds)
+
+
 def _read_json(path: Path) -> dict:
+    """A JSON object this tick keeps (its own records, which others may have written over): {} for anything
+    else, read bounded and never from a FIFO or a device."""
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_bounded(path, max_bytes=STATE_JSON_MAX, what="record"))
         return doc if isinstance(doc, dict) else {}
-    except (OSError, ValueError):
+    except (BadInput, ValueError, RecursionError):
         return {}
 
 
@@ -1062,7 +1078,7 @@ def _push_round(
         return
     n = _push(cfg, _pair(newest), outgoing, _endpoint(site, me, INBOX))
     _fault("round_pushed")
-    marker.write_text(json.dumps({"bytes": n, "at": clock.wall}))
+    atomic_write(marker, json.dumps({"bytes": n, "at": clock.wall}).encode())  # replaces a planted link
     again = {} if why == "not pushed yet" else {"again": why}
     report.add("pushed", file=newest.name, to=site.name, bytes=n, **again)
 
@@ -1256,10 +1272,13 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
         raise BadInput(f"--site {site_name}: not a site of {cfg.name}")
     state = _state(me)
     events = []
-    with contextlib.suppress(OSError):
-        for line in (state / LOG).read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                events.append(json.loads(line))
+    with contextlib.suppress(BadInput):  # the newest LOG_MAX_BYTES, of a regular file; lines that are objects
+        tail = read_tail(state / LOG, max_bytes=LOG_MAX_BYTES, what="sync log", missing_ok=True)
+        for line in tail.data.splitlines() if tail else ():
+            with contextlib.suppress(ValueError, RecursionError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    events.append(event)
     pushed = [e for e in events if e.get("event") == "pushed" and isinstance(e.get("bytes"), int)]
     sent = sum(e["bytes"] for e in pushed)
     egress: dict[tuple[int, str], int] = {}  # (round, destination) -> bytes this site sent for it
@@ -1273,7 +1292,9 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
     received = sum(p.stat().st_size for p in (state / INBOX).glob("round-*") if p.is_file())
     if me.name == cfg.aggregator:
         received += sum(p.stat().st_size for p in (state / INCOMING).glob("*/contrib-*") if p.is_file())
-    waited = {e["round"]: e.get("waited_s") for e in events if e.get("event") == "published"}
+    waited = {
+        e["round"]: e.get("waited_s") for e in events if e.get("event") == "published" and type(e.get("round")) is int
+    }
     rounds: dict[int, dict[str, Any]] = {}
     if me.name == cfg.aggregator and (state / ROUNDS).is_dir():
         for r in _published(state):
@@ -1296,5 +1317,5 @@ def status(cfg: XsiteConfig, site_name: str) -> dict[str, Any]:
         "bytes_received": received,
         "egress": [{"round": r, "to": to, "bytes": n} for (r, to), n in sorted(egress.items())],
         "errors": [e for e in events if e.get("event") == "error"][-10:],
-        "last_tick": events[-1]["time"] if events else None,
+        "last_tick": events[-1].get("time") if events else None,
     }
