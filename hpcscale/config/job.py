@@ -159,7 +159,7 @@ class XsiteJob:
 
     config: str = setting(
         "The cross-site config file (the one every site's `hpcscale sync` reads); its `round_steps` and "
-        "`wait_seconds` set this trainer's rounds.",
+        "`wait_seconds` set this trainer's rounds. A relative path is read from the job file's directory.",
     )
     site: str = setting("This job's site in that config.", check=check_name)
     start_from: str | None = setting(
@@ -167,7 +167,8 @@ class XsiteJob:
         "whose newest checkpoint that loads this job starts from when its own run has none: the model, the "
         "optimizer state and the step (the learning-rate schedule goes on from there), not the data position "
         "(each site reads its own data). The rounds start at that step. Give every site the same checkpoint: "
-        "DiLoCo starts from a pretrained model (docs/cross-site.md). Only read, never written.",
+        "DiLoCo starts from a pretrained model (docs/cross-site.md). Only read, never written. A relative path is "
+        "read from the job file's directory.",
         default=None,
     )
 
@@ -177,7 +178,10 @@ class Data:
     """The training data."""
 
     manifest: str | None = setting(
-        "Path of the dataset manifest (hpcscale data prepare / manifest build).", default=None
+        "Path of the dataset manifest (hpcscale data prepare / manifest build). A relative path is read from the "
+        "job file's directory (with -p, from the working directory), for local and Slurm runs alike; `~` and "
+        "`$VAR` are expanded on the machine that reads it. On a local site the file must exist.",
+        default=None,
     )
 
 

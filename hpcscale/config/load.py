@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcscale.config.decode import Decoder
-from hpcscale.config.errors import ConfigError, ConfigIssue, did_you_mean
+from hpcscale.config.errors import COMMAND_LINE, ConfigError, ConfigIssue, did_you_mean
 from hpcscale.config.job import JobSpec
 from hpcscale.config.overrides import Override, apply_overrides, parse_overrides
 from hpcscale.config.site import SiteConfig
@@ -160,6 +160,7 @@ def load_job(path: str | Path, *, site: str | None = None, overrides: Sequence[s
     dec = Decoder(src)
     spec = dec.decode(JobSpec, src.data)
     dec.raise_if_any()
+    resolve_paths(spec, src, job_dir=Path(os.path.abspath(p.parent)))
     if site:  # the --site option: a bad name is the option's fault, not the spec's
         loaded_site = resolve_site(site)
     else:
@@ -170,6 +171,29 @@ def load_job(path: str | Path, *, site: str | None = None, overrides: Sequence[s
     check_job(spec, loaded_site.config, dec)
     dec.raise_if_any()
     return LoadedJob(spec, p, loaded_site, tuple(dec.warnings), parsed, src)
+
+
+# Job spec keys that name a file or directory: a relative one means the same under `run --local` (ranks start
+# where you stand) and under `submit` (ranks start in the run directory) only once it is made absolute.
+PATH_KEYS = (("data", "manifest"), ("xsite", "config"), ("xsite", "start_from"))
+
+
+def resolve_paths(spec: JobSpec, src: YamlSource, *, job_dir: Path) -> None:
+    """Make every relative path of PATH_KEYS absolute, in place: one from the job file against the job file's
+    directory, one from `-p KEY=VALUE` against the working directory (where the command line was typed). A path
+    starting with `~` or `$` is left for the machine that uses it to expand (a compute node's $HOME or $SCRATCH).
+    The run directory's job.yaml is written from the spec, so the ranks read the absolute path."""
+    for key in PATH_KEYS:
+        owner = spec
+        for part in key[:-1]:
+            owner = getattr(owner, part, None)
+            if owner is None:
+                break
+        value = getattr(owner, key[-1], None) if owner is not None else None
+        if not value or value.startswith(("~", "$")) or Path(value).is_absolute():
+            continue
+        base = Path.cwd() if src.locate(key)[0] == COMMAND_LINE else job_dir
+        setattr(owner, key[-1], os.path.normpath(base / value))
 
 
 def load_job_source(src: YamlSource, path: Path, site: LoadedSite) -> LoadedJob:
@@ -263,6 +287,16 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
             ("checkpoint", "local", "every_steps"),
             f"the node-local tier needs a directory on each node: site '{site.name}' sets no filesystems.node_local",
         )
+    if spec.data.manifest and not spec.data.manifest.startswith(("~", "$")):
+        manifest = Path(spec.data.manifest)
+        if not manifest.is_absolute():
+            pass  # a run directory's job.yaml from before paths were made absolute: read where the ranks start
+        elif site.scheduler == "local" and not manifest.is_file():
+            dec.error(("data", "manifest"), f"{manifest}: no such file (a relative path is read from the job file's "
+                      "directory, or with -p from the working directory)")  # fmt: skip
+        elif site.scheduler == "slurm" and not manifest.exists():
+            dec.warn(("data", "manifest"), f"{manifest} does not exist on this machine: the ranks will need it on "
+                     "the compute nodes (a relative path is read from the job file's directory)")  # fmt: skip
     if spec.xsite is not None:
         _check_xsite(spec, dec)
     if spec.train is not None and spec.train.entry != "builtin":
