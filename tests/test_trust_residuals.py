@@ -8,6 +8,7 @@ on a loaded machine.
 
 from __future__ import annotations
 
+import sys
 from datetime import datetime, timedelta, timezone
 
 from hypothesis import given, settings
@@ -103,3 +104,38 @@ def test_job_mtbf_counts_what_the_attempt_by_attempt_reading_counts(events, now)
     got = job_mtbf(node_mtbf_hours=10, nodes=2, events=events, now=now)
     failures, exposure = _reference_mtbf(events=events, now=now)
     assert got.failures == failures and abs(got.exposure_s - exposure) <= 1e-6 * max(1.0, exposure)
+
+
+# ---- a hang line's world size ------------------------------------------------------------------------------------
+_HANG_PROBE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 31, 1 << 31))  # 2 GiB: a set of 10^8 ranks does not fit
+from hpcscale.launch.failure import describe_failure, hang_line, rank_failure
+from hpcscale.layout import ParallelDims
+def line(world):
+    return hang_line(rank=0, mpi_rank=0, node="n1", seconds=60.0, last_step=3, world_size=world)
+print(describe_failure([line(10**8) + "\\n"]))
+print(rank_failure([line(10**6)], dims=ParallelDims(pp=1, dp=4, tp=1))[0])
+"""
+
+
+def test_a_hang_line_claiming_a_huge_world_is_not_enumerated():
+    """The job's logs are files others may write: a hang line saying `world 100000000` made the diagnosis build
+    a set of 10^8 ranks (MemoryError under a 2 GiB limit; a world of 10^12 never ended). Such a line is no
+    job's hang. With the world known from the begin record (rank_failure's dims), the silent ranks are those
+    of the job's world, whatever a line says."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _HANG_PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    plain, known = done.stdout.splitlines()
+    assert "stopped making progress" not in plain and "Hang: no step finished" in plain, plain
+    assert known == "ranks 1, 2, 3 stopped making progress (no step in 60 s; rank 0 waited on them)", known
+
+
+def test_a_hang_summary_names_at_most_a_few_dozen_ranks():
+    from hpcscale.launch.failure import RANKS_SHOWN, describe_failure, hang_line
+
+    line = hang_line(rank=7, mpi_rank=7, node="n1", seconds=60.0, last_step=3, world_size=4096)
+    said = describe_failure([line + "\n"])
+    assert said.startswith("ranks 0, 1, 2,") and "(4095 ranks in all)" in said and len(said) < 40 * RANKS_SHOWN, said

@@ -22,6 +22,9 @@ from typing import NamedTuple
 from hpcscale.errors import STOPPED_EXIT_CODE
 from hpcscale.layout import ParallelDims
 
+MAX_RANKS = 1 << 20  # the largest world a log's hang line is believed about (the lines are text others may write)
+RANKS_SHOWN = 32  # ranks a summary names one by one; the rest are counted
+
 # A peer that died or hung shows up in the survivors as these (gloo, MPI, sockets): consequences, not causes.
 _PEER_LOST = re.compile(
     r"Connection (closed|reset|refused)|closed by peer|Broken pipe|ECONNRESET|EPIPE|timed? ?out|Timeout", re.IGNORECASE
@@ -139,7 +142,9 @@ class FailureLine:
         m = _FAILURE.match(text)
         rank = int(m.group(1)) if m and m.group(1).isdigit() else None
         h = _HANG.match(m.group(4)) if m else None
-        hang = Hang(float(h.group(1)), int(h.group(2)), int(h.group(3))) if h else None
+        # a world beyond MAX_RANKS is no job's: such a line is a failure after losing a peer, not a hang to count
+        # the silent ranks of (set(range(world)) would be built from it)
+        hang = Hang(float(h.group(1)), int(h.group(2)), int(h.group(3))) if h and int(h.group(3)) <= MAX_RANKS else None
         node = m.group(3) if m else None
         return cls(text, at.group(1) if at else None, bool(at and at.group(2)), rank, hang, node)
 
@@ -153,7 +158,7 @@ class HungRanks(NamedTuple):
     seconds: float  # the shortest wait reported: no step finished in at least this long
 
 
-def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
+def hung_ranks(lines: Iterable[str], *, world_size: int | None = None) -> HungRanks | None:
     """The ranks to blame for a hang, from a job's output (a `run --local` log, a Slurm job's log); None when
     the job did not end in a hang: no watchdog line, or a rank failed for a reason of its own before the first.
 
@@ -176,7 +181,8 @@ def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
             if f.time is None and timed:
                 continue  # its end (time, peer mark) was lost to mpirun's interleaving: it proves nothing
             return None  # a rank failed of its own accord first: that is the story, not the hang it caused
-    world = max(f.hang.world_size for f in hangs)
+    known = world_size is not None and 0 < world_size <= MAX_RANKS
+    world = world_size if known else max(f.hang.world_size for f in hangs)
     waited = min(f.hang.seconds for f in hangs)
     waiting = {f.rank for f in hangs if f.rank is not None}
     # Not running, from the first hang on, for as long as the others waited: stopped, and what they waited on,
@@ -188,7 +194,7 @@ def hung_ranks(lines: Iterable[str]) -> HungRanks | None:
         for m in _stalls(line)
         if (first_hang is None or m.group("at") >= first_hang) and float(m.group("lost")) >= waited
     }
-    stuck = (set(range(world)) - waiting) | stopped
+    stuck = (set(range(world)) - waiting) | {r for r in stopped if r < world}
     return HungRanks(sorted(stuck), world, waited)
 
 
@@ -242,7 +248,7 @@ def signalled_task(lines: Iterable[str]) -> SignalledTask | None:
     return None
 
 
-def describe_failure(lines) -> str | None:
+def describe_failure(lines, *, world_size: int | None = None) -> str | None:
     """One line naming the rank that failed first, and how.
 
     A hang (watchdogs' lines, and no rank failing of its own accord before them: hung_ranks)
@@ -253,10 +259,10 @@ def describe_failure(lines) -> str | None:
     thread's std::terminate while the process exits): it yields to a rank that raised for a reason of its own.
     Among ranks that raised, the first with a reason of its own (each failure line carries its time and the
     peer mark), else the first. Under run --local all ranks are on one node, where placement
-    keeps MPI order, so MPI rank = hpcscale rank.
+    keeps MPI order, so MPI rank = hpcscale rank. `world_size`: the job's, where known (hung_ranks).
     """
     lines = list(lines)
-    if (hung := hung_ranks(lines)) is not None:
+    if (hung := hung_ranks(lines, world_size=world_size)) is not None:
         return _describe_hang(hung)
     failures = [f for line in lines for f in FailureLine.parse_all(line)]
     own = [f for f in failures if not f.peer_lost]
@@ -291,7 +297,12 @@ def _describe_hang(hung: HungRanks) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
+    """`rank 3`, `ranks 0, 1, 3`; past RANKS_SHOWN the first ones and how many in all (a world of 4096 ranks
+    waiting on one would otherwise fill a line with 4095 numbers)."""
+    shown = ", ".join(map(str, ranks[:RANKS_SHOWN]))
+    if len(ranks) > RANKS_SHOWN:
+        shown += f", ... ({len(ranks)} ranks in all)"
+    return ("ranks " if len(ranks) > 1 else "rank ") + shown
 
 
 def rank_failure(
@@ -307,14 +318,15 @@ def rank_failure(
     from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
 
     tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
-    summary = describe_failure([line + "\n" for line in lines])
+    world = dims.world_size if dims is not None else (len(placement) if placement else None)
+    summary = describe_failure([line + "\n" for line in lines], world_size=world)
     own = [f for line in lines for f in FailureLine.parse_all(line) if not f.peer_lost and not f.hang and f.node]
     if own:  # srun terminates the others after a rank's own failure: their "Terminated" blames nobody
         return summary, [own[0].node]
     nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
     if nccl is not None:  # NCCL's watchdog aborted the ranks that waited: no line of ours, srun says "Aborted"
         return nccl.line, nccl.blamed_nodes
-    hung = hung_ranks(lines)
+    hung = hung_ranks(lines, world_size=world)
     if hung is not None and hung.stuck:  # the stuck rank's node, from its own line once it was continued
         where = stalled_nodes(lines)
         return summary, list(dict.fromkeys(where[r] for r in hung.stuck if r in where))

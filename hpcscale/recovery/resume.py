@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.failure import describe_failure, rank_failure
+from hpcscale.launch.failure import MAX_RANKS, describe_failure, rank_failure
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
@@ -63,7 +63,8 @@ ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPEN
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
 _NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
-MAX_RANKS = 1 << 20  # the most ranks a `begin` record's placement is worked out for (rank_nodes)
+# MAX_RANKS (hpcscale.launch.failure): the most ranks a `begin` record's placement is worked out for (rank_nodes),
+# and the largest world a hang line in the logs is believed about
 
 
 @dataclass(slots=True)
@@ -255,7 +256,10 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     dims, placement = rank_nodes(events, None)
     nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
     # NCCL's watchdog aborts the ranks that waited (mpirun: "exited on signal 6"): its lines name the late rank
-    d.rank_failure = nccl.line if nccl is not None else describe_failure([line + "\n" for line in lines])
+    world = dims.world_size if dims is not None else None
+    d.rank_failure = (
+        nccl.line if nccl is not None else describe_failure([line + "\n" for line in lines], world_size=world)
+    )
     if stops:
         d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
     elif d.rank_failure:
