@@ -8,12 +8,15 @@ on a loaded machine.
 
 from __future__ import annotations
 
+import json
 import sys
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hpcscale.ckpt import nodelocal
 from hpcscale.observe.interval import job_mtbf
 
 
@@ -139,3 +142,88 @@ def test_a_hang_summary_names_at_most_a_few_dozen_ranks():
     line = hang_line(rank=7, mpi_rank=7, node="n1", seconds=60.0, last_step=3, world_size=4096)
     said = describe_failure([line + "\n"])
     assert said.startswith("ranks 0, 1, 2,") and "(4095 ranks in all)" in said and len(said) < 40 * RANKS_SHOWN, said
+
+
+# ---- node-local.json: the holders `resume` picks -----------------------------------------------------------------
+def _write_record(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    path.chmod(0o644)
+    return path
+
+
+def _one_holder_each(k: int) -> dict:
+    """k data files, each held by a node of its own: the cover needs every node, one at a time."""
+    nodes = [f"n{i:06d}" for i in range(k)]
+    return {
+        "step": 8,
+        "nodes": nodes,
+        "holders": {f"step-00000008/data/rank-{i:05d}.bin": [n] for i, n in enumerate(nodes)},
+    }
+
+
+def _calls(fn) -> int:
+    """Python and builtin calls (generator resumptions included) while fn() runs: the work done, on any machine."""
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        n += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def test_the_holders_of_a_large_record_are_chosen_in_work_linear_in_it(tmp_path):
+    """RUN/node-local.json may be up to 4 MiB (~10^5 files and nodes): the nodes to ask for were chosen by a
+    greedy cover that rescanned every remaining file for every node at every pick (cubic here: `resume` hung).
+    4x the files and nodes now cost about 4x the work; a record near the 4 MiB limit is planned."""
+    small = _write_record(tmp_path / "small.json", _one_holder_each(60))
+    large = _write_record(tmp_path / "large.json", _one_holder_each(240))
+    plan = lambda p: nodelocal.plan_from_record(p, lost=set(), max_nodes=10**6)  # noqa: E731
+    assert len(plan(large).nodes) == 240
+    a, b = _calls(lambda: plan(small)), _calls(lambda: plan(large))
+    assert b <= 6 * a, (a, b)
+    big = _one_holder_each(65_000)
+    path = _write_record(tmp_path / nodelocal.RECORD, big)
+    assert path.stat().st_size < nodelocal.RECORD_MAX_BYTES
+    choice = nodelocal.plan_from_record(path, lost={"n000003"}, max_nodes=10**6)
+    assert choice.step is None and "1 data file(s) held only by lost nodes (n000003)" in choice.why
+    big["holders"]["step-00000008/data/rank-00003.bin"].append("n000004")
+    choice = nodelocal.plan_from_record(_write_record(path, big), lost={"n000003"}, max_nodes=10**6)
+    assert choice.step == 8 and len(choice.nodes) == 64_999 and "n000003" not in choice.nodes
+
+
+def _greedy_reference(data: dict, lost: set[str]) -> list[str] | None:
+    """The documented choice, node by node: the survivor holding the most files not yet held (the first listed on
+    a tie) until every file is held; None when a file has no surviving holder."""
+    survivors = [n for n in data["nodes"] if n not in lost]
+    holders = data["holders"]
+    if not survivors or any(not set(h) & set(survivors) for h in holders.values()):
+        return None
+    need, chosen = set(holders), []
+    while need:
+        best = max(survivors, key=lambda n: (sum(n in holders[f] for f in need), -survivors.index(n)))
+        chosen.append(best)
+        need = {f for f in need if best not in holders[f]}
+    return sorted(chosen or survivors[:1])
+
+
+_node = st.sampled_from([f"n{i}" for i in range(7)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nodes=st.lists(_node, min_size=1, max_size=8),
+    holders=st.dictionaries(st.text("abcdef", min_size=1, max_size=3), st.lists(_node, max_size=4), max_size=10),
+    lost=st.sets(_node, max_size=3),
+)
+def test_the_holders_chosen_are_the_greedy_covers(tmp_path_factory, nodes, holders, lost):
+    data = {"step": 3, "nodes": nodes, "holders": holders}
+    path = _write_record(tmp_path_factory.mktemp("rec") / nodelocal.RECORD, data)
+    choice = nodelocal.plan_from_record(path, lost=lost, max_nodes=100)
+    want = _greedy_reference(data, lost)
+    assert (choice.nodes if choice.step is not None else None) == want, choice

@@ -438,6 +438,35 @@ def write_node_local_record(path: Path, *, step: int, nodes: list[str], holders:
     atomic_write(path, text, mode=0o644, exact_mode=True)
 
 
+def _fewest_holders(held_by: dict[str, set[str]], position: dict[str, int]) -> list[str]:
+    """The fewest nodes that hold every file between them, greedily (Chvátal's set cover: the node holding the
+    most files not yet held, the first in `position` on a tie), with counts kept per node and a heap of them
+    refreshed lazily: each (file, holder) pair is counted down once, O(pairs · log nodes)."""
+    import heapq
+
+    files_of: dict[str, list[str]] = {}
+    for f, by in held_by.items():
+        for n in by:
+            files_of.setdefault(n, []).append(f)
+    count = {n: len(fs) for n, fs in files_of.items()}
+    heap = [(-c, position[n], n) for n, c in count.items()]
+    heapq.heapify(heap)
+    covered: set[str] = set()
+    chosen: list[str] = []
+    while heap and len(covered) < len(held_by):
+        c, at, n = heapq.heappop(heap)
+        if -c != count[n]:  # counted down since it was pushed: back with its count now (one entry per node)
+            heapq.heappush(heap, (-count[n], at, n))
+            continue
+        chosen.append(n)
+        for f in files_of[n]:
+            if f not in covered:
+                covered.add(f)
+                for m in held_by[f]:
+                    count[m] -= 1
+    return chosen
+
+
 @dataclass(frozen=True)
 class LocalChoice:
     step: int | None  # the node-local step a job on `nodes` can load; None when there is none
@@ -481,21 +510,18 @@ def plan_from_record(path: Path, *, lost: set[str], max_nodes: int) -> LocalChoi
     if not ok:
         return LocalChoice(None, [], f"{path}: not a node-local record")
     step, holders = data["step"], data["holders"]
-    survivors = [n for n in data["nodes"] if n not in lost]
-    uncovered = sorted(f for f, held in holders.items() if not set(held) & set(survivors))
+    survivors = list(dict.fromkeys(n for n in data["nodes"] if n not in lost))
+    position = {n: i for i, n in enumerate(survivors)}
+    # each file's surviving holders, once: a 4 MiB record lists ~10^5 files and nodes, so everything below is
+    # linear in the record (a set cover that rescanned every file for every node hung `resume` there)
+    held_by = {f: {n for n in held if n in position} for f, held in holders.items()}
+    uncovered = sorted(f for f, by in held_by.items() if not by)
     if not survivors or uncovered:
         gone = ", ".join(sorted(lost & set(data["nodes"]))) or "none"
         return LocalChoice(
             None, [], f"node-local step {step}: {len(uncovered)} data file(s) held only by lost nodes ({gone})"
         )
-    # the fewest survivors that hold every file (greedy): those the new job must run on
-    need, chosen = set(holders), []
-    while need:
-        best = max(survivors, key=lambda n: (sum(n in holders[f] for f in need), -survivors.index(n)))
-        if not any(best in holders[f] for f in need):  # cannot happen once every file has a survivor
-            return LocalChoice(None, [], f"node-local step {step}: not held whole by the surviving nodes")
-        chosen.append(best)
-        need = {f for f in need if best not in holders[f]}
+    chosen = _fewest_holders(held_by, position)
     chosen = chosen or survivors[:1]
     if len(chosen) > max_nodes:
         return LocalChoice(None, [], f"node-local step {step}: needs {len(chosen)} nodes, the job has {max_nodes}")
