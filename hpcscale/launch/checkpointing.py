@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from hpcscale.ckpt.manager import Restored
 
 PROGRESS_EVERY_S = 30.0  # a user loop's progress line (steps left, time left): at most this often
+PACE_STEPS = 20  # the progress line's pace: the median of this many recent step times
 FORMAT = 1  # the JSON state's layout ("hpcscale.context" in it)
 
 
@@ -359,7 +362,7 @@ class Checkpointer:
         if self._log_step_times:
             self._ctx.metrics.log(**self._step_line(step, work_s + ckpt_s))
             if self.steps:
-                self._say_progress(step)
+                self._say_progress(step, work_s + ckpt_s)
         self._t_last = time.perf_counter()
         self._waits_last = self._waited()
 
@@ -688,26 +691,39 @@ class Checkpointer:
         self._t_last = time.perf_counter()
         self._waits_last = self._waited()
         self._progress = (self._t_last, start, -math.inf)  # since when, from which step, last said
+        # this attempt's recent step times after its first (compilation, warm-up, a cold cache): the ETA's pace
+        self._recent_s: deque[float] = deque(maxlen=PACE_STEPS)
 
     def _waited(self) -> float:
         """The collective-wait clock (hpcscale.launch.waits) of the training thread; 0 while timing is off."""
         waits = self._ctx._waits
         return waits.total_s if waits is not None else 0.0
 
-    def _say_progress(self, step: int) -> None:
+    def _say_progress(self, step: int, step_s: float) -> None:
         """A user loop with `steps` set: every PROGRESS_EVERY_S (and at its first and last step) one line with the
-        steps left and the time they take at this attempt's mean pace so far (the built-in trainer says its own)."""
+        steps left, the time they take and the numbers the loop logged last (its loss, at least, when it logs one;
+        the built-in trainer says its own). The pace is the median of this attempt's last PACE_STEPS step times
+        after its first: a first step that compiles (torch.compile) or warms caches up is no guide to the rest."""
         since, first, said = self._progress
         now = time.perf_counter()
+        if step > first:
+            self._recent_s.append(step_s)
         last = step + 1 >= self.steps
         if not (last or step == first or now - said >= PROGRESS_EVERY_S):
             return
         self._progress = (since, first, now)
-        pace = (now - since) / max(step + 1 - first, 1)
         left = max(self.steps - step - 1, 0)
+        logged = "".join(f", {k} {v:.5g}" for k, v in list(self._ctx.metrics.latest.items())[-4:])
+        if not self._recent_s:
+            self._ctx.metrics.print(
+                f"hpcscale: step {step + 1}/{self.steps} done{logged}, first step {step_s:.3g} s (compilation and "
+                f"warm-up included: the time left follows from the next steps), {left} steps left"
+            )
+            return
+        pace = statistics.median(self._recent_s)
         eta = int(left * pace)
         self._ctx.metrics.print(
-            f"hpcscale: step {step + 1}/{self.steps} done, {pace:.3g} s/step, {left} steps left, about "
+            f"hpcscale: step {step + 1}/{self.steps} done{logged}, {pace:.3g} s/step, {left} steps left, about "
             f"{eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
         )
 

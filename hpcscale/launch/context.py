@@ -72,6 +72,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# what hpcscale itself writes into a metrics line: the progress line says these its own way
+OWN_KEYS = frozenset(
+    {"step", "time", "attempt", "step_time_s", "tokens_per_s", "comm_share", "restored_from", "restore_s"}
+)
+OWN_PREFIXES = ("checkpoint", "local_checkpoint", "xsite_")  # saves and cross-site rounds: their own lines say them
+
+
 class MetricsLogger:
     """JSON lines in RUN/metrics.jsonl, written by global rank 0 only; `print` echoes progress to stdout.
     Every line names its attempt (RUN/attempts.jsonl): a step repeated after a requeue or resume is told apart."""
@@ -81,6 +88,8 @@ class MetricsLogger:
         self.attempt = attempt
         self._f = _append_only(path) if path is not None else None
         self._tb = None
+        # the newest numbers the loop logged (rank 0): the progress line shows them beside the pace
+        self.latest: dict[str, float] = {}
         if tensorboard is not None and path is not None:  # metrics.tensorboard: the same lines as events
             from hpcscale.observe.tensorboard import TensorBoardSink
 
@@ -109,6 +118,11 @@ class MetricsLogger:
             )
             row = {**head, **values}
             self._f.write(json.dumps(row) + "\n")
+            for k, v in values.items():
+                own = k in OWN_KEYS or k.startswith(OWN_PREFIXES)
+                if not own and isinstance(v, int | float) and not isinstance(v, bool):
+                    self.latest.pop(k, None)  # the newest key last: the line shows the ones logged most recently
+                    self.latest[k] = v
             if self._tb is not None:
                 self._tb.log(row)
 
