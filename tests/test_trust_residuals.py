@@ -9,7 +9,9 @@ on a loaded machine.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -227,3 +229,54 @@ def test_the_holders_chosen_are_the_greedy_covers(tmp_path_factory, nodes, holde
     choice = nodelocal.plan_from_record(path, lost=lost, max_nodes=100)
     want = _greedy_reference(data, lost)
     assert (choice.nodes if choice.step is not None else None) == want, choice
+
+
+# ---- Slurm's answers read through the parser ---------------------------------------------------------------------
+def _held_job(env: dict, out: Path, err: Path) -> str:
+    import subprocess
+
+    done = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "-J", "x StdOut=/tmp/elsewhere", f"--output={out}", f"--error={err}",
+         "--wrap", "true"],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def test_launch_reads_its_jobs_log_paths_whole_whatever_they_hold(local_cluster, tmp_path, monkeypatch, capsys):
+    """An admin's own script calling `hpcscale launch`: launch warns when the job's logs are not where the
+    diagnosis reads them. The paths came from `scontrol -o` through a regex that cut a value at ` X=`: a run
+    directory named `run X=1` was warned about though its logs were in place. Read as hpcscale.slurm.parse
+    reads `scontrol show job`, each path is whole (and a job name holding `StdOut=` changes nothing)."""
+    import subprocess
+
+    from hpcscale.launch.main import _check_own_logs
+
+    monkeypatch.setenv("SLURM_CONF", local_cluster["SLURM_CONF"])
+    run = tmp_path / "run X=1 Y"
+    (run / "logs").mkdir(parents=True)
+    jobs = []
+    try:
+        jobs.append(_held_job(local_cluster, run / "logs" / "slurm-%j.out", run / "logs" / "slurm-%j.err"))
+        _check_own_logs(run, jobs[-1])
+        assert "warning" not in capsys.readouterr().err
+        jobs.append(_held_job(local_cluster, tmp_path / "elsewhere X=2.out", run / "logs" / "slurm-%j.err"))
+        _check_own_logs(run, jobs[-1])
+        said = capsys.readouterr().err
+        assert f"writes its log to {tmp_path / 'elsewhere X=2.out'}, not {run.resolve()}/logs/" in said, said
+        # resume and smoke read the job's accounting rows through the same parser (sacct's unlikely delimiter)
+        from hpcscale.recovery.resume import _sacct_rows
+        from hpcscale.slurm.client import SlurmClient
+        from hpcscale.smoke.runners import _state
+
+        subprocess.run(["scancel", jobs[0]], env={**os.environ, **local_cluster}, capture_output=True, timeout=60)
+        for _ in range(60):  # accounting may trail the controller by a moment
+            if rows := _sacct_rows(SlurmClient(), jobs[0]):
+                break
+            time.sleep(0.5)
+        assert [r["JobID"] for r in rows][:1] == [jobs[0]] and set(rows[0]) >= {"State", "NodeList", "Reason"}
+        assert _state(SlurmClient(), jobs[1])[0] == "PENDING"
+    finally:
+        for job in jobs:
+            subprocess.run(["scancel", job], env={**os.environ, **local_cluster}, capture_output=True, timeout=60)

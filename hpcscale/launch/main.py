@@ -35,8 +35,10 @@ from hpcscale.rundir import (
     node_local_dir,
     site_checkpoint_root,
 )
+from hpcscale.slurm.allocation import job_log_paths
 from hpcscale.util.paths import expand_path
 from hpcscale.util.pystart import clean_import_path
+from hpcscale.util.trust import clean
 
 # The reference trainer is loaded by name like any user's entry point: launch runs entry points, it does not
 # know the trainer (hpcscale.train sits above launch and builds on its Context).
@@ -136,26 +138,21 @@ def _adopt_job(work_dir: Path, job_id: str) -> None:
 
 def _check_own_logs(work_dir: Path, job_id: str) -> None:
     """The failure diagnosis (`resume`, `hpcscale requeue`) reads a job's log where the rendered script puts it,
-    RUN/logs/slurm-JOBID.out and .err: say so at once when an admin's script writes elsewhere."""
-    import re
-    import subprocess
-
+    RUN/logs/slurm-JOBID.out and .err: say so at once when an admin's script writes elsewhere. The paths come
+    from `scontrol show job` read by hpcscale.slurm.parse (a path holding spaces or ` Key=` is read whole)."""
     logs = Path(os.path.realpath(work_dir)) / "logs"
     want = {"StdOut": logs / f"slurm-{job_id}.out", "StdErr": logs / f"slurm-{job_id}.err"}
-    try:
-        shown = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
+    try:  # the job's own environment names its cluster's slurm.conf
+        fields = job_log_paths(job_id)
+    except (OSError, HpcscaleError):
         return
-    # one line of Key=value fields; a path may hold spaces, so a value runs to the next " Key="
-    fields = {m.group(1): m.group(2) for m in re.finditer(r"(?:^| )(StdOut|StdErr)=(.*?)(?= [A-Za-z]+=|\n|$)", shown)}
     wrong = [k for k, path in want.items() if k in fields and Path(os.path.realpath(fields[k])) != path]
     if wrong:
         print(
-            f"hpcscale launch: warning: job {job_id} writes its log to {fields[wrong[0]]}, not {want[wrong[0]]}: "
-            "`hpcscale resume` and `hpcscale requeue` read a failed attempt's rank, node and signal from there; "
-            f"add `#SBATCH --output={work_dir}/logs/slurm-%j.out` and `#SBATCH --error={work_dir}/logs/slurm-%j.err`",
+            f"hpcscale launch: warning: job {job_id} writes its log to {clean(fields[wrong[0]])}, not "
+            f"{want[wrong[0]]}: `hpcscale resume` and `hpcscale requeue` read a failed attempt's rank, node and "
+            f"signal from there; add `#SBATCH --output={work_dir}/logs/slurm-%j.out` and "
+            f"`#SBATCH --error={work_dir}/logs/slurm-%j.err`",
             file=sys.stderr,
             flush=True,
         )

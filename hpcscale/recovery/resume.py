@@ -106,19 +106,9 @@ class Plan:
 
 # ---- reading what happened ---------------------------------------------------------------------------------
 def _sacct_rows(client: SlurmClient, job_id: str) -> list[dict]:
-    fields = ("JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason")
-    args = ["sacct", "-D", "-n", "-P", "-j", job_id, "-o", ",".join(fields)]
-    if client.cluster:
-        args += ["-M", client.cluster]
-    out = client.run(*args, timeout=30)
-    if "disabled" in out.stderr:
-        raise proc.CommandFailed(out.args, out.stderr)
-    rows = []
-    for line in out.stdout.splitlines():
-        parts = line.split("|")
-        if len(parts) == len(fields):
-            rows.append(dict(zip(fields, parts, strict=True)))
-    return rows
+    """Every attempt and step of the job (sacct --duplicates), read as hpcscale.slurm.parse reads sacct: a
+    field holding `|` moves no other. CommandFailed when sacct fails or accounting is off."""
+    return client.sacct([job_id], ("JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason"), "-D")
 
 
 def _scontrol_row(client: SlurmClient, job_id: str) -> list[dict]:

@@ -1,6 +1,7 @@
 """The switch tree of a site and rank placement on a concrete allocation: `hpcscale topo`, `render`/`submit`
 (for `--switches`) and the launcher. The tree comes live from Slurm (`scontrol show topology`), from the site
-file, or is flat; the tree math and the placement search themselves are pure (hpcscale.topology)."""
+file, or is flat; the tree math and the placement search themselves are pure (hpcscale.topology). Also what the
+launcher may read of its own job: where Slurm writes its logs (`job_log_paths`)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,12 @@ def place_job(loaded: LoadedJob, nodes: str | list[str], *, tree: SwitchTree | N
     return place(
         nodes=hosts, tree=tree or site_tree(loaded.site.config), layout=layout, weights=traffic_weights(layout, params)
     )
+
+
+def job_log_paths(job_id: str, client: SlurmClient | None = None) -> dict[str, str]:
+    """Where Slurm writes job `job_id`'s output: {"StdOut": path, "StdErr": path} as `scontrol show job` says
+    (read by hpcscale.slurm.parse: a path with spaces, `|` or ` Key=` in it comes whole); {} when scontrol does
+    not know the job. CommandFailed when scontrol cannot be run."""
+    shown = (client or SlurmClient()).show("job", job_id, timeout=20)
+    record = next((r for r in shown if r.get("JobId") == job_id), {})
+    return {k: record[k] for k in ("StdOut", "StdErr") if record.get(k)}

@@ -11,6 +11,7 @@ import yaml
 
 from hpcscale.config.load import load_job
 from hpcscale.smoke.checks import JobOutcome
+from hpcscale.util.proc import CommandFailed
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}  # fmt: skip
@@ -72,11 +73,10 @@ def _state(client, job_id: str) -> tuple[str, str]:
     shown = client.show("job", job_id)
     if shown:
         return shown[0].get("JobState", "UNKNOWN"), shown[0].get("ExitCode", "")
-    args = ["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "State,ExitCode"]
-    if client.cluster:
-        args += ["-M", client.cluster]
-    out = client.run(*args, check=False, timeout=30)
-    rows = [line.split("|") for line in out.stdout.splitlines() if "|" in line]
+    try:
+        rows = client.sacct([job_id], ("State", "ExitCode"), "-X")
+    except CommandFailed:
+        rows = []
     if not rows:
         return "UNKNOWN", ""
-    return rows[-1][0].split()[0], rows[-1][1]
+    return (rows[-1]["State"].split() or ["UNKNOWN"])[0], rows[-1]["ExitCode"]
