@@ -15,6 +15,8 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pytest
+from conftest import REPO, run_cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -280,3 +282,75 @@ def test_launch_reads_its_jobs_log_paths_whole_whatever_they_hold(local_cluster,
     finally:
         for job in jobs:
             subprocess.run(["scancel", job], env={**os.environ, **local_cluster}, capture_output=True, timeout=60)
+
+
+# ---- the shared tier after a restart from the node-local tier ----------------------------------------------------
+TIERS = REPO / "tests" / "helpers" / "tier_restore_ranks.py"
+
+
+def _tier_ranks(tmp: Path, name: str, *, action: str, **extra) -> tuple[list[dict], str]:
+    """Two ranks on emulated nodes a and b (each the other's partner): (each rank's report, their output)."""
+    import subprocess
+
+    spec = {"world": 2, "store": str(tmp / f"store-{name}"), "base": str(tmp / "nodes"), "out": str(tmp / name),
+            "nodes": ["a", "b"], "action": action, **extra}  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(TIERS), json.dumps(spec), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    logs = "\n".join(p.communicate(timeout=300)[0] for p in procs)
+    assert all(p.returncode == 0 for p in procs), logs[-4000:]
+    return [json.loads(Path(f"{tmp / name}.rank-{r}").read_text()) for r in range(2)], logs
+
+
+def _invert(files) -> None:
+    """Every byte of each file complemented: each chunk in it fails its hash, its size unchanged."""
+    for f in files:
+        f.write_bytes(bytes(b ^ 0xFF for b in f.read_bytes()))
+
+
+def _verifies(step_dir: Path) -> bool:
+    return run_cli("ckpt", "verify", str(step_dir)).returncode == 0
+
+
+@pytest.mark.parametrize("then", [[6], [4, 6]], ids=["next-step", "same-step-first"])
+def test_after_a_node_local_restart_the_shared_tier_writes_what_it_has_not_verified(tmp_path, then):
+    """Shared tier: steps 2 and 4 (step 4 keeps the unchanging tensor in step 2's data file), both damaged;
+    node-local tier: 2 and 4, whole. The restart loads node-local step 4 and reads nothing from the shared tier.
+    Its shared manager deduplicated against the listed step 4 it had never verified: step 6 referenced the
+    damaged chunks, and a drain of step 4 itself was skipped as done. Now nothing unverified is referenced, step
+    4 is moved to refused/ and drained anew, and every step drained verifies."""
+    _tier_ranks(tmp_path, "build", action="build", steps=[2, 4], drain=[2, 4])
+    shared = tmp_path / "nodes" / "shared"
+    _invert(shared.glob("step-*/data/*.bin"))
+    out, logs = _tier_ranks(tmp_path, "restore", action="restore", then=then)
+    assert (out[0]["step"], out[0]["tier"], out[0]["ok"]) == (4, "node-local", True), out
+    assert "refusing checkpoint" not in logs  # the shared tier was not read at the restart
+    if 4 in then:
+        assert _verifies(shared / "step-00000004"), "the damaged step 4 was taken as drained"
+        assert [p.name[:13] for p in (shared / "refused").iterdir()] == ["step-00000004"]
+        assert "moved checkpoint not verified since the restart step-00000004" in logs, logs[-3000:]
+        assert sum(o["drains"]["4"]["referenced"] for o in out) == 0
+    assert _verifies(shared / "step-00000006"), "step 6 references the damaged step's chunks"
+    frozen = (1 << 18) * 2  # the unchanging bf16 tensor: referenced only from a step drained since the restart
+    assert sum(o["drains"]["6"]["referenced"] for o in out) == (frozen if 4 in then else 0)
+
+
+def test_a_node_local_step_refused_at_the_restart_is_hashed_and_said_once(tmp_path):
+    """Shared tier: 2 and 6 (6 damaged); node-local tier: 2, 4, 6 (6 damaged on both nodes). The restart tries
+    node-local 6 (refused), the shared tier (6 refused, 2 loads), then node-local steps newer than 2: it tried 6
+    again, hashing every copy and saying so twice. Now only 4 is tried there, and loads."""
+    _tier_ranks(tmp_path, "build", action="build", steps=[2, 4, 6], drain=[2, 6])
+    nodes = tmp_path / "nodes"
+    _invert([*nodes.glob("[ab]/step-00000006/data/*.bin"), *nodes.glob("shared/step-00000006/data/*.bin")])
+    out, logs = _tier_ranks(tmp_path, "restore", action="restore")
+    assert (out[0]["step"], out[0]["tier"], out[0]["ok"]) == (4, "node-local", True), out
+    assert "newer than step 2, the shared tier's newest that every rank can load" in out[0]["why"]
+    assert logs.count("node-local step-00000006: the copies that verify do not make it whole") == 1, logs[-4000:]
+    refused = [line for line in logs.splitlines() if "node-local copy refused" in line and "step-00000006" in line]
+    assert len(refused) == 4, refused  # each node holds both data files: its own and its partner's copy

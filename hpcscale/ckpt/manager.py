@@ -155,6 +155,10 @@ class CheckpointManager:
         self._writers_key: tuple | None = None  # what _writer_table was last computed for
         self._writers_table: dict = {}
         self._refused: set[int] = set()  # steps load_latest refused: set aside if a save reaches one
+        # steps listed here when the run restarted from the other tier, none of them verified (restored_elsewhere):
+        # set aside, like refused ones, if a save reaches one; and the step restored, the next save's parent
+        self._unverified: set[int] = set()
+        self._restored_from: int | None = None
         # load_latest returned None after a refused checkpoint had been partly read into the caller's tensors
         # (chunks are read straight into them and hashed there): they are no longer the fresh start's values
         self.tensors_dirty = False
@@ -211,8 +215,10 @@ class CheckpointManager:
             self.log(f"hpcscale: cannot record pinned checkpoints in {self.root}: {e}")
 
     def _adopt_newest(self) -> None:
-        """Dedup new saves against the newest committed checkpoint already on disk (a fresh process, a resumed
-        run). A damaged index is skipped: its chunks are simply written again. Node-local saves dedup nothing."""
+        """Dedup new saves against the newest committed checkpoint already on disk (a fresh process). Its index is
+        checked, its chunks are not: a restart replaces this with the step it verified (load_latest) or with
+        nothing (restored_elsewhere). A damaged index is skipped: its chunks are simply written again. Node-local
+        saves dedup nothing."""
         if self.node_local is not None:
             return
         try:
@@ -259,7 +265,7 @@ class CheckpointManager:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        parent = step_dir_name(self.last_step) if self.last_step is not None else None
+        parent = self._parent(step)
         state = dict(trainer_state)
         if self.lineage is not None:
             from hpcscale.ckpt.lineage import TAG, for_save
@@ -303,10 +309,34 @@ class CheckpointManager:
         self.wait()
         if step == self.last_step:
             return self.last_stats or SaveStats(step, 0.0, 0, 0)
-        if step in self._refused:  # the same on every rank: load_latest agreed on what it refused
+        # the same on every rank: load_latest agreed on what it refused, and rank 0 listed the unverified steps
+        if step in self._refused:
             self._refused.discard(step)
             self._set_aside([step])
+        elif step in self._unverified:  # listed, never verified: what a save of this step replaces, not is
+            self._unverified.discard(step)
+            self._set_aside([step], what="checkpoint not verified since the restart")
         return None
+
+    def _parent(self, step: int) -> str | None:
+        """The parent a save of `step` records: the newest step this tier committed or verified, else the one the
+        run restarted from on the other tier; never `step` or a later one."""
+        before = self.last_step if self.last_step is not None else self._restored_from
+        return step_dir_name(before) if before is not None and before < step else None
+
+    def restored_elsewhere(self, step: int) -> None:
+        """The run restarted from step `step` of the other tier (the node-local one) and verified nothing here.
+        This tier's newest listed step, which the manager deduplicates against since it was made, may be damaged
+        (a chunk that no longer hashes to its hash, a data file gone): a save referencing its chunks would be
+        damaged too, and one of its step would be taken as done. From now on saves deduplicate against nothing
+        older than the first one committed (that first save or drain writes every chunk), and a save or drain
+        that reaches a listed step moves it to `refused/` first, as a refused one is. `step` is the parent the
+        next save records. A collective: rank 0 lists the steps."""
+        self._unverified = set(self._listed_steps())
+        self.writer.forget()
+        self.last_step = None
+        self.last_stats = None
+        self._restored_from = step
 
     def drain(self, source: Path, step: int) -> SaveStats:
         """Save step `step` of the node-local tier rooted at `source` (this node's directory) to this tier, in the
@@ -318,7 +348,7 @@ class CheckpointManager:
         done = self._begin(step)
         if done is not None:
             return done
-        parent = step_dir_name(self.last_step) if self.last_step is not None else None
+        parent = self._parent(step)
         self._bg.submit(self._drain, Path(source), step, parent)
         self._pending = True
         self.last_stats = SaveStats(step, 0.0, 0, 0)
@@ -629,6 +659,7 @@ class CheckpointManager:
             self.writer.known.clear()
             self.writer.adopt(index)
             self.last_step = step
+            self._unverified, self._restored_from = set(), None
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
         self._refused = set(refused)
         self.tensors_dirty = dirty
@@ -647,9 +678,11 @@ class CheckpointManager:
         tensors: dict[str, torch.Tensor],
         *,
         at_least: int | None,
+        below: int | None = None,
         check_state: Callable[[dict], str | None] | None = None,
     ) -> Restored | None:
-        """Node-local tier: load the newest step, no older than `at_least`, that the nodes of this job hold whole
+        """Node-local tier: load the newest step, no older than `at_least` and older than `below` (the steps from
+        `below` on were tried already: each is hashed and refused once), that the nodes of this job hold whole
         between them, reading nothing from any shared filesystem. Each node's lowest rank verifies what its node
         holds (every chunk hashed: a corrupt copy does not count); a node that lacks the index, or a data file
         one of its ranks needs, gets it from a node that holds it, over the checkpoint group; then every rank
@@ -659,7 +692,7 @@ class CheckpointManager:
         self.tensors_dirty = False
         # what each node holds (indexes read and checked, data files present); the chunks are hashed only for the
         # step tried, below: an older step is read only when a newer one fails
-        held = holdings(self.root, verify=False, log=self.log) if self._keeper else None
+        held = holdings(self.root, verify=False, log=self.log, below=below) if self._keeper else None
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, held, group=self.group)
         per_node = {nl.node_of[r]: h for r, h in enumerate(everyone) if h is not None}
@@ -748,8 +781,9 @@ class CheckpointManager:
         self.tensors_dirty = dirty
         return None
 
-    def _set_aside(self, steps: list[int]) -> None:
-        """Move refused checkpoints to ROOT/refused/ (rank 0; every rank waits), when a save reaches their step.
+    def _set_aside(self, steps: list[int], *, what: str = "refused checkpoint") -> None:
+        """Move refused checkpoints to ROOT/refused/ (rank 0; every rank waits), when a save reaches their step
+        (and, as `what` says, steps of this tier that were not verified when the run restarted from the other).
 
         Training went on from an older step, so they belong to an abandoned timeline, and left in place this
         save would find its step already committed (the fallback would dead-end there on every restart). They
@@ -764,7 +798,7 @@ class CheckpointManager:
                 for step in steps:
                     name = step_dir_name(step)
                     (self.root / name).rename(aside / f"{name}-{stamp}")
-                    self.log(f"hpcscale: moved refused checkpoint {name} to {aside}/{name}-{stamp}")
+                    self.log(f"hpcscale: moved {what} {name} to {aside}/{name}-{stamp}")
             except OSError as e:  # rank 0 raising alone would leave the others at the barrier
                 self.log(f"hpcscale: could not move refused checkpoints aside: {e}")
         dist.barrier(group=self.group)

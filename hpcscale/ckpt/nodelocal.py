@@ -119,12 +119,16 @@ def file_problem(root: Path, index: Index, rel: str) -> str | None:
     return None
 
 
-def holdings(root: Path, *, verify: bool, log=None) -> dict[int, tuple[str, list[str], list[str]]]:
+def holdings(
+    root: Path, *, verify: bool, log=None, below: int | None = None
+) -> dict[int, tuple[str, list[str], list[str]]]:
     """step -> (root digest, the data files held here whose chunks all hash right, every data file its index
-    names) for every committed step under this node's `root`; a step whose index fails is left out (and said
-    so)."""
+    names) for every committed step under this node's `root` (older than `below`, when given); a step whose
+    index fails is left out (and said so)."""
     out: dict[int, tuple[str, list[str], list[str]]] = {}
     for step in committed_steps(root):
+        if below is not None and step >= below:
+            continue
         try:
             index = read_index(root / step_dir_name(step) / INDEX)
         except Exception as e:

@@ -525,13 +525,16 @@ class Checkpointer:
         than the shared step that does load is the one to take.
 
         1. Node-local steps at least as new as the shared tier's newest listed one: one that loads is at least as
-           new as anything the shared tier could give, and nothing is read from the shared tier.
+           new as anything the shared tier could give, and nothing is read from the shared tier. Nothing of the
+           shared tier was verified then, so its manager deduplicates against none of its steps and sets aside a
+           listed step a save reaches (CheckpointManager.restored_elsewhere): that step may be damaged.
         2. Otherwise the shared tier, falling back past what it refuses: `s`, the newest shared step that loads.
         3. When the shared tier fell back past refused steps (or had none that loads), the node-local steps
-           newer than `s`: one that loads replaces every element the shared load wrote (and its RNG and trainer
-           state are its own). The shared tier's manager keeps what step 2 verified: its next saves deduplicate
-           against `s` and set its refused steps aside. A node-local step refused after part of it was read
-           into the tensors leaves them dirty: `s` is loaded again.
+           newer than `s` and older than those step 1 refused (each is hashed and refused once): one that
+           loads replaces every element the shared load wrote (and its RNG and trainer state are its own). The
+           shared tier's manager keeps what step 2 verified: its next saves deduplicate against `s` and set its
+           refused steps aside. A node-local step refused after part of it was read into the tensors leaves
+           them dirty: `s` is loaded again.
         Every branch is taken on every rank alike (each load's outcome is agreed on over the checkpoint group)."""
         local, manager, check = self._local, self.manager, self._state_problem
         if local is None:
@@ -545,13 +548,14 @@ class Checkpointer:
         listed = manager.newest_committed()
         restored = local.load_node_local(tensors, at_least=listed, check_state=check)
         if restored is not None:
+            manager.restored_elsewhere(restored.step)
             return TierChoice(restored, "node-local", f"{moved()}; nothing read from the shared tier", False)
         dirty = local.tensors_dirty
         shared = manager.load_latest(tensors, check_state=check)
         dirty = shared is None and (dirty or manager.tensors_dirty)
         if listed is not None and (shared is None or shared.step < listed):
             after = None if shared is None else shared.step + 1
-            newer = local.load_node_local(tensors, at_least=after, check_state=check)
+            newer = local.load_node_local(tensors, at_least=after, below=listed, check_state=check)
             if newer is not None:
                 than = (
                     "no step of the shared tier loads on every rank"
