@@ -24,6 +24,17 @@ LAYOUTS = {
 }
 
 
+def _matches_one_process(ref: dict, what: str) -> None:
+    """Rank 0's losses and norms at the steps it ran are the whole model's in one process, within 1e-5."""
+    assert ref["losses"], what
+    for step, loss in ref["losses"].items():
+        want = ref["reference"][int(step)]
+        assert abs(loss - want) <= 1e-5 * abs(want), (what, step, ref["losses"], ref["reference"])
+    for step, norm in ref["norms"].items():
+        want = ref["reference_norms"][int(step)]
+        assert abs(norm - want) <= 1e-5 * abs(want), (what, step, ref["norms"], ref["reference_norms"])
+
+
 def _job(tmp: Path, ranks: int, parallel: dict, meta: bool, **extra) -> Path:
     spec = {
         "name": "tied",
@@ -45,11 +56,7 @@ def test_a_tied_embedding_and_head_train_as_one_parameter_at_every_layout(mpi, t
                      timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     got = [json.loads((tmp_path / "run" / f"tied.{r}.json").read_text()) for r in range(ranks)]
-    ref = got[0]
-    for a, b in zip(ref["losses"], ref["reference"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (layout, ref["losses"], ref["reference"])
-    for a, b in zip(ref["norms"], ref["reference_norms"], strict=True):
-        assert abs(a - b) <= 1e-5 * abs(b), (layout, ref["norms"], ref["reference_norms"])
+    _matches_one_process(got[0], layout)
     if parallel.get("pp", 1) == 1:
         assert all(r["one_parameter"] for r in got), layout
         assert all(len(r["copies"]) == 2 for r in got)
@@ -87,3 +94,31 @@ def test_ties_are_found_from_the_model_and_a_cut_records_those_it_spreads_over_s
         assert (tie.names, tie.stages, tie.init_stage, tie.here) == (("emb.weight", "head.weight"), (0, 2), 2, here)
     whole = cut_stage(TiedLM(), stage=0, pp=1, first_stage_only=("emb",), last_stage_only=("norm", "head"))
     assert STAGE_TIES not in whole.__dict__
+
+
+@pytest.mark.parametrize("first,then", [(1, 2), (2, 1)], ids=["pp1-then-pp2", "pp2-then-pp1"])
+def test_a_tied_models_checkpoint_holds_the_tie_once_and_resumes_at_another_pipeline_degree(mpi, tmp_path, first, then):
+    """Saved at one pipeline degree, resumed at another: the checkpoint holds the tied weight and its optimizer
+    state once, under its first name (emb.weight), and the stage holding the head reads it from there; the
+    resumed steps are the one-process run's."""
+    job = _job(tmp_path, first, {"pp": first}, True, ckpt=True, steps=4)
+    spec = yaml.safe_load(job.read_text())
+    spec["checkpoint"] = {"every_steps": 2}
+    job.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "run"
+    r = run_cli("run", str(job), "--local", "--run-dir", str(run), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    inspect = run_cli("ckpt", "inspect", str(run / "checkpoints" / "step-00000004"), "--json")
+    assert inspect.returncode == 0, inspect.stderr
+    names = {t["name"] for t in json.loads(inspect.stdout)["tensors"]}
+    assert "model/emb.weight" in names and "model/head.weight" not in names, sorted(names)
+    assert not any(n.startswith("optim/head.weight/") for n in names), sorted(names)
+    spec.update(tasks_per_node=then, parallel={"pp": then})
+    spec["train"]["params"]["steps"] = 6
+    job.write_text(yaml.safe_dump(spec))
+    r = run_cli("run", str(job), "--local", "--run-dir", str(run), "--reuse", timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "resumed from checkpoint step 4" in r.stdout, r.stdout[-3000:]
+    got = json.loads((run / "tied.0.json").read_text())
+    assert sorted(got["losses"]) == ["4", "5"], got["losses"]
+    _matches_one_process(got, f"pp {first} then pp {then}")

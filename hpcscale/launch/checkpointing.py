@@ -123,6 +123,8 @@ class Checkpointer:
         self._optimizers: tuple[torch.optim.Optimizer, ...] = ()
         self._objects: dict[str, Any] = {}
         self._group_sizes: list[int] = []  # parameters per optimizer group, whole model (_register)
+        self._renames: dict[str, str | None] = {}  # tied parameters' names in checkpoints (_tie_names)
+        self._not_saved: set[str] = set()
         self._registered = False
         self._stepped = False  # step() ran in this attempt
         self._done: int | None = None  # steps finished at the last step() call
@@ -407,6 +409,8 @@ class Checkpointer:
     def _state_for_save(self, done_steps: int) -> tuple[dict, dict]:
         """(the tensors, the JSON state) a save of the state after `done_steps` steps writes."""
         tensors, _, optim_sd = self._tensors()
+        if self._not_saved:  # a tied parameter's copy: the lowest stage holding one writes it
+            tensors = {k: v for k, v in tensors.items() if k.split("/")[1] not in self._not_saved}
         state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
         if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
             from hpcscale.xsite.rounds import TAG
@@ -805,14 +809,39 @@ class Checkpointer:
                     "load_state_dict(); pass an object that has them, or a dict"
                 )
         self._model, self._optimizers, self._objects = model, optimizers, dict(state)
+        self._renames, self._not_saved = self._tie_names()
         self._group_sizes = self._whole_model_group_sizes()
         self._hook_optimizers()
         self._registered = True
 
+    def _tie_names(self) -> tuple[dict[str, str | None], set[str]]:
+        """A checkpoint holds a tied parameter once, under its first name in the whole model (hpcscale.parallel.ties),
+        whatever the layout: (this stage's names to store under another name, None for one dropped as the same tensor
+        as an earlier name here; the names this stage does not write, as a lower stage holding a copy writes them).
+        Every stage reads them by that name, so a checkpoint loads into any pp."""
+        from hpcscale.parallel.ties import STAGE_TIES, find_ties
+
+        renames: dict[str, str | None] = {}
+        not_saved: set[str] = set()
+        if self._model is None:
+            return renames, not_saved
+        for names in find_ties(self._model):  # one parameter under several names on this stage
+            renames.update(dict.fromkeys(names[1:]))
+        for tie in self._model.__dict__.get(STAGE_TIES) or ():
+            if tie.here is None:
+                continue
+            if tie.here != tie.names[0]:
+                renames[tie.here] = tie.names[0]
+            if self._ctx.pp_rank != tie.stages[0]:
+                not_saved.add(tie.names[0])
+        return renames, not_saved
+
     def _whole_model_group_sizes(self) -> list[int]:
         """Parameters per optimizer group over the whole model. A pipeline stage holds only its own, so the
-        stages' counts are summed (a collective over pp, on the rank's device: NCCL reduces only GPU tensors)."""
-        sizes = [len(g["params"]) for opt in self._optimizers for g in opt.param_groups]
+        stages' counts are summed (a collective over pp, on the rank's device: NCCL reduces only GPU tensors); a
+        tied parameter's copy on a stage above the lowest one holding it counts there only."""
+        skip = self._ctx._norm_skip  # the copies whose gradient a lower stage counts: the same ones
+        sizes = [sum(id(p) not in skip for p in g["params"]) for opt in self._optimizers for g in opt.param_groups]
         if self._ctx.dims.pp > 1:
             group = self._ctx.mesh["pp"].get_group()
             count = torch.tensor([len(sizes), -len(sizes)], dtype=torch.int64, device=self._ctx.device)
@@ -838,13 +867,14 @@ class Checkpointer:
 
         reshard(self._model)  # FSDP2 units a no-grad forward left gathered name full tensors, not the shards
         model_sd, optim_sd = get_state_dict(self._model, list(self._optimizers))
-        tensors = {f"model/{k}": v for k, v in model_sd.items() if torch.is_tensor(v)}
+        names = self._renames
+        tensors = {f"model/{names.get(k, k)}": v for k, v in model_sd.items() if torch.is_tensor(v) and names.get(k, k)}
         if not self._optimizers:
             return tensors, model_sd, None
         for fqn, s in optim_sd["state"].items():
             for key, value in s.items():
-                if torch.is_tensor(value):
-                    tensors[f"optim/{fqn}/{key}"] = value
+                if torch.is_tensor(value) and names.get(fqn, fqn):
+                    tensors[f"optim/{names.get(fqn, fqn)}/{key}"] = value
         return tensors, model_sd, optim_sd
 
     def _object_states(self) -> dict[str, Any]:

@@ -108,8 +108,12 @@ def main(ctx) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     pipe = ctx.pipeline(model, n_microbatches=2, loss_fn=loss_fn) if dims.pp > 1 else None
     share = BATCH // dims.dp
-    losses, norms = [], []
-    for step in range(steps):
+    losses, norms = {}, {}
+    start = 0
+    if p.get("ckpt"):  # saved and resumed by ctx.checkpoint (a later run may resume at another layout)
+        ctx.checkpoint.steps = steps
+        start = ctx.checkpoint.restore(model, opt)
+    for step in range(start, steps):
         x, y = batch(step)
         x, y = x[ctx.dp_rank * share : (ctx.dp_rank + 1) * share], y[ctx.dp_rank * share : (ctx.dp_rank + 1) * share]
         opt.zero_grad()
@@ -122,8 +126,10 @@ def main(ctx) -> None:
         opt.step()
         mean = loss.detach() / (dims.dp * dims.tp) if loss is not None else torch.zeros(())
         dist.all_reduce(mean)
-        losses.append(float(mean))
-        norms.append(float(norm))
+        losses[step] = float(mean)
+        norms[step] = float(norm)
+        if p.get("ckpt"):
+            ctx.checkpoint.step(step)
     names = dict(model.named_parameters(remove_duplicate=False))
     copies = {n: digest(t) for n, t in names.items() if n in ("emb.weight", "head.weight")}
     report = {
