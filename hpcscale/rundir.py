@@ -65,6 +65,7 @@ JOB = "job.yaml"
 SITE = "site.yaml"
 SUBMISSIONS = "submissions.jsonl"
 LOGS = "logs"
+SUBMISSIONS_DIR = "submissions"  # the script of each submission, NNNN.sbatch
 METRICS = "metrics.jsonl"
 TIMING = "timing.jsonl"  # per-rank step-time breakdown, one line per window (hpcscale.observe.timing)
 TENSORBOARD = "tensorboard"  # TensorBoard event files (metrics.tensorboard: true)
@@ -187,6 +188,17 @@ def site_checkpoint_root(site: SiteConfig) -> Path | None:
     return expand_path(root) if root else None
 
 
+def sweep_dir(run_dir: Path, index: int) -> Path:
+    """RUN/sweep/NNNN, the run directory of one point of a sweep (an array task: its attempts, metrics and
+    checkpoints), made by this user (0755), or accepted only if it and RUN/sweep are this user's (or root's) and
+    no one else can write them (hpcscale.util.trust.private_dir; UntrustedFile, exit 2): one made first by
+    someone else, in a run directory others may write, could hold the attempts and checkpoints a resume reads.
+    Every rank of the task calls it at start, at once."""
+    path = run_dir / "sweep" / f"{index:04d}"
+    private_dir(path, below=run_dir, mode=0o755, what="sweep point's run directory")
+    return path
+
+
 NODE_LOCAL_DIR = "hpcscale-{run_id}"  # a run's directory under the site's filesystems.node_local, on each node
 
 
@@ -233,8 +245,11 @@ class RunDir:
                 ) from None
         elif path.exists() and not (path / SUBMISSIONS).exists() and any(path.iterdir()):
             raise BadInput(f"{path} exists and is not an hpcscale run directory; refusing to write into it")
-        (path / LOGS).mkdir(parents=True, exist_ok=True)
-        (path / "submissions").mkdir(exist_ok=True)
+        # made here (0755), or, in a run reused, kept only if the user's or root's and no one else can write them:
+        # `resume` reads a failed job's rank, node and signal from RUN/logs, so someone else's logs directory (made
+        # first in a run directory others may write) could feed it failure lines (hpcscale.util.trust.private_dir)
+        for name, what in ((LOGS, "run's logs directory"), (SUBMISSIONS_DIR, "run's submissions directory")):
+            private_dir(path / name, below=path, mode=0o755, what=what)
         return cls(path)
 
     @classmethod
@@ -396,7 +411,7 @@ class RunDir:
     def write_script(self, index: int, text: str) -> Path:
         """RUN/submissions/NNNN.sbatch, mode 0755 (set on the temporary before it takes the name: never a
         chmod through a path someone could have swapped)."""
-        path = self.path / "submissions" / f"{index:04d}.sbatch"
+        path = self.path / SUBMISSIONS_DIR / f"{index:04d}.sbatch"
         _atomic_write(path, text, mode=0o755)
         return path
 

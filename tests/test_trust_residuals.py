@@ -354,3 +354,121 @@ def test_a_node_local_step_refused_at_the_restart_is_hashed_and_said_once(tmp_pa
     assert logs.count("node-local step-00000006: the copies that verify do not make it whole") == 1, logs[-4000:]
     refused = [line for line in logs.splitlines() if "node-local copy refused" in line and "step-00000006" in line]
     assert len(refused) == 4, refused  # each node holds both data files: its own and its partner's copy
+
+
+# ---- directories made, not adopted -------------------------------------------------------------------------------
+_FAKE_FAILURE = "srun: error: n9: task 3: Killed\n"  # what a planted log would blame: node n9
+
+
+def test_a_run_keeps_its_logs_directory_only_if_no_one_else_could_write_it(tmp_path, other_user):
+    """`resume` (and the requeue decision) read a failed job's rank, node and signal from RUN/logs, which a reused
+    run took as it found it: someone else's logs directory, made first, fed the diagnosis their failure lines.
+    Now RUN/logs and RUN/submissions are made 0755 by a mkdir that fails on an existing name, or kept only if
+    the user's or root's and no one else can write them, and RUN/logs is read through a descriptor so checked."""
+    from hpcscale.recovery.joblog import attempt_lines
+    from hpcscale.rundir import RunDir
+    from hpcscale.util.trust import UntrustedFile
+
+    run = tmp_path / "run"
+    rd = RunDir.create(run)
+    assert {(run / d).stat().st_mode & 0o7777 for d in ("logs", "submissions")} == {0o755}
+    (run / "submissions.jsonl").write_text("")
+    (run / "logs" / "slurm-7.err").write_text(_FAKE_FAILURE)
+    assert attempt_lines(RunDir.create(run, reuse=True), "7") == [_FAKE_FAILURE.strip()]  # its own: read
+    (run / "logs" / "slurm-7.err").unlink()
+    (run / "logs").rmdir()
+    other_user.make(run / "logs", directory=True)
+    (run / "logs" / "slurm-7.err").write_text(_FAKE_FAILURE)
+    with pytest.raises(UntrustedFile, match=r"logs: refusing the run's logs directory: owned by hpcscale-other"):
+        RunDir.create(run, reuse=True)
+    with pytest.raises(UntrustedFile, match="run's logs directory"):
+        attempt_lines(rd, "7")
+    (run / "logs" / "slurm-7.err").unlink()
+    (run / "logs").rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "slurm-7.err").write_text(_FAKE_FAILURE)
+    (run / "logs").symlink_to(elsewhere)
+    with pytest.raises(UntrustedFile, match="symbolic link"):
+        attempt_lines(rd, "7")
+    with pytest.raises(UntrustedFile, match="symbolic link"):
+        RunDir.create(run, reuse=True)
+
+
+def test_a_sweep_points_run_directory_is_made_not_adopted(tmp_path, other_user):
+    """An array task's RUN/sweep/NNNN holds its attempts, metrics and checkpoints: it was made with
+    mkdir(exist_ok=True), so one someone else made first was used. Now it is made 0755 or accepted only if it
+    and RUN/sweep are the user's (or root's) and no one else can write them."""
+    from hpcscale.rundir import sweep_dir
+    from hpcscale.util.trust import UntrustedFile
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    made = sweep_dir(mine, 3)
+    assert made == mine / "sweep" / "0003" and made.stat().st_mode & 0o7777 == 0o755
+    assert sweep_dir(mine, 3) == made  # a requeued task: its own, accepted
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    other_user.make(theirs / "sweep", directory=True)
+    with pytest.raises(UntrustedFile, match="sweep: refusing the sweep point's run directory: owned by"):
+        sweep_dir(theirs, 3)
+    assert not (theirs / "sweep" / "0003").exists()  # nothing made inside theirs
+
+
+def test_smoke_writes_and_loads_its_job_specs_only_in_directories_of_its_own(tmp_path, other_user):
+    """`hpcscale smoke` writes each job's spec to ROOT/specs and loads the job from it: a specs directory (or a
+    ROOT) someone else made first could swap the spec for theirs (its entry point is what the ranks run), and
+    a symlink planted at a spec's name was written through."""
+    from hpcscale.smoke.checks import make_plan, run_smoke
+    from hpcscale.smoke.runners import _spec_file
+    from hpcscale.util.trust import UntrustedFile
+
+    root = tmp_path / "smoke"
+    root.mkdir()
+    victim = tmp_path / "victim.yaml"
+    victim.write_text("precious\n")
+    other_user.make(root / "specs", directory=True)
+    (root / "specs" / "devices.yaml").symlink_to(victim)
+    with pytest.raises(UntrustedFile, match="specs: refusing the smoke test's job specs directory"):
+        _spec_file(root, "devices", {"name": "devices"})
+    assert victim.read_text() == "precious\n"
+    (root / "specs" / "devices.yaml").unlink()
+    (root / "specs").rmdir()
+    (root / "specs").mkdir()
+    (root / "specs" / "devices.yaml").symlink_to(victim)  # the user's own directory: the link is replaced
+    assert _spec_file(root, "devices", {"name": "devices"}).read_text() == "name: devices\n"
+    assert victim.read_text() == "precious\n" and not (root / "specs" / "devices.yaml").is_symlink()
+
+    theirs = other_user.make(tmp_path / "theirs", directory=True)
+    plan = make_plan(site=None, local=True, ranks=2, nodes=None, partition=None, tp=1, pp=1, steps=4)
+
+    def no_job(*args):
+        raise AssertionError(f"a smoke job ran in someone else's directory: {args[:1]}")
+
+    with pytest.raises(UntrustedFile, match="theirs: refusing the smoke test's directory: owned by"):
+        run_smoke(plan, theirs, no_job, say=lambda _line: None)
+
+
+def test_a_stage_never_follows_a_symlink_someone_else_planted_at_its_destination(tmp_path, other_user):
+    """DST is the user's named target, used as it is (a team may share it), but a symbolic link there was
+    followed whoever made it: a colleague's link at DST sent the stage into a directory of the user's own. One
+    the user (or root) made is still followed."""
+    import os
+
+    from test_stage import build, make_tree, stage
+
+    src = make_tree(tmp_path / "src", small=4)
+    build(src)
+    victim = tmp_path / "mine"
+    victim.mkdir()
+    dst = tmp_path / "dst"
+    dst.symlink_to(victim)
+    os.lchown(dst, other_user.uid, other_user.gid)
+    done = stage(src / "manifest.json", str(src), str(dst))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{dst} is a symlink (-> {victim}) owned by uid {other_user.uid}" in done.stderr, done.stderr
+    assert list(victim.iterdir()) == []
+    os.lchown(dst, os.geteuid(), os.getegid())  # the user's own link: followed, as before
+    done = stage(src / "manifest.json", str(src), str(dst))
+    assert done.returncode == 0, done.stderr
+    assert (victim / "manifest.json").is_file()

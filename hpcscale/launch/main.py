@@ -34,6 +34,7 @@ from hpcscale.rundir import (
     link_checkpoints,
     node_local_dir,
     site_checkpoint_root,
+    sweep_dir,
 )
 from hpcscale.slurm.allocation import job_log_paths
 from hpcscale.util.paths import expand_path
@@ -341,8 +342,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
             raise BadInput(f"--sweep-index {sweep_index}: the job has no such sweep point")
         point = spec.sweep.point(sweep_index)
         params.update(point)
-        work_dir = run_dir / "sweep" / f"{sweep_index:04d}"
-        work_dir.mkdir(parents=True, exist_ok=True)
+        work_dir = sweep_dir(run_dir, sweep_index)
     checkpoint_root = site_checkpoint_root(loaded.site.config)
     run_id = RunDir(run_dir).run_id()  # every checkpoint directory is marked with it (rundir.claim_checkpoints)
     if checkpoint_root is not None:  # checkpoints on their own filesystem, under the run's name and id

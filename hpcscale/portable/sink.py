@@ -289,6 +289,29 @@ def untrusted(st):
     return None
 
 
+def refuse_planted_link(root):
+    """DST is the destination the user named, used as it is: a directory others may write is allowed (a team's
+    shared destination; what they can still do: docs/staging.md, "Trust"). But a symbolic link at DST is
+    followed only when the user or root made it: one someone else planted there would send the whole stage
+    wherever they chose (a directory of the user's own, say). StageError (exit 2), nothing created or written."""
+    try:
+        st = os.lstat(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (me, 0):
+        try:
+            target = os.readlink(root)
+        except OSError:
+            target = "?"
+        raise StageError(
+            f"{root} is a symlink (-> {target}) owned by uid {st.st_uid}, not by this user (uid {me}) or root; "
+            "hpcscale stage never writes through a symlink someone else planted. Fix: check where it leads, and "
+            "stage to that directory if it is the one you mean",
+            "input",
+        )
+
+
 def _identity(st):
     """What changes whenever a file is replaced (rename: another inode) or written (size, mtime, ctime)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -400,6 +423,7 @@ class Sink:
         self.umask = umask
         self.jobs = max(2, jobs)  # plan-time lstat and hashing threads; 2 even for -j 1, so I/O overlaps hashing
         root = os.path.expanduser(root)  # ssh://host/~/data names ~/data
+        refuse_planted_link(root)
         if not dry_run:
             os.makedirs(root, exist_ok=True)
         self.root = os.path.realpath(root)

@@ -52,6 +52,7 @@ from hpcscale.rundir import RunDir
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.slurmtime import parse_duration
+from hpcscale.util.trust import UntrustedFile
 
 TIME_LIMIT_SLACK_S = 60  # a stop signal this much beyond grace_seconds before the end still counts as the time limit
 # srun's exit code when a rank died of a signal only a stop request sends (its handler not yet armed)
@@ -284,7 +285,12 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
     newest = committed[0][0] if committed else None
     decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=newest, committed=committed)
     # A task that died of a signal is how the attempt ended, whatever srun's exit code (see signalled_task)
-    died = signalled_task(attempt_lines(rd, job_id)) if cause == "failed" and job_id else None
+    died = None
+    if cause == "failed" and job_id:
+        try:
+            died = signalled_task(attempt_lines(rd, job_id))
+        except UntrustedFile as e:  # the decision is still made: srun's exit code stands for the attempt's
+            say(f"hpcscale: warning: the job's log is not read: {e}")
     code = 128 + died.signum if died else exit_code
     rd.add_attempt_event(
         {

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from hpcscale.errors import BadInput
 from hpcscale.layout import JobLayout
+from hpcscale.util.trust import private_dir
 
 BF16_TOLERANCE = 0.03  # relative, per step: bf16 layouts agree to about 1e-2 over a short run
 FP32_TOLERANCE = 1e-5  # relative, per step: the layout guarantee (tests/test_train_layouts.py)
@@ -141,7 +142,9 @@ def run_smoke(plan: SmokePlan, root: Path, run: Runner, *, say: Callable[[str], 
     """Every check in order; a check whose job failed fails, and the ones that need its output say why."""
     check_steps(plan.steps)
     lay = plan.layout
-    root.mkdir(parents=True, exist_ok=True)
+    # the smoke jobs' run directories and specs go here: made by this user, or one of theirs that no one else can
+    # write (someone else's, made first, could hold the specs the jobs are loaded from and the reports judged)
+    private_dir(root, mode=0o755, what="smoke test's directory")
     report = SmokeReport(
         "local" if plan.local else plan.site,
         "?",

@@ -12,6 +12,8 @@ import os
 import time
 from pathlib import Path
 
+from hpcscale.util.trust import private_dir
+
 SMOKE_DIR = "smoke"
 
 
@@ -119,7 +121,8 @@ def devices(ctx) -> None:
         ),
     }
     out = ctx.run_dir / SMOKE_DIR
-    out.mkdir(exist_ok=True)
+    # every rank at once; the reports judged later come only from a directory no one else could write into
+    private_dir(out, below=ctx.run_dir, mode=0o755, what="smoke test's report directory")
     (out / f"rank-{ctx.rank:05d}.json").write_text(json.dumps(report, indent=1))
 
 

@@ -10,17 +10,22 @@ from pathlib import Path
 import yaml
 
 from hpcscale.config.load import load_job
+from hpcscale.portable.files import atomic_write
 from hpcscale.smoke.checks import JobOutcome
 from hpcscale.util.proc import CommandFailed
+from hpcscale.util.trust import private_dir
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}  # fmt: skip
 
 
 def _spec_file(root: Path, name: str, spec: dict) -> Path:
+    """ROOT/specs/NAME.yaml, the job spec the job is loaded from: in a directory only the user can write (made
+    so, or refused: a spec names the program the ranks run), written through a fresh name (atomic_write: a
+    symbolic link at the name is replaced, never written through)."""
     path = root / "specs" / f"{name.replace(' ', '-').replace('(', '').replace(')', '')}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    private_dir(path.parent, below=root, mode=0o755, what="smoke test's job specs directory")
+    atomic_write(path, yaml.safe_dump(spec, sort_keys=False), durable=False)
     return path
 
 
