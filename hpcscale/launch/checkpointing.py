@@ -721,7 +721,7 @@ class Checkpointer:
             return
         self._progress = (since, first, now)
         left = max(self.steps - step - 1, 0)
-        logged = "".join(f", {k} {v:.5g}" for k, v in list(self._ctx.metrics.latest.items())[-4:])
+        logged = "".join(f", {k} {v:.5g}" for k, v in list(self._ctx.metrics._latest.items())[-4:])
         if not self._recent_s:
             self._ctx.metrics.print(
                 f"hpcscale: step {step + 1}/{self.steps} done{logged}, first step {step_s:.3g} s (compilation and "

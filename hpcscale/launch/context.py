@@ -89,7 +89,7 @@ class MetricsLogger:
         self._f = _append_only(path) if path is not None else None
         self._tb = None
         # the newest numbers the loop logged (rank 0): the progress line shows them beside the pace
-        self.latest: dict[str, float] = {}
+        self._latest: dict[str, float] = {}
         if tensorboard is not None and path is not None:  # metrics.tensorboard: the same lines as events
             from hpcscale.observe.tensorboard import TensorBoardSink
 
@@ -121,8 +121,8 @@ class MetricsLogger:
             for k, v in values.items():
                 own = k in OWN_KEYS or k.startswith(OWN_PREFIXES)
                 if not own and isinstance(v, int | float) and not isinstance(v, bool):
-                    self.latest.pop(k, None)  # the newest key last: the line shows the ones logged most recently
-                    self.latest[k] = v
+                    self._latest.pop(k, None)  # the newest key last: the line shows the ones logged most recently
+                    self._latest[k] = v
             if self._tb is not None:
                 self._tb.log(row)
 
