@@ -14,13 +14,16 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli
+from conftest import REPO, run_cli
+
+DOC = REPO / "docs" / "huggingface.md"
 
 # The entry point every layout runs, and the reference: one file, so the models, the batches and the optimizer
 # are the same on both sides.
@@ -28,7 +31,9 @@ ENTRY = '''
 """Every model of variants() named in train.params.models through hf.parallelize at the job's layout."""
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from gpt_neox_adapter import GPT_NEOX  # docs/huggingface.md's adapter for a family hf does not list
+from transformers import (AutoModelForCausalLM, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
 
 from hpcscale.errors import BadInput
 from hpcscale.train import hf
@@ -53,6 +58,9 @@ def variants():
         "qwen3": (Qwen3Config(**SHAPE, head_dim=16), hf.LLAMA),  # a family hf does not list, built like Llama
         "gpt2-tied": (GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0), None),
+        "gpt-neox": (GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                   num_attention_heads=4, max_position_embeddings=64, bos_token_id=0,
+                                   eos_token_id=0), GPT_NEOX),
     }
 
 
@@ -88,6 +96,16 @@ def reference(name):
         return losses, float(hf.lm_loss(model(input_ids=x).logits, y))
 
 
+def tp_split(model):
+    """The parameters split over the tp mesh axis (what the plan did), as this rank holds them."""
+    out = []
+    for name, q in model.named_parameters():
+        axes = q.device_mesh.mesh_dim_names if hasattr(q, "device_mesh") else ()
+        if "tp" in axes and q.placements[axes.index("tp")].is_shard():
+            out.append(name)
+    return out
+
+
 def main(ctx):
     share = BATCH // ctx.dims.dp
     mine = slice(ctx.dp_rank * share, (ctx.dp_rank + 1) * share)
@@ -98,6 +116,7 @@ def main(ctx):
         except BadInput as e:  # refused before any collective: every rank of this job refuses alike
             ctx.metrics.log(model=name, refused=str(e))
             continue
+        ctx.metrics.log(model=name, tp_split=tp_split(lm.model))
         opt = torch.optim.AdamW(lm.model.parameters(), lr=3e-3, foreach=False)
         for step in range(STEPS):
             x, y = (t[mine].to(ctx.device) for t in batch(step))
@@ -110,7 +129,7 @@ def main(ctx):
         ctx.metrics.log(model=name, val_loss=lm.mean_loss(lm.evaluate(x, y)))
 '''
 
-MODELS = ["llama-tied", "llama", "mistral", "mistral-tied", "qwen2-tied", "qwen2", "qwen3", "gpt2-tied"]
+MODELS = ["llama-tied", "llama", "mistral", "mistral-tied", "qwen2-tied", "qwen2", "qwen3", "gpt2-tied", "gpt-neox"]
 # what tensor parallelism refuses, on every rank before any collective, and the parameter the refusal names: GPT-2's
 # fused q/k/v Conv1D; Qwen3's q_norm (a norm over each head: under tp a rank would get its own heads' part of the
 # gradient, so hf.LLAMA's plan refuses a parameter it does not know)
@@ -121,15 +140,28 @@ LAYOUTS = [("pp2-dp_shard2", {"pp": 2, "dp_shard": 2}), ("tp2-dp_shard2", {"tp":
            ("pp2-tp2", {"pp": 2, "tp": 2})]  # fmt: skip
 
 
+def _page_block(first_line: str) -> str:
+    found = [b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S) if b.startswith(first_line)]
+    assert len(found) == 1, f"docs/huggingface.md must hold one python block starting {first_line!r}"
+    return found[0]
+
+
 @pytest.fixture(scope="module")
 def entry(tmp_path_factory):
-    """The entry point's directory and the module itself, imported here for the reference."""
+    """The entry point's directory (with the page's GPT-NeoX adapter beside it) and the module itself, imported
+    here for the reference."""
     d = tmp_path_factory.mktemp("hf-adapters")
     (d / "adapter_entry.py").write_text(ENTRY)
-    spec = importlib.util.spec_from_file_location("adapter_entry", d / "adapter_entry.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return d, module
+    (d / "gpt_neox_adapter.py").write_text(_page_block("# gpt_neox_adapter.py"))
+    sys.path.insert(0, str(d))
+    try:
+        spec = importlib.util.spec_from_file_location("adapter_entry", d / "adapter_entry.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield d, module
+    finally:
+        sys.path.remove(str(d))
+        sys.modules.pop("gpt_neox_adapter", None)
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +201,13 @@ def test_every_family_trains_through_its_adapter_to_the_whole_models_losses(
             refused = [row["refused"] for row in rows if row.get("model") == name and "refused" in row]
             assert refused and REFUSED_AT_TP[name] in refused[0] and "parallel.tp = 1" in refused[0], refused
             continue
+        split = next(row["tp_split"] for row in rows if row.get("model") == name and "tp_split" in row)
+        if "tp" in parallel:  # rank 0 is on the first stage: its embedding and its layers' projections are split
+            embedding = "gpt_neox.embed_in.weight" if name == "gpt-neox" else "model.embed_tokens.weight"
+            projection = "attention.dense.weight" if name == "gpt-neox" else "mlp.down_proj.weight"
+            assert embedding in split and any(n.endswith(projection) for n in split), (name, split)
+        else:
+            assert split == [], (name, split)
         got = [row["loss"] for row in rows if row.get("model") == name and "loss" in row]
         val = [row["val_loss"] for row in rows if row.get("model") == name and "val_loss" in row]
         want, want_val = reference[name]
@@ -179,7 +218,7 @@ def test_every_family_trains_through_its_adapter_to_the_whole_models_losses(
         assert abs(val[0] - want_val) <= within * want_val, (name, val[0], want_val)
 
 
-@pytest.mark.parametrize("name", ["llama-tied", "mistral", "qwen2-tied", "qwen3", "gpt2-tied"])
+@pytest.mark.parametrize("name", ["llama-tied", "mistral", "qwen2-tied", "qwen3", "gpt2-tied", "gpt-neox"])
 def test_the_stage_forwards_chained_give_the_whole_models_logits_bitwise(entry, name):
     """Each stage of a pp 2 cut, its forward the adapter's, fed the stage before's output: the whole model's own
     forward's logits, bitwise (Mistral's sliding window and Qwen2's mixed layers included: masks as the model
@@ -247,6 +286,8 @@ def test_the_tp_plans_split_megatron_style_and_refuse_what_they_cannot_split(ent
         for proj in ("self_attn.o_proj", "mlp.down_proj"):
             assert isinstance(plan[f"model.layers.{i}.{proj}"], RowwiseParallel)
     assert len(plan) == 2 + 4 * 7
+    neox = module.GPT_NEOX.tp_plan(module.build("gpt-neox"))  # the page's own adapter: every parameter covered
+    assert len(neox) == 2 + 4 * 4 and isinstance(neox["gpt_neox.layers.3.attention.query_key_value"], ColwiseParallel)
     with pytest.raises(BadInput, match=r"transformer\.h\.0\.attn\.c_attn.*parallel\.tp = 1"):
         hf.GPT2.tp_plan(module.build("gpt2-tied"))
     with pytest.raises(BadInput, match=r"model\.layers\.0\.self_attn\.q_norm\.weight.*parallel\.tp = 1"):

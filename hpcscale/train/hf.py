@@ -110,7 +110,8 @@ def stage_plan(
             f"hf.parallelize: {type(model).__name__} has parameters the {adapter} adapter's tensor-parallel plan "
             f"neither splits nor knows to be safe whole ({listed}): a parameter each tp rank applies to its own "
             "heads only (a norm inside the attention) would get that rank's part of its gradient. Run with "
-            "parallel.tp = 1, or pass adapter= with a tp_plan that covers them"
+            "parallel.tp = 1, or pass adapter= with a tp_plan that splits them (or lists them as whole, if every "
+            "tp rank applies them to the whole hidden state)"
         )
     return plan
 
@@ -243,7 +244,7 @@ def adapter_for(model: nn.Module) -> Adapter:
     )
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelLM:
     """A causal LM parallelized on this rank: `model` is the rank's part of it (its pipeline stage when
     parallel.pp > 1; its tp and FSDP shards), what the optimizer and ctx.checkpoint take; `pipeline` runs its
