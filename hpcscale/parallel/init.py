@@ -46,11 +46,6 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.M
     yield prefix, module
 
 
-def post_order_names(model: nn.Module) -> list[str]:
-    """The qualified names of `model`'s modules in the order initialization visits them (children first)."""
-    return [name for name, _ in _post_order(model)]
-
-
 def on_meta(model: nn.Module) -> bool:
     """Whether `model` was built on the meta device: every parameter and buffer (BadInput when only some are,
     which to_empty would silently leave half uninitialized)."""

@@ -40,6 +40,14 @@ def find_ties(model: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(n) for n in names.values() if len(n) > 1]
 
 
+def _post_order_names(module: nn.Module, prefix: str = "") -> list[str]:
+    """Module names in the order initialization visits them, children first (hpcscale.parallel.init's order)."""
+    out = []
+    for name, child in module.named_children():
+        out += _post_order_names(child, f"{prefix}.{name}" if prefix else name)
+    return [*out, prefix]
+
+
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent, _, attr = name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), attr
@@ -111,9 +119,7 @@ def stage_ties(
     last_stage_only: Sequence[str],
 ) -> list[StageTie]:
     """The ties of the whole `model` (before it is cut) that the cut spreads over more than one stage."""
-    from hpcscale.parallel.init import post_order_names
-
-    order = {name: i for i, name in enumerate(post_order_names(model))}
+    order = {name: i for i, name in enumerate(_post_order_names(model))}
     out = []
     for names in find_ties(model):
         cut = dict(layers=layers, block_stage=block_stage, first=first_stage_only, last=last_stage_only, pp=pp)
