@@ -71,18 +71,30 @@ def trusted_owners() -> tuple[int, ...]:
     return (os.geteuid(), 0)
 
 
-def problem(st: os.stat_result, *, directory: bool = False) -> str | None:
-    """Why a file (or directory) with this fstat must not be trusted; None when it may be."""
+def problem(st: os.stat_result, *, directory: bool = False, acl: bool = False) -> str | None:
+    """Why a file (or directory) with this fstat must not be trusted; None when it may be. `acl`: the file has a
+    POSIX access ACL (`has_acl`), whose mask its group bits then are: group write may be a named user's, so
+    the user-private-group exception does not apply."""
     me = os.geteuid()
     if st.st_uid not in (me, 0):
         return f"owned by {_owner(st.st_uid)}, not by you ({_owner(me)}) or root"
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o020 and private_group(st):
+    if mode & 0o020 and not acl and private_group(st):
         mode &= ~0o020  # the owner's own user-private group (umask 002 on RHEL-like systems): no one else
     if mode & 0o022 and not (directory and mode & stat.S_ISVTX):
         who = " and ".join(w for w, bit in (("its group", 0o020), ("others", 0o002)) if mode & bit)
         return f"writable by {who} (mode {mode:04o})"
     return None
+
+
+def has_acl(fd: int) -> bool:
+    """Whether the open file `fd` carries a POSIX access ACL (beyond its mode bits): its group bits are then the
+    ACL's mask, which a named user's or group's write entry sets."""
+    try:
+        os.getxattr(fd, "system.posix_acl_access")
+    except OSError as e:  # unreadable otherwise: judged as if it had one (no private-group exception)
+        return e.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP)
+    return True
 
 
 def private_group(st: os.stat_result) -> bool:
@@ -101,7 +113,7 @@ def private_group(st: os.stat_result) -> bool:
     return group.gr_name == owner and set(group.gr_mem) <= {owner}
 
 
-def _fix(path: Path, st: os.stat_result, *, directory: bool = False) -> str:
+def _fix(path: Path, st: os.stat_result, *, directory: bool = False, acl: bool = False) -> str:
     me = os.geteuid()
     steps = []
     if st.st_uid not in (me, 0):
@@ -112,15 +124,18 @@ def _fix(path: Path, st: os.stat_result, *, directory: bool = False) -> str:
                 "read it first; only if you trust what it says, make it yours "
                 f"(cp {path} {path}.mine && mv {path}.mine {path}, or chown it as root)"
             )
-    mode = stat.S_IMODE(st.st_mode) & ~(0o020 if private_group(st) else 0)
+    mode = stat.S_IMODE(st.st_mode) & ~(0o020 if not acl and private_group(st) else 0)
     if mode & 0o022 and not (directory and mode & stat.S_ISVTX):
-        steps.append(f"chmod go-w {path}" if directory else f"check what it says, then chmod go-w {path}")
+        chmod = f"setfacl -b {path} && chmod go-w {path}" if acl else f"chmod go-w {path}"
+        steps.append(chmod if directory else f"check what it says, then {chmod}")
     return "; then ".join(steps)
 
 
-def refuse(path: Path, st: os.stat_result, why: str, *, what: str, directory: bool = False) -> UntrustedFile:
+def refuse(
+    path: Path, st: os.stat_result, why: str, *, what: str, directory: bool = False, acl: bool = False
+) -> UntrustedFile:
     mode = stat.S_IMODE(st.st_mode)
-    fix = _fix(path, st, directory=directory)
+    fix = _fix(path, st, directory=directory, acl=acl)
     return UntrustedFile(
         f"{path}: refusing the {what}: {why} (owner {_owner(st.st_uid)}, mode {mode:04o}); hpcscale honours "
         "configuration only from files owned by you or root and writable by no one else"
@@ -135,9 +150,10 @@ def check_fd(fd: int, path: Path, *, what: str, directory: bool = False) -> os.s
     kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
     if not kind_ok:
         raise UntrustedFile(f"{path}: refusing the {what}: not a {'directory' if directory else 'regular file'}")
-    why = problem(st, directory=directory)
+    acl = has_acl(fd)
+    why = problem(st, directory=directory, acl=acl)
     if why is not None:
-        raise refuse(path, st, why, what=what, directory=directory)
+        raise refuse(path, st, why + (" (through its ACL)" if acl else ""), what=what, directory=directory, acl=acl)
     return st
 
 
@@ -214,9 +230,10 @@ PRIVATE_DEPTH = 2  # levels checked inside a directory others may enter: a check
 def private_dir(path: str | Path, *, what: str, mode: int = 0o700, below: str | Path | None = None) -> None:
     """Make `path` a directory only the user (or root) can write, or accept the one there only if it is one
     (the rules above; UntrustedFile otherwise). `below` is the shared place it sits in (default: its parent),
-    made if missing and otherwise not judged; each directory from there down to `path` is made with `mode`
-    (mkdir failing on an existing name) or checked on the descriptor it is opened as. Safe when several
-    processes (every rank on a node) call it at once: one makes each directory, the others check it."""
+    made if missing and then held to `shared_place`'s rule (no one else may rename it away); each directory
+    from there down to `path` is made with `mode` (mkdir failing on an existing name; set with fchmod, so
+    whatever the umask) or checked on the descriptor it is opened as. Safe when several processes (every rank
+    on a node) call it at once: one makes each directory, the others check it."""
     p = Path(path)
     base = Path(below) if below is not None else p.parent
     names = p.relative_to(base).parts
@@ -230,11 +247,14 @@ def private_dir(path: str | Path, *, what: str, mode: int = 0o700, below: str | 
     except OSError as e:
         raise BadInput(f"{base}: cannot make or open the directory for the {what} ({e.strerror})") from None
     try:
+        shared_place(base, fd, what=what)
         here = base
         for name in names:
             here = here / name
+            made = False
             try:
                 os.mkdir(name, mode, dir_fd=fd)
+                made = True
             except FileExistsError:
                 pass  # someone's: judged below, on the descriptor
             except OSError as e:
@@ -242,10 +262,49 @@ def private_dir(path: str | Path, *, what: str, mode: int = 0o700, below: str | 
             inner = _open_dir(here, name, fd, what)
             os.close(fd)
             fd = inner
-            check_dir_fd(fd, here, what=what)
+            st = check_dir_fd(fd, here, what=what)
+            if made and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+                os.fchmod(fd, mode)  # the mode asked for, whatever the umask (it only ever narrows mkdir's)
         _check_inside(fd, p, what)
     finally:
         os.close(fd)
+
+
+def shared_place(base: Path, fd: int, *, what: str) -> None:
+    """Refuse (UntrustedFile) the place `base` (open as `fd`) a private directory is made in where someone else
+    could rename what hpcscale makes there away and put their own in its place while a job runs: from `base`
+    up to the first directory that is root's and sticky (like /tmp, /var/tmp) or to /, every directory must be
+    the user's or root's and not writable by others unless sticky (the owner of a directory, and anyone who
+    may write a directory that is not sticky, can rename what is in it). Group write is allowed: a project's
+    shared directory, whose members are the colleagues the run is shared with; what they could put in place of
+    a directory hpcscale made is theirs, refused at the next start, and a drain to the shared tier takes a
+    node-local step only with the digest this job saved. Above a root-owned sticky directory the system's
+    layout is not judged."""
+    me = os.geteuid()
+    here, st = Path(os.path.abspath(base)), os.fstat(fd)
+    while True:
+        mode = stat.S_IMODE(st.st_mode)
+        sticky = bool(mode & stat.S_ISVTX)
+        if st.st_uid not in (me, 0):
+            why = f"owned by {_owner(st.st_uid)}, not by you ({_owner(me)}) or root"
+        elif mode & 0o002 and not sticky:
+            why = f"writable by others and not sticky (mode {mode:04o})"
+        else:
+            why = None
+        if why is not None:
+            raise UntrustedFile(
+                f"{here}: refusing it as the place of the {what} ({base}): {why}; its owner or anyone could then "
+                "rename what hpcscale makes in it away and put their own in its place while the job runs. Fix: "
+                f"use a directory of yours (or root's) that others cannot write, or have {here}'s owner make it "
+                f"sticky (chmod +t {here})"
+            )
+        if (sticky and st.st_uid == 0) or here.parent == here:
+            return
+        here = here.parent
+        try:
+            st = os.stat(here)
+        except OSError as e:
+            raise BadInput(f"{here}: cannot check the place of the {what} ({e.strerror})") from None
 
 
 def check_private_dir(path: str | Path, *, what: str) -> None:
@@ -284,8 +343,10 @@ def check_dir_fd(fd: int, path: Path, *, what: str, sticky_ok: bool = False) -> 
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
         raise UntrustedFile(f"{path}: refusing the {what}: not a directory")
-    why = problem(st, directory=sticky_ok)  # by default no sticky exception: others could still add steps
+    acl = has_acl(fd)
+    why = problem(st, directory=sticky_ok, acl=acl)  # by default no sticky exception: others could still add steps
     if why is not None:
+        why += " (through its ACL)" if acl else ""
         raise refuse_dir(path, st, why, what=what)
     return st
 
@@ -307,15 +368,18 @@ def _check_level(fd: int, path: Path, what: str, depth: int) -> None:
             continue  # removed meanwhile (another rank's retention)
         if (why := problem(st)) is not None:
             raise refuse_dir(path / name, st, why, what=f"directory in the {what}")
-        if depth > 1:
-            try:
-                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except OSError:
-                continue
-            try:
+        try:  # its ACL, and the level below, on a descriptor of the directory itself
+            inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(inner)
+            if has_acl(inner) and (why := problem(st, acl=True)) is not None:
+                raise refuse_dir(path / name, st, why + " (through its ACL)", what=f"directory in the {what}")
+            if depth > 1:
                 _check_level(inner, path / name, what, depth - 1)
-            finally:
-                os.close(inner)
+        finally:
+            os.close(inner)
 
 
 def refuse_dir(path: Path, st: os.stat_result, why: str, *, what: str) -> UntrustedFile:
