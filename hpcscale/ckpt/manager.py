@@ -35,6 +35,7 @@ from hpcscale.ckpt.nodelocal import (
     drain_source,
     holdings,
     needed_files,
+    remember_digest,
     transfer,
     verify_held,
     write_node_local_record,
@@ -490,7 +491,7 @@ class CheckpointManager:
                     )
                     tmp = self.root / f".tmp-{name}"
                     blobs = {f: (tmp / f).read_bytes() for f in (INDEX, DIGEST)}
-                    payload = [("ok", (blobs, sorted(index.files())))]
+                    payload = [("ok", (blobs, sorted(index.files()), index.digest))]
                 except Exception as e:
                     payload = [("failed", f"rank 0 index: {type(e).__name__}: {e}")]
         dist.broadcast_object_list(payload, src=0, group=self.group)
@@ -536,6 +537,7 @@ class CheckpointManager:
                 self.log(f"hpcscale: warning: cannot record the node-local tier in {self.record}: {e}")
         self.writer.committed([])
         self.last_step = step
+        remember_digest(self.root, step, detail[2])  # what a drain of this step must find (drain_source)
         self.committed.add(step)
         if len(self.committed) > 4096:  # bounded: a drain never waits for thousands of node-local saves
             self.committed.discard(min(self.committed))
@@ -777,6 +779,7 @@ class CheckpointManager:
                     self.log(f"hpcscale: refusing node-local {name}: {bad[0]}; trying an older one")
                 continue
             self.last_step = step
+            remember_digest(self.root, step, index.digest)  # loaded and verified: a drain may take it
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
         self.tensors_dirty = dirty
         return None

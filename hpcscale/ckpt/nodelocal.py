@@ -198,15 +198,36 @@ def needed_files(index: Index, targets) -> set[str]:
     return out
 
 
+# ---- what this process saved, for a drain to check against --------------------------------------------------
+# The node-local root's place (node_local) may be one others can rename entries in: a step read back by path
+# could be one they put there, consistent in itself. A drain therefore takes a step only when its root digest is
+# the one this process committed (or loaded, verified) for that step under that root, kept here in memory.
+_OWN_DIGESTS: dict[tuple[str, int], str] = {}
+MAX_OWN_DIGESTS = 4096
+
+
+def remember_digest(root: Path, step: int, digest: str) -> None:
+    """Step `step` under `root` was committed (or loaded and verified) by this process with root digest `digest`."""
+    _OWN_DIGESTS.pop((str(root), step), None)
+    _OWN_DIGESTS[(str(root), step)] = digest
+    while len(_OWN_DIGESTS) > MAX_OWN_DIGESTS:  # bounded: the oldest go first
+        _OWN_DIGESTS.pop(next(iter(_OWN_DIGESTS)))
+
+
+def own_digest(root: Path, step: int) -> str | None:
+    return _OWN_DIGESTS.get((str(root), step))
+
+
 # ---- moving files between nodes -------------------------------------------------------------------------------
 def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[list, dict, dict, float]:
     """What rank `rank` wrote for node-local step `step` under `root` (its node's directory), read back for a
     drain to the shared tier: its shards as PendingShards over host tensors (every chunk verified against its
     hash), its RNG states, the step's trainer state and when it was saved: everything the root digest covers,
-    so the drained step's digest is the node-local one's. A step stands alone, so every chunk of a shard this rank
-    wrote is in this rank's own data file. `staging(shards)` (the shared writer's ShardWriter.staging, given
-    shards over meta tensors) gives the buffers to read into, kept from drain to drain in one arena and never
-    page-locked; without it, new page-aligned buffers."""
+    so the drained step's digest is the node-local one's. Only a step whose root digest is the one this process
+    committed or loaded there (`remember_digest`) is read: VerificationFailure otherwise. A step stands alone,
+    so every chunk of a shard this rank wrote is in this rank's own data file. `staging(shards)` (the shared
+    writer's ShardWriter.staging, given shards over meta tensors) gives the buffers to read into, kept from
+    drain to drain in one arena and never page-locked; without it, new page-aligned buffers."""
     from hpcscale.ckpt.reader import ChunkReader, torch_dtype
     from hpcscale.ckpt.shards import LocalShard
     from hpcscale.ckpt.writer import PendingShard, aligned_empty
@@ -214,6 +235,17 @@ def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[lis
 
     name = step_dir_name(step)
     index = read_index(root / name / INDEX)
+    expected = own_digest(root, step)
+    if expected is None or index.digest != expected:
+        why = (
+            "no step of that number was saved or loaded by this job"
+            if expected is None
+            else (f"its root digest {index.digest} is not {expected}, the one this job saved")
+        )
+        raise VerificationFailure(
+            f"{root / name}: refusing to drain it to the shared tier: {why}; someone may have replaced the "
+            "node-local directory while the job ran"
+        )
     if index.step != step or rank not in index.rng:
         raise VerificationFailure(f"{root / name}: the index is of step {index.step}, without rank {rank}")
     own = f"{name}/data/rank-{rank:05d}.bin"
