@@ -59,7 +59,7 @@ from hpcscale.errors import BadInput
 from hpcscale.portable.files import atomic_create, atomic_write
 from hpcscale.util.bounded import MiB, loads_json, read_bounded
 from hpcscale.util.paths import expand_path
-from hpcscale.util.trust import UntrustedFile, clean, private_dir, read_trusted
+from hpcscale.util.trust import UntrustedFile, check_dir_fd, clean, private_dir, read_trusted
 
 JOB = "job.yaml"
 SITE = "site.yaml"
@@ -225,6 +225,27 @@ def node_local_dir(site: LoadedSite, node: str, run_id: str, *, sweep: str | Non
     return path
 
 
+def _reused_run_dir(path: Path) -> None:
+    """`--reuse`: make the run directory (mkdir, failing on an existing name) or keep the one there only if it is
+    the user's or root's and no one else can write it (hpcscale.util.trust.check_dir_fd; UntrustedFile, exit 2):
+    someone else's, or one others may write, could hold a job.yaml or logs they put there."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir()
+    except FileExistsError:
+        pass  # judged below, on the descriptor
+    except OSError as e:
+        raise BadInput(f"{path}: cannot make the run directory ({e.strerror})") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise BadInput(f"{path}: cannot open the run directory ({e.strerror})") from None
+    try:
+        check_dir_fd(fd, path, what="run directory (--reuse)")
+    finally:
+        os.close(fd)
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
@@ -243,8 +264,10 @@ class RunDir:
                 raise BadInput(
                     f"run directory {path} exists; pass --reuse to add a submission to it, or choose another --run-dir"
                 ) from None
-        elif path.exists() and not (path / SUBMISSIONS).exists() and any(path.iterdir()):
-            raise BadInput(f"{path} exists and is not an hpcscale run directory; refusing to write into it")
+        else:  # made here when missing; one that exists is kept only as a checkpoint directory would be
+            _reused_run_dir(path)
+            if not (path / SUBMISSIONS).exists() and any(path.iterdir()):
+                raise BadInput(f"{path} exists and is not an hpcscale run directory; refusing to write into it")
         # made here (0755), or, in a run reused, kept only if the user's or root's and no one else can write them:
         # `resume` reads a failed job's rank, node and signal from RUN/logs, so someone else's logs directory (made
         # first in a run directory others may write) could feed it failure lines (hpcscale.util.trust.private_dir)

@@ -143,21 +143,37 @@ class BuildDir:
         for fd in self._fds:
             fsync_dir(fd)
         fsync_dir(self.fd)
-        here = os.stat(self.name, dir_fd=self.parent_fd, follow_symlinks=False)
+        replaced = BadInput(
+            f"{self.out.parent / self.name}: the directory being built was moved or replaced by someone else "
+            f"while {self.out} was prepared; nothing of this build was written to {self.out}"
+        )
+        try:
+            here = os.stat(self.name, dir_fd=self.parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise replaced from None
         if (here.st_dev, here.st_ino) != (self.st.st_dev, self.st.st_ino):
-            raise BadInput(
-                f"{self.out.parent / self.name}: the directory being built was replaced by someone else "
-                f"while {self.out} was prepared; nothing was written to {self.out}"
-            )
+            raise replaced
         try:
             rename_noreplace(self.name, self.out.name, dir_fd=self.parent_fd)
-        except (FileExistsError, OSError) as e:
+        except OSError as e:
             if isinstance(e, FileExistsError) or e.errno in (errno.ENOTEMPTY, errno.ENOTDIR, errno.EEXIST):
                 raise BadInput(
                     f"{self.out}: something appeared at this name while the dataset was prepared; it was left "
                     "as it is and nothing was written there (choose a new --out)"
                 ) from None
-            raise
+            if e.errno == errno.ENOENT:  # moved away between the check and the rename
+                raise replaced from None
+            raise BadInput(f"{self.out}: cannot rename the finished build into place ({e.strerror})") from None
+        # what was renamed may have been put in place of ours between the check and the rename: `out` must be it
+        try:
+            there = os.stat(self.out.name, dir_fd=self.parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise replaced from None
+        if (there.st_dev, there.st_ino) != (self.st.st_dev, self.st.st_ino):
+            raise BadInput(
+                f"{self.out}: what was renamed there is not the directory this build wrote (someone swapped it in "
+                f"while {self.out} was prepared); do not use {self.out}: remove it and prepare again"
+            )
         self.committed = True
         fsync_dir(self.parent_fd)
 

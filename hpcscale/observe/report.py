@@ -200,7 +200,17 @@ def build(run: Path, out: Path) -> dict:
     dfd = _open_out(out)
     try:
         for name, content in files.items():
-            atomic_write(name, content, dir_fd=dfd)  # a symlink planted at name is replaced, never followed
+            try:  # a symlink planted at name is replaced, never followed
+                atomic_write(name, content, dir_fd=dfd)
+            except OSError as e:  # a directory at the name; another user's file there in a sticky -o; a full disk
+                raise BadInput(
+                    f"-o {out}: cannot write {out / name} ({e.strerror}"
+                    + (
+                        "; something that is not a file of yours is at that name: remove it, or choose another -o)"
+                        if e.errno in (errno.EISDIR, errno.EPERM, errno.EACCES, errno.ENOTEMPTY, errno.EEXIST)
+                        else ")"
+                    )
+                ) from None
     finally:
         os.close(dfd)
     return {"run": str(run), "out": str(out), "files": [str(out / n) for n in files], "summary": summary}
