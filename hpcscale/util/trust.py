@@ -31,9 +31,12 @@ resume loads) are trusted by the same owner rule, and never taken over from some
 - anything else is refused with `UntrustedFile` (exit 2 for a command; a job's ranks stop at start, every rank
   alike, with the line), naming the directory, its owner and mode, and the fix. Nothing in it is read, moved
   or deleted.
-The shared place itself is not trusted, only used: where it lets others rename entries (writable by them and
-not sticky), they could move a checked directory away while a job runs; the next start refuses what they put
-in its place.
+The shared place itself (`below`) is made if missing and refused when someone other than the user or root owns
+it or a directory above it (up to the first root-owned sticky one, like /var/tmp), or when one of them is
+writable by others and not sticky (`shared_place`): they could otherwise rename a checked directory away while
+a job runs and put theirs in its place. Group write is allowed; a group member can still do that, and then a
+drain refuses the step it finds (hpcscale.ckpt.nodelocal.drain_source compares its root digest with the one
+this process saved) and the next start refuses the directory they made.
 
 Text taken from a run directory (metrics, logs, job names, node names, Slurm's answers about its jobs) reaches
 the terminal only through `clean` (control characters, escape sequences included, shown as visible escapes),
