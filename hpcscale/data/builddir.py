@@ -144,7 +144,7 @@ class BuildDir:
             fsync_dir(fd)
         fsync_dir(self.fd)
         replaced = BadInput(
-            f"{self.out.parent / self.name}: the directory being built was moved or replaced by someone else "
+            f"{self.out.parent / self.name}: the directory being built was replaced by someone else (or moved away) "
             f"while {self.out} was prepared; nothing of this build was written to {self.out}"
         )
         try:
