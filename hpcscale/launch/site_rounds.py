@@ -23,6 +23,16 @@ steps up to the next boundary not contributed (that boundary's checkpoint has th
 
 Every rank decides the same thing: rank 0 looks for θ(r) and broadcasts what it found once a second, so the
 wait is never one long collective (the collective timeout stays what the job says).
+
+What a trainer adopts is only what the site's sync tick handed over (hpcscale.xsite.handed): the newest round
+in the tick's record RUN/xsite/handed.json, from the file that record names, of its size and sha256, in a
+RUN/xsite that only the user (or root) can write; never a file merely named global-r… there. A round whose
+file is not that (replaced, a symbolic link, a FIFO, damaged), or whose tensors are not this model's or not
+finite, is skipped with a line saying why, and training goes on: the next round is taken as usual. A RUN/xsite
+or record that cannot be trusted (another user's directory, one others can write) ends the wait at once with
+a line and the fix (it will not change by itself), and training goes on from the site's own weights; the
+site's `hpcscale sync` says the same at every tick. Nothing here stops a training for what someone else did
+to its run directory.
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ import torch.distributed as dist
 
 from hpcscale.config.xsite import XsiteConfig, load_xsite
 from hpcscale.util.paths import expand_path
-from hpcscale.xsite.rounds import TAG, latest_global, load_global
+from hpcscale.xsite import handed
+from hpcscale.xsite.rounds import TAG
 
 POLL_S = 1.0
 
@@ -57,7 +68,8 @@ class Rounds:
         self.poll_every = max(1, self.H // 10)
         self.snapshot: dict[str, torch.Tensor] | None = None  # overlap: the weights at the boundary (local shards)
         self.snapshot_step = 0
-        self.refused: set[int] = set()  # global rounds found unfit to adopt (_unfit): never taken, never waited for
+        self.refused: set[int] = set()  # global rounds found unfit to adopt (_take): never taken, never waited for
+        self.said: str | None = None  # (rank 0) why no round can be taken now, said once until it changes
 
     # ---- state carried in checkpoints ------------------------------------------------------------------------
     def state_for_save(self, step: int) -> dict:
@@ -174,28 +186,28 @@ class Rounds:
         """Wait (up to wait_seconds, or `wait_s`) for a global round newer than base; adopt it. Collective."""
         limit = self.cfg.wait_seconds if wait_s is None else wait_s
         t0 = time.monotonic()
-        found: int | None = None
+        entry: handed.Handed | None = None
         while True:
-            decision = [None, False]
+            decision: list = [None, False]
             if self.ctx.rank == 0:
-                newest = latest_global(self.run)
-                if newest is not None and newest > self.base and newest not in self.refused:
-                    decision = [newest, True]
-                elif time.monotonic() - t0 >= limit or self.ctx.stop.requested:
-                    decision = [None, True]
+                newest, blocked = self._newest(done_steps)
+                if newest is not None and newest.round > self.base and newest.round not in self.refused:
+                    decision = [newest.to_json(), True]
+                elif blocked or time.monotonic() - t0 >= limit or self.ctx.stop.requested:
+                    decision = [None, True]  # blocked: RUN/xsite is refused, which waiting does not change
             dist.broadcast_object_list(decision, src=0)
             if decision[1]:
-                found = decision[0]
+                entry = None if decision[0] is None else handed.Handed(**decision[0])
                 break
             time.sleep(POLL_S)
         waited = round(time.monotonic() - t0, 3)
-        if found is None:
+        if entry is None:
             if limit > 0:  # a wait that timed out is news; a poll that found nothing is not
                 self.ctx.metrics.log(step=done_steps - 1, xsite_wait_s=waited, xsite_round=None)
             return None
+        found = entry.round
         snapshot = self.snapshot
-        theta = load_global(self.run, found)
-        problem = self._unfit(theta)  # every rank reads the same file: every rank decides alike
+        theta, problem = self._take(entry)
         if problem is not None:
             self.refused.add(found)
             self.ctx.metrics.log(step=done_steps - 1, xsite_refused_round=found, reason=problem)
@@ -218,6 +230,40 @@ class Rounds:
             f"hpcscale: adopted global round {found} at step {done_steps} (waited {waited:.1f} s{kept})"
         )
         return found
+
+    def _newest(self, done_steps: int) -> tuple[handed.Handed | None, bool]:
+        """(rank 0) (the newest round the sync tick handed over, by its record; whether RUN/xsite or the record
+        is refused). A refusal is said once (until it changes), with the fix the message carries."""
+        try:
+            newest = handed.latest(self.run)
+        except handed.RecordError as e:
+            if self.said != str(e):
+                self.said = str(e)
+                self.ctx.metrics.log(step=done_steps - 1, xsite_refused_round=None, reason=str(e))
+                self.ctx.metrics.print(
+                    f"hpcscale: no global round can be taken: {e}; training on from this site's weights (the site's "
+                    "`hpcscale sync` says the same at every tick)"
+                )
+            return None, True
+        self.said = None
+        return newest, False
+
+    def _take(self, entry: handed.Handed) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+        """(θ of the handed round `entry`, None) or (None, why not): the file its record names, of its size and
+        sha256 (handed.load), of this model's names and shapes, finite. Collective: a refusal on one rank is
+        every rank's, so that no rank adopts a round its peers do not."""
+        theta, problem = None, None
+        try:
+            theta = handed.load(self.run, entry)
+        except (handed.Refused, handed.RecordError) as e:
+            problem = str(e)
+        if problem is None:
+            problem = self._unfit(theta)
+        ok = torch.tensor([0.0 if problem else 1.0], device=self.ctx.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if ok.item() < 1:
+            return None, problem or "refused on another rank (its line says why)"
+        return theta, None
 
     def _unfit(self, theta: dict[str, torch.Tensor]) -> str | None:
         """Why θ(r) must not become this model's weights (None: it may): a tensor missing, extra or of another

@@ -14,13 +14,18 @@ Files only, pushed by the side that owns them (a site never needs to list a remo
       outgoing/round-NNNNNN.{json,safetensors}           each round's site copy: θ only, signed (what is pushed)
       quorum.json                                        when each round's first valid contribution came
       rejected.json                                      contributions rejected, and why
-    SITE.run/xsite/global-rNNNNNN.safetensors           θ(r), verified, for the trainer to adopt
+    SITE.run/xsite/                                     made by the tick; only the user (or root) can write it
+      global-rNNNNNN.safetensors                        θ(r), verified, for the trainer to adopt
+      handed.json                                       the rounds handed over, each file's sha256 and size: what
+                                                        the tick and the trainer go by, never a file name there
+                                                        (hpcscale.xsite.handed)
 
 A tick, in order; each step is idempotent, every file is written whole under a temporary name and renamed
 (its JSON last), so a tick killed anywhere leaves a state the next one completes:
-0. (aggregator) catch up: when its sites are ahead of it (its own run was handed, or its sites contribute
-   against, a round it has not published: its state directory restored from an older copy), go on from the
-   newest round every verified record agrees on, or publish nothing (steps 1 and 4) and say how to recover;
+0. (aggregator) catch up: when its sites are ahead of it (its own run's record says it was handed, or its
+   sites contribute against, a round it has not published: its state directory restored from an older copy),
+   go on from the newest round every verified record agrees on, or publish nothing (steps 1 and 4) and say how
+   to recover;
 1. (aggregator) publish round 0 from its own run's start checkpoint (step 0, or the step its rounds started at:
    xsite.start_from), if not yet published;
 2. export: each round checkpoint of this site's run (trainer state `xsite.base_round` = b, at a round
@@ -33,7 +38,7 @@ A tick, in order; each step is idempotent, every file is written whole under a t
    a quorum is in or the timeout has passed; publish round r (θ and m together, signed);
 5. (aggregator) push the newest round's site copy (θ only: half the bytes; the momentum stays at the aggregator)
    to every site's inbox;
-6. verify the newest round in the inbox and hand θ(r) to the run;
+6. verify the newest round in the inbox and hand θ(r) to the run (θ, then the record naming it);
 7. delete what is older than the newest `keep_rounds` rounds (rounds, site copies, inbox, contributions, the
    global weights handed over), so a long training does not fill the filesystem.
 Two ticks at once on one site: the second finds the lock held and exits 0 saying so, so exactly one applies
@@ -64,6 +69,8 @@ from hpcscale.portable.files import atomic_write
 from hpcscale.portable.hashing import SHA256
 from hpcscale.util.bounded import read_bounded, read_tail
 from hpcscale.util.paths import expand_path
+from hpcscale.xsite import handed
+from hpcscale.xsite.handed import GLOBAL_DIR, global_path
 from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # one owner of the record names
 from hpcscale.xsite.roundfile import round_stem
 
@@ -77,27 +84,25 @@ REJECTED = "rejected.json"  # (aggregator) what was rejected and why: reported o
 TRAINING = "TRAINING"  # (every site) the training this site follows, from the first round it handed over
 RESEND_MIN_S = 600.0  # a push unanswered this long (or the quorum timeout, if longer) is sent again
 LOCK_DIR = ".hpcscale-stage"  # the same directory name the stage lock uses: one lock per state directory
-GLOBAL_DIR = "xsite"  # in the run directory
 TAG = "xsite"  # trainer_state key of a round checkpoint: {"base_round": b, "steps": n, "tokens": t}
 _CONTRIB = re.compile(r"^contrib-(?P<site>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})-r(?P<base>\d{6})\.json$")
 _ROUND = re.compile(r"^round-(?P<round>\d{6})\.json$")
 
 
-def global_path(run: Path, r: int) -> Path:
-    """θ(r) handed to a run: the trainer adopts it at a round boundary."""
-    return run / GLOBAL_DIR / f"global-r{r:06d}.safetensors"
-
-
 def latest_global(run: Path) -> int | None:
-    d = run / GLOBAL_DIR
-    found = [int(m.group(1)) for p in d.glob("global-r*.safetensors") if (m := re.match(r"global-r(\d{6})\.", p.name))]
-    return max(found) if found else None
+    """The newest round handed to `run`, as the tick's record says (never a file name in RUN/xsite); None when
+    none was. handed.RecordError when that record is not to be trusted."""
+    entry = handed.latest(run)
+    return None if entry is None else entry.round
 
 
 def load_global(run: Path, r: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(global_path(run, r)))
+    """θ(r) handed to `run`, from the file the record names, checked against its digest (handed.load)."""
+    entry = next((e for e in handed.entries(run) if e.round == r), None)
+    if entry is None:
+        raise handed.Refused(f"{run / GLOBAL_DIR / handed.RECORD}: round {r} was not handed to this run (or is no "
+                             "longer kept)")  # fmt: skip
+    return handed.load(run, entry)
 
 
 @dataclass
@@ -110,6 +115,13 @@ class TickReport:
     def add(self, event: str, **fields: Any) -> None:
         self.events.append({"time": round(time.time(), 3), "site": self.site, "event": event, **fields})
 
+    def error_once(self, stage: str, error: str) -> None:
+        """A stage's failure, said once in this tick however many stages meet it (`sync` exits 1)."""
+        line = f"{stage}: {error}"
+        if line not in self.errors:
+            self.errors.append(line)
+            self.add("error", stage=stage, error=error[:500])
+
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
 def _state(site: XsiteSite) -> Path:
@@ -118,6 +130,16 @@ def _state(site: XsiteSite) -> Path:
 
 def _run(site: XsiteSite) -> Path:
     return expand_path(site.run)
+
+
+def _handed(me: XsiteSite, report: TickReport) -> int | None:
+    """The newest round this site's tick handed to its run, from its record (None: none). A record or RUN/xsite
+    that is not to be trusted is reported (once a tick, every tick) and counts as none: it stops no stage."""
+    try:
+        return latest_global(_run(me))
+    except handed.RecordError as e:
+        report.error_once("hand over", str(e))
+        return None
 
 
 FAULT_POINTS = ("exported", "pushed", "published", "round_pushed", "handed")
@@ -281,14 +303,14 @@ def _published(state: Path) -> list[int]:
     return _rounds_in(state / ROUNDS)
 
 
-def _verified_rounds(cfg: XsiteConfig, me: XsiteSite) -> list[int]:
+def _verified_rounds(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> list[int]:
     """The rounds retention counts from: only what was verified, never a name that merely appeared in the inbox
     (a stray `round-999999.json` there must not make every real round "old"). The aggregator: the rounds it
     published itself; a site: the newest round its tick verified and handed to its run."""
     if me.name == cfg.aggregator:
         return _published(_state(me))
-    handed = latest_global(_run(me))
-    return [] if handed is None else [handed]
+    newest = _handed(me, report)
+    return [] if newest is None else [newest]
 
 
 def _oldest_kept(cfg: XsiteConfig, rounds: list[int]) -> int:
@@ -336,9 +358,9 @@ BEHIND = "!behind"  # rejected.json key "R/!behind": what this aggregator said a
 
 @dataclass(frozen=True, slots=True)
 class Ahead:
-    """What names rounds past this aggregator's newest, by file name only (nothing verified yet): the newest
-    contribution file of each site against such a round, the newest round records in its inbox/ and outgoing/,
-    and the newest round its own run was handed."""
+    """What names rounds past this aggregator's newest (nothing verified yet): the newest contribution file of
+    each site against such a round and the newest round records in its inbox/ and outgoing/, by file name, and
+    the newest round its own run was handed, by its tick's record."""
 
     newest: int  # this aggregator's newest published round (-1: none)
     handed: int | None  # its run's newest global round, when past `newest`
@@ -346,10 +368,12 @@ class Ahead:
     copies: list[tuple[int, Path]]  # (round, record file)
 
 
-def _ahead_by_name(cfg: XsiteConfig, me: XsiteSite, state: Path, newest: int) -> Ahead | None:
+def _ahead_by_name(cfg: XsiteConfig, me: XsiteSite, state: Path, newest: int, report: TickReport) -> Ahead | None:
     """None when nothing names a round past `newest` (every usual tick: a few directory listings). One file per
-    site and directory is considered, its newest: a partner filling its incoming/ with names costs nothing."""
-    handed = latest_global(_run(me))
+    site and directory is considered, its newest: a partner filling its incoming/ with names costs nothing. The
+    round its own run was handed is its tick's record's, never a name in RUN/xsite (one planted there would
+    stop this aggregator publishing for ever)."""
+    handed_round = _handed(me, report)
     contributions = {}
     for site in cfg.sites:
         found = [
@@ -361,10 +385,10 @@ def _ahead_by_name(cfg: XsiteConfig, me: XsiteSite, state: Path, newest: int) ->
             contributions[site.name] = max(found)
     copies = [(r[-1], state / sub / f"{round_stem(r[-1])}.json") for sub in (INBOX, OUTGOING)
               if (r := _rounds_in(state / sub)) and r[-1] > newest]  # fmt: skip
-    handed = handed if handed is not None and handed > newest else None
-    if handed is None and not contributions and not copies:
+    handed_round = handed_round if handed_round is not None and handed_round > newest else None
+    if handed_round is None and not contributions and not copies:
         return None
-    return Ahead(newest, handed, contributions, copies)
+    return Ahead(newest, handed_round, contributions, copies)
 
 
 def _catch_up(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -> bool:
@@ -379,7 +403,7 @@ def _catch_up(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport)
     state = _state(me)
     published = _published(state)
     newest = published[-1] if published else -1
-    ahead = _ahead_by_name(cfg, me, state, newest)
+    ahead = _ahead_by_name(cfg, me, state, newest, report)
     if ahead is None:
         _say_behind(state, newest, None, report)
         return True
@@ -438,8 +462,12 @@ def _adopt(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport, ours, train
     against r names it, `copy`: round r signed by this aggregator's key, verified (None: none here)."""
     if len(digests) > 1 or None in digests:  # verified contributions disagree on θ(r), or name none
         return False
-    if copy is None and not (digests and global_path(_run(me), r).is_file()):
-        return False  # nothing to adopt θ(r) from (and no torch loaded to find that out)
+    entry = None
+    if copy is None:
+        with contextlib.suppress(handed.RecordError):  # reported by _handed already
+            entry = next((e for e in handed.entries(_run(me)) if e.round == r), None)
+        if not digests or entry is None:
+            return False  # nothing to adopt θ(r) from (and no torch loaded to find that out)
     import torch
 
     from hpcscale.xsite.outer import check_outer_result
@@ -448,9 +476,9 @@ def _adopt(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport, ours, train
     if copy is not None:
         theta, source = copy.theta, f"{copy.path} (signed by this aggregator's key)"
     else:
-        try:
-            theta = {k: v.float() for k, v in load_global(_run(me), r).items()}
-        except Exception:  # a torn or foreign file: nothing to adopt from
+        try:  # the file its record names, checked against the record's digest
+            theta = {k: v.float() for k, v in handed.load(_run(me), entry).items()}
+        except (handed.Refused, handed.RecordError):
             return False
         sites = ", ".join(next(iter(digests.values())))
         source = f"{global_path(_run(me), r)}, whose θ digest {sites} named in their signed contributions"
@@ -578,14 +606,14 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
     for step, tag in _round_checkpoints(_run(me)):
         if tag["base_round"] >= 0 and step > _start(tag) and (step - _start(tag)) % cfg.round_steps == 0:
             newest[tag["base_round"]] = (step, tag)  # the newest checkpoint of each base round
-    oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
-    handed = latest_global(_run(me))
+    oldest = _oldest_kept(cfg, _verified_rounds(cfg, me, report))
+    newest_handed = _handed(me, report)
     for base, (step, tag) in sorted(newest.items()):
         stem = contrib_stem(me.name, base)
         if (
             base < oldest
             # too late for any round: the last it could be folded into (quorum.late_rounds) was handed over already
-            or (handed is not None and base + 1 + cfg.quorum.late_rounds <= handed)
+            or (newest_handed is not None and base + 1 + cfg.quorum.late_rounds <= newest_handed)
             or (state / OUTBOX / f"{stem}.json").exists()
             or (state / OUTBOX / f".skipped-{stem}").exists()
         ):
@@ -674,10 +702,10 @@ def _push_contribution(
         return
     newest = mine[-1]
     base = int(_CONTRIB.match(newest.name).group("base"))
-    handed = latest_global(_run(me))
-    # answered: a newer round was verified and handed over (not a name in the inbox, which anyone who can write
-    # there could plant to stop the resending)
-    answered = handed is not None and handed > base
+    newest_handed = _handed(me, report)
+    # answered: a newer round was verified and handed over, as the tick's record says (not a name in the inbox
+    # or in RUN/xsite, which anyone who can write there could plant to stop the resending)
+    answered = newest_handed is not None and newest_handed > base
     sent_marker = outbox / f".pushed-{newest.stem}"
     why = _unanswered(sent_marker, answered, cfg, clock)
     if why is None:
@@ -1094,9 +1122,13 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
     if not (run / "job.yaml").is_file():  # the job has not been started (its run directory is not made yet)
         report.add("waiting", reason=f"round {found[-1]} is here; {run} is not a run directory yet")
         return
-    handed = latest_global(run)
+    try:  # the tick's own record, never the names in RUN/xsite
+        newest_handed = latest_global(run)
+    except handed.RecordError as e:  # nothing is handed over into a directory or over a record it cannot trust
+        report.error_once("hand over", str(e))
+        return
     for r in reversed(found):  # the newest round that verifies: a stray or forged name must not block the rest
-        if handed is not None and r <= handed:
+        if newest_handed is not None and r <= newest_handed:
             return
         refused = state / INBOX / f".refused-{round_stem(r)}"
         if refused.exists():  # refused at an earlier tick: not verified (nor reported) again
@@ -1110,7 +1142,11 @@ def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> 
             atomic_write(refused, e.reason.encode())
             report.add("rejected", file=f"{INBOX}/{round_stem(r)}.json", reason=e.reason)
             continue
-        _write_global(run, r, published, report)
+        try:
+            _write_global(run, r, published, report)
+        except handed.RecordError as e:
+            report.error_once("hand over", str(e))
+            return
         if published.training and not (state / TRAINING).is_file():  # the training this site follows from now on
             atomic_write(state / TRAINING, published.training.encode())
         return
@@ -1149,12 +1185,11 @@ def _unfit_round(run: Path, published) -> str | None:
 def _write_global(run: Path, r: int, published, report: TickReport) -> None:
     from safetensors.torch import save
 
-    target = global_path(run, r)
-    target.parent.mkdir(parents=True, exist_ok=True)
     data = save({k: v.contiguous() for k, v in published.theta.items()}, metadata={"round": str(r)})
     _fault("handed")
-    # whole or not at all: a full disk (or a SIGKILL) never leaves a torn θ where the trainer looks for one
-    atomic_write(target, data)
+    # RUN/xsite made (or checked) as the user's alone; θ whole or not at all, then the record naming it with its
+    # digest: a full disk (or a SIGKILL) never leaves a torn θ, nor a record naming one, where the trainer looks
+    handed.write(run, r, data)
     report.add("handed over", round=r, run=str(run))
 
 
@@ -1175,13 +1210,17 @@ def _prune(cfg: XsiteConfig, me: XsiteSite, report: TickReport) -> None:
     """Delete rounds older than the newest keep_rounds (and contributions for them, and their push markers).
     The newest round a site knows is never deleted, nor anything a later step of a tick still needs."""
     state = _state(me)
-    oldest = _oldest_kept(cfg, _verified_rounds(cfg, me))
+    oldest = _oldest_kept(cfg, _verified_rounds(cfg, me, report))
     if oldest == 0:
         return
-    dirs = [(state, (INBOX,)), (state, (OUTBOX,)), (_run(me), (GLOBAL_DIR,))]
+    dirs = [(state, (INBOX,)), (state, (OUTBOX,))]
     if me.name == cfg.aggregator:
         dirs += [(state, (ROUNDS,)), (state, (OUTGOING,))] + [(state, (INCOMING, s.name)) for s in cfg.sites]
     removed = records = 0
+    try:  # the record first, then the files (handed.prune)
+        removed += handed.prune(_run(me), oldest)
+    except handed.RecordError as e:
+        report.error_once("hand over", str(e))
     for base, parts in dirs:
         removed += _prune_dir(base, parts, lambda name: (r := _round_of(_unmarked(name))) is not None and r < oldest)
     if me.name == cfg.aggregator:  # the aggregator's per-round records: quorum times, rejections reported
