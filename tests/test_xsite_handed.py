@@ -285,3 +285,54 @@ def test_the_trainer_adopts_only_the_file_the_record_names_with_its_digest(tmp_p
     [line] = [ln for ln in metrics.lines if "not adopting global round 0" in ln]
     assert str(target) in line and "training on" in line
     assert trainer.wait_and_adopt(20, wait_s=0.0) is None  # refused once, never waited for again
+
+
+# ---- the sync state directory: the tick's own, or refused before anything in it is read ---------------------------
+
+
+def test_a_state_directory_another_user_made_first_is_refused_before_it_is_used(shared_tmp, other_user):
+    from hpcscale.util.trust import UntrustedFile
+
+    sites = Sites(shared_tmp, shared_runs=True)
+    os.chmod(shared_tmp, 0o2775)  # a project area its group may write
+    os.chown(shared_tmp, os.getuid(), other_user.gid)
+    theirs = other_user.make(sites.state("b"), directory=True)
+    with pytest.raises(UntrustedFile, match="owned by hpcscale-other") as e:
+        sites.tick("b")
+    assert str(theirs) in str(e.value) and "remove it" in str(e.value)
+    assert list(theirs.iterdir()) == [], "nothing made, read or written in their directory"
+
+
+def test_a_round_name_planted_in_a_group_writable_rounds_directory_is_refused_with_the_fix(shared_tmp, other_user):
+    """rounds/ made group-writable (a tick under umask 002, a shared group): a colleague's round-999999.json
+    there stopped the aggregator publishing for ever (its newest round did not verify), and would have had
+    retention delete every real round. The tick now stops at once, exit 2, naming rounds/ and the fix."""
+    from hpcscale.util.trust import UntrustedFile
+
+    sites = Sites(shared_tmp, shared_runs=True)
+    rounds_dir = sites.state("a") / rounds.ROUNDS
+    os.chmod(rounds_dir, 0o2775)
+    os.chown(rounds_dir, os.getuid(), other_user.gid)
+    done = other_user.run("sh", "-c", 'echo "{}" > "$1"', "sh", str(rounds_dir / "round-999999.json"))
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(UntrustedFile, match="writable by its group") as e:
+        sites.tick("a")
+    assert str(rounds_dir) in str(e.value) and f"chmod -R go-w {rounds_dir}" in str(e.value)
+    (rounds_dir / "round-999999.json").unlink()  # what the fix says: check what is in it, then chmod
+    os.chmod(rounds_dir, 0o755)
+    assert _kinds(sites.tick("a")) == ["pushed", "pushed", "handed over"]
+
+
+def test_the_tick_makes_its_state_directories_its_own_whatever_the_umask(tmp_path):
+    """(A push makes what is missing with the pushing session's umask: with umask 002 and a shared group the
+    next tick refuses it with the fix, so each site's first tick comes before the aggregator's push to it.)"""
+    sites = Sites(tmp_path)
+    old = os.umask(0o002)
+    try:
+        sites.tick("b")
+        sites.tick("a")
+    finally:
+        os.umask(old)
+    made = [sites.state("b"), sites.state("b") / rounds.INBOX, sites.state("a") / rounds.INCOMING / "b",
+            sites.state("a") / rounds.OUTGOING, sites.state("a") / rounds.LOCK_DIR]  # fmt: skip
+    assert {oct(os.stat(d).st_mode & 0o777) for d in made} == {"0o755"}

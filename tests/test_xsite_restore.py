@@ -153,7 +153,7 @@ def test_a_partner_naming_a_newer_round_is_reported_and_stops_nothing(tmp_path):
     sites = Sites(tmp_path)
     theta0 = rounds.load_global(tmp_path / "run-b", 0)
     incoming = sites.state("a") / rounds.INCOMING / "b"
-    incoming.mkdir(parents=True)
+    incoming.mkdir(parents=True, exist_ok=True)  # the tick makes every site's incoming/ directory
     rf.write_contribution(incoming, site="b", base_round=999, steps=10, tokens=1000, encoding="fp32",
                           tensors=encode(theta0, "fp32"), key=load_private(sites.keys / "b.key"),
                           training=sites.training, base_theta_sha256="0" * 64)  # fmt: skip

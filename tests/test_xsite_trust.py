@@ -312,9 +312,12 @@ def test_decoded_contributions_equal_what_was_sent():
 
 
 def test_retention_never_follows_a_symlinked_incoming_directory(tmp_path):
-    """A partner that can write incoming/ swaps its directory for a link to somewhere else: the tick's
-    retention must not delete files there that look like old rounds'."""
+    """A site's incoming/ directory swapped for a link to somewhere else: the tick refuses it (exit 2) before it
+    reads or deletes anything (and its retention opens every directory with O_NOFOLLOW besides): files there
+    that look like old rounds' are never deleted."""
     import yaml as _yaml
+
+    from hpcscale.util.trust import UntrustedFile
 
     config, keys, agg = _setup(tmp_path, ("a", "b"))
     doc = _yaml.safe_load((tmp_path / "xsite.yaml").read_text())
@@ -329,8 +332,8 @@ def test_retention_never_follows_a_symlinked_incoming_directory(tmp_path):
     (agg / rounds.INCOMING / "b").symlink_to(victim, target_is_directory=True)
     for r in range(1, 5):
         _send(tmp_path, keys, agg, "a", r - 1, _honest(r))
-        assert _events(rounds.tick(config, "a"), "published")
-    assert not (agg / rounds.ROUNDS / "round-000001.json").exists()  # retention did run
+        with pytest.raises(UntrustedFile, match="incoming/b: refusing the cross-site sync state directory: a symb"):
+            rounds.tick(config, "a")
     assert sorted(p.name for p in victim.iterdir()) == ["contrib-b-r000000.json", "round-000000.json"]
     assert (victim / "round-000000.json").read_text() == "precious"
 
@@ -344,7 +347,9 @@ def full_state_disk(tmp_path):
 
     state = tmp_path / "state-a"
     state.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(state)], capture_output=True)
+    # mode 0755: the tick keeps its state only in a directory no one else can write (tmpfs defaults to 1777)
+    argv = ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", str(state)]
+    mounted = subprocess.run(argv, capture_output=True)
     need(mounted.returncode == 0, f"mounting a tmpfs (root): {mounted.stderr.decode().strip()}")
     try:
         yield state

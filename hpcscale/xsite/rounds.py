@@ -209,9 +209,7 @@ def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None, clock: T
         raise BadInput(f"--site {site_name}: not a site of {cfg.name} ({', '.join(s.name for s in cfg.sites)})")
     report = TickReport(site_name)
     state = _state(me)
-    for sub in (OUTBOX, INBOX) + ((INCOMING, ROUNDS, OUTGOING) if me.name == cfg.aggregator else ()):
-        (state / sub).mkdir(parents=True, exist_ok=True)
-    (state / LOCK_DIR).mkdir(exist_ok=True)
+    _state_dirs(cfg, me)
     fd = os.open(state / LOCK_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         try:
@@ -232,6 +230,27 @@ def tick(cfg: XsiteConfig, site_name: str, *, now: float | None = None, clock: T
     finally:
         os.close(fd)
     return report
+
+
+STATE_WHAT = "cross-site sync state directory"
+
+
+def _state_dirs(cfg: XsiteConfig, me: XsiteSite) -> None:
+    """The state directory and those in it the tick keeps its records in, made by the tick (a mkdir that fails
+    when the name exists, mode 0755 whatever the umask) or kept only if they are the user's or root's and
+    writable by no one else, checked on the descriptor (hpcscale.util.trust.private_dir): the names in them (a
+    round record in rounds/, a push marker, TRAINING) are what the tick goes by, and one planted there by
+    someone else would stop or mislead it (a round-999999.json in rounds/ stopped publishing). Otherwise
+    UntrustedFile, exit 2, before anything in them is read. Every site's incoming/ directory is made here too,
+    before a push makes it with the pushing session's umask."""
+    from hpcscale.util.trust import private_dir
+
+    state = Path(os.path.realpath(_state(me)))  # a state path that is a symbolic link: the directory it leads to
+    subs = [OUTBOX, INBOX, LOCK_DIR]
+    if me.name == cfg.aggregator:
+        subs += [ROUNDS, OUTGOING, INCOMING] + [f"{INCOMING}/{s.name}" for s in cfg.sites]
+    for sub in subs:  # each from state's parent down: state itself is checked again on every descriptor
+        private_dir(state / sub, what=STATE_WHAT, mode=0o755, below=state.parent)
 
 
 LOG_MAX_BYTES = 16 << 20  # log.jsonl past this keeps its newest half (sync status reads the newest rounds)
