@@ -840,7 +840,7 @@ class Checkpointer:
         """Parameters per optimizer group over the whole model. A pipeline stage holds only its own, so the
         stages' counts are summed (a collective over pp, on the rank's device: NCCL reduces only GPU tensors); a
         tied parameter's copy on a stage above the lowest one holding it counts there only."""
-        skip = self._ctx._norm_skip  # the copies whose gradient a lower stage counts: the same ones
+        skip = getattr(self._ctx, "_norm_skip", ())  # the copies whose gradient a lower stage counts: the same ones
         sizes = [sum(id(p) not in skip for p in g["params"]) for opt in self._optimizers for g in opt.param_groups]
         if self._ctx.dims.pp > 1:
             group = self._ctx.mesh["pp"].get_group()
