@@ -114,9 +114,13 @@ def status_cmd(config_path: Path, site: str, as_json: bool) -> None:
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Directory for SITE.key (mode 0600) and SITE.pub.")  # fmt: skip
 def keygen_cmd(site: str, out: Path) -> None:
-    """Make SITE's ed25519 key pair. Copy SITE.pub into every site's `keys` directory; keep SITE.key on SITE."""
+    """Make SITE's ed25519 key pair. Copy SITE.pub into every site's `keys` directory; keep SITE.key on SITE.
+    OUT is made (mode 0700) or must be yours or root's and writable by no one else."""
+    from hpcscale.util.trust import private_dir
     from hpcscale.xsite.signing import generate_key
 
-    out.mkdir(parents=True, exist_ok=True)
+    # made by a mkdir that fails when the name exists, or one of yours no one else can write: whoever can write
+    # the directory could swap the key after it is made
+    private_dir(out, what="directory of the site's keys", mode=0o700)
     private, public = generate_key(out, site)
     click.echo(f"private key: {private}\npublic key:  {public}")

@@ -3,13 +3,18 @@
 Key files (docs/cross-site-format.md, "Keys"):
 - `<site>.key`: the private key, PKCS#8 PEM, unencrypted, mode 0600. Created with O_CREAT|O_EXCL|O_NOFOLLOW, so
   an existing key (or a symlink planted in its place) is never overwritten; loading refuses a key that group or
-  others may read, as ssh does.
+  others may read, as ssh does, and one that is not the user's or root's.
 - `<site>.pub`: the public key, SubjectPublicKeyInfo PEM, mode 0644.
 - `<site>.<n>.pub` / `<site>.<n>.key`: generation n of a rotated key (n decimal, 1 to 6 digits). A keyring may
   list several generations of one site at once; a record names the key that signed it by `key_id`, and the
   reader accepts it only if that key is listed for the record's site. Rotation is then: publish the new public
   key to every peer, switch signing to it, and remove the old one from the keyrings once its records are
   consumed; no flag day. Because `<site>.<n>.pub` would be ambiguous, a site name may not end in `.<digits>`.
+
+A keyring says who may sign for every site, so it is read only from a directory of the user's or root's that no
+one else can write (a sticky one neither: others could add a `<site>.<n>.pub`), and only from `.pub` files of
+the user's or root's that no one else can write (hpcscale.util.trust's rule, checked with fstat on the
+descriptors read); otherwise UntrustedFile, exit 2, naming the path and the fix.
 
 A key id is the first 16 hex digits of sha256 over the raw 32-byte public key: it picks a key, it proves
 nothing (the signature does). Signatures are standard base64 of the 64-byte ed25519 signature (RFC 8032).
@@ -33,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from hpcscale.errors import BadInput, RuntimeFailure
 from hpcscale.portable import files
+from hpcscale.util import trust
 from hpcscale.util.bounded import file_problem
 
 # A site name reaches file names (`<site>.pub`, `contrib-<site>-r000001.json`): one path component, no leading
@@ -129,9 +135,17 @@ def generate_key(directory: str | Path, site: str, *, generation: int | None = N
     return KeyFiles(private_path, public_path)
 
 
-def _read_key_file(path: Path, what: str) -> tuple[bytes, os.stat_result]:
+def _read_key_file(path: Path, what: str, *, dir_fd: int | None = None) -> tuple[bytes, os.stat_result]:
+    """A key file's bytes, from a regular file (never through a symbolic link) of the user's or root's."""
+
+    def owned(st: os.stat_result) -> None:
+        if st.st_uid not in trust.trusted_owners():
+            raise trust.refuse(path, st, trust.problem(st) or "not yours", what=what)
+
     try:
-        return files.read_regular(path, max_bytes=MAX_KEY_FILE_BYTES, follow_symlinks=False)
+        name = path.name if dir_fd is not None else path
+        return files.read_regular(name, max_bytes=MAX_KEY_FILE_BYTES, dir_fd=dir_fd, follow_symlinks=False,
+                                  check=owned)  # fmt: skip
     except OSError as e:
         raise BadInput(f"{path}: {file_problem(e, what)}") from None
 
@@ -150,9 +164,14 @@ def load_private(path: str | Path) -> Ed25519PrivateKey:
     return key
 
 
-def load_public(path: str | Path) -> Ed25519PublicKey:
+def load_public(path: str | Path, *, dir_fd: int | None = None) -> Ed25519PublicKey:
+    """A public key from a file of the user's or root's that no one else can write (`path` relative to dir_fd,
+    a keyring directory already checked, when given)."""
     path = Path(path)
-    data, _ = _read_key_file(path, "public key")
+    data, st = _read_key_file(path, "public key", dir_fd=dir_fd)
+    why = trust.problem(st)
+    if why is not None:  # whoever can write it can put their own key there, and sign as that site
+        raise trust.refuse(path, st, why, what="public key")
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -169,20 +188,28 @@ def load_keyring(directory: str | Path) -> Keyring:
     directory = Path(directory)
     found: dict[str, list[tuple[str, Ed25519PublicKey]]] = {}
     try:
-        with os.scandir(directory) as entries:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # a linked keyring: where it leads
+    except FileNotFoundError:
+        raise BadInput(f"{directory}: no such keyring directory") from None
+    except NotADirectoryError:
+        raise BadInput(f"{directory}: not a directory") from None
+    except OSError as e:
+        raise BadInput(f"{directory}: cannot read the keyring ({e.strerror})") from None
+    try:
+        trust.check_dir_fd(fd, directory, what="keyring directory")  # whoever can add a file can sign as anyone
+        with os.scandir(fd) as entries:
             for count, entry in enumerate(entries):
                 if count >= MAX_KEYRING_FILES:
                     raise BadInput(f"{directory}: more than {MAX_KEYRING_FILES} entries; not a keyring")
                 m = _PUB_FILE.fullmatch(entry.name)
                 if not m or not valid_site_name(m["site"]):
                     continue
-                found.setdefault(m["site"], []).append((entry.name, load_public(directory / entry.name)))
-    except FileNotFoundError:
-        raise BadInput(f"{directory}: no such keyring directory") from None
-    except NotADirectoryError:
-        raise BadInput(f"{directory}: not a directory") from None
+                key = load_public(directory / entry.name, dir_fd=fd)
+                found.setdefault(m["site"], []).append((entry.name, key))
     except PermissionError as e:
         raise BadInput(f"{directory}: cannot read the keyring ({e.strerror})") from None
+    finally:
+        os.close(fd)
     return {site: tuple(k for _, k in sorted(keys, key=lambda nk: nk[0])) for site, keys in sorted(found.items())}
 
 
