@@ -267,7 +267,9 @@ def full_log_disk(tmp_path):
     logs = run_dir / "logs"
     logs.mkdir(parents=True)
     (run_dir / "submissions.jsonl").touch()  # an (empty) run directory: --reuse accepts it
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(logs)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs", str(logs)], capture_output=True
+    )
     need(mounted.returncode == 0, f"mounting a tmpfs (root): {mounted.stderr.decode().strip()}")
     try:
         (logs / "filler").write_bytes(b"\0" * (60 * 1024))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 from hpcscale.errors import BadInput
 from hpcscale.portable import files
+from hpcscale.portable.hashing import SHA256  # the record names each file's digest by its algorithm
 from hpcscale.util import trust
 
 if TYPE_CHECKING:  # torch only where θ is loaded: a tick with nothing to hand over needs none of it
@@ -291,19 +292,19 @@ def parse_record(data: bytes, path: Path) -> list[Handed]:
             problem = "rounds are not in increasing order"
         if problem is not None:
             raise RecordError(_malformed(path, f"rounds[{i}]: {problem}"))
-        out.append(Handed(round=e["round"], file=e["file"], sha256=e["sha256"], bytes=e["bytes"]))
+        out.append(Handed(round=e["round"], file=e["file"], sha256=e[SHA256], bytes=e["bytes"]))
     return out
 
 
 def _entry_problem(e: object) -> str | None:
-    if not isinstance(e, dict) or set(e) != {"round", "file", "sha256", "bytes"}:
+    if not isinstance(e, dict) or set(e) != {"round", "file", SHA256, "bytes"}:
         return "not an object with fields round, file, sha256 and bytes"
     r, size = e["round"], e["bytes"]
     if type(r) is not int or not 0 <= r <= MAX_ROUND:
         return f"round is not a whole number from 0 to {MAX_ROUND}"
     if e["file"] != global_name(r):
         return f"file is not {global_name(r)}"
-    if not isinstance(e["sha256"], str) or not _SHA256.fullmatch(e["sha256"]):
+    if not isinstance(e[SHA256], str) or not _SHA256.fullmatch(e[SHA256]):
         return "sha256 is not 64 lowercase hex digits"
     if type(size) is not int or not 0 < size <= MAX_THETA_BYTES:
         return f"bytes is not a whole number from 1 to {MAX_THETA_BYTES}"
