@@ -336,6 +336,18 @@ def _oldest_kept(cfg: XsiteConfig, rounds: list[int]) -> int:
     return max(0, rounds[-1] - cfg.keep_rounds + 1) if rounds else 0
 
 
+def _write_fresh_round(state: Path, cfg: XsiteConfig, r: int, theta: dict, key, *, training: str) -> None:
+    """Round r holding θ and no contributions, its outer momentum zero: the first round, or one an aggregator
+    behind its sites takes over (its momentum was in the rounds it lost)."""
+    import torch
+
+    from hpcscale.xsite.roundfile import write_round
+
+    momentum = {k: torch.zeros_like(v) for k, v in theta.items()}
+    write_round(state / ROUNDS, round=r, parent=None if r == 0 else r - 1, outer=_outer(cfg), accepted=[],
+                rejected=[], theta=theta, momentum=momentum, key=key, training=training)  # fmt: skip
+
+
 def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) -> None:
     state = _state(me)
     if _published(state):
@@ -343,23 +355,11 @@ def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) ->
     start = [step for step, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and step == _start(tag)]
     if not start:
         return  # the aggregator's trainer has not saved its start yet
-    import torch  # here, not above: a tick with nothing to publish needs no torch
-
-    from hpcscale.xsite.roundfile import training_id, write_round
+    from hpcscale.xsite.roundfile import training_id  # here, not above: a tick with nothing to publish needs no torch
 
     theta = _consolidated(_run(me), start[0])
-    write_round(
-        state / ROUNDS,
-        round=0,
-        parent=None,
-        outer=_outer(cfg),
-        accepted=[],
-        rejected=[],
-        theta=theta,
-        momentum={k: torch.zeros_like(v) for k, v in theta.items()},
-        key=key,
-        training=training_id(cfg.name, theta),  # every later record of this training names it
-    )
+    # every later record of this training names it
+    _write_fresh_round(state, cfg, 0, theta, key, training=training_id(cfg.name, theta))
     report.add("published", round=0, from_step=start[0])
 
 
@@ -487,10 +487,8 @@ def _adopt(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport, ours, train
             entry = next((e for e in handed.entries(_run(me)) if e.round == r), None)
         if not digests or entry is None:
             return False  # nothing to adopt θ(r) from (and no torch loaded to find that out)
-    import torch
-
     from hpcscale.xsite.outer import check_outer_result
-    from hpcscale.xsite.roundfile import THETA, theta_digest, write_round
+    from hpcscale.xsite.roundfile import THETA, theta_digest
 
     if copy is not None:
         theta, source = copy.theta, f"{copy.path} (signed by this aggregator's key)"
@@ -510,18 +508,7 @@ def _adopt(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport, ours, train
             return False
     if check_outer_result(theta, {}):
         return False
-    write_round(
-        _state(me) / ROUNDS,
-        round=r,
-        parent=None if r == 0 else r - 1,
-        outer=_outer(cfg),
-        accepted=[],
-        rejected=[],
-        theta=theta,
-        momentum={k: torch.zeros_like(v) for k, v in theta.items()},
-        key=key,
-        training=training,
-    )
+    _write_fresh_round(_state(me), cfg, r, theta, key, training=training)
     report.add("caught up", round=r, after=-1 if ours is None else ours.round, source=source,
                momentum="restarted from zero (it was in the rounds lost)")  # fmt: skip
     return True
