@@ -318,3 +318,14 @@ def other_user() -> OtherUser:
     if os.geteuid() != 0:
         need(False, "root (useradd and setpriv make a second unix user)")
     return OtherUser()
+
+
+@pytest.fixture
+def shared_tmp(other_user):
+    """A directory both users can reach (pytest's own tmp is root's alone, 0700), removed afterwards."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="hpcscale-test-shared-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base)

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import types
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from xsite_harness import sites_with_round0
+from xsite_harness import contribute_delta, sites_with_round0
 
 from hpcscale.xsite import roundfile as rf
 from hpcscale.xsite import rounds
-from hpcscale.xsite.outer import encode
-from hpcscale.xsite.signing import load_private
 
 SHAPES = {"w": (6, 4), "b": (5,)}
 
@@ -59,13 +55,8 @@ class Sites:
         """What `site`'s export writes: Δ against θ(base) as published, bound to it."""
         theta = rf.read_round(self.state("a") / rounds.ROUNDS / f"round-{base:06d}.json",
                               keyring=_keyring(self.keys), aggregator="a").theta  # fmt: skip
-        g = torch.Generator().manual_seed(seed)
-        delta = {k: torch.randn(*shape, generator=g) * 0.05 for k, shape in SHAPES.items()}
-        outbox = self.state(site) / rounds.OUTBOX
-        outbox.mkdir(parents=True, exist_ok=True)
-        rf.write_contribution(outbox, site=site, base_round=base, steps=10, tokens=1000, encoding="fp32",
-                              tensors=encode(delta, "fp32"), key=load_private(self.keys / f"{site}.key"),
-                              training=self.training, base_theta_sha256=rf.theta_digest(theta))  # fmt: skip
+        contribute_delta(self.state(site), self.keys, site=site, base=base, theta=theta, seed=seed,
+                         training=self.training, shapes=SHAPES)  # fmt: skip
 
     def published(self) -> list[int]:
         return rounds._published(self.state("a"))
@@ -83,15 +74,6 @@ def _kinds(report: rounds.TickReport) -> list[str]:
 
 def _events(report: rounds.TickReport, kind: str) -> list[dict]:
     return [e for e in report.events if e["event"] == kind]
-
-
-@pytest.fixture
-def shared_tmp(other_user):
-    """A directory both users can reach (pytest's own tmp is root's alone, 0700), removed afterwards."""
-    base = Path(tempfile.mkdtemp(prefix="hpcscale-test-handed-"))
-    base.chmod(0o755)
-    yield base
-    shutil.rmtree(base)
 
 
 # ---- the tick: a name in RUN/xsite is not a round handed over ----------------------------------------------------

@@ -5,8 +5,6 @@ site, the aggregator included: a forged round would reach every site's trainer."
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,15 +18,6 @@ from hpcscale.xsite import rounds
 from hpcscale.xsite.signing import generate_key, load_keyring, load_private
 
 SHAPES = {"w": (6, 4), "b": (5,)}
-
-
-@pytest.fixture
-def shared_tmp(other_user):
-    """A directory both users can reach (pytest's own tmp is root's alone, 0700), removed afterwards."""
-    base = Path(tempfile.mkdtemp(prefix="hpcscale-test-keys-"))
-    base.chmod(0o755)
-    yield base
-    shutil.rmtree(base)
 
 
 def _sites(tmp: Path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from click.testing import CliRunner
-from xsite_harness import sites_with_round0
+from xsite_harness import contribute_delta, sites_with_round0
 
 from hpcscale.cli.sync_cmd import sync
 from hpcscale.xsite import roundfile as rf
@@ -52,13 +52,8 @@ class Sites:
         run = self.tmp / f"run-{site}"
         base = rounds.latest_global(run)
         theta = rounds.load_global(run, base)
-        g = torch.Generator().manual_seed(seed)
-        delta = {k: torch.randn(*shape, generator=g) * 0.05 for k, shape in SHAPES.items()}
-        outbox = self.state(site) / rounds.OUTBOX
-        outbox.mkdir(parents=True, exist_ok=True)
-        rf.write_contribution(outbox, site=site, base_round=base, steps=10, tokens=1000, encoding="fp32",
-                              tensors=encode(delta, "fp32"), key=load_private(self.keys / f"{site}.key"),
-                              training=self.training, base_theta_sha256=rf.theta_digest(theta))  # fmt: skip
+        contribute_delta(self.state(site), self.keys, site=site, base=base, theta=theta, seed=seed,
+                         training=self.training, shapes=SHAPES)  # fmt: skip
 
     def round_of_both(self, r: int) -> None:
         self.contribute("a", 10 * r)

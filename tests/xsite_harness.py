@@ -11,6 +11,7 @@ import yaml
 from hpcscale.config.xsite import XsiteConfig, load_xsite
 from hpcscale.xsite import roundfile as rf
 from hpcscale.xsite import rounds
+from hpcscale.xsite.outer import encode
 from hpcscale.xsite.signing import generate_key, load_private
 
 
@@ -58,3 +59,15 @@ def sites_with_round0(
                    key=load_private(keys / f"{sites[0]}.key"),
                    training=rf.training_id(name, theta0) if bound else None)  # fmt: skip
     return config, keys
+
+
+def contribute_delta(state: Path, keys: Path, *, site: str, base: int, theta: dict, seed: int, training: str,
+                     shapes: dict) -> None:  # fmt: skip
+    """What `site`'s export writes into its outbox in `state`: a seeded Δ against θ(base) `theta`, bound to it."""
+    g = torch.Generator().manual_seed(seed)
+    delta = {k: torch.randn(*shape, generator=g) * 0.05 for k, shape in shapes.items()}
+    outbox = state / rounds.OUTBOX
+    outbox.mkdir(parents=True, exist_ok=True)
+    rf.write_contribution(outbox, site=site, base_round=base, steps=10, tokens=1000, encoding="fp32",
+                          tensors=encode(delta, "fp32"), key=load_private(keys / f"{site}.key"),
+                          training=training, base_theta_sha256=rf.theta_digest(theta))  # fmt: skip
