@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO, need, run_cli
 from hypothesis import HealthCheck, given, settings
@@ -26,6 +27,9 @@ from hpcscale.ckpt.format import committed_steps
 from hpcscale.launch.signals import STOP_LINE
 
 HELPER = REPO / "tests" / "helpers" / "nodelocal_ranks.py"
+# the tests that start ranks (_run: one gloo process per emulated node) belong to the slow tier, as those with
+# the `mpi` fixture do (tests/conftest.py); the record, batching and partner tests stay in the fast tier
+starts_ranks = pytest.mark.slow
 
 
 def _run(
@@ -80,6 +84,7 @@ def test_partners_sit_under_another_leaf_switch_or_the_same_one():
     assert nodelocal.plan_partners(["n1"], 3, {}) == {"n1": ()}
 
 
+@starts_ranks
 def test_a_lost_node_is_recovered_from_its_partner_and_a_new_node_gets_what_its_ranks_need(tmp_path):
     nodes = ["a", "a", "b", "b"]
     saved = _run(tmp_path, "save", nodes=nodes, action="save", steps=[10, 20])
@@ -99,6 +104,7 @@ def test_a_lost_node_is_recovered_from_its_partner_and_a_new_node_gets_what_its_
     assert (base / "c" / "step-00000020" / "index.h5").is_file()
 
 
+@starts_ranks
 def test_a_node_local_step_loads_into_another_layout_after_a_lost_node(tmp_path):
     """Saved by 4 ranks (dp 4) on two nodes, node b lost, loaded by 2 ranks (dp 2) on a and a new node c: each
     rank needs every tensor, so c gets the data of all four writers, from a's own files and its partner copies."""
@@ -110,6 +116,7 @@ def test_a_node_local_step_loads_into_another_layout_after_a_lost_node(tmp_path)
     assert files >= 2 and nbytes > 0, loaded
 
 
+@starts_ranks
 def test_a_corrupt_copy_is_refused_and_the_partners_copy_is_taken(tmp_path):
     nodes = ["a", "b", "c", "d"]  # flat: partners two apart, a <-> c, b <-> d
     _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])
@@ -125,6 +132,7 @@ def test_a_corrupt_copy_is_refused_and_the_partners_copy_is_taken(tmp_path):
     assert loaded[0]["moved"][0] >= 1
 
 
+@starts_ranks
 def test_two_lost_nodes_that_partner_each_other_leave_no_complete_step(tmp_path):
     nodes = ["a", "b", "c", "d"]
     _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])
@@ -135,6 +143,7 @@ def test_two_lost_nodes_that_partner_each_other_leave_no_complete_step(tmp_path)
     assert [r["step"] for r in loaded] == [None] * 4  # the caller falls back to the shared tier
 
 
+@starts_ranks
 def test_a_step_older_than_the_shared_tiers_newest_is_not_taken(tmp_path):
     nodes = ["a", "b"]
     _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])
@@ -142,6 +151,7 @@ def test_a_step_older_than_the_shared_tiers_newest_is_not_taken(tmp_path):
     assert [r["step"] for r in loaded] == [None, None]
 
 
+@starts_ranks
 def test_a_full_node_local_disk_fails_the_save_on_every_rank_alike_and_keeps_the_older_step(tmp_path):
     base = tmp_path / "nodes"
     (base / "b").mkdir(parents=True)
@@ -219,6 +229,7 @@ def _hashes(root: Path, step: int) -> dict[str, list[list[str]]]:
     return {t: [[c.hash for c in sh.chunks] for sh in index.tensors[t].shards] for t in index.tensors}
 
 
+@starts_ranks
 def test_a_drain_ships_only_the_chunks_the_shared_tier_lacks_and_commits_the_same_content(tmp_path):
     nodes = ["a", "a", "b", "b"]
     out = _run(tmp_path, "drain", nodes=nodes, action="drain", steps=[2, 4])
@@ -249,6 +260,7 @@ def test_a_drain_ships_only_the_chunks_the_shared_tier_lacks_and_commits_the_sam
     assert index.trainer_state["lineage"]["parent"] == "step-00000002" and index.parent == "step-00000002"
 
 
+@starts_ranks
 def test_kill_9_during_a_drain_leaves_the_shared_tiers_previous_step_whole(tmp_path):
     nodes = ["a", "a", "b", "b"]
     _run(tmp_path, "drain-ok", nodes=nodes, action="drain", steps=[2])
