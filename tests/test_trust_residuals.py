@@ -318,6 +318,7 @@ def _verifies(step_dir: Path) -> bool:
     return run_cli("ckpt", "verify", str(step_dir)).returncode == 0
 
 
+@pytest.mark.slow  # starts two gloo ranks (_tier_ranks), as the `mpi` fixture's tests do
 @pytest.mark.parametrize("then", [[6], [4, 6]], ids=["next-step", "same-step-first"])
 def test_after_a_node_local_restart_the_shared_tier_writes_what_it_has_not_verified(tmp_path, then):
     """Shared tier: steps 2 and 4 (step 4 keeps the unchanging tensor in step 2's data file), both damaged;
@@ -341,6 +342,7 @@ def test_after_a_node_local_restart_the_shared_tier_writes_what_it_has_not_verif
     assert sum(o["drains"]["6"]["referenced"] for o in out) == (frozen if 4 in then else 0)
 
 
+@pytest.mark.slow  # starts two gloo ranks (_tier_ranks), as the `mpi` fixture's tests do
 def test_a_node_local_step_refused_at_the_restart_is_hashed_and_said_once(tmp_path):
     """Shared tier: 2 and 6 (6 damaged); node-local tier: 2, 4, 6 (6 damaged on both nodes). The restart tries
     node-local 6 (refused), the shared tier (6 refused, 2 loads), then node-local steps newer than 2: it tried 6
