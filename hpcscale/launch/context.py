@@ -179,6 +179,8 @@ class Context:
     _stage_ties: dict[int, list[Any]] = field(default_factory=dict, repr=False)
     # id()s of tied parameters whose gradient a lower stage counts in the global norm (clip_grad_norm_)
     _norm_skip: set[int] = field(default_factory=set, repr=False)
+    # at parallel.tp > 1: the once-only check that what tp leaves whole gets one gradient (parallel.tp_grads)
+    _tp_grads: Any = field(default=None, repr=False)
 
     @property
     def hooks(self) -> dict[str, Any]:
@@ -270,6 +272,12 @@ class Context:
         )
         self._models.append(model)
         self._syncs.append(sync)
+        if self.dims.tp > 1:
+            if self._tp_grads is None:
+                from hpcscale.parallel.tp_grads import TpGradCheck
+
+                self._tp_grads = TpGradCheck(group=self.mesh["tp"].get_group(), device=self.device, tp=self.dims.tp)
+            self._tp_grads.watch(model)
         self._stage_ties[id(model)] = self._tie_stages(model)
         return model
 
