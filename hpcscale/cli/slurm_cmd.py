@@ -125,37 +125,74 @@ def _num(value, fmt: str, scale: float = 1.0) -> str:
     return clean_markup(repr(value), limit=60)
 
 
-def format_status(status):
-    """A rich Table of a run's submissions and Slurm jobs. Every string from the run directory or from Slurm
-    (job names, reasons, states, node lists) is shown through clean_markup: no escape sequence reaches the
-    terminal and no `[link=...]` becomes markup."""
+STATE_COLORS = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow", "REQUEUED": "yellow"}
+NODES_WIDTH = 16  # a longer node list folds in its column; the whole list is in --json
+
+
+def format_status(status) -> list:
+    """A run's submissions, each Slurm job's starts (attempts) and how each ended: a heading, a narrow table (one
+    row per attempt), then the long text as numbered lines below it (each submission's time and reason, each
+    attempt's cause in words), so that the table reads in a pipe or an 80-column terminal and no reason is cut
+    or folded. Every string from the run directory or from Slurm is shown through clean_markup: no escape
+    sequence reaches the terminal and no `[link=...]` becomes markup."""
+    from rich import box
     from rich.table import Table
 
     from hpcscale.util.trust import clean_markup as c
 
-    table = Table(
-        title=f"{c(status.job_name or 'run', limit=200)} — {c(status.run_dir)} (states from {c(status.source)})"
-    )
-    for col in ("#", "job id", "submitted", "reason", "state", "exit", "nodes", "elapsed"):
-        table.add_column(col, overflow="fold")
-    colors = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow"}
+    heading = f"{c(status.job_name or 'run', limit=200)} — {c(status.run_dir)} (states from {c(status.source)})"
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for col in ("#", "job", "attempt", "state", "exit", "nodes", "elapsed", "see"):
+        table.add_column(col, overflow="fold", max_width=NODES_WIDTH if col in ("job", "nodes") else None)
+    below: list[str] = []
+    refs = 0
     for s in status.submissions:
         sub = s.submission
-        rows = s.jobs or [None]
-        for job in rows:
-            state = job.state if job else "-"
-            color = colors.get(state.split()[0] if state else "", "red" if job else "")
-            table.add_row(
-                str(sub.index),
-                c(job.job_id if job else (sub.job_id or "dry run")),
-                c(sub.time),
-                c(sub.reason + (f" (excluded {','.join(sub.excluded)})" if sub.excluded else ""), limit=500),
-                f"[{color}]{c(state)}[/{color}]" if color else c(state),
-                c(job.exit_code if job else ""),
-                c(job.nodes if job else ""),
-                c(job.elapsed if job else ""),
-            )
-    return table
+        excluded = f" (excluded {','.join(sub.excluded)})" if sub.excluded else ""
+        below.append(f"#{sub.index} submitted {c(sub.time)}: {c(sub.reason + excluded, limit=2000)}")
+        first = True
+        for job in s.jobs or [None]:
+            attempts = (job.attempts or [None]) if job else [None]
+            if job and job.attempts_left_out:
+                below.append(f"  job {c(job.job_id)}: {job.attempts_left_out} older attempt(s) not shown")
+            for a in attempts:
+                ref = ""
+                if a is not None and a.summary and a.cause != "completed":
+                    refs += 1
+                    ref = f"[{refs}]"  # not a markup tag: rich's begin with a letter, #, / or @
+                    what = f"attempt {a.attempt}, " if a.attempt is not None else ""
+                    below.append(f"{ref} job {c(job.job_id)}, {what}restart {a.restart}: {c(a.summary, limit=2000)}")
+                table.add_row(
+                    str(sub.index) if first else "",
+                    c(job.job_id if job else (sub.job_id or "dry run")),
+                    "-" if a is None or a.attempt is None else str(a.attempt),
+                    _state_cell(a, job),
+                    c(a.exit_code if a else (job.exit_code if job else "")),
+                    c(a.nodes if a else (job.nodes if job else "")),
+                    c(a.elapsed if a else (job.elapsed if job else "")),
+                    ref,
+                )
+                first = False
+    return [heading, table, "", *below]
+
+
+def _state_cell(attempt, job) -> str:
+    """Slurm's state, colored; during a requeue's backoff (Slurm still says RUNNING) how the attempt ended and
+    that the requeue waits, with the seconds left."""
+    from hpcscale.util.trust import clean_markup as c
+
+    if attempt is None:
+        state = job.state if job else "-"
+    elif attempt.waiting:
+        cause = (attempt.cause or "ended").replace("_", " ").upper()
+        n = attempt.requeue_in_s
+        state = f"{cause}, requeue " + ("waits" if n is None else f"in {n} s" if n >= 0 else "due")
+        return f"[red]{c(state)}[/red]"
+    else:
+        state = attempt.state
+    word = state.split()[0] if state else ""
+    color = STATE_COLORS.get(word, "red" if job and word not in ("-", "") else "")
+    return f"[{color}]{c(state)}[/{color}]" if color else c(state)
 
 
 @click.command()
@@ -176,7 +213,8 @@ def status(run: Path, as_json: bool) -> None:
         print_json(st.to_json())
         return
     out = console()
-    out.print(format_status(st))
+    for line in format_status(st):
+        out.print(line)
     if st.latest_checkpoint:
         c = st.latest_checkpoint
         out.print(

@@ -4,11 +4,34 @@ The run's site.yaml (it names SLURM_CONF) is trusted only as hpcscale.util.trust
 bounded (metrics.jsonl: its last METRICS_TAIL bytes; timing.jsonl: hpcscale.observe.timing's bounds) and one
 that is not a regular file (a FIFO, a device) is skipped with a note, never waited on. Values are passed on as
 found (JSON); the text view (hpcscale.cli.slurm_cmd) shows them only through hpcscale.util.trust.clean_markup.
+
+Attempts. A job requeued from inside itself (hpcscale.recovery.requeue) or by Slurm starts again under the same
+job id; each start is an attempt. `sacct -X -D` lists them as rows of the same JobID, oldest first (the earlier
+ones REQUEUED): row i is the start with SLURM_RESTART_COUNT i. `scontrol show job` knows only the current start
+(its `Restarts=N`). RUN/attempts.jsonl holds, per start that reached `hpcscale launch`, a `begin` event and,
+written by the batch script before any requeue backoff, an `end` event, both naming the Slurm job and its
+restart count; `join_attempts` joins the two on (job id, restart count), never on position in the file:
+
+- Slurm's rows say the state, exit code, nodes and times; the events add the run's attempt number and how
+  the start ended (cause, the attempt's exit code, the policy's words). Where the two disagree (nodes, an
+  exit code), Slurm's row is shown and the event's words stay as the run recorded them.
+- a restart count the events name and Slurm does not (scontrol's earlier starts, a slurmdbd behind) is shown
+  from the events alone: REQUEUED below Slurm's current count, else UNKNOWN. A Slurm row without events is a
+  start that never reached `hpcscale launch` (it failed first, or it has not started).
+- attempts.jsonl may be written by others: an event counts only with a job id equal to the job's and an
+  integer restart count in [0, MAX_RESTART]; of two for the same start the later wins; each field is taken
+  only with the type hpcscale writes (text cut to MAX_TEXT characters, control characters escaped); a job
+  shows at most MAX_ATTEMPTS starts (the newest; the number left out is noted).
+- the backoff: the newest start's end event asked for a requeue and Slurm still has the job RUNNING (the batch
+  script is sleeping before `scontrol requeue`): the attempt is `waiting`, its requeue due at the event's
+  time plus its backoff_s.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from hpcscale.config.errors import ConfigError
@@ -19,11 +42,51 @@ from hpcscale.slurm import parse
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.util import proc
 from hpcscale.util.bounded import loads_json, read_bounded, read_tail
+from hpcscale.util.trust import clean
 
 METRICS_TAIL = 8 << 20  # bytes read from the end of metrics.jsonl for the last step and the last plan
 
 # JobName, which the user chooses, last: hpcscale.slurm.parse reads any text there (`|` included) as the name
 SACCT_FIELDS = ("JobID", "State", "ExitCode", "NodeList", "Elapsed", "Start", "End", "JobName")
+
+MAX_RESTART = 1 << 20  # an event's restart count beyond this is nonsense (Slurm's own cap is far lower)
+MAX_ATTEMPTS = 256  # starts shown per job, the newest
+MAX_TEXT = 500  # characters of an event's text shown (its `why`, its `failure`)
+CAUSES = ("completed", "stopped", "time_limit", "preempted", "failed", "cancelled", "user_error")
+CAUSE_WORDS = {
+    "completed": "completed",
+    "stopped": "stopped on request",
+    "time_limit": "stopped at its time limit",
+    "preempted": "preempted",
+    "failed": "failed",
+    "cancelled": "cancelled",
+    "user_error": "failed on every rank alike (user error)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One start of a Slurm job (or one `run --local`) and how it ended (see the module docstring)."""
+
+    restart: int  # SLURM_RESTART_COUNT: 0 for the job's first start
+    state: str  # Slurm's state of this start (REQUEUED for an earlier start of a requeued job)
+    exit_code: str  # Slurm's, "code:signal"
+    nodes: str
+    elapsed: str
+    start: str
+    end: str
+    attempt: int | None = None  # the run's attempt number (its begin event); None: no rank began
+    cause: str | None = None  # the end event's: completed, time_limit, preempted, failed, cancelled, user_error
+    exit: int | None = None  # the end event's exit code (a task killed by signal S: 128 + S)
+    why: str = ""  # the requeue policy's words
+    failure: str = ""  # the failure every rank shared (user_error), or the local run's failure line
+    requeue: bool | None = None  # the end event's decision
+    backoff_s: int | None = None
+    ended: str = ""  # the end event's time
+    waiting: bool = False  # the requeue's backoff: the end event asked for it, Slurm still has the job RUNNING
+    requeue_at: str = ""  # when the waiting requeue is due (ISO 8601, UTC)
+    requeue_in_s: int | None = None  # seconds from now to requeue_at (negative: overdue)
+    summary: str = ""  # all of the above in words, for people
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +99,8 @@ class JobState:
     elapsed: str
     start: str
     end: str
+    attempts: list[Attempt] = field(default_factory=list)  # every start, oldest first
+    attempts_left_out: int = 0  # older starts beyond MAX_ATTEMPTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,28 +137,33 @@ class RunStatus:
         }
 
 
-def run_status(path: Path) -> RunStatus:
+def run_status(path: Path, *, now: datetime | None = None) -> RunStatus:
     rd = RunDir.open(path)
     subs = rd.submissions()
     site = rd.site_config()
     client = SlurmClient.for_site(site)
     ids = [s.job_id for s in subs if s.job_id]
+    events = rd.attempt_events()
+    now = now or datetime.now(timezone.utc)
     states: dict[str, list[JobState]] = {}
     sources = set()
     if ids:
+        starts: dict[str, dict[str, tuple[str, list[Attempt]]]] = {}
         try:
-            states = _sacct(client, ids)
+            starts = _sacct(client, ids)
             sources.add("sacct")
         except proc.CommandFailed:
             pass
         # Jobs sacct does not know (accounting off, or slurmdbd not caught up yet): ask the controller.
         for job_id in ids:
-            if job_id not in states:
-                states[job_id] = _scontrol(client, job_id)
+            if job_id not in starts:
+                starts[job_id] = _scontrol(client, job_id)
                 sources.add("scontrol")
+        for base, jobs in starts.items():
+            states[base] = [_job(job_id, name, rows, events, now) for job_id, (name, rows) in jobs.items()]
     local = [s for s in subs if s.template == "local"]
     if local:
-        states.update(_local_states(rd, local))
+        states.update(_local_states(rd, local, events))
         sources.add("attempts")
     source = ", ".join(sorted(sources)) or "none"
     notes: list[str] = []
@@ -111,11 +181,141 @@ def run_status(path: Path) -> RunStatus:
     )
 
 
-def _local_states(rd: RunDir, local: list[Submission]) -> dict[str, list[JobState]]:
+def _job(job_id: str, name: str, starts: list[Attempt], events: list[dict], now: datetime) -> JobState:
+    """The job as Slurm has it now (its newest start), with every start joined with its events."""
+    known = [a for a in starts if not a.state.startswith("UNKNOWN")]  # scontrol's "no such job" is no start
+    attempts, left_out = join_attempts(job_id, known, events, now=now)
+    current = starts[-1] if starts else Attempt(0, "UNKNOWN", "", "", "", "", "")
+    return JobState(
+        job_id,
+        name,
+        current.state,
+        current.exit_code,
+        current.nodes,
+        current.elapsed,
+        current.start,
+        current.end,
+        attempts,
+        left_out,
+    )
+
+
+def join_attempts(
+    job_id: str, starts: list[Attempt], events: list[dict], *, now: datetime
+) -> tuple[list[Attempt], int]:
+    """Slurm's starts of `job_id` (Attempt rows with Slurm's fields only, each with its restart count) joined with
+    RUN/attempts.jsonl's begin and end events of the same job and restart count (the module docstring says how
+    and what wins); returns the newest MAX_ATTEMPTS, oldest first, and how many older ones were left out."""
+    begins: dict[int, dict] = {}
+    ends: dict[int, dict] = {}
+    for e in events:
+        n = e.get("restart_count")
+        if e.get("job_id") != job_id or type(n) is not int or not 0 <= n <= MAX_RESTART:
+            continue
+        if e.get("event") == "begin":
+            begins[n] = e
+        elif e.get("event") == "end":
+            ends[n] = e
+    slurm = {a.restart: a for a in starts}
+    keys = sorted(set(slurm) | set(begins) | set(ends))
+    current = keys[-1] if keys else -1  # a start with a later one of the same job was requeued
+    left_out = max(0, len(keys) - MAX_ATTEMPTS)
+    keys = keys[left_out:]
+    out = []
+    for n in keys:
+        begin, end = begins.get(n), ends.get(n)
+        base = slurm.get(n) or _from_events(n, "REQUEUED" if n < current else "UNKNOWN", begin, end)
+        out.append(_with_events(base, begin, end, newest=n == keys[-1], now=now))
+    return out, left_out
+
+
+def _from_events(restart: int, state: str, begin: dict | None, end: dict | None) -> Attempt:
+    """A start Slurm's answer does not list, from its events: nodes from the begin, times from both."""
+    hosts = begin.get("nodes") if begin else None
+    nodes = ""
+    if isinstance(hosts, list):
+        names = [clean(h, limit=64) for h in hosts[:16] if isinstance(h, str)]
+        nodes = ",".join(names) + (f",… ({len(hosts)} in all)" if len(hosts) > 16 else "")
+    start = _text(begin.get("time") if begin else None, 64)
+    finished = _text(end.get("time") if end else None, 64)
+    return Attempt(restart, state, "", nodes, _elapsed(start, finished), start, finished)
+
+
+def _text(value, limit: int) -> str:
+    """An event's text field as shown: a string, cut to `limit`, control characters escaped; "" otherwise."""
+    return clean(value, limit=limit) if isinstance(value, str) else ""
+
+
+def _int(value, low: int, high: int) -> int | None:
+    return value if type(value) is int and low <= value <= high else None
+
+
+def _with_events(base: Attempt, begin: dict | None, end: dict | None, *, newest: bool, now: datetime) -> Attempt:
+    """`base` (Slurm's fields) with what the events say about the same start: each field only with the type
+    hpcscale writes, bounded."""
+    attempt = _int((begin or {}).get("attempt"), 0, MAX_RESTART << 4)
+    if attempt is None:
+        attempt = _int((end or {}).get("attempt"), 0, MAX_RESTART << 4)
+    fields: dict = {"attempt": attempt}
+    if end is not None:
+        cause = end.get("cause")
+        requeue = end.get("requeue")
+        fields.update(
+            cause=cause if cause in CAUSES else None,
+            exit=_int(end.get("exit_code"), -(1 << 31), (1 << 31) - 1),
+            why=_text(end.get("why"), MAX_TEXT),
+            failure=_text(end.get("failure"), MAX_TEXT),
+            requeue=requeue if type(requeue) is bool else None,
+            backoff_s=_int(end.get("backoff_s"), 0, 86400),
+            ended=_text(end.get("time"), 64),
+        )
+        if newest and requeue is True and base.state.split(" ")[0] in ("RUNNING", "COMPLETING"):
+            fields["waiting"] = True
+            try:
+                at = datetime.fromisoformat(fields["ended"]) + timedelta(seconds=fields["backoff_s"] or 0)
+                if at.tzinfo is None:
+                    at = at.replace(tzinfo=timezone.utc)
+                fields["requeue_at"] = at.astimezone(timezone.utc).isoformat(timespec="seconds")
+                fields["requeue_in_s"] = round((at - now).total_seconds())
+            except (ValueError, OverflowError):
+                pass  # a time hpcscale did not write: the requeue is waiting, when is not known
+    joined = Attempt(**{**asdict(base), **fields})
+    return Attempt(**{**asdict(joined), "summary": attempt_summary(joined)})
+
+
+def attempt_summary(a: Attempt) -> str:
+    """How a start ended, in words: the cause, the exit code, the shared failure, the requeue policy's words,
+    and during a backoff when the requeue is due."""
+    if a.cause is None:
+        if a.requeue is not None or a.why:
+            return "ended (an end event hpcscale did not write: no cause)"
+        if a.state.split(" ")[0] in ("PENDING", "RUNNING", "REQUEUED", "UNKNOWN", "") or a.attempt is not None:
+            return ""
+        return "no rank began (nothing in attempts.jsonl for this start): see the job's log"
+    how = CAUSE_WORDS[a.cause] + ("" if a.exit is None else f" (exit {a.exit}{': ' + a.failure if a.failure else ''})")
+    if a.cause == "completed":
+        return how
+    if a.waiting:
+        why = re.sub(r", starting in \d+ s$", "", a.why)
+        if a.requeue_in_s is None:
+            when = "when is not known (the end event's time is unreadable)"
+        elif a.requeue_in_s >= 0:
+            when = f"starting in {a.requeue_in_s} s (at {a.requeue_at})"
+        else:
+            when = f"due since {a.requeue_at} ({-a.requeue_in_s} s ago)"
+        return f"{how}; the requeue is waiting, {when}" + (f": {why}" if why else "")
+    if a.requeue:
+        return f"{how}; requeued" + (f": {a.why}" if a.why else "")
+    if a.requeue is None:  # `run --local`: no requeue to speak of
+        return how + (f"; {a.why}" if a.why else "")
+    return f"{how}; not requeued" + (f": {a.why}" if a.why else "")
+
+
+def _local_states(rd: RunDir, local: list[Submission], events: list[dict]) -> dict[str, list[JobState]]:
     """`run --local` runs as jobs, from RUN/attempts.jsonl (keyed "local:INDEX"): the end event the front end
     wrote (COMPLETED, STOPPED or FAILED, its exit code, the time from the submission to it), RUNNING while the
-    newest one's rank 0 is alive, UNKNOWN when a front end ended without saying how (killed itself)."""
-    events = rd.attempt_events()
+    newest one's rank 0 is alive, UNKNOWN when a front end ended without saying how (killed itself). Each is
+    one attempt, with the end event's cause and failure line."""
     out: dict[str, list[JobState]] = {}
     for sub in local:
         end = next((e for e in events if e.get("event") == "end" and e.get("submission") == sub.index), None)
@@ -131,16 +331,16 @@ def _local_states(rd: RunDir, local: list[Submission]) -> dict[str, list[JobStat
             state, code, finished = "RUNNING", "", ""
         else:
             state, code, finished = "UNKNOWN", "", ""
-        out[f"local:{sub.index}"] = [
-            JobState("local", "", state, code, nodes, _elapsed(sub.time, finished), sub.time, finished)
-        ]
+        elapsed = _elapsed(sub.time, finished)
+        base = Attempt(0, state, code, nodes, elapsed, sub.time, finished)
+        began = begin if type(attempt) is int else None
+        joined = _with_events(base, began, end, newest=True, now=datetime.now(timezone.utc))
+        out[f"local:{sub.index}"] = [JobState("local", "", state, code, nodes, elapsed, sub.time, finished, [joined])]
     return out
 
 
 def _elapsed(start: str, end: str) -> str:
     """[D-]HH:MM:SS between two ISO times, as sacct writes it; empty when either is missing or unreadable."""
-    from datetime import datetime
-
     try:
         seconds = int((datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds())
     except (TypeError, ValueError):
@@ -245,36 +445,47 @@ def _last_metrics(lines: list[bytes], *, key: str = "loss") -> dict | None:
     return None
 
 
-def _sacct(client: SlurmClient, ids: list[str]) -> dict[str, list[JobState]]:
-    result: dict[str, list[JobState]] = {}
-    for row in client.sacct(ids, SACCT_FIELDS, "-X"):
-        state = JobState(
-            job_id=row["JobID"],
-            name=row["JobName"],
-            state=row["State"],
-            exit_code=row["ExitCode"],
-            nodes=row["NodeList"],
-            elapsed=row["Elapsed"],
-            start=row["Start"],
-            end=row["End"],
+def _sacct(client: SlurmClient, ids: list[str]) -> dict[str, dict[str, tuple[str, list[Attempt]]]]:
+    return sacct_starts(client.sacct(ids, SACCT_FIELDS, "-X", "-D"))
+
+
+def sacct_starts(rows: list[dict[str, str]]) -> dict[str, dict[str, tuple[str, list[Attempt]]]]:
+    """Every start of each job in `sacct -X -D` rows (SACCT_FIELDS), by job then JobID (an array job's tasks are
+    JobIDs of their own): the newest row's name and the starts, oldest first, row i having restart count i."""
+    result: dict[str, dict[str, tuple[str, list[Attempt]]]] = {}
+    for row in rows:
+        jobs = result.setdefault(parse.job_base(row["JobID"]), {})
+        _, starts = jobs.get(row["JobID"], ("", []))
+        starts.append(
+            Attempt(
+                restart=len(starts),
+                state=row["State"],
+                exit_code=row["ExitCode"],
+                nodes=row["NodeList"],
+                elapsed=row["Elapsed"],
+                start=row["Start"],
+                end=row["End"],
+            )
         )
-        result.setdefault(parse.job_base(row["JobID"]), []).append(state)
+        jobs[row["JobID"]] = (row["JobName"], starts)
     return result
 
 
-def _scontrol(client: SlurmClient, job_id: str) -> list[JobState]:
-    jobs = []
+def _scontrol(client: SlurmClient, job_id: str) -> dict[str, tuple[str, list[Attempt]]]:
+    """The controller's view: only each job's current start (its restart count from `Restarts=`)."""
+    jobs: dict[str, tuple[str, list[Attempt]]] = {}
     for kv in client.show("job", job_id):
-        jobs.append(
-            JobState(
-                kv.get("JobId", job_id),
-                kv.get("JobName", ""),
-                kv.get("JobState", "UNKNOWN"),
-                kv.get("ExitCode", ""),
-                kv.get("NodeList", ""),
-                kv.get("RunTime", ""),
-                kv.get("StartTime", ""),
-                kv.get("EndTime", ""),
-            )
+        restarts = kv.get("Restarts", "0")
+        start = Attempt(
+            int(restarts) if restarts.isdigit() and int(restarts) <= MAX_RESTART else 0,
+            kv.get("JobState", "UNKNOWN"),
+            kv.get("ExitCode", ""),
+            kv.get("NodeList", ""),
+            kv.get("RunTime", ""),
+            kv.get("StartTime", ""),
+            kv.get("EndTime", ""),
         )
-    return jobs or [JobState(job_id, "", "UNKNOWN (not in scontrol; accounting is off)", "", "", "", "", "")]
+        jobs[kv.get("JobId", job_id)] = (kv.get("JobName", ""), [start])
+    if not jobs:
+        jobs[job_id] = ("", [Attempt(0, "UNKNOWN (not in scontrol; accounting is off)", "", "", "", "", "")])
+    return jobs
