@@ -3,11 +3,14 @@ which nodes to blame). One owner: every rank writes it (launch/main.py for an ex
 hang), `run --local` and the Slurm diagnosis (recovery/resume.py) read it, all through this module.
 
 The line: `hpcscale launch: rank R (MPI rank M) on node N failed: Type: first line [at TIME(, after losing a
-peer)]`. TIME is UTC with microseconds (sorts as text); the peer mark says the failure is a consequence of
-another rank's (a connection closed, a collective timed out), so the rank that failed first for a reason of
-its own can be named. A hang's line (`Hang: no step finished in X s (last finished step S; world W)`) always
-carries the peer mark: a rank waiting in a collective is not the cause. A rank that was not running (SIGSTOP,
-starved) writes `... was not running for X s ...` instead.
+peer)(, bad input)]`. TIME is UTC with microseconds (sorts as text); the peer mark says the failure is a
+consequence of another rank's (a connection closed, a collective timed out), so the rank that failed first for a
+reason of its own can be named; the bad-input mark says the rank refused its input (hpcscale's BadInput: a
+job spec, an entry point's argument, a file it names; the rank exits 2) or its code (an ImportError, a
+SyntaxError), which no node is to blame for. A
+hang's line (`Hang: no step finished in X s (last finished step S; world W)`) always carries the peer mark: a
+rank waiting in a collective is not the cause. A rank that was not running (SIGSTOP, starved) writes `... was
+not running for X s ...` instead.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import NamedTuple
 
-from hpcscale.errors import STOPPED_EXIT_CODE
+from hpcscale.errors import STOPPED_EXIT_CODE, BadInput
 from hpcscale.layout import ParallelDims
 
 MAX_RANKS = 1 << 20  # the largest world a log's hang line is believed about (the lines are text others may write)
@@ -32,14 +35,17 @@ _PEER_LOST = re.compile(
 
 
 def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> str:
-    """`hpcscale launch: rank R (MPI rank M) on node N failed: Type: first line [at TIME(, after losing a peer)]`.
+    """`hpcscale launch: rank R (MPI rank M) on node N failed: Type: first line [at TIME(, after losing a peer)
+    (, bad input)]`.
 
     The time (UTC, microseconds) and the peer mark let `run --local` name the rank that failed first for a
-    reason of its own (describe_failure), not the survivors that failed because it was gone."""
+    reason of its own (describe_failure), not the survivors that failed because it was gone; the bad-input mark
+    tells the requeue and `resume` that no node is to blame (shared_failure)."""
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
     at = utc_stamp()
     peer = ", after losing a peer" if lost_a_peer(e) else ""
-    return f"{_who(rank, mpi_rank, node)} failed: {type(e).__name__}: {first} [at {at}{peer}]"
+    bad = BAD_INPUT_MARK if isinstance(e, NOT_THE_NODES) else ""
+    return f"{_who(rank, mpi_rank, node)} failed: {type(e).__name__}: {first} [at {at}{peer}{bad}]"
 
 
 def _who(rank: int | str, mpi_rank: int, node: str) -> str:
@@ -69,7 +75,12 @@ _FAILURE = re.compile(r"hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on node
 _OURS = "hpcscale launch: rank "
 # Not anchored at the end: another process writing to the same log (slurmstepd's "*** STEP ... CANCELLED") can
 # append to the line before its newline; the last mark on the line is this rank's.
-_FAILED_AT = re.compile(r" \[at ([^\],\s]+)(, after losing a peer)?\]")
+BAD_INPUT_MARK = ", bad input"  # the rank refused its input or its code (NOT_THE_NODES): see shared_failure
+# What a rank fails with that no node is to blame for: its input refused (BadInput: a job spec, an argument, a
+# file it names; exit 2), or the program itself not loadable (an import error, a syntax error: the same code and
+# environment on every node of a cluster's shared file system)
+NOT_THE_NODES = (BadInput, ImportError, SyntaxError)
+_FAILED_AT = re.compile(r" \[at ([^\],\s]+)(, after losing a peer)?(" + re.escape(BAD_INPUT_MARK) + r")?\]")
 _HANG = re.compile(r"^Hang: no step finished in ([\d.]+) s \(last finished step (-?\d+); world (\d+)\)")
 _STALL = re.compile(
     r"hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for (?P<lost>[\d.]+) s "
@@ -114,6 +125,8 @@ class FailureLine:
     rank: int | None = None  # hpcscale (torch) rank; None when the rank failed before it had one ("?")
     hang: Hang | None = None  # what a watchdog's line says; None for any other failure
     node: str | None = None  # the node the rank ran on
+    bad_input: bool = False  # the rank refused its input (the bad-input mark): no node is to blame
+    what: str = ""  # `Type: first line`, without the mark: what two ranks' failures are compared by
 
     @classmethod
     def parse(cls, line: str) -> FailureLine | None:
@@ -146,7 +159,11 @@ class FailureLine:
         # the silent ranks of (set(range(world)) would be built from it)
         hang = Hang(float(h.group(1)), int(h.group(2)), int(h.group(3))) if h and int(h.group(3)) <= MAX_RANKS else None
         node = m.group(3) if m else None
-        return cls(text, at.group(1) if at else None, bool(at and at.group(2)), rank, hang, node)
+        what = (text[m.start(4) : at.start()] if at and at.start() > m.start(4) else m.group(4)) if m else ""
+        return cls(
+            text, at.group(1) if at else None, bool(at and at.group(2)), rank, hang, node, bool(at and at.group(3)),
+            what.strip(),
+        )  # fmt: skip
 
 
 class HungRanks(NamedTuple):
@@ -241,10 +258,58 @@ def signalled_task(lines: Iterable[str]) -> SignalledTask | None:
     """The first task srun saw die of a signal of its own ("srun: error: n2: task 3: Killed"): killed (the OOM
     killer, kill -9, its node gone), aborted or a segmentation fault; None if none did. srun's own exit code
     does not say so: it reports the highest wait status of its tasks, and the survivors' exit 1 (they lost a
-    peer) outranks a death by signal 9."""
+    peer) outranks a death by signal 9. None too when a rank wrote a failure line for a reason of its own (an
+    exception, not a lost peer): srun killed the others after it exited (--kill-on-bad-exit), and their "Killed"
+    says nothing about them."""
+    lines = list(lines)
+    if any(not f.peer_lost and f.hang is None for line in lines for f in FailureLine.parse_all(line)):
+        return None
     for line in lines:
         if (m := _SRUN_TASK.search(line)) and m.group(3) in _TASK_SIGNALS:
             return SignalledTask(m.group(1), m.group(2), int(_TASK_SIGNALS[m.group(3)]))
+    return None
+
+
+def shared_failure(lines: Iterable[str]) -> str | None:
+    """One line saying the job failed alike wherever it ran, so no node is to blame; None otherwise.
+
+    - A rank refused its input (its failure line's bad-input mark: hpcscale's BadInput, exit 2): the job spec, an
+      entry point's argument, a file the job names; or its code (an ImportError, a SyntaxError). The same input on
+      every node: which rank said it first is chance (srun then kills the others, which srun reports as
+      "Killed", and which says nothing about their nodes).
+    - Ranks on two or more nodes failed for a reason of their own (no peer mark, not a hang) with the same
+      `Type: first line`: the program fails the same way everywhere (its own exception, out of memory on
+      every node), not because of one node.
+    - No rank wrote a failure line, and the first task srun saw end `Exited with exit code 2` before any died of a
+      signal: a program that refused its input before it could write a line of ours (a `command:` job's
+      argument parser).
+    A failure on one node only, or different failures, stays a failure that may be a node's (rank_failure)."""
+    lines = list(lines)
+    failures = [f for line in lines for f in FailureLine.parse_all(line)]
+    bad = [f for f in failures if f.bad_input]
+    if bad:
+        first = min(bad, key=lambda f: f.time or "~")
+        return f"{first.line} (refused its input: the same on every node, so no node is to blame)"
+    own = [f for f in failures if not f.peer_lost and f.hang is None and f.node and f.what]
+    if own:
+        first = min(own, key=lambda f: f.time or "~")
+        nodes = sorted({f.node for f in own if f.what == first.what})
+        if len(nodes) > 1 and all(f.what == first.what for f in own):
+            more = f", ... ({len(nodes)} in all)" if len(nodes) > RANKS_SHOWN else ""
+            shown = ", ".join(nodes[:RANKS_SHOWN]) + more
+            return (
+                f"{first.line}; ranks on nodes {shown} failed the same way, so no node is to blame (the program or "
+                "its input)"
+            )
+    for line in lines if not failures else ():  # a rank's own line, where there is one, says more than srun
+        if m := _SRUN_TASK.search(line):
+            if m.group(3) == "Exited with exit code 2":
+                return (
+                    f"MPI task {m.group(2)} on node {m.group(1)} exited with code 2 (srun) before any task died: the "
+                    "program refused its input, which no node is to blame for"
+                )
+            if m.group(3) != f"Exited with exit code {STOPPED_EXIT_CODE}":
+                break
     return None
 
 
@@ -310,6 +375,8 @@ def rank_failure(
 ) -> tuple[str | None, list[str]]:
     """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines.
 
+    A failure the job shares wherever it ran (shared_failure: bad input, the same exception on several nodes)
+    blames no node.
     The ranks' own failure lines come first (describe_failure): the first rank that failed
     for a reason of its own is named and its node blamed (srun then terminates the others: that blames nobody).
     Then a hang: the rank that stopped making progress, and its node from the line it writes once continued.
@@ -317,6 +384,8 @@ def rank_failure(
     its node is blamed."""
     from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
 
+    if (shared := shared_failure(lines)) is not None:  # the same everywhere: no node to blame
+        return shared, []
     tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
     world = dims.world_size if dims is not None else (len(placement) if placement else None)
     summary = describe_failure([line + "\n" for line in lines], world_size=world)

@@ -245,14 +245,16 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     clean_import_path()
     from mpi4py import MPI
 
-    loaded = RunDir(run_dir).load_job()
-    apply_environment(loaded)
-    spec = loaded.spec
-    if spec.train is None:
-        raise BadInput(f"{run_dir}/job.yaml has no `train:` entry; `command:` jobs run their program directly")
     from hpcscale.launch.bootstrap import bootstrap, node_name
 
     try:
+        # inside: a job spec the ranks refuse (hand-edited since the submission) writes the failure line with its
+        # bad-input mark too, which tells the requeue and resume that no node is to blame
+        loaded = RunDir(run_dir).load_job()
+        apply_environment(loaded)
+        spec = loaded.spec
+        if spec.train is None:
+            raise BadInput(f"{run_dir}/job.yaml has no `train:` entry; `command:` jobs run their program directly")
         info = bootstrap(
             timeout_s=spec.timeout_seconds,
             order_nodes=_order_nodes(loaded),

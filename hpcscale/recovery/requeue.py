@@ -13,6 +13,9 @@ trapped, not fatal), then calls `hpcscale requeue "$RUN" --exit-code $rc` (`hpcs
    grace_seconds + 60 s the signal can come while the ranks are still starting: that attempt stopped, it did
    not fail. A step that died of SIGTERM (143) is not taken as a stop: srun reports 143 too when it ends the
    other ranks after one failed (--kill-on-bad-exit), and a rank that armed its handlers does not die of it.
+   A failure the job's log shows it shares wherever it ran (hpcscale.launch.failure.shared_failure: a rank
+   refused its input, exit 2; the same exception on ranks of two or more nodes) is `user_error`: no node is
+   to blame, and a requeue would fail the same way.
 2. Whether to requeue (`decide`), with separate budgets counted over this Slurm job's earlier attempts in
    RUN/attempts.jsonl: `restart.max_preemptions`, `max_time_limits`, `max_failures` (each failure waits
    `failure_backoff_seconds`, doubled each time up to `max_backoff_seconds`), and a stop after
@@ -45,7 +48,7 @@ from pathlib import Path
 from hpcscale.ckpt.format import INDEX, committed_steps, step_dir_name
 from hpcscale.config.job import JobSpec
 from hpcscale.errors import STOPPED_EXIT_CODE
-from hpcscale.launch.failure import signalled_task
+from hpcscale.launch.failure import rank_failure, shared_failure, signalled_task
 from hpcscale.launch.signals import STOP_SIGNALS
 from hpcscale.recovery.joblog import attempt_lines
 from hpcscale.rundir import RunDir
@@ -62,7 +65,7 @@ BUDGETS = {"preempted": "max_preemptions", "time_limit": "max_time_limits", "fai
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    cause: str  # completed, time_limit, preempted, failed
+    cause: str  # completed, time_limit, preempted, failed, cancelled, user_error
     requeue: bool
     why: str
     backoff_s: int = 0
@@ -157,6 +160,12 @@ def decide(
         return Decision(cause, False, "the job finished", **common)
     if cause == "cancelled":
         why = "Slurm ended the job before its time limit (scancel, a node failure): not requeued here"
+        return Decision(cause, False, why, **common)
+    if cause == "user_error":
+        why = (
+            "every rank would fail the same way again (no node is to blame): not requeued; fix the job, then "
+            "`hpcscale resume RUN`"
+        )
         return Decision(cause, False, why, **common)
     if not spec.signals.requeue:
         return Decision(cause, False, "signals.requeue is false", **common)
@@ -281,16 +290,23 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
     stopped = any(e.get("event") == "stop" and e.get("attempt") == attempt for e in events) if begins else False
     seconds_left, cancelled = _job_now(client, job_id) if job_id and exit_code != 0 else (None, False)
     cause = classify(exit_code, stopped, seconds_left, spec.signals.grace_seconds, cancelled)
+    # A task that died of a signal is how the attempt ended, whatever srun's exit code (see signalled_task),
+    # unless the log shows a failure the job shares wherever it ran: srun killed the others after the first
+    shared = died = failure = None
+    if cause == "failed" and job_id:
+        try:
+            lines = attempt_lines(rd, job_id)
+        except UntrustedFile as e:  # the decision is still made: srun's exit code stands for the attempt's
+            say(f"hpcscale: warning: the job's log is not read: {e}")
+        else:
+            shared = shared_failure(lines)
+            died = None if shared else signalled_task(lines)
+            failure = shared or (None if died else rank_failure(lines)[0])
+    if shared:
+        cause = "user_error"
     committed = committed_now(rd.checkpoints)
     newest = committed[0][0] if committed else None
     decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=newest, committed=committed)
-    # A task that died of a signal is how the attempt ended, whatever srun's exit code (see signalled_task)
-    died = None
-    if cause == "failed" and job_id:
-        try:
-            died = signalled_task(attempt_lines(rd, job_id))
-        except UntrustedFile as e:  # the decision is still made: srun's exit code stands for the attempt's
-            say(f"hpcscale: warning: the job's log is not read: {e}")
     code = 128 + died.signum if died else exit_code
     rd.add_attempt_event(
         {
@@ -301,10 +317,12 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
             "exit_code": code,
             "srun_exit_code": exit_code,
             "seconds_left": None if seconds_left is None else round(seconds_left),
+            **({"failure": failure} if failure else {}),  # what the ranks' lines say of the failure, in words
             **asdict(decision),
         }
     )
     how = f": task {died.tasks} on {died.node} died of signal {died.signum}; srun exited {exit_code}" if died else ""
+    how = f": {failure}" if failure else how
     say(f"hpcscale: attempt {decision.attempt} ended: {cause} (exit {code}{how}); {decision.why}")
     if cause in ("time_limit", "preempted") and (advice := grace_advice(rd, spec.signals.grace_seconds)):
         say(f"hpcscale: warning: {advice}")

@@ -9,6 +9,9 @@
 3. Who failed: the ranks' own failure lines and srun's `task N: Killed` lines in the job's logs (the first
    rank to fail for a reason of its own; a hang names the rank that stopped making progress), slurmstepd's
    `CANCELLED ... DUE TO TIME LIMIT / PREEMPTION / NODE FAILURE`, and the job's nodes that are not up now.
+   A failure the job shares wherever it ran (hpcscale.launch.failure.shared_failure: bad input, exit 2; the
+   same exception on ranks of several nodes) blames no node, and the plan warns that the resubmission fails
+   the same way unless the job was fixed.
 4. The checkpoint: the newest whose index and every chunk verify (hpcscale.ckpt.ops.verify); the ones refused
    are listed with why. (The ranks load the same one: they fall back past what does not verify.)
 5. Exclusion (`restart.exclude`, or --exclude): never; the nodes of this failure; or every node that failed
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.failure import MAX_RANKS, describe_failure, rank_failure
+from hpcscale.launch.failure import MAX_RANKS, describe_failure, rank_failure, shared_failure
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
@@ -77,6 +80,7 @@ class Diagnosis:
     nodes: list[str] = field(default_factory=list)  # the nodes the job ran on
     failed_nodes: list[str] = field(default_factory=list)  # nodes to blame (the failure's, the ones not up now)
     rank_failure: str | None = None  # the first rank to fail, and how
+    shared_failure: str | None = None  # a failure the job shares wherever it ran (no node to blame), in words
     attempts: list[dict] = field(default_factory=list)  # sacct rows of every attempt and step
     finished: bool = False
     active: bool = False
@@ -205,6 +209,7 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
     else:
         dims, placement = rank_nodes(events, job_id)
         d.rank_failure, blamed = rank_failure(lines, dims=dims, placement=placement)
+        d.shared_failure = shared_failure(lines)
     d.failed_nodes = list(dict.fromkeys([*blamed, *down]))
     if (
         state == "COMPLETED"
@@ -250,6 +255,7 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     d.rank_failure = (
         nccl.line if nccl is not None else describe_failure([line + "\n" for line in lines], world_size=world)
     )
+    d.shared_failure = None if stops else shared_failure(lines)
     if stops:
         d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
     elif d.rank_failure:
@@ -376,6 +382,12 @@ def _decide(
             f"--exclude-slow: excluding the stragglers' node(s) {','.join(slow)}"
             if slow
             else "--exclude-slow: status names no straggler in the last attempt; no node added"
+        )
+    if diag.shared_failure:
+        plan.warnings.append(
+            f"the last attempt failed alike wherever it ran ({clean(diag.shared_failure, limit=300)}): no node is "
+            "to blame and none is excluded for it; unless the job (job.yaml, the entry point, the files it names) "
+            "was fixed since, the resubmission fails the same way"
         )
     if not local and spec.checkpoint.local.every_steps:
         _choose_tier(plan, rd, client, n)
