@@ -33,6 +33,9 @@ from hpcscale.launch.watchdog import Watchdog
 
 HANG_S = 8  # the job's hang_timeout_seconds
 COLLECTIVE_S = 60  # its timeout_seconds: the job must end well before a collective would time out
+# the job trains 15 steps: stopped after its 6th (past the checkpoint at 5), resumed from 5 or 10 to the end; each
+# step a run (hung, resumed, reference) need not take costs 0.1-0.3 s on two cores
+STEPS = 15
 
 
 def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
@@ -46,7 +49,7 @@ def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, ti
 
 
 def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_continues(mpi, tmp_path):
-    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=30, log_every=50, checkpoint={"every_steps": 5})
+    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=STEPS, log_every=50, checkpoint={"every_steps": 5})
     spec = yaml.safe_load(job.read_text())
     spec |= {"hang_timeout_seconds": HANG_S, "timeout_seconds": COLLECTIVE_S}
     job.write_text(yaml.safe_dump(spec))
@@ -105,7 +108,7 @@ def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_con
     ref = run_cli("run", str(job), "--local", "--run-dir", str(tmp_path / "ref"), timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
     want, got = losses(tmp_path / "ref"), losses(run_dir)
-    assert sorted(got) == list(range(30)) and got == want
+    assert sorted(got) == list(range(STEPS)) and got == want
 
 
 # The timeout rule, on a real thread with tiny times: on_hang records instead of ending the process.
