@@ -6,6 +6,9 @@ trains both models in one job)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -47,3 +50,20 @@ def test_a_per_head_norm_left_whole_is_refused_naming_it_and_whole_state_norms_t
     refusal = out[out.index("got a different gradient") :]
     refusal = refusal[: refusal.index("Each is computed")]
     assert "out_norm" not in refusal and "layers.0.norm" not in refusal and "head" not in refusal, refusal
+
+
+def test_the_comparison_absorbs_rounding_and_flags_any_real_difference_on_two_ranks(tmp_path):
+    """spreads() on two real gloo ranks: what differs by rounding passes, a gradient of another share, a missing
+    or non-finite one on one rank only is flagged; nothing anywhere is not."""
+    out = tmp_path / "found"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+         str(REPO / "tests" / "helpers" / "tp_grads_ranks.py"), str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = [json.loads((tmp_path / f"found.{i}.json").read_text()) for i in range(2)]
+    assert found[0] == found[1]
+    assert sorted(found[0]) == sorted(
+        ["one part in a thousand", "a different share", "permuted sign", "none on one rank", "nan on one rank"]
+    ), found[0]

@@ -217,7 +217,10 @@ class Context:
         parallel.reshard_after_forward, activation_checkpointing and mixed_precision (`mixed_precision`
         overrides the last). In place: returns the same model, with the same parameter names
         (hpcscale.parallel.data_parallel says why not DDP). With parallel.pp > 1 the model is this rank's
-        pipeline stage (cut_stage); run its steps through `ctx.pipeline`.
+        pipeline stage (cut_stage); run its steps through `ctx.pipeline`. At parallel.tp > 1 the first step of
+        each torch.optim optimizer over its parameters compares, once, the gradients of those the plan leaves whole
+        across the tp group: BadInput if any differ (computed on each tp rank's own share of an activation;
+        hpcscale.parallel.tp_grads).
 
         A model built under `torch.device("meta")` is placed without storage and then materialized: each rank
         allocates and initializes only its own shards (hpcscale.parallel.init), running every module's
