@@ -75,7 +75,7 @@ class GradSpread:
     """One parameter whose gradient is not the same on every rank of its tp group."""
 
     name: str
-    why: str  # "no gradient on some tp ranks", "not finite on some", or the largest relative difference
+    why: str  # a gradient on some tp ranks only, finite on some only, or how far apart (relative to its norm)
 
     def line(self) -> str:
         return f"{self.name} ({self.why})"
