@@ -1,14 +1,14 @@
 """What a rank holds and what it writes: local shards of named tensors, placed in global coordinates, and
 the deterministic choice of the one rank that writes each distinct shard.
 
-A shard is identified by (tensor name, offset in the global tensor). Every rank of a pipeline stage works out,
-for each tensor, which piece every other rank of the stage holds: a plain tensor is the same on all of them; a
-DTensor's piece follows from its placements and the rank's coordinates on its mesh's named dimensions (tp,
-dp_shard, dp_replicate, dp), whatever other dimensions the rank has are replicas. The ranks that hold the same
-piece (dp replicas of a tp shard, the dp_replicate groups of an FSDP shard) all compute the same writer,
-greedily balancing bytes (largest shards first, to the holder with the fewest bytes so far), so no
-communication is needed to agree, and every rank writes only pieces it holds: a sharded model's state is
-never gathered to one rank. Empty pieces (FSDP's last ranks when a dimension does not divide) are not written.
+A shard is identified by (tensor name, offset in the global tensor). Every rank of a pipeline stage works out, for
+each tensor, which piece every other rank of the stage holds: a plain tensor is the same on all of them; a DTensor's
+piece follows from its placements and the rank's coordinates on its mesh's named dimensions (any layout axis or dp:
+ParallelDims.mesh_index), whatever other dimensions the rank has are replicas. The ranks that hold the same piece
+(dp replicas of a tp shard, the dp_replicate groups of an FSDP shard) all compute the same writer, greedily
+balancing bytes (largest shards first, to the holder with the fewest bytes so far), so no communication is needed to
+agree, and every rank writes only pieces it holds: a sharded model's state is never gathered to one rank. Empty
+pieces (FSDP's last ranks when a dimension does not divide) are not written.
 """
 
 from __future__ import annotations
@@ -56,18 +56,6 @@ def local_shards(tensors: dict[str, torch.Tensor]) -> list[LocalShard]:
     return out
 
 
-def _mesh_index(dims: ParallelDims, rank: int) -> dict[str, int]:
-    """A rank's index on every mesh dimension name the job's meshes use (hpcscale.parallel.mesh)."""
-    c = dims.coords(rank)
-    return {
-        "pp": c.pp,
-        "dp": c.dp,
-        "tp": c.tp,
-        "dp_shard": c.dp % dims.dp_shard,
-        "dp_replicate": c.dp // dims.dp_shard,
-    }
-
-
 @lru_cache(maxsize=1 << 18)  # a few distinct shapes x every coordinate of a 4096-rank mesh
 def _piece(global_shape: tuple, mesh_shape: tuple, coord: tuple, placements: tuple) -> tuple[tuple, tuple]:
     """(local shape, global offset) of the piece at `coord` of a DTensor's mesh (torch's own rule, uneven and
@@ -91,8 +79,8 @@ def writers(shards: list[LocalShard], dims: ParallelDims, *, pp_rank: int) -> di
 
     Computed from what every rank of the stage knows alike (names, global shapes, placements, degrees), never
     from the local data, so all holders of a piece agree on its writer without talking."""
-    stage = [dims.rank(pp=pp_rank, dp=d, tp=t) for d in range(dims.dp) for t in range(dims.tp)]
-    where = {r: _mesh_index(dims, r) for r in stage}
+    stage = [r for r in range(dims.world_size) if dims.coords(r).pp == pp_rank]  # in rank order, as before
+    where = {r: dims.mesh_index(r) for r in stage}
     load: dict[int, int] = defaultdict(int)
     out: dict[tuple, int] = {}
     items = []
@@ -107,7 +95,7 @@ def writers(shards: list[LocalShard], dims: ParallelDims, *, pp_rank: int) -> di
         if not names or any(n not in where[stage[0]] for n in names):
             raise BadInput(
                 f"checkpoint tensor {s.name}: a DTensor on a mesh with dimensions {names}; hpcscale checkpoints "
-                "tensors laid out over the job's mesh (ctx.mesh: pp, dp, dp_replicate, dp_shard, tp)"
+                f"tensors laid out over the job's mesh (ctx.mesh: {', '.join(where[stage[0]])})"
             )
         mesh_shape = tuple(t.device_mesh.mesh.shape)
         placements = tuple(t.placements)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from hpcscale.config.fields import setting
 from hpcscale.config.site import check_env_names, check_name
+from hpcscale.layout import keyed_axes
 from hpcscale.util.slurmtime import check_duration
 
 _ENTRY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -64,6 +65,12 @@ class Parallel:
         "compute for a block's activations' memory). Applied by ctx.parallelize and the built-in trainer.",
         default=False,
     )
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Each parallel axis' degree by its key (the registry, hpcscale.layout.AXES): what JobLayout and
+        ParallelDims.for_world take. An axis registered without a setting here has degree 1."""
+        return {a.key: getattr(self, a.key, 1) for a in keyed_axes()}
 
 
 @dataclass(kw_only=True, slots=True)

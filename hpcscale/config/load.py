@@ -265,20 +265,12 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         dec.error(("command",), "must name a program")
     if spec.sweep is not None and spec.sweep.size > 100_000:
         dec.error(("sweep", "params"), f"{spec.sweep.size} combinations; Slurm arrays are far smaller")
-    problems = layout_problems(
-        nodes=spec.nodes,
-        tasks_per_node=spec.tasks_per_node,
-        tp=spec.parallel.tp,
-        pp=spec.parallel.pp,
-        dp_shard=spec.parallel.dp_shard,
-    )
+    problems = layout_problems(nodes=spec.nodes, tasks_per_node=spec.tasks_per_node, **spec.parallel.degrees)
     for problem in problems:
         dec.error(tuple(problem.key.split(".")), problem.message)
     # The trainer's rules need dp, which exists once the mesh divides the world (tp may still break a node).
     if spec.train is not None and spec.train.entry == "builtin" and all(p.key in ("parallel.tp",) for p in problems):
-        dims = ParallelDims.for_world(
-            world_size=spec.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp, dp_shard=spec.parallel.dp_shard
-        )
+        dims = ParallelDims.for_world(world_size=spec.world_size, **spec.parallel.degrees)
         _check_train_params(spec, dec, dims=dims)
     limit_s = parse_duration(spec.time_limit)
     _check_stopping(spec, site, dec, limit_s)

@@ -330,9 +330,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
 
     os.environ["HPCSCALE_RANK"] = str(info.rank)
     spec = loaded.spec
-    dims = ParallelDims.for_world(
-        world_size=info.world_size, tp=spec.parallel.tp, pp=spec.parallel.pp, dp_shard=spec.parallel.dp_shard
-    )
+    dims = ParallelDims.for_world(world_size=info.world_size, **spec.parallel.degrees)
     device = info.device
     mesh = build_mesh(device_type=device.type, backend=info.backend, dims=dims, timeout_s=spec.timeout_seconds)
     coords = dims.coords(info.rank)

@@ -9,20 +9,20 @@ rank, the collective and how far the rank had got:
         collective operation timeout: WorkNCCL(SeqNum=12, OpType=ALLREDUCE, NumelIn=1, NumelOut=1,
         Timeout(ms)=300000) ran for 300012 milliseconds before timing out.
 
-The `[rankN]:` prefix is the global rank (torch's log prefix); `Rank M` inside the brackets is the rank within
-the group, and the group's description names the mesh axis (`mesh_` and the axis: torch's init_device_mesh
-names each axis's groups so) or the default group (`default_pg`). The mesh's axes are the layout's
-(ParallelDims.mesh_axes): pp, dp, tp; with sharded data parallelism (dp_shard > 1) pp, dp_replicate, dp_shard,
-tp, plus `mesh_dp`, the two dp axes flattened into one (parallel/mesh.py). In a collective every member of the
-group waits for the last one to arrive, so the ranks that time out are the ones that arrived; a member that
-never reached it (stuck in Python or in other GPU work, or dead) writes no such line. The late ranks are
-therefore the members of the reporters' groups that did not report, worked out from the attempt's layout (its
-begin record: nodes in placement order and every degree, dp_shard included: an FSDP all-gather that times out
-is a `mesh_dp_shard` collective, HSDP's gradient all-reduce a `mesh_dp_replicate` one), and their nodes are
-blamed. Only those groups: the first SIGABRT makes srun kill every rank, so ranks
-of other groups may never get to write their own timeout, and must not be taken for late ones. When every
-member timed out, no rank was late: the fabric between them is the suspect, and no node is blamed; nor is one
-when the group cannot be worked out (no layout recorded, a group hpcscale did not make).
+The `[rankN]:` prefix is the global rank (torch's log prefix); `Rank M` inside the brackets is the rank within the
+group, and the group's description names the mesh axis (`mesh_` and the axis: torch's init_device_mesh names each
+axis's groups so) or the default group (`default_pg`). The groups are the layout's (ParallelDims.group_axes, from
+the registry in hpcscale.layout): pp, dp, tp; with sharded data parallelism (dp_shard > 1) pp, dp_replicate,
+dp_shard, tp, plus `mesh_dp`, the dp axes flattened into one (parallel/mesh.py). In a collective every member of the
+group waits for the last one to arrive, so the ranks that time out are the ones that arrived; a member that never
+reached it (stuck in Python or in other GPU work, or dead) writes no such line. The late ranks are therefore the
+members of the reporters' groups that did not report, worked out from the attempt's layout (its begin record: nodes
+in placement order and every degree, dp_shard included: an FSDP all-gather that times out is a `mesh_dp_shard`
+collective, HSDP's gradient all-reduce a `mesh_dp_replicate` one), and their nodes are blamed. Only those groups:
+the first SIGABRT makes srun kill every rank, so ranks of other groups may never get to write their own timeout, and
+must not be taken for late ones. When every member timed out, no rank was late: the fabric between them is the
+suspect, and no node is blamed; nor is one when the group cannot be worked out (no layout recorded, a group hpcscale
+did not make).
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ def _members(t: NcclTimeout, dims: ParallelDims | None) -> list[int] | None:
     if t.group in (None, "default_pg"):
         return list(range(dims.world_size)) if t.group == "default_pg" else None
     axis = t.group.removeprefix("mesh_")
-    made = {*dims.mesh_axes, "dp"}  # `dp` is an axis, or the flattened dp_replicate x dp_shard
-    return dims.group(t.rank, axis) if t.group.startswith("mesh_") and axis in made else None
+    return dims.group(t.rank, axis) if t.group.startswith("mesh_") and axis in dims.group_axes else None
 
 
 def describe_nccl_timeouts(

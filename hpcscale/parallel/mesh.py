@@ -1,4 +1,5 @@
-"""The (pp, dp, tp) DeviceMesh, its process groups built with the job's collective timeout.
+"""The job's DeviceMesh over the layout's axes (pp, dp, tp, ...), its process groups built with the job's
+collective timeout.
 
 torch's init_device_mesh makes each mesh dimension's groups with `new_group` (or `split_group` once NCCL is
 eagerly initialised), and without options those get the backend's default timeout: 10 minutes for NCCL, 30 for
@@ -18,9 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpcscale.layout import ParallelDims
-
-AXES = ("pp", "dp", "tp")  # slowest to fastest: tp ranks are neighbours (inside a node), pp ranks farthest apart
+from hpcscale.layout import DP, ParallelDims
 
 
 def group_options(backend: str, timeout_s: float):
@@ -34,25 +33,18 @@ def group_options(backend: str, timeout_s: float):
     return opts
 
 
-SHARDED_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-
-
 def build_mesh(*, device_type: str, backend: str, dims: ParallelDims, timeout_s: float) -> DeviceMesh:
-    """The job's mesh over every rank, dims named AXES (and dp_replicate, dp_shard when dims.dp_shard > 1), every
-    group with the job's timeout. A collective."""
-    if not dims.sharded:
-        override = {axis: (backend, group_options(backend, timeout_s)) for axis in AXES}
-        return init_device_mesh(
-            device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES, backend_override=override
-        )
-    override = {axis: (backend, group_options(backend, timeout_s)) for axis in SHARDED_AXES}
+    """The job's mesh over every rank, dims named dims.mesh_axes (the layout's axes, slowest first; `dp` in place
+    of the data-parallel ones while nothing is sharded), every group with the job's timeout. A collective."""
+    options = (backend, group_options(backend, timeout_s))
     mesh = init_device_mesh(
         device_type,
-        (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-        mesh_dim_names=SHARDED_AXES,
-        backend_override=override,
+        dims.mesh_shape,
+        mesh_dim_names=dims.mesh_axes,
+        backend_override=dict.fromkeys(dims.mesh_axes, options),
     )
-    mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=(backend, group_options(backend, timeout_s)))
+    if DP not in dims.mesh_axes:  # sharded: `dp` is the data-parallel axes flattened, the same ranks either way
+        mesh[dims.dp_axes]._flatten(DP, backend_override=options)
     return mesh
 
 

@@ -44,13 +44,7 @@ def place_job(loaded: LoadedJob, nodes: str | list[str], *, tree: SwitchTree | N
     hosts = expand(nodes) if isinstance(nodes, str) else list(nodes)
     if len(hosts) != spec.nodes:
         raise BadInput(f"{loaded.path}: the job asks for {spec.nodes} nodes but the allocation has {len(hosts)}")
-    layout = JobLayout(
-        nodes=len(hosts),
-        tasks_per_node=spec.tasks_per_node,
-        tp=spec.parallel.tp,
-        pp=spec.parallel.pp,
-        dp_shard=spec.parallel.dp_shard,
-    )
+    layout = JobLayout(nodes=len(hosts), tasks_per_node=spec.tasks_per_node, **spec.parallel.degrees)
     params = spec.train.params if spec.train else None
     return place(
         nodes=hosts, tree=tree or site_tree(loaded.site.config), layout=layout, weights=traffic_weights(layout, params)

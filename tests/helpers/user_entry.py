@@ -6,7 +6,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hpcscale.parallel.mesh import AXES, group_timeout_s
+from hpcscale.parallel.mesh import group_timeout_s
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")
 
@@ -35,7 +35,7 @@ def main(ctx):
                 "params": ctx.params,
                 "stop": ctx.should_stop(),
                 "env": {k: os.environ.get(k) for k in ENV},
-                "group_timeouts": {axis: group_timeout_s(ctx.mesh[axis].get_group(), "cpu") for axis in AXES},
+                "group_timeouts": {axis: group_timeout_s(ctx.mesh[axis].get_group(), "cpu") for axis in ctx.dims.mesh_axes},
                 "ckpt_group_timeout": group_timeout_s(ctx.checkpoint.manager.group, "cpu"),
             }
         )
