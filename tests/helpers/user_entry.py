@@ -35,7 +35,9 @@ def main(ctx):
                 "params": ctx.params,
                 "stop": ctx.should_stop(),
                 "env": {k: os.environ.get(k) for k in ENV},
-                "group_timeouts": {axis: group_timeout_s(ctx.mesh[axis].get_group(), "cpu") for axis in ctx.dims.mesh_axes},
+                "group_timeouts": {
+                    axis: group_timeout_s(ctx.mesh[axis].get_group(), "cpu") for axis in ctx.dims.mesh_axes
+                },
                 "ckpt_group_timeout": group_timeout_s(ctx.checkpoint.manager.group, "cpu"),
             }
         )
