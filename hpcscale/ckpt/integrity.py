@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hpcscale.errors import BadInput
+from hpcscale.layout import ParallelDims
 from hpcscale.util.bounded import loads_json
 
 DIGEST_ALGORITHM = "sha256"
@@ -228,11 +229,13 @@ def _attr_problems(t: Tables, dir_step: int | None, out: list[str]) -> None:
     if problem:
         out.append(problem)
     elif layout is not None:
-        degrees = [layout.get(k) for k in ("pp", "dp", "tp")]
-        if not all(type(d) is int and d >= 1 for d in degrees):
-            out.append(f"layout {a['layout'][:80]} does not give positive pp, dp and tp")
-        elif math.prod(degrees) != a["world_size"]:
-            out.append(f"layout {a['layout'][:80]} does not multiply to world_size {a['world_size']}")
+        try:  # every axis of the registry, as a run records it: dp_shard and any other when it is not 1
+            dims = ParallelDims.from_dict(layout)
+        except BadInput as e:
+            out.append(f"layout {a['layout'][:80]} is not a parallel layout: {str(e)[:200]}")
+        else:
+            if dims.world_size != a["world_size"]:
+                out.append(f"layout {a['layout'][:80]} does not multiply to world_size {a['world_size']}")
     _, problem = _json_object(a["trainer_state"], "trainer_state")
     if problem:
         out.append(problem)
