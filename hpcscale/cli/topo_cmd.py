@@ -65,21 +65,16 @@ def show(site: str | None, as_json: bool) -> None:
 def format_placement(p):
     from rich.table import Table
 
-    w = p.weights
-    shard = p.layout.dp_shard
-    per_step = f"tp {w.tp:,.0f}, " + (
-        f"dp_shard {w.dp_shard:,.0f}, dp_replicate {w.dp:,.0f}, " if shard > 1 else f"dp {w.dp:,.0f}, "
-    )
+    w, dims = p.weights, p.layout.dims
+    per_step = ", ".join(f"{axis} {w.of(axis):,.0f}" for axis in reversed(dims.mesh_axes) if w.of(axis) is not None)
     table = Table(
         title=f"placement: {p.method}; cost {p.cost:,.0f} vs hostname order {p.hostname_order_cost:,.0f}"
-        f" (weights: {w.source}; bytes per step and neighbour: {per_step}pp {w.pp:,.0f})"
+        f" (weights: {w.source}; bytes per step and neighbour: {per_step})"
     )
-    cols = ("rank", "node", "local rank", "tp", "dp", *(("dp_shard", "dp_replicate") if shard > 1 else ()), "pp")
-    for col in cols:
+    for col in ("rank", "node", "local rank", *dims.coordinate_axes):
         table.add_column(col, justify="right" if col != "node" else "left")
     for r in p.ranks():
-        split = (str(r.dp % shard), str(r.dp // shard)) if shard > 1 else ()
-        table.add_row(str(r.rank), r.node, str(r.local_rank), str(r.tp), str(r.dp), *split, str(r.pp))
+        table.add_row(str(r.rank), r.node, str(r.local_rank), *(str(i) for i in r.axes.values()))
     return table
 
 
@@ -98,8 +93,6 @@ def place(job: str, nodes: str, site: str | None, as_json: bool) -> None:
     Example:
       hpcscale topo place job.yaml --nodes 'n[1-4]'
     """
-    from dataclasses import asdict
-
     from hpcscale.config.load import load_job
     from hpcscale.slurm.allocation import place_job
 
@@ -113,14 +106,8 @@ def place(job: str, nodes: str, site: str | None, as_json: bool) -> None:
                 "hostname_order_cost": p.hostname_order_cost,
                 "optimal": p.optimal,
                 "method": p.method,
-                "weights": {
-                    "tp": p.weights.tp,
-                    "dp": p.weights.dp,
-                    "pp": p.weights.pp,
-                    **({"dp_shard": p.weights.dp_shard} if p.layout.dp_shard > 1 else {}),
-                    "source": p.weights.source,
-                },
-                "ranks": [asdict(r) for r in p.ranks()],
+                "weights": p.weights.record(p.layout.dims),
+                "ranks": [r.record() for r in p.ranks()],
             }
         )
     else:

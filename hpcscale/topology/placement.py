@@ -20,13 +20,13 @@ import itertools
 import math
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from hpcscale.errors import BadInput
-from hpcscale.layout import JobLayout
+from hpcscale.layout import DP, JobLayout, ParallelDims, axis_named
 from hpcscale.topology.tree import SwitchTree
 from hpcscale.util.hostlist import sort_hosts
 
@@ -44,6 +44,19 @@ class TrafficWeights:
     pp: float = 1.0
     source: str = "default ratios (tp 100 : dp 10 : pp 1)"
     dp_shard: float = 15.0  # the shard group's ring (dp_shard > 1 only): 1.5 x a replicated all-reduce
+
+    def of(self, axis: str) -> float | None:
+        """The weight of mesh `axis`'s neighbours (None: this model gives the axis none). The data-parallel axis
+        derived from the world size (dp_replicate) is the `dp` ring's other name."""
+        a = axis_named(axis)
+        name = DP if a is not None and a.data_parallel and a.key is None else axis
+        value = getattr(self, name, None)
+        return value if isinstance(value, float | int) and not isinstance(value, bool) else None
+
+    def record(self, dims: ParallelDims) -> dict[str, Any]:
+        """The weights of the job's mesh axes by field name (`dp`: the dp ring, or the replicas'), then source."""
+        names = [f.name for f in fields(self) if f.name != "source"]
+        return {n: getattr(self, n) for n in names if n == DP or n in dims.mesh_axes} | {"source": self.source}
 
 
 def traffic_weights(layout: JobLayout, params: dict[str, Any] | None) -> TrafficWeights:
@@ -87,9 +100,19 @@ class RankSlot:
     rank: int
     node: str
     local_rank: int
-    tp: int
-    dp: int
-    pp: int
+    axes: dict[str, int]  # its index along each of the layout's coordinate_axes (tp, dp, [dp_shard, dp_replicate], pp)
+
+    def __getattr__(self, name: str) -> int:
+        if not name.startswith("_"):
+            try:
+                return self.axes[name]
+            except KeyError:
+                pass
+        raise AttributeError(name)
+
+    def record(self) -> dict[str, Any]:
+        """As `topo place --json` lists it: rank, node, local_rank, then every coordinate."""
+        return {"rank": self.rank, "node": self.node, "local_rank": self.local_rank, **self.axes}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +130,8 @@ class Placement:
         out = []
         for r in range(s.world):
             c = dims.coords(r)
-            out.append(RankSlot(r, self.nodes[r // s.tasks_per_node], r % s.tasks_per_node, c.tp, c.dp, c.pp))
+            axes = {a: int(c.of(a)) for a in dims.coordinate_axes}
+            out.append(RankSlot(r, self.nodes[r // s.tasks_per_node], r % s.tasks_per_node, axes))
         return out
 
 
@@ -116,25 +140,19 @@ def slot_edges(layout: JobLayout, weights: TrafficWeights) -> dict[tuple[int, in
     dims = layout.dims
     r = np.arange(layout.world)
     c = dims.coords(r)  # every rank's coordinates at once, as arrays
-    tp_i, dp_i, pp_i = c.tp, c.dp, c.pp
-
-    def rank_of(tp: np.ndarray, dp: np.ndarray, pp: np.ndarray) -> np.ndarray:
-        return dims.rank(pp=pp, dp=dp, tp=tp)
-
     pairs = []
-    if layout.tp > 1:
-        pairs.append((r, rank_of((tp_i + 1) % layout.tp, dp_i, pp_i), weights.tp))
-    shard = layout.dp_shard
-    if shard > 1:  # the shard group's ring, then the replicas' ring (same shard index, next replica)
-        base, within = dp_i - dp_i % shard, dp_i % shard
-        pairs.append((r, rank_of(tp_i, base + (within + 1) % shard, pp_i), weights.dp_shard))
-        if layout.dp > shard:
-            pairs.append((r, rank_of(tp_i, (dp_i + shard) % layout.dp, pp_i), weights.dp))
-    elif layout.dp > 1:
-        pairs.append((r, rank_of(tp_i, (dp_i + 1) % layout.dp, pp_i), weights.dp))
-    if layout.pp > 1:
-        last = pp_i + 1 < layout.pp
-        pairs.append((r[last], rank_of(tp_i[last], dp_i[last], pp_i[last] + 1), weights.pp))
+    # Fastest axis first (tp, then dp or the shard group's ring and the replicas', then pp): the order the sums
+    # below add in, kept so costs stay bit for bit what they were.
+    for axis, size in reversed(list(zip(dims.mesh_axes, dims.mesh_shape, strict=True))):
+        at, weight = c.of(axis), weights.of(axis)
+        if size == 1 or weight is None:
+            continue
+        a = axis_named(axis)
+        if a is None or a.ring:  # a ring all-reduce: the next rank along the axis, the last wrapping to the first
+            pairs.append((r, dims.rank_at(c, **{axis: (at + 1) % size}), weight))
+        else:  # a chain (pipeline send/recv): consecutive indexes, the last has no next
+            more = at + 1 < size
+            pairs.append((r[more], dims.rank_at(c, **{axis: at + 1})[more], weight))
     edges: dict[tuple[int, int], float] = defaultdict(float)
     for a, b, w in pairs:
         sa, sb = a // layout.tasks_per_node, b // layout.tasks_per_node
@@ -240,9 +258,8 @@ def _multiset_permutations(counts: list[int]):
 
 def _pack_stages(by_leaf: dict[str, list[str]], layout: JobLayout) -> list[str]:
     """Whole pipeline stages (their dp rings) on one leaf where they fit, consecutive stages on nearby leaves."""
-    block = (
-        layout.dp * layout.tp // layout.tasks_per_node if (layout.dp * layout.tp) % layout.tasks_per_node == 0 else 1
-    )
+    stage = layout.world // layout.pp  # the ranks of one pipeline stage
+    block = stage // layout.tasks_per_node if stage % layout.tasks_per_node == 0 else 1
     block = max(block, 1)
     whole: list[list[str]] = []
     leftover: list[str] = []
