@@ -163,6 +163,8 @@ class Checkpointer:
         if self._local is not None:  # node-local steps newer than where the run restarts are of another timeline
             self._local.discard_after(restored.step if restored is not None else None)
         if dirty and self.rebuild is not None:  # every rank alike
+            if any(m is self._model for m in self._ctx.models):  # the fresh build replaces it (ctx.forget)
+                self._ctx.forget(self._model)
             self._model, optimizer = self.rebuild()
             self._optimizers = tuple(optimizer) if isinstance(optimizer, list | tuple) else (optimizer,)
             self._optimizers = tuple(o for o in self._optimizers if o is not None)
@@ -350,7 +352,7 @@ class Checkpointer:
         if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1) and not last:
             self.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
             self._rounds.poll(step + 1)  # adopt the round in flight if it has landed
-        dp_wait = sum(getattr(s, "comm_wait_total_s", 0.0) for s in self._ctx._syncs)
+        dp_wait = self._ctx.grad_sync_wait_s
         self._times.record(
             step,
             step_s=work_s + ckpt_s,
@@ -694,7 +696,7 @@ class Checkpointer:
         )
         self._times = ctx.step_times or NoStepTimes()
         self._times.restart()  # the ledger's counts from before the first step (model build, the load) are no step's
-        self._dp_wait_last = sum(getattr(s, "comm_wait_total_s", 0.0) for s in ctx._syncs)
+        self._dp_wait_last = ctx.grad_sync_wait_s
         self._collective_last = ctx._collective_s
         self._t_last = time.perf_counter()
         self._waits_last = self._waited()

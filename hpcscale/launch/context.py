@@ -198,6 +198,36 @@ class Context:
             out["checkpoint"] = self._checkpoint._manager
         return out
 
+    @property
+    def models(self) -> tuple[Any, ...]:
+        """The models given to ctx.parallelize, in order, that are still registered (`forget` drops one): what
+        clip_grad_norm_, no_sync and accumulate act on by default."""
+        return tuple(self._models)
+
+    @property
+    def grad_sync_wait_s(self) -> float:
+        """Seconds this rank's data-parallel gradient averaging (every registered model's) has waited on the
+        network since the start; per-rank timing and the trainer's comm_share take differences of it. 0 without
+        replicated data parallelism (FSDP's reduce-scatters are timed as collective waits instead)."""
+        return sum(getattr(s, "comm_wait_total_s", 0.0) for s in self._syncs)
+
+    def forget(self, model: Any) -> None:
+        """Drop `model` (given to ctx.parallelize) from everything the Context keeps of it: its gradient averaging
+        (and the gradient-sized buffers it holds), its ties' stage groups, its tied copies' share of the norm, its
+        first-step tensor-parallel check. After this nothing of hpcscale's holds the model, so it can be freed, and
+        a model built again and given to ctx.parallelize replaces it. `ctx.checkpoint.restore` does this for the
+        model it restored into before it calls `rebuild`. A model that was not given: BadInput. Local: no
+        collective."""
+        placed = [i for i, m in enumerate(self._models) if m is model]
+        if not placed:
+            raise BadInput("ctx.forget: this model was not given to ctx.parallelize (or was forgotten already)")
+        i = placed[0]
+        del self._models[i], self._syncs[i]
+        for param, _group in self._stage_ties.pop(id(model), []):
+            self._norm_skip.discard(id(param))
+        if self._tp_grads is not None:
+            self._tp_grads.forget(model)
+
     def parallelize(
         self,
         model: Any,

@@ -171,6 +171,15 @@ class TpGradCheck:
         if self._pending and self._handle is None:
             self._handle = register_optimizer_step_pre_hook(self._pre_step)
 
+    def forget(self, model: nn.Module) -> None:
+        """Stop watching `model`'s parameters (ctx.forget: a model built again replaces it)."""
+        for p in model.parameters():
+            entry = self._pending.get(id(p))
+            if entry is not None and entry[1]() is p:
+                del self._pending[id(p)]
+        if not self._pending:
+            self.close()
+
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer in self._seen:
             return

@@ -146,8 +146,6 @@ def train(ctx: Context) -> None:
     def build():
         """The model, optimizer and pipeline, as a fresh start has them: the model's initialisation is seeded,
         so building again gives the same values."""
-        ctx._syncs.clear()  # a model built again replaces the one ctx.parallelize placed
-        ctx._models.clear()
         model = build_model(cfg, ctx, loader.vocab_size)
         opt = build_optimizer(model, cfg, ctx.device)
         pipe = None
@@ -267,10 +265,11 @@ def train(ctx: Context) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
+        synced_before = ctx.grad_sync_wait_s
         loss = run_batch(inputs, targets, training=True)
         grad_norm = ctx.clip_grad_norm_(cfg.grad_clip)  # a device tensor: read with the stop flag below
         opt.step()  # after a deferred save's copy of the tensors is taken (ctx.checkpoint's pre-step hook)
-        comm_before = sum(sync.comm_wait_s for sync in ctx._syncs)
+        comm_before = ctx.grad_sync_wait_s - synced_before  # this step's wait for the gradient averaging
         t_check = time.perf_counter()
         # the norm is the same on every rank: rank 0's alone makes the sum exact
         norm_share = grad_norm if ctx.rank == 0 else torch.zeros((), device=ctx.device)
