@@ -7,6 +7,9 @@ exit code; nothing else it raises reaches the user as a traceback for bad input.
 
 from __future__ import annotations
 
+# the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
+__all__ = ["STOPPED_EXIT_CODE", "BadInput", "HpcscaleError", "RuntimeFailure", "VerificationFailure"]
+
 # EX_TEMPFAIL (sysexits.h): stopped on request; resume from the last checkpoint. Ranks, `run --local` and the
 # sbatch templates' requeue logic all mean this one number.
 STOPPED_EXIT_CODE = 75

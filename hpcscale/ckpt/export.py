@@ -52,6 +52,9 @@ from hpcscale.ckpt.ops import data_file_problem, size_text
 from hpcscale.ckpt.reader import ChunkReader, fill_box
 from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 
+# the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
+__all__ = ["consolidated", "export"]
+
 BLOCK_BYTES = 64 << 20  # one block of a tensor's bytes, filled and written at a time (the export's memory bound)
 FORMATS = ("torch", "safetensors")
 PREFIX = "model/"  # what is exported: the model's tensors, named without it

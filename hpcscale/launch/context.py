@@ -25,6 +25,9 @@ from hpcscale.errors import BadInput
 from hpcscale.launch.signals import StopFlag
 from hpcscale.layout import ParallelDims
 
+# the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
+__all__ = ["Context", "MetricsLogger"]
+
 
 def _append_only(path: Path):
     """RUN/metrics.jsonl opened for appending, line-buffered: never through a symlink planted at its name

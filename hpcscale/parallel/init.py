@@ -31,6 +31,9 @@ from torch import nn
 
 from hpcscale.errors import BadInput
 
+# the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
+__all__ = ["initialize", "materialize"]
+
 Init = Callable[[nn.Module], None]
 
 

@@ -29,6 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpcscale.errors import BadInput
 from hpcscale.parallel.ties import STAGE_TIES, stage_ties
 
+# the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
+__all__ = ["SCHEDULES", "Pipeline", "cut_stage"]
+
 # torch's schedule classes by name; torch.distributed.pipelining is imported where a schedule is built: it imports
 # dynamo (about a second), which a job at pp = 1 may never need
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}

@@ -48,6 +48,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from hpcscale.errors import BadInput
 from hpcscale.parallel.pipeline import cut_stage
 
+# the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
+__all__ = ["ADAPTERS", "GPT2", "LLAMA", "Adapter", "ParallelLM", "adapter_for", "lm_loss", "parallelize", "stage_plan"]
+
 try:
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 except ImportError as e:  # an optional dependency: say which extra brings it
