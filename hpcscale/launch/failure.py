@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput
 from hpcscale.layout import ParallelDims
@@ -32,6 +32,105 @@ RANKS_SHOWN = 32  # ranks a summary names one by one; the rest are counted
 _PEER_LOST = re.compile(
     r"Connection (closed|reset|refused)|closed by peer|Broken pipe|ECONNRESET|EPIPE|timed? ?out|Timeout", re.IGNORECASE
 )
+BAD_INPUT_MARK = ", bad input"  # the rank refused its input or its code (NOT_THE_NODES): see shared_failure
+PEER_MARK = ", after losing a peer"
+# What a rank fails with that no node is to blame for: its input refused (BadInput: a job spec, an argument, a
+# file it names; exit 2), or the program itself not loadable (an import error, a syntax error: the same code and
+# environment on every node of a cluster's shared file system)
+NOT_THE_NODES = (BadInput, ImportError, SyntaxError)
+
+
+# ---- the lines' one spec: each kind is a template; its writer and its reader are both made from it ----------
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One value in a line: the regex of its text, how a value is written, how its text is read back."""
+
+    pattern: str
+    write: Callable[[Any], str] = str
+    read: Callable[[str], Any] = str
+
+
+def _mark(text: str) -> Field:
+    """A mark that is there or not (`, after losing a peer`): True or False."""
+    return Field(f"(?:{re.escape(text)})?", lambda on: text if on else "", bool)
+
+
+FIELDS: dict[str, Field] = {
+    # "?": a rank that failed before it had one (HPCSCALE_RANK unset); any other word is read as that too
+    "rank": Field(r"\S+", lambda r: "?" if r is None else str(r), lambda s: int(s) if s.isdigit() else None),
+    "mpi_rank": Field(r"-?\d+", str, int),
+    "node": Field(r"\S+"),
+    # `Type: first line`. Greedy: the line's last mark is its own (a message may hold `[at ` or `]`)
+    "what": Field(r".*", str, str.strip),
+    # UTC with microseconds (utc_stamp): sorts as text. Exact, so no `[at x]` in a message passes for the mark
+    "time": Field(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z"),
+    "peer": _mark(PEER_MARK),
+    "bad": _mark(BAD_INPUT_MARK),
+    "seconds": Field(r"\d+(?:\.\d+)?", lambda s: f"{s:.1f}", float),
+    "last_step": Field(r"-?\d+", str, int),
+    "world": Field(r"\d+", str, int),
+    "continued": _mark(" (continued)"),
+}
+
+
+class LineSpec:
+    """One kind of line: a template whose `{name}`s are FIELDS. format() writes a line from values; parse() reads
+    them back from the start of a text, not anchored at its end (another process writing to the same log,
+    slurmstepd's `*** STEP ... CANCELLED`, can append to a line before its newline); parse(text, cut=name) reads
+    a line cut short (mpirun's reads end mid-line) as far as the field `name`, which takes the rest."""
+
+    def __init__(self, kind: str, template: str) -> None:
+        self.kind, self.template = kind, template
+        # (literal text, the field after it or None)
+        self._parts = [(m[1], m[2]) for m in re.finditer(r"([^{]*)(?:\{(\w+)\}|$)", template) if m[0]]
+        self.names = tuple(name for _, name in self._parts if name)
+        self._regexes: dict[str | None, re.Pattern[str]] = {}
+
+    def regex(self, cut: str | None = None) -> re.Pattern[str]:
+        if cut not in self._regexes:
+            out = []
+            for text, name in self._parts:
+                out.append(re.escape(text))
+                if name is not None:
+                    out.append(f"(?P<{name}>{'.*' if name == cut else FIELDS[name].pattern})")
+                    if name == cut:
+                        break
+            self._regexes[cut] = re.compile("".join(out))
+        return self._regexes[cut]
+
+    def format(self, **values: Any) -> str:
+        if set(values) != set(self.names):
+            raise TypeError(f"the {self.kind} line's fields are {', '.join(self.names)}; given {', '.join(values)}")
+        return "".join(text + (FIELDS[name].write(values[name]) if name else "") for text, name in self._parts)
+
+    def parse(self, text: str, *, cut: str | None = None) -> dict[str, Any] | None:
+        found = self.match(text, cut=cut)
+        return found[0] if found else None
+
+    def match(self, text: str, *, cut: str | None = None) -> tuple[dict[str, Any], int] | None:
+        """(the values, where the line ends in `text`), or None."""
+        m = self.regex(cut).match(text)
+        if m is None:
+            return None
+        return {name: FIELDS[name].read(value) for name, value in m.groupdict().items()}, m.end()
+
+
+# Every line of ours starts here: at the start of a physical line, or after the unfinished last line of another
+# rank's output (mpirun forwards each rank's output in reads of up to 4096 bytes: on a loaded machine one read can
+# end mid-line, and the next rank's line is glued to it). A line is read as the pieces that start there.
+_OURS = "hpcscale launch: rank "
+_WHO = _OURS + "{rank} (MPI rank {mpi_rank}) on node {node}"
+# `... failed: Type: first line [at TIME(, after losing a peer)(, bad input)]`: an exception (failure_line) or a
+# hang (hang_line, whose `what` is HANG); lines of versions before the time and the marks end at `what`
+FAILURE = LineSpec("failure", _WHO + " failed: {what} [at {time}{peer}{bad}]")
+HANG = LineSpec("hang", "Hang: no step finished in {seconds} s (last finished step {last_step}; world {world})")
+STALL = LineSpec(
+    "stall",
+    _WHO + " was not running for {seconds} s (stopped or starved); its hang timeout does not count that time "
+    "[at {time}]",
+)
+# the header of each chunk of a hung rank's Python stacks (the watchdog)
+STACKS = LineSpec("stacks", _OURS + "{rank} (MPI rank {mpi_rank}): Python stacks at the hang{continued}:")
 
 
 def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> str:
@@ -39,18 +138,18 @@ def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> st
     (, bad input)]`.
 
     The time (UTC, microseconds) and the peer mark let `run --local` name the rank that failed first for a
-    reason of its own (describe_failure), not the survivors that failed because it was gone; the bad-input mark
+    reason of its own (first_cause), not the survivors that failed because it was gone; the bad-input mark
     tells the requeue and `resume` that no node is to blame (shared_failure)."""
     first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-    at = utc_stamp()
-    peer = ", after losing a peer" if lost_a_peer(e) else ""
-    bad = BAD_INPUT_MARK if isinstance(e, NOT_THE_NODES) else ""
-    return f"{_who(rank, mpi_rank, node)} failed: {type(e).__name__}: {first} [at {at}{peer}{bad}]"
-
-
-def _who(rank: int | str, mpi_rank: int, node: str) -> str:
-    """The start of every line of ours, the one place it is spelled: what _OURS, _FAILURE and _STALL match."""
-    return f"hpcscale launch: rank {rank} (MPI rank {mpi_rank}) on node {node}"
+    return FAILURE.format(
+        rank=int(rank) if str(rank).isdigit() else None,
+        mpi_rank=mpi_rank,
+        node=node,
+        what=f"{type(e).__name__}: {first}",
+        time=utc_stamp(),
+        peer=lost_a_peer(e),
+        bad=isinstance(e, NOT_THE_NODES),
+    )
 
 
 def lost_a_peer(e: BaseException) -> bool:
@@ -66,47 +165,28 @@ def lost_a_peer(e: BaseException) -> bool:
     return False
 
 
-# hpcscale's rank failure line (failure_line), "hpcscale launch: rank R (MPI rank M) on node N failed:
-# Type: message [at 2026-01-02T03:04:05.678901Z, after losing a peer]" (the peer mark only where it applies)
-_FAILURE = re.compile(r"hpcscale launch: rank (\S+) \(MPI rank (-?\d+)\) on node (\S+) failed: (.*)$")
-# Where a line of ours starts: at the start of the line, or after the unfinished last line of another rank's
-# output (mpirun forwards each rank's output in reads of up to 4096 bytes: on a loaded machine one read can end
-# mid-line, and the next rank's line is glued to it). A line is read as the pieces that start there.
-_OURS = "hpcscale launch: rank "
-# Not anchored at the end: another process writing to the same log (slurmstepd's "*** STEP ... CANCELLED") can
-# append to the line before its newline; the last mark on the line is this rank's.
-BAD_INPUT_MARK = ", bad input"  # the rank refused its input or its code (NOT_THE_NODES): see shared_failure
-# What a rank fails with that no node is to blame for: its input refused (BadInput: a job spec, an argument, a
-# file it names; exit 2), or the program itself not loadable (an import error, a syntax error: the same code and
-# environment on every node of a cluster's shared file system)
-NOT_THE_NODES = (BadInput, ImportError, SyntaxError)
-_FAILED_AT = re.compile(r" \[at ([^\],\s]+)(, after losing a peer)?(" + re.escape(BAD_INPUT_MARK) + r")?\]")
-_HANG = re.compile(r"^Hang: no step finished in ([\d.]+) s \(last finished step (-?\d+); world (\d+)\)")
-_STALL = re.compile(
-    r"hpcscale launch: rank (\d+) \(MPI rank -?\d+\) on node (?P<node>\S+) was not running for (?P<lost>[\d.]+) s "
-    r".*\[at (?P<at>[^\]\s]+)\]"
-)
-
-
 def utc_stamp() -> str:
     """The time in a failure line: UTC with microseconds, as failure_line writes it (sorts as text)."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def hang_line(*, rank: int, mpi_rank: int, node: str, seconds: float, last_step: int, world_size: int) -> str:
-    return (
-        f"{_who(rank, mpi_rank, node)} failed: Hang: no step finished in {seconds:.1f} s "
-        f"(last finished step {last_step}; world {world_size}) [at {utc_stamp()}, after losing a peer]"
-    )
+    """A watchdog's failure line: always with the peer mark (a rank waiting in a collective is not the cause)."""
+    what = HANG.format(seconds=seconds, last_step=last_step, world=world_size)
+    return FAILURE.format(
+        rank=rank, mpi_rank=mpi_rank, node=node, what=what, time=utc_stamp(), peer=True, bad=False
+    )  # fmt: skip
 
 
 def stall_line(*, rank: int, mpi_rank: int, node: str, seconds: float) -> str:
     """`hpcscale launch: rank R (MPI rank M) on node N was not running for X s ...`: a rank's watchdog says its
     process did not run for `seconds` (stopped, starved); hung_ranks and stalled_nodes read it."""
-    return (
-        f"{_who(rank, mpi_rank, node)} was not running for {seconds:.1f} s (stopped or starved); its hang timeout "
-        f"does not count that time [at {utc_stamp()}]"
-    )
+    return STALL.format(rank=rank, mpi_rank=mpi_rank, node=node, seconds=seconds, time=utc_stamp())
+
+
+def stacks_header(*, rank: int, mpi_rank: int, continued: bool) -> str:
+    """The line before each chunk of a hung rank's Python stacks."""
+    return STACKS.format(rank=rank, mpi_rank=mpi_rank, continued=continued)
 
 
 class Hang(NamedTuple):
@@ -117,9 +197,10 @@ class Hang(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class FailureLine:
-    """One rank's failure line, parsed. Lines from older versions may lack the time and the peer mark."""
+    """One rank's failure line, parsed (FAILURE). A line without its mark (time, peer mark) was cut short, or
+    written by a version before the marks: `complete` says which it is not."""
 
-    line: str
+    line: str  # the line, up to its mark (not what another process appended to it)
     time: str | None  # ISO 8601 UTC: sorts as text
     peer_lost: bool
     rank: int | None = None  # hpcscale (torch) rank; None when the rank failed before it had one ("?")
@@ -127,6 +208,8 @@ class FailureLine:
     node: str | None = None  # the node the rank ran on
     bad_input: bool = False  # the rank refused its input (the bad-input mark): no node is to blame
     what: str = ""  # `Type: first line`, without the mark: what two ranks' failures are compared by
+    mpi_rank: int | None = None
+    complete: bool = True  # the mark was read: the line was not cut short
 
     @classmethod
     def parse(cls, line: str) -> FailureLine | None:
@@ -142,28 +225,34 @@ class FailureLine:
         pieces = _pieces(line)
         found = []
         for n, text in enumerate(pieces):
-            f = cls._parse_piece(text)
-            if f is not None and (n == len(pieces) - 1 or f.time is not None or f.hang is not None):
+            f = cls.read(text)
+            if f is not None and (n == len(pieces) - 1 or f.complete or f.hang is not None):
                 found.append(f)
         return found
 
     @classmethod
-    def _parse_piece(cls, text: str) -> FailureLine | None:
-        if " failed: " not in text:
+    def read(cls, text: str) -> FailureLine | None:
+        """One piece: a whole line (FAILURE), or one cut short after its `what` began."""
+        found = FAILURE.match(text)
+        complete = found is not None
+        if found is None and (found := FAILURE.match(text, cut="what")) is None:
             return None
-        at = next(reversed(list(_FAILED_AT.finditer(text))), None)
-        m = _FAILURE.match(text)
-        rank = int(m.group(1)) if m and m.group(1).isdigit() else None
-        h = _HANG.match(m.group(4)) if m else None
+        v, end = found
+        h = HANG.parse(v["what"])
         # a world beyond MAX_RANKS is no job's: such a line is a failure after losing a peer, not a hang to count
         # the silent ranks of (set(range(world)) would be built from it)
-        hang = Hang(float(h.group(1)), int(h.group(2)), int(h.group(3))) if h and int(h.group(3)) <= MAX_RANKS else None
-        node = m.group(3) if m else None
-        what = (text[m.start(4) : at.start()] if at and at.start() > m.start(4) else m.group(4)) if m else ""
+        hang = Hang(h["seconds"], h["last_step"], h["world"]) if h and h["world"] <= MAX_RANKS else None
         return cls(
-            text, at.group(1) if at else None, bool(at and at.group(2)), rank, hang, node, bool(at and at.group(3)),
-            what.strip(),
+            text[:end], v.get("time"), v.get("peer", False), v["rank"], hang, v["node"], v.get("bad", False),
+            v["what"], v["mpi_rank"], complete,
         )  # fmt: skip
+
+    def values(self) -> dict[str, Any]:
+        """The FAILURE fields this line was read from (a complete one's): FAILURE.format(**f.values()) == f.line."""
+        return {
+            "rank": self.rank, "mpi_rank": self.mpi_rank, "node": self.node, "what": self.what, "time": self.time,
+            "peer": self.peer_lost, "bad": self.bad_input,
+        }  # fmt: skip
 
 
 class HungRanks(NamedTuple):
@@ -206,18 +295,24 @@ def hung_ranks(lines: Iterable[str], *, world_size: int | None = None) -> HungRa
     # whatever it wrote once continued. A live rank starved for a few seconds on a loaded machine writes the
     # same kind of line, then its own hang line (its clock skips the lost time): it waited like the others.
     stopped = {
-        int(m.group(1))
+        s["rank"]
         for line in lines
-        for m in _stalls(line)
-        if (first_hang is None or m.group("at") >= first_hang) and float(m.group("lost")) >= waited
+        for s in _stalls(line)
+        if (first_hang is None or s["time"] >= first_hang) and s["seconds"] >= waited
     }
     stuck = (set(range(world)) - waiting) | {r for r in stopped if r < world}
     return HungRanks(sorted(stuck), world, waited)
 
 
+def is_rank_report(text: str) -> bool:
+    """Whether a physical line holds a rank's failure or stall line (whole or cut short): what a summary of a
+    long output keeps, however many lines of tracebacks follow."""
+    return bool(FailureLine.parse_all(text) or _stalls(text))
+
+
 def stalled_nodes(lines: Iterable[str]) -> dict[int, str]:
     """rank -> node of every rank that says it was not running (SIGSTOPped, then continued to be killed)."""
-    return {int(m.group(1)): m.group("node") for line in lines for m in _stalls(line)}
+    return {s["rank"]: s["node"] for line in lines for s in _stalls(line)}
 
 
 def _pieces(line: str) -> list[str]:
@@ -228,8 +323,9 @@ def _pieces(line: str) -> list[str]:
     return [line[a:b].strip() for a, b in zip(starts, [*starts[1:], len(line)], strict=True)]
 
 
-def _stalls(line: str) -> list[re.Match[str]]:
-    return [m for text in _pieces(line) if (m := _STALL.match(text))]
+def _stalls(line: str) -> list[dict[str, Any]]:
+    """The stall lines (STALL) on a physical line, of ranks that had one."""
+    return [s for text in _pieces(line) if (s := STALL.parse(text)) and s["rank"] is not None]
 
 
 # ---- the summary of a job's output ----
@@ -254,6 +350,14 @@ class SignalledTask(NamedTuple):
     signum: int
 
 
+def _own_failures(failures: list[FailureLine]) -> list[FailureLine]:
+    """The lines of ranks that failed for a reason of their own: no peer mark, not a hang, and not cut short (a
+    line that lost its end lost its peer mark with it, if it had one: it proves nothing). In a log of a version
+    before the marks (no line has one) a line without them is taken at its word."""
+    marked = any(f.complete for f in failures)
+    return [f for f in failures if not f.peer_lost and f.hang is None and (f.complete or not marked)]
+
+
 def signalled_task(lines: Iterable[str]) -> SignalledTask | None:
     """The first task srun saw die of a signal of its own ("srun: error: n2: task 3: Killed"): killed (the OOM
     killer, kill -9, its node gone), aborted or a segmentation fault; None if none did. srun's own exit code
@@ -262,7 +366,7 @@ def signalled_task(lines: Iterable[str]) -> SignalledTask | None:
     exception, not a lost peer): srun killed the others after it exited (--kill-on-bad-exit), and their "Killed"
     says nothing about them."""
     lines = list(lines)
-    if any(not f.peer_lost and f.hang is None for line in lines for f in FailureLine.parse_all(line)):
+    if _own_failures([f for line in lines for f in FailureLine.parse_all(line)]):
         return None
     for line in lines:
         if (m := _SRUN_TASK.search(line)) and m.group(3) in _TASK_SIGNALS:
@@ -290,7 +394,7 @@ def shared_failure(lines: Iterable[str]) -> str | None:
     if bad:
         first = min(bad, key=lambda f: f.time or "~")
         return f"{first.line} (refused its input: the same on every node, so no node is to blame)"
-    own = [f for f in failures if not f.peer_lost and f.hang is None and f.node and f.what]
+    own = [f for f in _own_failures(failures) if f.node and f.what]
     if own:
         first = min(own, key=lambda f: f.time or "~")
         nodes = sorted({f.node for f in own if f.what == first.what})
@@ -313,37 +417,142 @@ def shared_failure(lines: Iterable[str]) -> str | None:
     return None
 
 
-def describe_failure(lines, *, world_size: int | None = None) -> str | None:
-    """One line naming the rank that failed first, and how.
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """How a job ended, read from its output (first_cause)."""
 
-    A hang (watchdogs' lines, and no rank failing of its own accord before them: hung_ranks)
-    names the stuck ranks, those that wrote no such line; the others were waiting on them. A rank killed by a
-    signal (mpirun: "process rank 2 ... exited on signal 9") is the cause: the others fail after it with
-    connection errors ("after losing a peer"), and a rank that raises calls MPI_Abort, after which mpirun
-    reports no signal deaths. The exception is SIGABRT, which a rank may also die of in the aftermath (a torch
-    thread's std::terminate while the process exits): it yields to a rank that raised for a reason of its own.
-    Among ranks that raised, the first with a reason of its own (each failure line carries its time and the
-    peer mark), else the first. Under run --local all ranks are on one node, where placement
-    keeps MPI order, so MPI rank = hpcscale rank. `world_size`: the job's, where known (hung_ranks).
+    kind: str  # "hang", "signal", "failure", "nccl", "shared", "silent", "lost_peer", "exited"
+    words: str  # one line for a person: the rank that failed first, and how
+    ranks: tuple[int, ...] = ()  # the ranks to blame (MPI ranks where only mpirun or srun named them)
+    nodes: tuple[str, ...] = ()  # the nodes to blame: none for a failure the job shares wherever it ran
+    shared: str | None = None  # why no node is to blame, where the job failed alike wherever it ran
+
+
+def first_cause(
+    lines: Iterable[str],
+    *,
+    world_size: int | None = None,
+    dims: ParallelDims | None = None,
+    placement: list[str] | None = None,
+) -> Cause | None:
+    """The cause of a job's failure from its output (a `run --local` log, a Slurm job's logs); None when it says
+    none. `world_size`, `dims` (the layout) and `placement` (the node of each rank): the job's, where known.
+    The one order every reader takes (describe_failure, rank_failure, `resume`, `run --local`'s summary):
+
+    1. A hang (watchdogs' lines: hung_ranks), unless a rank failed of its own accord before the first of them:
+       the ranks that wrote no hang line (or were stopped) are named; the others waited on them.
+    2. A rank mpirun saw die of a signal other than SIGABRT ("process rank 2 ... exited on signal 9"): mpirun
+       reports a death only when it came before any rank's MPI_Abort, so it was first, whatever lines the
+       survivors wrote after it (a connection reset by the dead peer, with or without its peer mark).
+    3. A rank that failed for a reason of its own (a whole failure line without the peer mark; a line cut short
+       lost that mark and proves nothing): the first by its time, and its node blamed; none blamed where the
+       job failed alike wherever it ran (shared_failure: bad input, the same exception on several nodes).
+    4. NCCL's collective timeouts (launch/nccl_failure.py): the rank the others waited for, and its node.
+    5. A rank mpirun saw die of SIGABRT, which a rank may die of in the aftermath (a torch thread's
+       std::terminate while the process exits, NCCL's watchdog): it yields to 3 and 4.
+    6. A job that failed alike wherever it ran with no line of ours (srun: exit code 2 before any task died).
+    7. A task srun saw end by a signal (Killed, Aborted, a segmentation fault; else Terminated): its node.
+       srun's lines carry no order, and its --kill-on-bad-exit kills the rest after a rank's own failure, so
+       they come after 3.
+    8. Only survivors wrote lines (all after losing a peer) and the world is known: the ranks that wrote none
+       (fewer than wrote) ended first without a word (kill -9, the OOM killer); no node is blamed on that guess.
+    9. The first line there is (whole lines before cut ones); then how srun or mpirun say a rank exited.
     """
-    lines = list(lines)
-    if (hung := hung_ranks(lines, world_size=world_size)) is not None:
-        return _describe_hang(hung)
+    from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
+
+    lines = [line.rstrip("\n") for line in lines]
+    text = "\n".join(lines)
+    if world_size is None:
+        world_size = dims.world_size if dims is not None else (len(placement) if placement else None)
     failures = [f for line in lines for f in FailureLine.parse_all(line)]
-    own = [f for f in failures if not f.peer_lost]
-    m = _DIED.search("".join(lines))
-    if m and not (int(m.group(3)) == signal.SIGABRT and own):
-        rank, node, signum, name = m.groups()
-        how = f"signal {signum}" + (f" ({name})" if name else "")
-        others = f"; {len(failures)} other rank(s) failed after it (see the log)" if failures else ""
-        return f"rank {rank} (MPI rank {rank}) on node {node} was killed by {how}{others}"
+    own = _own_failures(failures)
+    if (hung := hung_ranks(lines, world_size=world_size)) is not None:
+        where = stalled_nodes(lines)
+        nodes = tuple(dict.fromkeys(where[r] for r in hung.stuck if r in where))
+        return Cause("hang", _describe_hang(hung), tuple(hung.stuck), nodes)
+    died = _DIED.search(text)
+    if died and int(died.group(3)) != signal.SIGABRT:
+        return _died(died, failures)
+    if own:
+        first = min(own, key=lambda f: f.time or "~")
+        shared = shared_failure(lines)
+        ranks = (first.rank,) if first.rank is not None else ()
+        return Cause("failure", _with_others(first, failures, "too"), ranks, () if shared else (first.node,), shared)
+    nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
+    if nccl is not None:  # NCCL's watchdog aborted the ranks that waited: srun says "Aborted", mpirun signal 6
+        return Cause("nccl", nccl.line, tuple(nccl.blamed_ranks), tuple(nccl.blamed_nodes))
+    if died:
+        return _died(died, failures)
+    if (shared := shared_failure(lines)) is not None:
+        return Cause("shared", shared, shared=shared)
+    tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
+    signalled = [m for m in tasks if m.group(3) in _TASK_SIGNALS] or [m for m in tasks if m.group(3) == "Terminated"]
+    if signalled:  # killed without a word: the OOM killer, kill -9, its node gone
+        m = signalled[0]
+        return Cause(
+            "signal", f"MPI task {m.group(2)} on node {m.group(1)} was {m.group(3).lower()} (srun)", (), (m[1],)
+        )
+    if failures and (silent := _silent(failures, world_size, placement)) is not None:
+        return silent
     if failures:
-        first = min(failures, key=lambda f: (f.peer_lost, f.time or "~"))
-        more = len(failures) - 1
-        return first.line + (f"; {more} other rank(s) failed too (see the log)" if more else "")
-    if m := _EXITED.search("".join(lines)):
-        return f"rank {m.group(1)} (MPI rank {m.group(1)}) exited with code {m.group(2)}"
+        first = min(failures, key=lambda f: (not f.complete, f.time or "~"))
+        return Cause("lost_peer", _with_others(first, failures, "too"))
+    failed = [m for m in tasks if m.group(3) != f"Exited with exit code {STOPPED_EXIT_CODE}"]
+    if failed:
+        m = failed[0]
+        return Cause("exited", f"MPI task {m.group(2)} on node {m.group(1)}: {m.group(3).lower()} (srun)")
+    if m := _EXITED.search(text):
+        return Cause("exited", f"rank {m.group(1)} (MPI rank {m.group(1)}) exited with code {m.group(2)}")
     return None
+
+
+def _others(failures: list[FailureLine], but: int | None) -> int:
+    """How many ranks other than MPI rank `but` wrote a failure line (each counted once)."""
+    return len({f.mpi_rank if f.mpi_rank is not None else id(f) for f in failures} - {but})
+
+
+def _with_others(first: FailureLine, failures: list[FailureLine], how: str) -> str:
+    more = _others(failures, first.mpi_rank)
+    return first.line + (f"; {more} other rank(s) failed {how} (see the log)" if more else "")
+
+
+def _died(m: re.Match[str], failures: list[FailureLine]) -> Cause:
+    """mpirun's notice of a rank that died of a signal. Under run --local all ranks are on one node, where
+    placement keeps MPI order, so MPI rank = hpcscale rank."""
+    rank, node, signum, name = m.groups()
+    how = f"signal {signum}" + (f" ({name})" if name else "")
+    more = _others(failures, int(rank))
+    others = f"; {more} other rank(s) failed after it (see the log)" if more else ""
+    return Cause(
+        "signal", f"rank {rank} (MPI rank {rank}) on node {node} was killed by {how}{others}", (int(rank),), (node,)
+    )
+
+
+def _silent(failures: list[FailureLine], world_size: int | None, placement: list[str] | None) -> Cause | None:
+    """The ranks that wrote no line where every other rank failed after losing a peer (see first_cause, 8)."""
+    if not (world_size and 0 < world_size <= MAX_RANKS) or not all(f.peer_lost or not f.complete for f in failures):
+        return None
+    wrote = {f.rank for f in failures if f.rank is not None and f.rank < world_size}
+    silent = sorted(set(range(world_size)) - wrote)
+    if not silent or len(silent) > len(wrote):
+        return None
+    on = ""
+    if placement is not None and len(placement) == world_size:
+        on = f" (node {', '.join(dict.fromkeys(placement[r] for r in silent))})"
+    one = "it ended first" if len(silent) == 1 else "one of them ended first"
+    return Cause(
+        "silent",
+        f"{_ranks(silent)}{on} wrote no failure line: {one}, without a word (kill -9, the OOM killer?); "
+        f"{_ranks(sorted(wrote))} failed after losing a peer (see the log)",
+        tuple(silent),
+    )
+
+
+def describe_failure(lines, *, world_size: int | None = None) -> str | None:
+    """One line naming the rank that failed first, and how (first_cause's order). `world_size`: the job's,
+    where known."""
+    cause = first_cause(lines, world_size=world_size)
+    return cause.words if cause is not None else None
 
 
 def _describe_hang(hung: HungRanks) -> str:
@@ -373,40 +582,10 @@ def _ranks(ranks: list[int]) -> str:
 def rank_failure(
     lines: list[str], *, dims: ParallelDims | None = None, placement: list[str] | None = None
 ) -> tuple[str | None, list[str]]:
-    """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines.
-
-    A failure the job shares wherever it ran (shared_failure: bad input, the same exception on several nodes)
-    blames no node.
-    The ranks' own failure lines come first (describe_failure): the first rank that failed
-    for a reason of its own is named and its node blamed (srun then terminates the others: that blames nobody).
-    Then a hang: the rank that stopped making progress, and its node from the line it writes once continued.
-    Otherwise a task srun saw killed without a word (the OOM killer, kill -9, its node gone) is the cause, and
-    its node is blamed."""
-    from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
-
-    if (shared := shared_failure(lines)) is not None:  # the same everywhere: no node to blame
-        return shared, []
-    tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
-    world = dims.world_size if dims is not None else (len(placement) if placement else None)
-    summary = describe_failure([line + "\n" for line in lines], world_size=world)
-    own = [f for line in lines for f in FailureLine.parse_all(line) if not f.peer_lost and not f.hang and f.node]
-    if own:  # srun terminates the others after a rank's own failure: their "Terminated" blames nobody
-        return summary, [own[0].node]
-    nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
-    if nccl is not None:  # NCCL's watchdog aborted the ranks that waited: no line of ours, srun says "Aborted"
-        return nccl.line, nccl.blamed_nodes
-    hung = hung_ranks(lines, world_size=world)
-    if hung is not None and hung.stuck:  # the stuck rank's node, from its own line once it was continued
-        where = stalled_nodes(lines)
-        return summary, list(dict.fromkeys(where[r] for r in hung.stuck if r in where))
-    signalled = [m for m in tasks if m.group(3) in ("Killed", "Aborted", "Segmentation fault")] or [
-        m for m in tasks if m.group(3) == "Terminated"
-    ]
-    if signalled:  # killed without a word: the OOM killer, kill -9, its node gone
-        m = signalled[0]
-        return f"MPI task {m.group(2)} on node {m.group(1)} was {m.group(3).lower()} (srun)", [m.group(1)]
-    failed = [m for m in tasks if m.group(3) != f"Exited with exit code {STOPPED_EXIT_CODE}"]
-    if failed and summary is None:
-        m = failed[0]
-        return f"MPI task {m.group(2)} on node {m.group(1)}: {m.group(3).lower()} (srun)", []
-    return summary, []
+    """(one line naming the rank that failed first and how, the nodes to blame) from a job's log lines, in
+    first_cause's order; a failure the job shares wherever it ran (shared_failure) is said as such, blaming no
+    node."""
+    cause = first_cause(lines, dims=dims, placement=placement)
+    if cause is None:
+        return None, []
+    return cause.shared or cause.words, list(cause.nodes)

@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from hpcscale.launch.failure import hang_line, stall_line
+from hpcscale.launch.failure import hang_line, stacks_header, stall_line
 
 GRACE_S = 5.0  # from a rank's hang line to its MPI_Abort: time for the other live ranks to write theirs
 STALL_S = 3.0  # the thread woke this much later than asked: its process was not running (stopped, starved)
@@ -196,9 +196,10 @@ class Watchdog:
             except OSError:  # no temporary file: straight to stderr, unlabelled
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 stacks = b""
-            header = f"hpcscale launch: rank {self.rank} (MPI rank {self.mpi_rank}): Python stacks at the hang"
-            for n, chunk in enumerate(_line_chunks(stacks, _CHUNK - len(header) - 20)):
-                _write_all(fd, (header + (" (continued):\n" if n else ":\n")).encode() + chunk)
+            longest = stacks_header(rank=self.rank, mpi_rank=self.mpi_rank, continued=True)
+            for n, chunk in enumerate(_line_chunks(stacks, _CHUNK - len(longest) - 10)):
+                header = stacks_header(rank=self.rank, mpi_rank=self.mpi_rank, continued=n > 0)
+                _write_all(fd, (header + "\n").encode() + chunk)
                 time.sleep(_CHUNK_GAP_S)
         time.sleep(self.grace_seconds)
         self.on_hang()
