@@ -31,7 +31,7 @@ from hpcscale.config.rank_env import rank_defaults
 from hpcscale.config.site import Launcher, SiteConfig
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, RuntimeFailure
-from hpcscale.launch.failure import FailureLine, describe_failure
+from hpcscale.launch.failure import first_cause, is_rank_report
 from hpcscale.launch.signals import RANKS_READY, STOP_LINE, STOP_SAVE_S, StopForwarder
 from hpcscale.rundir import RunDir, Submission, default_run_dir
 from hpcscale.util import proc
@@ -171,7 +171,8 @@ def run_local(
         code = child.finish(quiet=quiet)
         if child.left_behind and quiet:
             out.line(f"killed what {args[0]} left behind: {', '.join(child.left_behind)}", log_only=True)
-    failure = None if code in (0, STOPPED_EXIT_CODE) else describe_failure([*out.failure_lines, *out.tail])
+    cause = None if code in (0, STOPPED_EXIT_CODE) else first_cause(out.summary_lines(), world_size=spec.world_size)
+    failure = cause.words if cause is not None else None
     if stop.requested is not None and code != 0:
         # The user asked for the stop: exit 75 even where the ranks had to be killed; a resume starts from
         # the newest checkpoint that verifies. How it went is in `forced` and `failure`.
@@ -236,8 +237,11 @@ class _Output:
 
     def __init__(self, path: Path, *, echo, warn) -> None:
         self.path = path
-        self.tail: deque[str] = deque(maxlen=500)  # where mpirun reports a failed rank
-        self.failure_lines: list[str] = []  # every rank's own failure line, however long the tracebacks after it
+        # (arrival, line): the output's tail, where mpirun reports a failed rank, and every rank's own failure and
+        # stall lines, however long the tracebacks after them; summary_lines merges them back in arrival order
+        self.tail: deque[tuple[int, str]] = deque(maxlen=500)
+        self.rank_lines: list[tuple[int, str]] = []
+        self._seen = 0
         self.log_error: str | None = None
         self._echo, self._warn = echo, warn
         self._lock = threading.RLock()  # reentrant: a failed log write closes the log from inside line()
@@ -251,16 +255,23 @@ class _Output:
         except OSError as e:
             self._failed(e)
 
+    def summary_lines(self) -> list[str]:
+        """What first_cause reads: the ranks' own lines and the tail, in the order they came (mpirun's notice
+        that a rank died can be split across lines, one of them glued to a rank's unfinished line)."""
+        with self._lock:
+            return [text for _, text in sorted([*self.rank_lines, *self.tail])]
+
     def stopping(self) -> bool:
         """Whether the ranks are stopping on request."""
         return self._ranks_stopping or (self.stop is not None and self.stop.requested is not None)
 
     def line(self, text: str, *, log_only: bool = False) -> None:
         with self._lock:
-            if FailureLine.parse(text) is not None and len(self.failure_lines) < 100_000:
-                self.failure_lines.append(text + "\n")
+            self._seen += 1
+            if is_rank_report(text) and len(self.rank_lines) < 100_000:
+                self.rank_lines.append((self._seen, text))
             else:
-                self.tail.append(text + "\n")
+                self.tail.append((self._seen, text))
             self._write((text + "\n").encode("utf-8", "replace"))
             if text.startswith(STOP_LINE):
                 self._ranks_stopping = True
