@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.failure import MAX_RANKS, describe_failure, rank_failure, shared_failure
+from hpcscale.launch.failure import MAX_RANKS, first_cause, rank_failure, shared_failure
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
@@ -236,8 +236,6 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
 
 
 def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
-    from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
-
     events = rd.attempt_events()
     begins = [e for e in events if e.get("event") == "begin"]
     d = Diagnosis(None, "LOCAL", "", "", "attempts")
@@ -249,12 +247,8 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     lines = read_logs(rd, [Path(sub.script).name]) if sub.script else []
     stops = [e for e in events if e.get("event") == "stop" and begins and e.get("attempt") == begins[-1].get("attempt")]
     dims, placement = rank_nodes(events, None)
-    nccl = describe_nccl_timeouts(nccl_timeouts(lines), dims=dims, rank_nodes=placement)
-    # NCCL's watchdog aborts the ranks that waited (mpirun: "exited on signal 6"): its lines name the late rank
-    world = dims.world_size if dims is not None else None
-    d.rank_failure = (
-        nccl.line if nccl is not None else describe_failure([line + "\n" for line in lines], world_size=world)
-    )
+    cause = first_cause(lines, dims=dims, placement=placement)  # the order every reader takes
+    d.rank_failure = cause.words if cause is not None else None
     d.shared_failure = None if stops else shared_failure(lines)
     if stops:
         d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
