@@ -1,16 +1,22 @@
-"""The rank-failure line: its format, its parser, and the summary of a job's output (who failed first and how,
-which nodes to blame). One owner: every rank writes it (launch/main.py for an exception, the watchdog for a
-hang), `run --local` and the Slurm diagnosis (recovery/resume.py) read it, all through this module.
+"""The rank lines: their one spec, and the summary of a job's output (who failed first and how, which nodes
+to blame). One owner: every rank writes them (launch/main.py for an exception, the watchdog for a hang, a stall
+and its stacks), `run --local` and the Slurm diagnosis (recovery/resume.py, the requeue) read them, all through
+this module.
 
-The line: `hpcscale launch: rank R (MPI rank M) on node N failed: Type: first line [at TIME(, after losing a
-peer)(, bad input)]`. TIME is UTC with microseconds (sorts as text); the peer mark says the failure is a
-consequence of another rank's (a connection closed, a collective timed out), so the rank that failed first for a
-reason of its own can be named; the bad-input mark says the rank refused its input (hpcscale's BadInput: a
-job spec, an entry point's argument, a file it names; the rank exits 2) or its code (an ImportError, a
-SyntaxError), which no node is to blame for. A
-hang's line (`Hang: no step finished in X s (last finished step S; world W)`) always carries the peer mark: a
-rank waiting in a collective is not the cause. A rank that was not running (SIGSTOP, starved) writes `... was
-not running for X s ...` instead.
+Each kind of line is one LineSpec, a template of named FIELDS from which both its writer (format) and its reader
+(parse) are made, so what is written and what is read cannot drift (tests/test_failure_spec.py: any values read
+back, also glued to another rank's unfinished line or followed by slurmstepd's words; a line cut short says
+less, never something else). The failure line (FAILURE): `hpcscale launch: rank R (MPI rank M) on node N failed:
+Type: first line [at TIME(, after losing a peer)(, bad input)]`. TIME is UTC with microseconds (sorts as text);
+the peer mark says the failure is a consequence of another rank's (a connection closed, a collective timed out),
+so the rank that failed first for a reason of its own can be named; the bad-input mark says the rank refused its
+input (hpcscale's BadInput: a job spec, an entry point's argument, a file it names; the rank exits 2) or its code
+(an ImportError, a SyntaxError), which no node is to blame for. A hang's line is a failure line whose `Type: first
+line` is HANG (`Hang: no step finished in X s (last finished step S; world W)`), always with the peer mark: a
+rank waiting in a collective is not the cause. A rank that was not running (SIGSTOP, starved) writes STALL,
+`... was not running for X s ...`, instead.
+
+Which cause comes first is decided in one place, first_cause, whose docstring gives the order.
 """
 
 from __future__ import annotations

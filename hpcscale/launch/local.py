@@ -7,7 +7,7 @@ What the command promises, and who keeps it:
   (launch/signals.StopForwarder: the signal becomes SIGUSR2 for mpirun, which forwards it to every rank).
 - The log, RUN/logs/local-*.out, holds every line as soon as it is shown; a log that cannot be written costs
   one warning line, not the run (_Output).
-- A failure is summed up in one line naming the rank that failed first, and how (describe_failure).
+- A failure is summed up in one line naming the rank that failed first, and how (failure.first_cause).
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ _NOTICE_MAX_LINES = 40  # a rule that opens no notice of mpirun's is shown once 
 class _Output:
     """mpirun's output and the front end's notices: to the log, line by line as they arrive (one write(2) per
     line, no buffer to lose if the front end is killed), to the user, and into the tail kept for
-    describe_failure. The forwarder thread writes here too, hence the lock.
+    first_cause. The forwarder thread writes here too, hence the lock.
 
     While the ranks stop on request (the front end forwarded a signal, or rank 0 said "stop requested"),
     mpirun's notices that a rank exited 75 are not shown, only logged: a notice framed in MPI_RULE lines is
