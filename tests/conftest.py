@@ -72,7 +72,13 @@ def pytest_collection_modifyitems(config, items):
     """Group the tests that must share a worker: every test on the local Slurm cluster runs on one worker, one
     after the other (they wait for its nodes and name them); the users of an expensive session fixture share
     the worker that built it; the tests of a module with a module-scoped fixture stay together. The rest go
-    to whichever worker is free."""
+    to whichever worker is free. A module whose tests share a module-scoped fixture and one of which uses an
+    expensive session fixture goes to that fixture's worker whole: split, both workers would build it."""
+    shared_by_module: dict[str, str] = {}
+    for item in items:
+        used = next((n for n in SHARED_SETUP if n in getattr(item, "fixturenames", ())), None)
+        if used and "local_cluster" not in item.fixturenames and getattr(item, "module", None):
+            shared_by_module.setdefault(item.module.__name__, used)
     for item in items:
         names = getattr(item, "fixturenames", ())
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
@@ -83,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
         elif shared := next((n for n in SHARED_SETUP if n in names), None):
             group = shared
         elif any(d and d[-1].scope in ("module", "package") for n, d in defs.items() if n in names):
-            group = item.module.__name__
+            group = shared_by_module.get(item.module.__name__, item.module.__name__)
         else:
             continue
         item.add_marker(pytest.mark.xdist_group(group))
