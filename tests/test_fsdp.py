@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trainjobs import grad_norms, losses
 
-from hpcscale.ckpt.shards import LocalShard, _mesh_index, _numel, _piece, writers
+from hpcscale.ckpt.shards import LocalShard, _numel, _piece, writers
 from hpcscale.errors import BadInput
 from hpcscale.layout import ParallelDims, layout_problems
 from hpcscale.parallel.pipeline import cut_stage
@@ -198,8 +198,8 @@ def test_a_shard_degree_that_does_not_divide_dp_is_named_with_every_factor():
     dims = ParallelDims.for_world(world_size=8, tp=2, pp=1, dp_shard=2)
     assert (dims.dp, dims.dp_replicate, dims.as_dict()) == (4, 2, {"pp": 1, "dp": 4, "tp": 2, "dp_shard": 2})
     # the shard group is the faster half of dp, right after tp: ranks 0,2 shard together, 0,4 replicate
-    assert [_mesh_index(dims, r)["dp_shard"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
-    assert [_mesh_index(dims, r)["dp_replicate"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [dims.mesh_index(r)["dp_shard"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [dims.mesh_index(r)["dp_replicate"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 # ---- who writes what: a property over layouts and placements -------------------------------------------------
@@ -280,7 +280,7 @@ def test_every_piece_has_one_writer_among_its_holders_and_the_pieces_tile_the_te
         boxes = []
         for r in range(dims.world_size):
             if hasattr(s.source, "device_mesh"):
-                where = _mesh_index(dims, r)
+                where = dims.mesh_index(r)
                 coord = tuple(where[n] for n in s.source.device_mesh.mesh_dim_names)
                 shape, off = _piece(
                     s.global_shape, tuple(s.source.device_mesh.mesh.shape), coord, tuple(s.source.placements)
