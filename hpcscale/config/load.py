@@ -16,7 +16,7 @@ from hpcscale.config.site import SiteConfig
 from hpcscale.config.train import TrainConfig, train_checks
 from hpcscale.config.yamlsrc import MAX_BYTES, YamlSource, load_yaml, parse_yaml
 from hpcscale.errors import BadInput
-from hpcscale.layout import ParallelDims, layout_problems
+from hpcscale.layout import ParallelDims, keyed_axes, layout_problems
 from hpcscale.util.hostlist import expand
 from hpcscale.util.resources import SITE_CONFIGS, find_shipped
 from hpcscale.util.slurmtime import parse_duration
@@ -268,8 +268,10 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
     problems = layout_problems(nodes=spec.nodes, tasks_per_node=spec.tasks_per_node, **spec.parallel.degrees)
     for problem in problems:
         dec.error(tuple(problem.key.split(".")), problem.message)
-    # The trainer's rules need dp, which exists once the mesh divides the world (tp may still break a node).
-    if spec.train is not None and spec.train.entry == "builtin" and all(p.key in ("parallel.tp",) for p in problems):
+    # The trainer's rules need dp, which exists once the mesh divides the world (an axis whose groups stay in a
+    # node, tp, may still break one).
+    in_node = {f"parallel.{a.key}" for a in keyed_axes() if a.in_node}
+    if spec.train is not None and spec.train.entry == "builtin" and all(p.key in in_node for p in problems):
         dims = ParallelDims.for_world(world_size=spec.world_size, **spec.parallel.degrees)
         _check_train_params(spec, dec, dims=dims)
     limit_s = parse_duration(spec.time_limit)

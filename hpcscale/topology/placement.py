@@ -147,7 +147,7 @@ def slot_edges(layout: JobLayout, weights: TrafficWeights) -> dict[tuple[int, in
         at, weight = c.of(axis), weights.of(axis)
         if size == 1 or weight is None:
             continue
-        a = axis_named(axis)
+        a = axis_named(axis)  # None: `dp`, the data-parallel axes as one (nothing sharded), a ring like each of them
         if a is None or a.ring:  # a ring all-reduce: the next rank along the axis, the last wrapping to the first
             pairs.append((r, dims.rank_at(c, **{axis: (at + 1) % size}), weight))
         else:  # a chain (pipeline send/recv): consecutive indexes, the last has no next
