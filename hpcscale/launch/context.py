@@ -129,6 +129,11 @@ class MetricsLogger:
             if self._tb is not None:
                 self._tb.log(row)
 
+    def latest(self, n: int = 4) -> list[tuple[str, float]]:
+        """The newest `n` numbers the loop logged, (key, value) oldest first, hpcscale's own keys left out: what
+        the progress line shows beside the pace. Rank 0's; empty on every other rank."""
+        return list(self._latest.items())[-n:] if n > 0 else []
+
     def print(self, message: str) -> None:
         if self._f is not None:
             print(message, flush=True)
@@ -150,7 +155,7 @@ class Context:
     pp_rank: int
     dp_rank: int
     tp_rank: int
-    mesh: Any  # torch.distributed.device_mesh.DeviceMesh with dims ("pp", "dp", "tp")
+    mesh: Any  # torch.distributed.device_mesh.DeviceMesh with dims ctx.dims.mesh_axes (hpcscale.layout.AXES)
     device: Any  # torch.device: the rank's GPU (launch.bootstrap.choose_gpu), or cpu
     backend: str  # "nccl" or "gloo"
     run_dir: Path
