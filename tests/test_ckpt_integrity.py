@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -52,14 +53,16 @@ def saved(pristine, tmp_path) -> Path:
 def _assert_load_falls_back(root: Path) -> None:
     """Every rank refuses step 2 and loads step 1 intact; no rank raises."""
     out = ckpt_job(str(root), "load")
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text
+    answer = next(line for line in out.stdout.splitlines() if line.startswith("{"))
+    _assert_fell_back(out.returncode, out.stdout + out.stderr, answer)
+
+
+def _assert_fell_back(code: int, text: str, answer: str) -> None:
+    """One load's outcome: exit 0, no traceback, step 2 refused, rank 0 answering step 1 with every tensor."""
+    assert code == 0, text
     assert "Traceback" not in text
-    assert f"refusing checkpoint {STEP2}" in text
-    assert json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{"))) == {
-        "step": 1,
-        "matches": True,
-    }
+    assert f"refusing checkpoint {STEP2}" in text, text[-3000:]
+    assert json.loads(answer) == {"step": 1, "matches": True}
 
 
 def _set_row(f, table: str, row: int, value) -> None:
@@ -130,18 +133,44 @@ PLAIN = {
 }
 
 
+@pytest.fixture(scope="module")
+def edited(pristine, tmp_path_factory) -> dict[tuple[str, str], SimpleNamespace]:
+    """Each PLAIN and RESEALED edit made on a copy of its own and `ckpt verify` run on it, then every copy loaded
+    by one two-rank job, one copy after another with a fresh manager each (ckpt_job.py load-each, each copy's
+    output in files of its own): the ranks and torch start once, not once per edit (~6 s each)."""
+    base = tmp_path_factory.mktemp("edited")
+    done: dict[tuple[str, str], SimpleNamespace] = {}
+    for kind, edits in (("plain", PLAIN), ("resealed", RESEALED)):
+        for name, (fn, _) in sorted(edits.items()):
+            root = base / kind / name
+            shutil.copytree(pristine, root)
+            edit_index(root / STEP2, fn)
+            if kind == "resealed":
+                reseal(root / STEP2)
+            verify = run_cli("ckpt", "verify", str(root / STEP2), *(["--json"] if kind == "resealed" else []))
+            done[kind, name] = SimpleNamespace(root=root, verify=verify)
+    out = base / "loads"
+    out.mkdir()
+    job = ckpt_job(str(out), "load-each", *(str(c.root) for c in done.values()))
+    for i, case in enumerate(done.values()):
+        logs = "".join(p.read_text() for p in sorted(out.glob(f"{i}.rank-*.log")))
+        answer = (out / f"{i}.json").read_text() if (out / f"{i}.json").exists() else "null"
+        # the job's own output (its start-up and teardown) is read with every copy's
+        case.load = (job.returncode, logs + job.stdout + job.stderr, answer)
+    return done
+
+
 @pytest.mark.parametrize("edit", sorted(PLAIN))
-def test_edited_index_fails_verify_and_load_falls_back(saved, edit):
-    fn, expected = PLAIN[edit]
-    edit_index(saved / STEP2, fn)
-    result = run_cli("ckpt", "verify", str(saved / STEP2))
+def test_edited_index_fails_verify_and_load_falls_back(edited, edit):
+    case, expected = edited["plain", edit], PLAIN[edit][1]
+    result = case.verify
     assert result.returncode == 3, result.stdout + result.stderr
     assert expected in result.stderr and "Traceback" not in result.stderr
     # named where to look: a chunk moved to other bytes is found where it now points (w1's bytes: in step 2's
     # data file, or in step 1's when step 2 deduplicated that chunk into it)
-    where = _moved_to(saved / STEP2) if edit == "moved-chunk" else f"{STEP2}/index.h5:"
+    where = _moved_to(case.root / STEP2) if edit == "moved-chunk" else f"{STEP2}/index.h5:"
     assert where in result.stderr, result.stderr
-    _assert_load_falls_back(saved)
+    _assert_fell_back(*case.load)
 
 
 def _moved_to(step: Path) -> str:
@@ -170,16 +199,14 @@ RESEALED = {
 
 
 @pytest.mark.parametrize("edit", sorted(RESEALED))
-def test_edit_with_a_recomputed_digest_is_caught_by_the_structure_checks(saved, edit):
-    fn, expected = RESEALED[edit]
-    edit_index(saved / STEP2, fn)
-    reseal(saved / STEP2)
-    result = run_cli("ckpt", "verify", str(saved / STEP2), "--json")
+def test_edit_with_a_recomputed_digest_is_caught_by_the_structure_checks(edited, edit):
+    case, expected = edited["resealed", edit], RESEALED[edit][1]
+    result = case.verify
     assert result.returncode == 3, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert not report["passed"] and any(expected in p["problem"] for p in report["problems"]), report
     assert "root digest mismatch" not in result.stdout  # the digest was recomputed: structure alone caught it
-    _assert_load_falls_back(saved)
+    _assert_fell_back(*case.load)
 
 
 def test_unedited_checkpoint_verifies_and_its_digest_is_in_digest_file(saved):
