@@ -50,13 +50,6 @@ def saved(pristine, tmp_path) -> Path:
     return root
 
 
-def _assert_load_falls_back(root: Path) -> None:
-    """Every rank refuses step 2 and loads step 1 intact; no rank raises."""
-    out = ckpt_job(str(root), "load")
-    answer = next(line for line in out.stdout.splitlines() if line.startswith("{"))
-    _assert_fell_back(out.returncode, out.stdout + out.stderr, answer)
-
-
 def _assert_fell_back(code: int, text: str, answer: str) -> None:
     """One load's outcome: exit 0, no traceback, step 2 refused, rank 0 answering step 1 with every tensor."""
     assert code == 0, text
@@ -135,7 +128,8 @@ PLAIN = {
 
 @pytest.fixture(scope="module")
 def edited(pristine, tmp_path_factory) -> dict[tuple[str, str], SimpleNamespace]:
-    """Each PLAIN and RESEALED edit made on a copy of its own and `ckpt verify` run on it, then every copy loaded
+    """Each PLAIN, RESEALED and DAMAGED case made on a copy of its own and `ckpt verify` run on it (`ckpt ls` too for
+    the integer attributes), then every copy loaded
     by one two-rank job, one copy after another with a fresh manager each (ckpt_job.py load-each, each copy's
     output in files of its own): the ranks and torch start once, not once per edit (~6 s each)."""
     base = tmp_path_factory.mktemp("edited")
@@ -149,6 +143,13 @@ def edited(pristine, tmp_path_factory) -> dict[tuple[str, str], SimpleNamespace]
                 reseal(root / STEP2)
             verify = run_cli("ckpt", "verify", str(root / STEP2), *(["--json"] if kind == "resealed" else []))
             done[kind, name] = SimpleNamespace(root=root, verify=verify)
+    for name, damage in sorted(DAMAGED.items()):  # the other damage whose load must fall back, likewise
+        root = base / "damaged" / name
+        shutil.copytree(pristine, root)
+        damage(root)
+        verify = run_cli("ckpt", "verify", str(root / STEP2), timeout=60)  # a FIFO must not block it
+        listing = run_cli("ckpt", "ls", str(root), "--json") if name.startswith("int-") else None
+        done["damaged", name] = SimpleNamespace(root=root, verify=verify, listing=listing)
     out = base / "loads"
     out.mkdir()
     job = ckpt_job(str(out), "load-each", *(str(c.root) for c in done.values()))
@@ -239,20 +240,28 @@ def test_edited_digest_file_fails_verify(saved):
     assert result.returncode == 3 and f"{STEP2}/DIGEST: says" in result.stderr
 
 
-def test_index_replayed_into_another_step_directory_is_refused(saved):
+def _replayed(root: Path) -> None:
     """A valid, sealed index of step 1 copied over step 2's (a rollback): its digest is right, its place is not."""
     for name in ("index.h5", "DIGEST"):
-        shutil.copy(saved / "step-00000001" / name, saved / STEP2 / name)
-    result = run_cli("ckpt", "verify", str(saved / STEP2))
+        shutil.copy(root / "step-00000001" / name, root / STEP2 / name)
+
+
+def test_index_replayed_into_another_step_directory_is_refused(edited):
+    case = edited["damaged", "replayed"]
+    result = case.verify
     assert result.returncode == 3 and "the index is of step 1, in the directory of step 2" in result.stderr
-    _assert_load_falls_back(saved)
+    _assert_fell_back(*case.load)
 
 
-def test_version_1_index_is_refused_with_a_clear_message(saved):
-    edit_index(saved / STEP2, lambda f: f.attrs.__setitem__("version", 1))
-    result = run_cli("ckpt", "verify", str(saved / STEP2))
+def _version_1(root: Path) -> None:
+    edit_index(root / STEP2, lambda f: f.attrs.__setitem__("version", 1))
+
+
+def test_version_1_index_is_refused_with_a_clear_message(edited):
+    case = edited["damaged", "version-1"]
+    result = case.verify
     assert result.returncode == 3 and "index version 1 (hpcscale 0.1.0) has no root digest" in result.stderr
-    _assert_load_falls_back(saved)
+    _assert_fell_back(*case.load)
 
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["plain", "resealed"])
@@ -277,38 +286,61 @@ def test_export_of_an_index_that_does_not_cover_its_tensor_exits_3_and_writes_no
     assert ("do not tile" if sealed else "root digest mismatch") in result.stderr
 
 
-def test_a_fifo_in_place_of_a_data_file_fails_verify_and_load_falls_back(saved):
+def _fifo(root: Path) -> None:
     """open() on a FIFO with no writer blocks forever: every rank would hang at load."""
-    data_files = sorted(p for p in (saved / STEP2 / "data").iterdir() if p.is_file())
+    data_files = sorted(p for p in (root / STEP2 / "data").iterdir() if p.is_file())
     assert data_files, "step 2 wrote no data file of its own"
     victim = data_files[0]
     victim.unlink()
     os.mkfifo(victim)
-    result = run_cli("ckpt", "verify", str(saved / STEP2), timeout=60)
+
+
+def test_a_fifo_in_place_of_a_data_file_fails_verify_and_load_falls_back(edited):
+    case = edited["damaged", "fifo"]
+    result = case.verify
     assert result.returncode == 3 and "Traceback" not in result.stderr
-    _assert_load_falls_back(saved)
+    _assert_fell_back(*case.load)
 
 
 # ---- integers outside int64 -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "attr, value",
-    [("step", np.uint64(2**64 - 1)), ("chunk_bytes", np.uint64(2**63)), ("world_size", 2**64 - 1)],
-    ids=["step-uint64-max", "chunk_bytes-2^63", "world_size-int-2^64-1"],
-)
-def test_integer_attribute_outside_int64_is_refused_by_verify_ls_and_every_rank(saved, attr, value):
+OUTSIDE_INT64 = {
+    "step-uint64-max": ("step", np.uint64(2**64 - 1)),
+    "chunk_bytes-2^63": ("chunk_bytes", np.uint64(2**63)),
+    "world_size-int-2^64-1": ("world_size", 2**64 - 1),
+}
+
+
+def _outside_int64(attr: str, value):
+    def damage(root: Path) -> None:
+        edit_index(root / STEP2, lambda f: f.attrs.__setitem__(attr, value))  # no reseal needed
+
+    return damage
+
+
+@pytest.mark.parametrize("case", sorted(OUTSIDE_INT64))
+def test_integer_attribute_outside_int64_is_refused_by_verify_ls_and_every_rank(edited, case):
     """The digest packs integers as int64: a uint64 attribute once made it raise struct.error outside every
     catch, so verify and ls ended in a traceback and every rank raised while its manager was built."""
-    edit_index(saved / STEP2, lambda f: f.attrs.__setitem__(attr, value))  # no reseal needed
-    result = run_cli("ckpt", "verify", str(saved / STEP2))
+    case = edited["damaged", f"int-{case}"]
+    result = case.verify
     assert result.returncode == 3, result.stdout + result.stderr
     assert "outside the signed 64-bit range" in result.stderr and "Traceback" not in result.stderr
-    listing = run_cli("ckpt", "ls", str(saved), "--json")
+    listing = case.listing
     assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
     rows = {row["step"]: row["verified"] for row in json.loads(listing.stdout)["checkpoints"]}
     assert rows[1] == "ok" and "outside the signed 64-bit range" in rows[2], rows
-    _assert_load_falls_back(saved)  # every rank builds its manager (adopting the newest index) and falls back
+    _assert_fell_back(*case.load)  # every rank builds its manager (adopting the newest index) and falls back
+
+
+# the damage (besides PLAIN and RESEALED) that the `edited` fixture makes and loads, each on a copy of its own
+DAMAGED = {
+    "replayed": _replayed,
+    "version-1": _version_1,
+    "fifo": _fifo,
+    **{f"int-{name}": _outside_int64(*attr_value) for name, attr_value in OUTSIDE_INT64.items()},
+}
 
 
 def test_manager_built_over_a_damaged_newest_index_logs_and_skips_it(tmp_path):
