@@ -407,7 +407,10 @@ def test_an_agent_whose_client_went_silent_exits_and_its_lock_is_taken_over(tmp_
         assert lock.exists()
         refused = stage(src / "manifest.json", str(src), sshd.url(dst), *ssh_args(sshd))
         assert refused.returncode == 1 and "another hpcscale stage" in refused.stderr, refused.stderr
-        time.sleep(8)  # the silent client's agent gives up after 4 s of waiting
+        deadline = time.monotonic() + 30  # the silent client's agent gives up after 4 s of waiting, and its ssh ends
+        while ch.p.poll() is None:
+            assert time.monotonic() < deadline, "the agent still waits on its silent client after 30 s"
+            time.sleep(0.1)
         assert stage_json(src / "manifest.json", str(src), sshd.url(dst), *ssh_args(sshd))["committed"]
         same_tree(src, dst)
     finally:
