@@ -24,10 +24,7 @@ would take without hpcscale (its step count starts at 1, not 2).
 from __future__ import annotations
 
 import contextlib
-import math
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,16 +32,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
-from hpcscale.launch.signals import STOP_LINE, StopRequested
+from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.launch.steploop import StepLoop
+from hpcscale.launch.tiersaves import TierSaves
 from hpcscale.launch.watchdog import NoWatchdog
-from hpcscale.parallel.device import settle
 
 if TYPE_CHECKING:
     from hpcscale.ckpt.manager import Restored
 
-PROGRESS_EVERY_S = 30.0  # a user loop's progress line (steps left, time left): at most this often
-PACE_STEPS = 20  # the progress line's pace: the median of this many recent step times
 FORMAT = 1  # the JSON state's layout ("hpcscale.context" in it)
 
 
@@ -134,19 +129,8 @@ class Checkpointer:
         self.steps: int | None = None  # the training's length, when the code says (set before restore())
         self.defer_staging = False  # async saves copy to host memory until the optimizers' next step()
         self.rebuild = None  # () -> (model, optimizer): a fresh build, when every checkpoint was refused dirty
-        self._saves = None  # launch.timing.SaveSchedule, made at restore (it plans from the start step)
-        # a metrics line per step with step_time_s (and tokens_per_s): not for the built-in trainer, whose own
-        # line per step carries them
-        self._log_step_times = getattr(ctx.job.train, "entry", None) != "builtin"
-        self._t_last: float | None = None  # when the last step() (or restore) returned: per-rank timing
-        self._dp_wait_last = 0.0
-        self._collective_last = 0.0
-        self._waits_last = 0.0  # the collective-wait clock (ctx._waits) at the last step()'s end
-        self._background_before: float | None = None
-        self._drain_due: int | None = None  # a periodic save saved to the node-local tier, drained at the next step
-        self._drain_pin: int | None = None  # the node-local step a drain in flight reads (kept from retention)
-        self._local_saves = None  # the node-local tier's SaveSchedule (checkpoint.local.every_steps), made at restore
-        self._local_background_before: float | None = None
+        self._tiers = TierSaves(self)  # both tiers' schedules, saves and the drain between them
+        self._loop: StepLoop | None = None  # what step() runs, made at restore (it plans from the start step)
 
     # ---- the two calls --------------------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None = None, optimizer: Any = None, **state: Any) -> int:
@@ -292,94 +276,7 @@ class Checkpointer:
         The last step (`steps` set) saves nothing here: close() saves the end state after the code returns."""
         if not self._registered:
             raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
-        self._watchdog.beat(step)
-        self._done = step + 1
-        self._stepped = True
-        settle(self._ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
-        t_sync = time.perf_counter()
-        # the stop flag, and whether a drain due can start without waiting: one all-reduce, so every rank agrees
-        draining = self._drain_due is not None
-        flags, values = self._ctx._any_of_and_sums(
-            (self._ctx.stop.requested, draining and self._drain_would_wait()), sums or {}
-        )
-        stop, tier_busy = flags
-        t_read = time.perf_counter()
-        if report is not None:
-            report(values)
-        if stop:
-            self.save(step + 1, asynchronous=False)
-            self.manager.wait()
-            if self._local_manager is not None:  # a node-local save in flight commits before the groups are torn down
-                with self._watchdog.paused("checkpoint"):
-                    self._local_wait()
-            self._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
-            raise StopRequested(step)
-        t_saves = time.perf_counter()
-        wait_s = self._waited() - self._waits_last  # the step's collective waits, saves left out
-        # the stop flag's all-reduce, and the step's other collectives made for the code (ctx._collective_s)
-        sync_s = t_read - t_sync + self._ctx._collective_s - self._collective_last
-        self._collective_last = self._ctx._collective_s
-        work_s = t_saves - self._t_last  # the user's step, from the previous step() to this one's stop check
-        self._saves.step(work_s)
-        if self._local_saves is not None:
-            self._local_saves.step(work_s)
-        ckpt_s = 0.0
-        last = self.steps is not None and step + 1 >= self.steps
-        boundary = self._rounds is not None and self._rounds.is_boundary(step + 1)
-        if draining and not tier_busy:  # the node-local save it reads is committed on every node: no wait
-            ckpt_s += self._drain(fallback=not last and not boundary)
-        if last:
-            pass  # close() saves the end state, after the code's own end (a final evaluation) and the round in flight
-        elif boundary:
-            self._round_boundary(step + 1)
-        elif self._saves.due(step + 1) and self._local is not None:
-            # with `auto` the schedule moves on only when the drain runs: a pending one is this period's save
-            if self._drain_due is None or not self._saves.auto:
-                if self._drain_due is not None:  # the one before has waited a whole period: wait for it now
-                    ckpt_s += self._drain(fallback=False)
-                # to the node-local tier below, then drained from there; kept from the tier's retention until then
-                self._drain_due = step + 1
-                self._local.pin(step + 1, "to be drained to the shared tier")
-        elif self._saves.due(step + 1):
-            ckpt_s = self.save(step + 1, asynchronous=self._policy.asynchronous)
-            self._saves.saved(step + 1, ckpt_s, self._background_before)
-        local_due = self._local is not None and not last and self._local_saves.due(step + 1)
-        if local_due or (self._local is not None and not last and self._drain_due == step + 1):
-            blocking = self._save_local(step + 1)
-            if local_due:
-                self._local_saves.saved(step + 1, blocking, self._local_background_before)
-            ckpt_s += blocking
-        if self._rounds is not None and self._rounds.overlap and not self._rounds.is_boundary(step + 1) and not last:
-            self.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
-            self._rounds.poll(step + 1)  # adopt the round in flight if it has landed
-        dp_wait = self._ctx.grad_sync_wait_s
-        self._times.record(
-            step,
-            step_s=work_s + ckpt_s,
-            data_s=data_s,
-            dp_wait_s=dp_wait - self._dp_wait_last,
-            sync_s=sync_s,
-            ckpt_s=ckpt_s,
-            wait_s=wait_s,
-        )
-        self._dp_wait_last = dp_wait
-        if self._log_step_times:
-            self._ctx.metrics.log(**self._step_line(step, work_s + ckpt_s))
-            if self.steps:
-                self._say_progress(step, work_s + ckpt_s)
-        self._t_last = time.perf_counter()
-        self._waits_last = self._waited()
-
-    def _step_line(self, step: int, step_s: float) -> dict:
-        """What hpcscale measures of a step for any entry point: its wall time (from the previous step() to this
-        one's end, saves included) and, with tokens_per_step set, the throughput."""
-        line = {"step": step, "step_time_s": round(step_s, 6)}
-        tokens = self.tokens_per_step
-        if type(tokens) not in (int, float) or tokens < 0:
-            raise BadInput(f"ctx.checkpoint.tokens_per_step is {tokens!r}: the tokens of one global step (0: unknown)")
-        if tokens and step_s > 0:
-            line["tokens_per_s"] = round(tokens / step_s, 3)
-        return line
+        self._loop.step(step, data_s=data_s, sums=sums, report=report)
 
     # ---- the rest -------------------------------------------------------------------------------------------
     def save(self, done_steps: int, *, asynchronous: bool | None = None) -> float:
@@ -389,24 +286,7 @@ class Checkpointer:
             raise BadInput("ctx.checkpoint.save() before ctx.checkpoint.restore(...): restore registers the state")
         if asynchronous is None:
             asynchronous = self._ctx.job.checkpoint.asynchronous
-        tensors, state = self._state_for_save(done_steps)
-        with self._watchdog.paused("checkpoint"):
-            t = time.perf_counter()
-            self._shared_wait()
-            waited = time.perf_counter() - t
-            before = self.manager.last_stats
-            # defer_staging: even the copy to host memory runs in the background; the optimizers' pre-step hook
-            # (_hook_optimizers) waits for it before the next change to the saved tensors
-            stats = self.manager.save(
-                done_steps, tensors, state, asynchronous=asynchronous, defer_staging=asynchronous and self.defer_staging
-            )
-        # what the save before wrote in the background: its cost to the loop, for checkpoint.every_steps: auto
-        self._background_before = (before.background_s or None) if before is not None else None
-        blocking = waited + stats.blocking_s
-        self._ctx.metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=round(blocking, 6))
-        how = "the rest written in the background" if asynchronous else "written"
-        self._ctx.metrics.print(f"hpcscale: checkpoint {done_steps} saved: {blocking:.2f} s blocking, {how}")
-        return blocking
+        return self._tiers.save(done_steps, asynchronous=asynchronous)
 
     def _state_for_save(self, done_steps: int) -> tuple[dict, dict]:
         """(the tensors, the JSON state) a save of the state after `done_steps` steps writes."""
@@ -429,100 +309,6 @@ class Checkpointer:
                 },
             }
         return tensors, state
-
-    def _save_local(self, done_steps: int) -> float:
-        """Save to the node-local tier (checkpoint.local), asynchronously as checkpoint.async says; returns the
-        seconds the caller was blocked. A node-local save that fails (a full local disk, a node's directory
-        gone) is said and skipped: training and the shared tier go on."""
-        local = self._local
-        tensors, state = self._state_for_save(done_steps)
-        with self._watchdog.paused("checkpoint"):
-            t = time.perf_counter()
-            self._local_wait()
-            before = local.last_stats  # what the save before wrote in the background: its cost, for `auto`
-            self._local_background_before = (before.background_s or None) if before is not None else None
-            try:
-                local.save(done_steps, tensors, state, asynchronous=self._policy.asynchronous)
-            except (RuntimeFailure, OSError) as e:  # the same on every rank: the outcome is agreed on
-                self._ctx.metrics.print(f"hpcscale: warning: node-local checkpoint {done_steps} skipped: {e}")
-            blocking = time.perf_counter() - t
-        self._ctx.metrics.log(
-            step=done_steps - 1, local_checkpoint=done_steps, local_checkpoint_blocking_s=round(blocking, 6)
-        )
-        return blocking
-
-    def _drain_would_wait(self) -> bool:
-        """Whether draining now would wait: the node-local save it reads still in flight (a later one in flight
-        does not matter: it started after that one had finished), or the shared tier still writing."""
-        return (self._in_flight_local(self._drain_due) and self._local.busy()) or self.manager.busy()
-
-    def _in_flight_local(self, n: int) -> bool:
-        local = self._local
-        return local.last_stats is not None and local.last_stats.step == n
-
-    def _drain(self, *, fallback: bool) -> float:
-        """The periodic save of step `_drain_due` went to the node-local tier: drain it to the shared tier in the
-        background (ckpt.manager.drain: only the chunks the shared tier lacks are written). step() calls this at
-        the first step where no rank's tiers are busy, so nothing is waited for; a save period later it waits.
-        If that node-local save failed, and `fallback` (not the last step nor a round boundary, which save
-        anyway), save the present state to the shared tier instead, as without the tier. Nothing is drained
-        that is not newer than the shared tier's newest (a save since). Returns the seconds the caller was
-        blocked."""
-        n, self._drain_due = self._drain_due, None
-        local = self._local
-        with self._watchdog.paused("checkpoint"):
-            t = time.perf_counter()
-            if self._in_flight_local(n):  # else a later save waited for it: its outcome is known
-                self._local_wait()  # the same on every rank: so is every choice below
-            self._shared_wait()
-            newest = self.manager.last_step
-            if newest is not None and n <= newest:  # a save since (ctx.checkpoint.save, a round) is newer
-                local.unpin(n)
-                return time.perf_counter() - t
-            if n not in local.committed:
-                local.unpin(n)
-                if not fallback:
-                    return time.perf_counter() - t
-                self._ctx.metrics.print(
-                    f"hpcscale: node-local step {n} was not saved: saving step {self._done} to the shared tier instead"
-                )
-                blocking = self.save(self._done, asynchronous=self._policy.asynchronous)
-                self._saves.saved(self._done, blocking, self._background_before)
-                return blocking
-            before = self.manager.last_stats
-            self._drain_pin = n  # unpinned once the drain is waited for (_shared_wait)
-            self.manager.drain(local.root, n)
-            blocking = time.perf_counter() - t
-        self._background_before = (before.background_s or None) if before is not None else None
-        self._saves.saved(n, blocking, self._background_before)
-        self._ctx.metrics.log(step=n - 1, checkpoint=n, checkpoint_blocking_s=round(blocking, 6))
-        self._ctx.metrics.print(
-            f"hpcscale: checkpoint {n} saved: {blocking:.2f} s blocking, drained from the node-local tier "
-            "in the background"
-        )
-        return blocking
-
-    def _shared_wait(self) -> None:
-        """Wait for the shared tier's save or drain in flight. A drain that failed is said, not raised (the
-        node-local step it read is still there, and the next periodic save tries again); its node-local step
-        is released to retention either way."""
-        pinned, self._drain_pin = self._drain_pin, None
-        try:
-            self.manager.wait()
-        except RuntimeFailure as e:  # raised on every rank alike (the commit's outcome is broadcast)
-            if pinned is None:
-                raise
-            self._ctx.metrics.print(f"hpcscale: warning: the drain of node-local step {pinned} failed: {e}")
-        finally:
-            if pinned is not None:
-                self._local.unpin(pinned)
-
-    def _local_wait(self) -> None:
-        """Wait for the node-local save in flight; a failure of it is said, not raised."""
-        try:
-            self._local.wait()
-        except RuntimeFailure as e:  # raised on every rank alike (the commit's outcome is broadcast)
-            self._ctx.metrics.print(f"hpcscale: warning: a node-local checkpoint was not saved: {e}")
 
     def _load_newest(self, tensors: dict) -> TierChoice:
         """Load the newest step that every rank can load and verify, from either tier (the node-local one at an
@@ -628,14 +414,12 @@ class Checkpointer:
         """After the entry point returned (launch calls it): save the last finished step if the job has a
         checkpoint period and that step is not saved yet, and wait for a save in flight; then end the manager's
         writer thread."""
-        if self._drain_due is not None:  # never drained: the end-of-run save goes to the shared tier itself
-            self._local.unpin(self._drain_due)
-            self._drain_due = None
+        self._tiers.forget_drain()  # never drained: the end-of-run save goes to the shared tier itself
         try:
             self._close_shared()
         finally:  # after the shared tier (a drain in flight reads the node-local files), and whatever it raised
             if self._local_manager is not None:
-                self._local_wait()
+                self._tiers.local_wait()
                 self._local_manager.close()
 
     def _close_shared(self) -> None:
@@ -643,7 +427,7 @@ class Checkpointer:
             return
         done = self._done
         with self._watchdog.paused("checkpoint"):
-            self._shared_wait()
+            self._tiers.shared_wait()
             rounds = self._rounds
             finished = self._stepped and self.steps is not None and done == self.steps
             if rounds is not None and finished and rounds.is_boundary(done):
@@ -658,14 +442,13 @@ class Checkpointer:
     def paused(self, reason: str) -> Iterator[None]:
         """Work between steps that is not training (an evaluation): the hang watchdog waits for it, and its time
         is left out of the step times (per-rank timing, checkpoint.every_steps: auto)."""
-        t = time.perf_counter()
-        w = self._waited()
+        if self._loop is not None:
+            with self._watchdog.paused(reason), self._loop.clock.paused():
+                yield
+            return
         times = self._ctx.step_times  # an evaluation's collectives are no step's traffic either
         with self._watchdog.paused(reason), times.paused() if times is not None else contextlib.nullcontext():
             yield
-        if self._t_last is not None:
-            self._t_last += time.perf_counter() - t
-            self._waits_last += self._waited() - w
 
     def _hook_optimizers(self) -> None:
         """defer_staging: every registered optimizer waits, before its step() changes the tensors, for a save's
@@ -676,66 +459,8 @@ class Checkpointer:
             opt.register_step_pre_hook(lambda *_: self._manager.wait_staged() if self._manager is not None else None)
 
     def _start_clock(self, start: int) -> None:
-        from hpcscale.launch.timing import NoStepTimes, SaveSchedule
-
-        ctx = self._ctx
-        self._saves = SaveSchedule(
-            self._policy.every_steps,
-            start=start,
-            mtbf=ctx._mtbf_s,
-            log=ctx.metrics.log,
-            say=ctx.metrics.print,
-        )
-        self._local_saves = SaveSchedule(
-            self._policy.local.every_steps,
-            start=start,
-            mtbf=ctx._mtbf_s,
-            log=ctx.metrics.log,
-            say=ctx.metrics.print,
-            tier="node-local",
-        )
-        self._times = ctx.step_times or NoStepTimes()
-        self._times.restart()  # the ledger's counts from before the first step (model build, the load) are no step's
-        self._dp_wait_last = ctx.grad_sync_wait_s
-        self._collective_last = ctx._collective_s
-        self._t_last = time.perf_counter()
-        self._waits_last = self._waited()
-        self._progress = (self._t_last, start, -math.inf)  # since when, from which step, last said
-        # this attempt's recent step times after its first (compilation, warm-up, a cold cache): the ETA's pace
-        self._recent_s: deque[float] = deque(maxlen=PACE_STEPS)
-
-    def _waited(self) -> float:
-        """The collective-wait clock (hpcscale.launch.waits) of the training thread; 0 while timing is off."""
-        waits = self._ctx._waits
-        return waits.total_s if waits is not None else 0.0
-
-    def _say_progress(self, step: int, step_s: float) -> None:
-        """A user loop with `steps` set: every PROGRESS_EVERY_S (and at its first and last step) one line with the
-        steps left, the time they take and the numbers the loop logged last (its loss, at least, when it logs one;
-        the built-in trainer says its own). The pace is the median of this attempt's last PACE_STEPS step times
-        after its first: a first step that compiles (torch.compile) or warms caches up is no guide to the rest."""
-        since, first, said = self._progress
-        now = time.perf_counter()
-        if step > first:
-            self._recent_s.append(step_s)
-        last = step + 1 >= self.steps
-        if not (last or step == first or now - said >= PROGRESS_EVERY_S):
-            return
-        self._progress = (since, first, now)
-        left = max(self.steps - step - 1, 0)
-        logged = "".join(f", {k} {v:.5g}" for k, v in list(self._ctx.metrics._latest.items())[-4:])
-        if not self._recent_s:
-            self._ctx.metrics.print(
-                f"hpcscale: step {step + 1}/{self.steps} done{logged}, first step {step_s:.3g} s (compilation and "
-                f"warm-up included: the time left follows from the next steps), {left} steps left"
-            )
-            return
-        pace = statistics.median(self._recent_s)
-        eta = int(left * pace)
-        self._ctx.metrics.print(
-            f"hpcscale: step {step + 1}/{self.steps} done{logged}, {pace:.3g} s/step, {left} steps left, about "
-            f"{eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
-        )
+        """The step loop (hpcscale.launch.steploop), from the step the run starts at."""
+        self._loop = StepLoop(self, start)
 
     # ---- cross-site rounds (docs/cross-site.md) -------------------------------------------------------------------
     def _start_rounds(self, saved: dict | None) -> bool:

@@ -1,0 +1,108 @@
+"""The per-step runtime behind `ctx.checkpoint.step(step)`: what happens between two training steps, as named
+parts, each its own object:
+
+1. the hang watchdog's beat (hpcscale.launch.watchdog);
+2. the stop protocol: one all-reduce, after the step's queued device work, carries every rank's stop flag,
+   whether a drain due would wait (the save policy's question) and the loop's `sums` (a loss, a norm), read
+   back once: the step's one host sync. Any rank's flag: every rank saves the state after this step to the
+   shared tier, waits for it (and for a node-local save in flight) and raises StopRequested (exit 75);
+3. the save policy of both tiers (hpcscale.launch.tiersaves.TierSaves): a drain that can start without
+   waiting, the shared tier's periodic save (through the node-local tier when the job has one), the
+   node-local tier's own;
+4. cross-site rounds (hpcscale.launch.site_rounds.Rounds, a site of an `xsite:` job): a round boundary saves
+   the round checkpoint and waits for (or, overlapping, later adopts) the next global round;
+5. the clock (hpcscale.launch.loopclock.LoopClock): the step's time and its parts to per-rank timing, and for a
+   user loop a metrics line and the progress line.
+The last step (`ctx.checkpoint.steps` set) saves nothing here: Checkpointer.close saves the end state after the
+code returns. `ctx.checkpoint` (hpcscale.launch.checkpointing.Checkpointer) owns the state a save writes and
+what a restart loads; it makes this loop at its restore, at the step the run starts from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hpcscale.launch.loopclock import LoopClock
+from hpcscale.launch.signals import STOP_LINE, StopRequested
+from hpcscale.parallel.device import settle
+
+
+class StepLoop:
+    """One rank's step loop, from the step the run starts at (`start`)."""
+
+    def __init__(self, host: Any, start: int):
+        self._host = host  # the Checkpointer: its state, its tiers' managers, its rounds
+        self.saves = host._tiers  # TierSaves, started here
+        self.saves.start(start)
+        self.clock = LoopClock(host._ctx, start)
+        # a metrics line per step with step_time_s (and tokens_per_s): not for the built-in trainer, whose own
+        # line per step carries them
+        self._user_lines = getattr(host._ctx.job.train, "entry", None) != "builtin"
+
+    def step(
+        self,
+        step: int,
+        *,
+        data_s: float = 0.0,
+        sums: dict[str, Any] | None = None,
+        report: Callable[[dict[str, float]], None] | None = None,
+    ) -> None:
+        """Step `step` (0-based) is finished (Checkpointer.step says what the arguments are)."""
+        host, saves, clock = self._host, self.saves, self.clock
+        ctx = host._ctx
+        host._watchdog.beat(step)
+        done = step + 1
+        host._done = done
+        host._stepped = True
+        settle(ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
+        t_sync = time.perf_counter()
+        draining = saves.drain_due is not None
+        flags, values = ctx._any_of_and_sums((ctx.stop.requested, draining and saves.drain_would_wait()), sums or {})
+        stop, tier_busy = flags
+        t_read = time.perf_counter()
+        if report is not None:
+            report(values)
+        if stop:
+            self._stop(step)
+        t_saves = time.perf_counter()
+        wait_s = clock.wait_s()  # the step's collective waits, saves left out
+        sync_s = clock.sync_s(t_sync, t_read)
+        work_s = clock.work_s(t_saves)
+        saves.tick(work_s)
+        rounds = host._rounds
+        last = host.steps is not None and done >= host.steps
+        boundary = rounds is not None and rounds.is_boundary(done)
+        ckpt_s = 0.0
+        if draining and not tier_busy:  # the node-local save it reads is committed on every node: no wait
+            ckpt_s += saves.drain(fallback=not last and not boundary, done=done)
+        if last:
+            pass  # close() saves the end state, after the code's own end (a final evaluation) and the round in flight
+        elif boundary:
+            host._round_boundary(done)
+        else:
+            ckpt_s += saves.periodic(done)
+        if not last:
+            ckpt_s += saves.node_local(done)
+        if rounds is not None and rounds.overlap and not boundary and not last:
+            host.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
+            rounds.poll(done)  # adopt the round in flight if it has landed
+        clock.record(step, step_s=work_s + ckpt_s, data_s=data_s, sync_s=sync_s, ckpt_s=ckpt_s, wait_s=wait_s)
+        if self._user_lines:
+            ctx.metrics.log(**clock.line(step, work_s + ckpt_s, host.tokens_per_step))
+            if host.steps:
+                clock.say_progress(step, work_s + ckpt_s, host.steps)
+        clock.end_step()
+
+    def _stop(self, step: int) -> None:
+        """A rank got a stop signal: the state after `step` saved to the shared tier and waited for (a node-local
+        save in flight committed before the groups are torn down), then StopRequested on every rank."""
+        host = self._host
+        host.save(step + 1, asynchronous=False)
+        host.manager.wait()
+        if host._local_manager is not None:
+            with host._watchdog.paused("checkpoint"):
+                self.saves.local_wait()
+        host._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
+        raise StopRequested(step)

@@ -1,0 +1,141 @@
+"""The step loop's named parts, each on its own: the save policy of both tiers (TierSaves) with real checkpoint
+managers on a one-rank gloo group, and the clock (LoopClock) with a real metrics file. The whole loop behind
+ctx.checkpoint.step runs in every training test (tests/test_nodelocal.py, tests/test_progress.py, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hpcscale.errors import BadInput
+from hpcscale.launch.context import MetricsLogger
+from hpcscale.launch.loopclock import LoopClock
+from hpcscale.launch.tiersaves import TierSaves
+from hpcscale.launch.watchdog import NoWatchdog
+
+
+class Host:
+    """What TierSaves asks of ctx.checkpoint: the two tiers' managers, the state a save writes, the policy."""
+
+    def __init__(self, shared, local, policy, metrics):
+        self.manager, self._local, self._policy = shared, local, policy
+        self._ctx = SimpleNamespace(_mtbf_s=None, metrics=metrics)
+        self._watchdog = NoWatchdog()
+        self.defer_staging = False
+
+    def _state_for_save(self, done: int):
+        return {"model/w": torch.full((4,), float(done))}, {"step": done}
+
+
+def _managers(tmp_path):
+    from hpcscale.ckpt import nodelocal
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.layout import ParallelDims
+
+    dims = ParallelDims.for_world(world_size=1, tp=1, pp=1)
+    layout = nodelocal.build(["n1"], 0, {}, [], "other")
+    local = CheckpointManager(tmp_path / "local", dims=dims, rank=0, keep_last=10, node_local=layout)
+    shared = CheckpointManager(tmp_path / "shared", dims=dims, rank=0, keep_last=10)
+    return shared, local
+
+
+def _run(saves: TierSaves, steps: int) -> list[tuple[int, str]]:
+    """The loop's order of the policy's calls (hpcscale.launch.steploop), the drain's question answered by the
+    managers themselves: what happened after each step."""
+    happened = []
+    for done in range(1, steps + 1):
+        draining = saves.drain_due is not None
+        busy = draining and saves.drain_would_wait()
+        saves.tick(0.01)
+        if draining and not busy:
+            saves.drain(fallback=True, done=done)
+            happened.append((done, "drained"))
+        if saves.periodic(done) or saves.drain_due == done:
+            happened.append((done, "to drain"))
+        if saves.node_local(done):
+            happened.append((done, "node-local"))
+    return happened
+
+
+def test_the_shared_tiers_save_goes_through_the_node_local_tier_and_is_drained_at_the_next_step(group, tmp_path):
+    shared, local = _managers(tmp_path)
+    metrics = MetricsLogger(tmp_path / "metrics.jsonl")
+    policy = SimpleNamespace(every_steps=4, asynchronous=False, local=SimpleNamespace(every_steps=3))
+    saves = TierSaves(Host(shared, local, policy, metrics))
+    saves.start(0)
+    happened = _run(saves, 9)
+    # node-local every 3 and wherever a shared save is to be drained (4, 8); each drained at the step after
+    assert happened == [
+        (3, "node-local"),
+        (4, "to drain"),
+        (4, "node-local"),
+        (5, "drained"),
+        (6, "node-local"),
+        (8, "to drain"),
+        (8, "node-local"),
+        (9, "drained"),
+        (9, "node-local"),
+    ], happened
+    shared.wait()
+    assert shared.last_step == 8 and sorted(local.committed) == [3, 4, 6, 8, 9]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["checkpoint"] for r in rows if "checkpoint" in r] == [4, 8]
+    assert [r["local_checkpoint"] for r in rows if "local_checkpoint" in r] == [3, 4, 6, 8, 9]
+    saves.forget_drain()
+    shared.close()
+    local.close()
+
+
+def test_without_the_node_local_tier_the_shared_tier_saves_on_its_schedule(group, tmp_path):
+    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.layout import ParallelDims
+
+    shared = CheckpointManager(tmp_path / "shared", dims=ParallelDims.for_world(world_size=1, tp=1, pp=1), rank=0)
+    policy = SimpleNamespace(every_steps=3, asynchronous=True, local=SimpleNamespace(every_steps=0))
+    saves = TierSaves(Host(shared, None, policy, MetricsLogger(tmp_path / "metrics.jsonl")))
+    saves.start(0)
+    saved = [done for done in range(1, 8) if (saves.tick(0.01), saves.periodic(done))[1] or shared.last_step == done]
+    shared.wait()
+    assert saved == [3, 6] and shared.last_step == 6 and saves.node_local(6) == 0.0
+    shared.close()
+
+
+def _clock(tmp_path, **ctx):
+    metrics = MetricsLogger(tmp_path / "metrics.jsonl")
+    base = {"step_times": None, "grad_sync_wait_s": 0.0, "_collective_s": 0.0, "_waits": None, "metrics": metrics}
+    return LoopClock(SimpleNamespace(**{**base, **ctx}), start=0), metrics
+
+
+def test_the_clock_leaves_paused_work_out_and_counts_the_codes_collectives_as_sync(tmp_path):
+    ctx = SimpleNamespace(step_times=None, grad_sync_wait_s=0.0, _collective_s=0.0, _waits=None, metrics=None)
+    clock = LoopClock(ctx, start=0)
+    with clock.paused():
+        time.sleep(0.2)  # an evaluation: no step's time
+    assert clock.work_s(time.perf_counter()) < 0.15
+    ctx._collective_s = 0.5  # clip_grad_norm_'s all-reduces waited half a second
+    assert clock.sync_s(10.0, 10.25) == pytest.approx(0.75)
+    assert clock.sync_s(10.0, 10.25) == pytest.approx(0.25)  # counted once
+
+
+def test_the_step_line_and_the_progress_line(tmp_path, capsys):
+    clock, metrics = _clock(tmp_path)
+    assert LoopClock.line(3, 0.5, 1000) == {"step": 3, "step_time_s": 0.5, "tokens_per_s": 2000.0}
+    assert LoopClock.line(3, 0.5, 0) == {"step": 3, "step_time_s": 0.5}
+    with pytest.raises(BadInput, match="tokens_per_step"):
+        LoopClock.line(3, 0.5, "lots")
+    metrics.log(step=0, loss=2.5, step_time_s=9.0)  # the loop's loss is shown; hpcscale's own keys are not
+    clock.say_progress(0, 30.0, 100)
+    first = capsys.readouterr().out
+    assert "step 1/100 done, loss 2.5, first step 30 s" in first and "about" not in first
+    for step in range(1, 99):
+        clock.say_progress(step, 0.5, 100)  # quiet until PROGRESS_EVERY_S or the last step
+    assert capsys.readouterr().out == ""
+    clock.say_progress(99, 0.5, 100)
+    last = capsys.readouterr().out
+    assert "step 100/100 done, loss 2.5, 0.5 s/step, 0 steps left" in last  # the first step's 30 s is no pace
+    assert metrics.latest(1) == [("loss", 2.5)] and metrics.latest(0) == []
