@@ -48,7 +48,7 @@ from pathlib import Path
 from hpcscale.ckpt.format import INDEX, committed_steps, step_dir_name
 from hpcscale.config.job import JobSpec
 from hpcscale.errors import STOPPED_EXIT_CODE
-from hpcscale.launch.failure import rank_failure, shared_failure, signalled_task
+from hpcscale.launch.failure import first_cause, signalled_task
 from hpcscale.launch.signals import STOP_SIGNALS
 from hpcscale.recovery.joblog import attempt_lines
 from hpcscale.rundir import RunDir
@@ -290,8 +290,9 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
     stopped = any(e.get("event") == "stop" and e.get("attempt") == attempt for e in events) if begins else False
     seconds_left, cancelled = _job_now(client, job_id) if job_id and exit_code != 0 else (None, False)
     cause = classify(exit_code, stopped, seconds_left, spec.signals.grace_seconds, cancelled)
-    # A task that died of a signal is how the attempt ended, whatever srun's exit code (see signalled_task),
-    # unless the log shows a failure the job shares wherever it ran: srun killed the others after the first
+    # How the attempt ended, read from the job's log in the one order of causes (first_cause): a task that died
+    # of a signal is how it ended, whatever srun's exit code (signalled_task); a failure the job shares wherever
+    # it ran is a user error (srun killed the others after the first)
     shared = died = failure = None
     if cause == "failed" and job_id:
         try:
@@ -299,9 +300,10 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
         except UntrustedFile as e:  # the decision is still made: srun's exit code stands for the attempt's
             say(f"hpcscale: warning: the job's log is not read: {e}")
         else:
-            shared = shared_failure(lines)
-            died = None if shared else signalled_task(lines)
-            failure = shared or (None if died else rank_failure(lines)[0])
+            found = first_cause(lines)  # the one order of causes (hpcscale.launch.failure.first_cause)
+            shared = found.shared if found is not None else None  # why no node is to blame, in words
+            died = signalled_task(lines) if found is not None and found.kind == "signal" else None
+            failure = shared or (None if died or found is None else found.words)
     if shared:
         cause = "user_error"
     committed = committed_now(rd.checkpoints)
