@@ -36,13 +36,13 @@ Others may be able to write a run directory (a shared filesystem, group write ac
 from __future__ import annotations
 
 import difflib
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
-import stat
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -56,6 +56,7 @@ from hpcscale.config.render import to_plain
 from hpcscale.config.site import SiteConfig
 from hpcscale.config.yamlsrc import YamlSource, parse_yaml
 from hpcscale.errors import BadInput
+from hpcscale.portable import files
 from hpcscale.portable.files import atomic_create, atomic_write
 from hpcscale.util.bounded import MiB, loads_json, read_bounded
 from hpcscale.util.paths import expand_path
@@ -527,32 +528,19 @@ class RunDir:
 
 
 def append_json_line(path: Path, doc: dict) -> None:
-    """One JSON line appended with one write(2) (O_APPEND: lines from two writers never interleave), fsynced.
-    Opened with O_NOFOLLOW and O_NONBLOCK: a symlink planted at `path` is refused, never appended through,
-    and so is anything but a regular file (BadInput)."""
-    line = json.dumps(doc, sort_keys=True) + "\n"
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    """One JSON line appended to a run's log (submissions.jsonl, attempts.jsonl, resume.jsonl) and fsync'd, with
+    hpcscale.portable.files.append_json_lines's guarantees: a symlink planted at `path`, or anything but a
+    regular file, is refused (BadInput, exit 2), never appended through; a full disk is BadInput too."""
     try:
-        fd = os.open(path, flags, 0o644)
+        files.append_json_lines(path, [doc], durable=True, sort_keys=True)
+    except files.NotRegularFile:
+        raise BadInput(f"{path}: not a regular file; refusing to append to it (remove it)") from None
+    except files.TooLarge as e:
+        raise BadInput(f"{path}: a record of {e.size} bytes, over the limit of {e.limit}; nothing appended") from None
     except OSError as e:
-        if os.path.islink(path):
+        if e.errno == errno.ELOOP:
             raise BadInput(f"{path}: a symbolic link; refusing to append through it (remove it)") from None
-        if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO with no reader: ENXIO
-            raise BadInput(f"{path}: not a regular file; refusing to append to it (remove it)") from None
         raise BadInput(f"{path}: cannot append ({e.strerror})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadInput(f"{path}: not a regular file; refusing to append to it (remove it)")
-        _write_all(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _open_parent(path: Path, run_dir: Path | None = None) -> int:

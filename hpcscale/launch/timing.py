@@ -15,14 +15,14 @@ message grows with the groups and ARRIVALS_PER_STEP, not with the model."""
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hpcscale.observe.timing import COLUMNS, make_line
+from hpcscale.observe.timing import COLUMNS, MAX_LINE, make_line
+from hpcscale.portable.files import append_json_lines
 from hpcscale.rundir import TIMING
 
 # (group label, its global ranks) -> per step of the window, the arrival times noted on this rank
@@ -124,17 +124,12 @@ class StepTimes:
         self._append(line)
 
     def _append(self, line: dict) -> None:
-        """One write(2) with O_APPEND: a reader sees whole lines, or a torn last one it skips. A run directory
-        that cannot take the line (full disk) loses the line, not the training."""
-        import json
-
-        data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        """One line by hpcscale.portable.files.append_json_lines (one write(2) with O_APPEND, never through a
+        symlink, only a regular file): a reader sees whole lines, or a torn last one it skips. A line over the
+        reader's MAX_LINE is not written. A run directory that cannot take the line (full disk) loses the line,
+        not the training."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+            append_json_lines(self.path, [line], max_line=MAX_LINE, separators=(",", ":"))
         except OSError as e:
             if not self._warned:
                 self._warned = True

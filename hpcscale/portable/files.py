@@ -7,6 +7,8 @@
 - `atomic_write`: a file replaced whole or not at all.
 - `atomic_create`: a file created whole or not at all, never replacing one that exists (one writer of many wins).
 - `fsync_dir`: a directory's entries made durable (a rename or a create survives a power cut once it returns).
+- `append_json_lines`: JSON lines appended to a log others may read while it grows (the one appender of hpcscale's
+  JSON-lines files: submissions, attempts, resume decisions, timing, the sync log).
 
 Failures are OSError, so each caller words them for its own readers: FileNotFoundError, errno ELOOP for a
 symbolic link refused, `NotRegularFile` and `TooLarge` below.
@@ -16,10 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 
-__all__ = ["NotRegularFile", "TooLarge", "atomic_create", "atomic_write", "fsync_dir", "open_regular", "read_regular"]
+__all__ = [
+    "NotRegularFile",
+    "TooLarge",
+    "append_json_lines",
+    "atomic_create",
+    "atomic_write",
+    "fsync_dir",
+    "open_regular",
+    "read_regular",
+]
 
 
 class NotRegularFile(OSError):
@@ -162,3 +174,59 @@ def _write_temporary(path, data, dir_fd, mode, exact_mode, durable):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
     return head, tmp
+
+
+MAX_LINE_BYTES = 1 << 20  # one JSON line of a log: the readers skip longer ones (a record is a few hundred bytes)
+
+
+def append_json_lines(path, docs, *, dir_fd=None, mode=0o644, max_line=MAX_LINE_BYTES, durable=False, **dumps) -> int:
+    """Append each of `docs` to the log at `path` (relative to `dir_fd` when given) as one JSON line; returns the
+    file's size after. `dumps` are json.dumps's options (sort_keys, separators).
+
+    Guarantees, the same for every log hpcscale appends to:
+    - opened O_RDWR|O_APPEND|O_CREAT|O_NOFOLLOW|O_NONBLOCK|O_CLOEXEC (created with `mode` less the umask): a
+      symbolic link planted at `path` is refused (OSError, errno ELOOP), never appended through, and a FIFO is
+      never waited on; the descriptor must then be a regular file by fstat (NotRegularFile otherwise, also for
+      a FIFO with no reader: ENXIO);
+    - every line is encoded and checked before the file is opened: one over `max_line` bytes (newline included)
+      is TooLarge and nothing is written;
+    - one write(2) per line, at the end of the file whoever else appends (O_APPEND): lines of two writers never
+      interleave; a line is never split over two writes unless the disk fills mid-line;
+    - a full disk (ENOSPC, EDQUOT, or a short write: the kernel wrote part of a line) raises OSError(ENOSPC)
+      and writes nothing more; the file may then end in a torn line, which readers skip as not JSON, and the
+      next append first ends it with a newline, so a torn line never swallows the next one;
+    - `durable`: fsync'd before returning (the line survives a power cut once this returns)."""
+    lines = []
+    for doc in docs:
+        line = (json.dumps(doc, **dumps) + "\n").encode("utf-8", "surrogateescape")
+        if len(line) > max_line:
+            raise TooLarge(path, len(line), max_line)
+        lines.append(line)
+    # O_RDWR, not O_WRONLY: the last byte is read to see a torn line; every write still goes to the end
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO no one reads: O_NONBLOCK refused to wait for a reader
+            raise NotRegularFile(path, None) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(path, st)
+        if lines and st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
+            lines[0] = b"\n" + lines[0]  # a torn last line (a full disk, a kill): end it, keep ours whole
+        for line in lines:
+            try:
+                written = os.write(fd, line)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise OSError(errno.ENOSPC, "disk full: the line is not written", str(path)) from None
+                raise
+            if written != len(line):
+                raise OSError(errno.ENOSPC, f"disk full: {written} of a line's {len(line)} bytes written", str(path))
+        if durable:
+            os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)

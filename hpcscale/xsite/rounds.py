@@ -48,7 +48,6 @@ a round. A site that is down does not stop the others: its push fails, is logged
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -65,7 +64,7 @@ from hpcscale.config.xsite import XsiteConfig, XsiteSite
 from hpcscale.errors import BadInput
 from hpcscale.portable import lock as tick_lock
 from hpcscale.portable.errors import StageError
-from hpcscale.portable.files import atomic_write
+from hpcscale.portable.files import append_json_lines, atomic_write
 from hpcscale.portable.hashing import SHA256
 from hpcscale.util.bounded import read_bounded, read_tail
 from hpcscale.util.paths import expand_path
@@ -257,18 +256,12 @@ LOG_MAX_BYTES = 16 << 20  # log.jsonl past this keeps its newest half (sync stat
 
 
 def _append_log(state: Path, events: list[dict[str, Any]]) -> None:
-    """Append to log.jsonl, never through a planted symlink (O_NOFOLLOW) nor into anything but a regular file."""
+    """Append to log.jsonl (hpcscale.portable.files.append_json_lines: never through a planted symlink, only a
+    regular file, one write per line), keeping its newest half once it passes LOG_MAX_BYTES."""
     if not events:
         return
     path = state / LOG
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
-        os.write(fd, "".join(json.dumps(e) + "\n" for e in events).encode())
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
+    size = append_json_lines(path, events)
     if size > LOG_MAX_BYTES:
         tail = read_tail(path, max_bytes=LOG_MAX_BYTES // 2, what="sync log")
         atomic_write(path, tail.data)  # whole lines (read_tail drops the one the cut falls in)
