@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from hpcscale.config.errors import ConfigError, ConfigIssue
+from hpcscale.portable import files
 
 KeyPath = tuple[str | int, ...]
 
@@ -168,21 +169,29 @@ def build_yaml(node: yaml.Node | None, file: str) -> YamlSource:
 
 
 def load_yaml(path: str | Path) -> YamlSource:
-    """Read and parse a YAML file; unreadable files are bad input too."""
+    """Read and parse a YAML file; unreadable files are bad input too. The file is read once from the descriptor
+    that is checked (hpcscale.portable.files.read_regular: fstat on that descriptor, O_NONBLOCK): a FIFO or a
+    device, there before or swapped in after any earlier look, is refused, never waited on, and so is a file
+    over MAX_BYTES, before a byte is read or once it grows past it while read."""
     p = Path(path)
+
+    def issue(message: str) -> ConfigError:
+        return ConfigError([ConfigIssue(str(p), None, "", message)])
+
     try:
-        st = p.stat()
-        if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):  # a FIFO would block open() forever
-            raise ConfigError([ConfigIssue(str(p), None, "", "not a regular file")])
-        if st.st_size > MAX_BYTES:
-            raise ConfigError([ConfigIssue(str(p), None, "", f"{st.st_size} bytes, over the limit of {MAX_BYTES}")])
-        text = p.read_text(encoding="utf-8")
+        data, _ = files.read_regular(p, max_bytes=MAX_BYTES)
+        text = data.decode("utf-8")
     except FileNotFoundError:
-        raise ConfigError([ConfigIssue(str(p), None, "", "no such file")]) from None
+        raise issue("no such file") from None
+    except files.NotRegularFile as e:
+        directory = e.stat is not None and stat.S_ISDIR(e.stat.st_mode)
+        raise issue("is a directory, not a YAML file" if directory else "not a regular file") from None
+    except files.TooLarge as e:
+        raise issue(f"{e.size} bytes, over the limit of {MAX_BYTES}") from None
     except IsADirectoryError:
-        raise ConfigError([ConfigIssue(str(p), None, "", "is a directory, not a YAML file")]) from None
+        raise issue("is a directory, not a YAML file") from None
     except UnicodeDecodeError as e:
-        raise ConfigError([ConfigIssue(str(p), None, "", f"not UTF-8 text ({e.reason})")]) from None
+        raise issue(f"not UTF-8 text ({e.reason})") from None
     except OSError as e:
-        raise ConfigError([ConfigIssue(str(p), None, "", f"cannot read: {e.strerror}")]) from None
+        raise issue(f"cannot read: {e.strerror}") from None
     return parse_yaml(text, str(p))

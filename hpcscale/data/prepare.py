@@ -43,7 +43,7 @@ from hpcscale.data.manifest import (
 )
 from hpcscale.errors import BadInput
 from hpcscale.portable import hashing, paths
-from hpcscale.portable.files import atomic_write
+from hpcscale.portable.files import atomic_create, atomic_write
 from hpcscale.util import trust
 
 TOKENIZER_NAME = "tokenizer.json"
@@ -116,15 +116,11 @@ class ShardWriter:
 
 
 def _write_file(build: BuildDir, name: str, data: bytes, algorithm: str) -> FileEntry:
-    fd = BuildDir.create(name, dir_fd=build.fd)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
+    """`name` in the build directory holding `data`, whole or not at all (atomic_create: a kill or a full disk
+    mid-write leaves no part of it under its name), mode 0666 less the umask as a shard's."""
+    if not atomic_create(name, data, dir_fd=build.fd, mode=0o666):
+        raise BadInput(f"{build.out}: {name} already exists in the directory being built")
+    st = os.stat(name, dir_fd=build.fd, follow_symlinks=False)
     h = hashing.hasher(algorithm)
     h.update(data)
     return FileEntry(name, st.st_size, st.st_mtime_ns, h.hexdigest(), st.st_mode & paths.MODE_BITS)

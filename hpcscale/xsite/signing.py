@@ -1,9 +1,10 @@
 """Per-site ed25519 keys for cross-site records: key files, the keyring, sign and verify.
 
 Key files (docs/cross-site-format.md, "Keys"):
-- `<site>.key`: the private key, PKCS#8 PEM, unencrypted, mode 0600. Created with O_CREAT|O_EXCL|O_NOFOLLOW, so
-  an existing key (or a symlink planted in its place) is never overwritten; loading refuses a key that group or
-  others may read, as ssh does, and one that is not the user's or root's.
+- `<site>.key`: the private key, PKCS#8 PEM, unencrypted, mode 0600. Written whole under a fresh name (created
+  O_CREAT|O_EXCL|O_NOFOLLOW with mode 0600) and hard-linked to its name, so an existing key (or a symlink planted
+  in its place) is never overwritten and a kill mid-write never leaves part of a key under its name; loading
+  refuses a key that group or others may read, as ssh does, and one that is not the user's or root's.
 - `<site>.pub`: the public key, SubjectPublicKeyInfo PEM, mode 0644.
 - `<site>.<n>.pub` / `<site>.<n>.key`: generation n of a rotated key (n decimal, 1 to 6 digits). A keyring may
   list several generations of one site at once; a record names the key that signed it by `key_id`, and the
@@ -88,25 +89,16 @@ def _stem(site: str, generation: int | None) -> str:
 
 
 def _create_exclusive(path: Path, data: bytes, mode: int) -> None:
-    """Write a new file that must not exist (nor be a symlink), with exactly `mode`, durably."""
+    """Create `path` holding `data`, exactly `mode` from its first byte, durably, whole or not at all
+    (hpcscale.portable.files.atomic_create: written under a fresh name created O_EXCL|O_NOFOLLOW, then linked to
+    `path`): an existing key, or a symlink planted in its place, is never overwritten, and a kill or a full disk
+    mid-write never leaves part of a key under its name."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    except FileExistsError:
-        raise BadInput(f"{path}: already exists; a key is never overwritten (rotate with a new generation)") from None
+        created = files.atomic_create(path, data, mode=mode, exact_mode=True)
     except OSError as e:
         raise RuntimeFailure(f"{path}: cannot create ({e.strerror})") from None
-    try:
-        os.fchmod(fd, mode)  # the umask may have taken bits away; it must not decide a key's mode
-        with os.fdopen(os.dup(fd), "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        raise
-    os.close(fd)
+    if not created:
+        raise BadInput(f"{path}: already exists; a key is never overwritten (rotate with a new generation)")
 
 
 def generate_key(directory: str | Path, site: str, *, generation: int | None = None) -> KeyFiles:
@@ -131,7 +123,6 @@ def generate_key(directory: str | Path, site: str, *, generation: int | None = N
         with contextlib.suppress(OSError):
             os.unlink(private_path)
         raise
-    files.fsync_dir(directory)
     return KeyFiles(private_path, public_path)
 
 
