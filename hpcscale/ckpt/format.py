@@ -17,6 +17,7 @@ index, and only before it is renamed into place.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -43,7 +44,7 @@ from hpcscale.ckpt.integrity import (
 from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.portable.files import atomic_write, open_regular
 from hpcscale.portable.hashing import XXH128
-from hpcscale.util.bounded import read_bounded
+from hpcscale.util.bounded import file_problem, read_bounded
 
 FORMAT = "hpcscale-checkpoint"
 # 2: root digest, DIGEST file, chunk_bytes; 3: the root digest leaves out where bytes are stored, so a state has
@@ -639,8 +640,12 @@ def examine_index(path: Path) -> IndexExamination:
     def fail(problem: str) -> IndexExamination:
         return IndexExamination(None, [IndexProblem(INDEX, problem)])
 
+    try:  # the index others may have replaced: a FIFO or device there is refused, never waited on (HDF5 would)
+        fd = open_regular(path, follow_symlinks=False)[0]
+    except OSError as e:
+        return fail(f"cannot be read ({file_problem(e, 'checkpoint index')})")
     try:
-        with h5py.File(path, "r", locking=False) as f:
+        with fd_file(fd) as handle, h5py.File(handle, "r", locking=False) as f:
             if f.attrs.get("format") != FORMAT:
                 return fail("not an hpcscale checkpoint index")
             version = f.attrs.get("version")
@@ -663,6 +668,8 @@ def examine_index(path: Path) -> IndexExamination:
         return fail(f"damaged index ({e})")
     except Exception as e:  # h5py raises many types for a damaged file; each means the same here
         return fail(f"damaged index ({type(e).__name__}: {str(e)[:200]})")
+    finally:
+        os.close(fd)
     try:
         digest = root_digest(tables)
     except Exception as e:  # _attr bounds what the digest packs; anything else is still a damaged index
@@ -717,6 +724,17 @@ def committed_steps(root: Path) -> list[int]:
         return []
     steps = [s for p in root.iterdir() if (s := step_of(p.name)) is not None and (p / INDEX).is_file()]
     return sorted(steps, reverse=True)
+
+
+@contextlib.contextmanager
+def fd_file(fd: int):
+    """What h5py.File opens for the file open as `fd` (the one checked): its /proc/self/fd name, the same open
+    file whatever `path` leads to meanwhile; a file object of it where there is no /proc."""
+    if os.path.isdir("/proc/self/fd"):
+        yield f"/proc/self/fd/{fd}"
+        return
+    with open(fd, "rb", closefd=False) as f:
+        yield f
 
 
 def open_data_file(path: Path) -> int:

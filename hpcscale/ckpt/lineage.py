@@ -23,16 +23,33 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from hpcscale.portable import files
+from hpcscale.util.bounded import file_problem
+
 MAX_JOB_TEXT = 64 * 1024  # the spec's text is kept when at most this long (its hash always)
 TAG = "lineage"
 
 
+MAX_JOB_BYTES = 1 << 20  # RUN/job.yaml, as the ranks read it at start (hpcscale.rundir)
+MAX_MANIFEST_BYTES = 1 << 30  # a data manifest, as the loader reads it (hpcscale.data.manifest)
+
+
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
+    """sha256 of the regular file at `path` of at most MAX_MANIFEST_BYTES, read from the descriptor checked (a
+    FIFO or device planted there is refused, never waited on): OSError otherwise."""
+    fd, st = files.open_regular(path)
+    try:
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise files.TooLarge(path, st.st_size, MAX_MANIFEST_BYTES)
+        h, done = hashlib.sha256(), 0
+        while done <= MAX_MANIFEST_BYTES and (chunk := os.read(fd, 1 << 20)):
             h.update(chunk)
-    return h.hexdigest()
+            done += len(chunk)
+        if done > MAX_MANIFEST_BYTES:
+            raise files.TooLarge(path, done, MAX_MANIFEST_BYTES)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def _git(directory: Path, *args: str) -> str | None:
@@ -74,15 +91,15 @@ def collect(run_dir: Path, job: Any) -> dict[str, Any]:
 
     out: dict[str, Any] = {"hpcscale_version": __version__}
     spec = run_dir / "job.yaml"
-    try:
-        data = spec.read_bytes()
+    try:  # others may write RUN: never a FIFO waited on, never more than a job spec's bound
+        data = files.read_regular(spec, max_bytes=MAX_JOB_BYTES)[0]
         out["job"] = {
             "path": str(spec),
             "sha256": hashlib.sha256(data).hexdigest(),
             "text": _redacted(data) if len(data) <= MAX_JOB_TEXT else None,
         }
     except OSError as e:
-        out["job"] = {"path": str(spec), "error": e.strerror or str(e)}
+        out["job"] = {"path": str(spec), "error": f"{spec}: {file_problem(e, 'job spec')}"}
     manifest = getattr(getattr(job, "data", None), "manifest", None)
     if manifest:
         from hpcscale.util.paths import expand_path
@@ -91,7 +108,7 @@ def collect(run_dir: Path, job: Any) -> dict[str, Any]:
         try:
             out["data_manifest"] = {"path": str(path), "sha256": _sha256_file(path)}
         except OSError as e:
-            out["data_manifest"] = {"path": str(path), "error": e.strerror or str(e)}
+            out["data_manifest"] = {"path": str(path), "error": f"{path}: {file_problem(e, 'manifest')}"}
     train = getattr(job, "train", None)
     out["code"] = code_version(getattr(train, "entry", None))
     return out

@@ -15,6 +15,7 @@ the first step), never an index past the embedding. The check is one max over th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,8 @@ import numpy as np
 
 from hpcscale.data.manifest import read_manifest
 from hpcscale.errors import BadInput
+from hpcscale.portable import files
+from hpcscale.util.bounded import file_problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +62,7 @@ class TokenLoader:
         self.sample_len = ds.sample_len
         self.vocab_size = ds.vocab_size
         self.manifest_path = manifest_path
-        self._shards = [
-            np.memmap(root / s.path, dtype=ds.dtype, mode="r").reshape(s.samples, ds.sample_len) for s in ds.shards
-        ]
+        self._shards = [_map_shard(root / s.path, np.dtype(ds.dtype), s.samples, ds.sample_len) for s in ds.shards]
         self._starts = np.cumsum([0] + [s.samples for s in ds.shards])
         n_val = int(ds.samples * val_fraction)
         self.n_train = ds.samples - n_val
@@ -142,3 +143,24 @@ class TokenLoader:
         if state.get("seed", self.seed) != self.seed:
             raise BadInput(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
         self.state = LoaderState(int(state["epoch"]), int(state["batch"]))
+
+
+def _map_shard(path: Path, dtype: np.dtype, samples: int, sample_len: int) -> np.ndarray:
+    """The shard at `path` mapped read-only as (samples, sample_len), from the descriptor checked: a regular file
+    (a FIFO or a device is refused, never waited on) of exactly the size the manifest gives; BadInput naming the
+    shard otherwise (a dataset others may write: a shorter or longer file is not the one the manifest lists)."""
+    want = samples * sample_len * dtype.itemsize
+    try:
+        fd, st = files.open_regular(path)
+    except OSError as e:
+        raise BadInput(f"{path}: {file_problem(e, 'token shard')}") from None
+    try:
+        if st.st_size != want:
+            raise BadInput(
+                f"{path}: {st.st_size} bytes, but the manifest gives {samples} samples of {sample_len} "
+                f"{dtype.name} tokens ({want} bytes); check the dataset with `hpcscale manifest verify`"
+            )
+        with open(fd, "rb", closefd=False) as f:
+            return np.memmap(f, dtype=dtype, mode="r", shape=(samples, sample_len))
+    finally:
+        os.close(fd)

@@ -22,7 +22,7 @@ from typing import Any
 from hpcscale.errors import BadInput
 from hpcscale.portable import hashing, paths
 from hpcscale.portable.errors import StageError
-from hpcscale.portable.files import atomic_write
+from hpcscale.portable.files import atomic_write, open_regular
 from hpcscale.portable.hashing import HASH_ALGORITHMS
 from hpcscale.util.bounded import loads_json, read_bounded
 
@@ -118,7 +118,7 @@ def hasher(algorithm: str):
 def hash_file(path: Path | str, algorithm: str, on_bytes=None) -> str:
     """Hex digest of a whole file; `on_bytes(n)` is told of each block hashed (progress)."""
     hasher(algorithm)
-    fd = os.open(path, os.O_RDONLY)
+    fd, _ = open_regular(path)  # a FIFO or a device planted in a dataset is refused (NotRegularFile), never waited on
     try:
         return hashing.hash_fd(fd, algorithm, on_bytes=on_bytes)[0]
     finally:

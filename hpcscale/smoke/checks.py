@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from hpcscale.errors import BadInput
 from hpcscale.layout import JobLayout
+from hpcscale.util.bounded import read_bounded, read_tail
 from hpcscale.util.trust import private_dir
 
 BF16_TOLERANCE = 0.03  # relative, per step: bf16 layouts agree to about 1e-2 over a short run
@@ -197,6 +198,10 @@ def run_smoke(plan: SmokePlan, root: Path, run: Runner, *, say: Callable[[str], 
     return report
 
 
+RANK_REPORT_MAX = 1 << 20  # RUN/smoke/rank-N.json: a few KB each
+METRICS_TAIL = 8 << 20  # the end of a smoke job's metrics.jsonl read (a smoke run logs a few hundred steps)
+
+
 # ---- judging each job -----------------------------------------------------------------------------------------
 
 
@@ -205,9 +210,9 @@ def _rank_reports(run_dir: Path) -> list[dict]:
 
     out = []
     for path in sorted((run_dir / SMOKE_DIR).glob("rank-*.json")):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
+        try:  # a rank's report is a few KB: a FIFO, a device or a larger file there is no report of ours
+            out.append(json.loads(read_bounded(path, max_bytes=RANK_REPORT_MAX, what="rank report")))
+        except (BadInput, ValueError, RecursionError):
             continue
     return out
 
@@ -281,12 +286,11 @@ def _metric(run_dir: Path, key: str) -> dict[int, float]:
     """step -> value of `key` in RUN/metrics.jsonl (the last line per step wins: a resumed run repeats none)."""
     out: dict[int, float] = {}
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return out
-    for line in path.read_text().splitlines():
+    tail = read_tail(path, max_bytes=METRICS_TAIL, what="metrics log", missing_ok=True)  # BadInput: a FIFO
+    for line in tail.data.splitlines() if tail else ():
         try:
-            row = json.loads(line)
-        except ValueError:
+            row = json.loads(line)  # NaN kept: a diverged loss is what a check must see
+        except (ValueError, RecursionError):
             continue
         if isinstance(row, dict) and key in row and isinstance(row.get("step"), int):
             out[row["step"]] = row[key]
