@@ -315,6 +315,11 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
         assert out.returncode == 0, out.stderr
         assert _wait_gone(json.loads(out.stdout)["submitted"], local_cluster) == "COMPLETED", _log(run)[-3000:]
         log = _log(run)
+        # partners by the live switch tree (leaf1: n1, n2; leaf2: n3, n4), which rank 0 read at placement
+        pairs = re.findall(r"(n\d) -> (n\d) \((the same|another) leaf switch\)", log)
+        assert pairs, log[-3000:]
+        leaf = {"n1": 1, "n2": 1, "n3": 2, "n4": 2}
+        assert all((where == "the same") == (leaf[a] == leaf[b]) for a, b, where in pairs), pairs
         drained = {int(x) for x in re.findall(r"checkpoint (\d+) saved: [\d.]+ s blocking, drained", log)}
         if lost == ("n2",):
             m = re.search(r"resumed from checkpoint step (\d+) of the node-local tier \((\d+) data file", log)

@@ -372,16 +372,8 @@ class Checkpointer:
             tier = ctx.job.checkpoint.local
             node_of: list = [None] * ctx.world_size
             dist.all_gather_object(node_of, ctx.node)
-            leaf_of, leaf_order = {}, []
-            if len(set(node_of)) > 1 and ctx._site is not None:
-                from hpcscale.errors import HpcscaleError
-                from hpcscale.slurm.allocation import site_tree
-
-                try:
-                    tree = site_tree(ctx._site)
-                    leaf_of, leaf_order = tree.leaf_of, tree.leaf_order()
-                except HpcscaleError as e:
-                    ctx.metrics.print(f"hpcscale: switch tree unavailable ({e}): partners chosen as if flat")
+            # the switch tree as rank 0 read it at placement (launch/main.py): no rank asks Slurm again
+            leaf_of, leaf_order = ctx._switches if len(set(node_of)) > 1 and ctx._switches else ({}, [])
             layout = nodelocal.build(
                 node_of,
                 tier.partners,

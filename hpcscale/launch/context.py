@@ -168,8 +168,9 @@ class Context:
     run_id: str | None = None  # the run directory's id (RUN/run-id): its checkpoints carry it as their owner
     # this node's root of the node-local checkpoint tier, when the job uses it (checkpoint.local)
     _node_local: Path | None = field(default=None, repr=False)
-    # the site's config (hpcscale.config.site.SiteConfig): its switch tree places partner copies
-    _site: Any = field(default=None, repr=False)
+    # (each allocated node's leaf switch, the leaves' order), read once by rank 0 at placement (launch/main.py):
+    # the node-local tier places its partner copies by it; None on one node
+    _switches: Any = field(default=None, repr=False)
     watchdog: Any = None  # the rank's hang watchdog (launch/watchdog.py): .beat(step), .paused(reason)
     step_times: Any = None  # per-rank step times (launch/timing.StepTimes): .record(step, step_s=..., ...)
     _mtbf_s: float | None = field(default=None, repr=False)  # checkpoint.every_steps: auto: the job's MTBF

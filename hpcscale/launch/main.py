@@ -54,10 +54,17 @@ def resolve_entry(entry: str) -> Callable:
         raise BadInput(f"train.entry '{entry}' cannot be loaded: {e}") from None
 
 
-def _order_nodes(loaded: LoadedJob) -> Callable[[list[str]], list[str]]:
-    """Placement on the real allocation; hostname order if the switch tree cannot be read here."""
+class _Placement:
+    """Placement on the real allocation, called by rank 0 alone (bootstrap): the switch tree is read once, here,
+    and what the ranks need of it (`switches`: each allocated node's leaf switch and the leaves' order, for the
+    node-local tier's partner copies) is handed to every rank with the order; hostname order and one flat switch
+    if the tree cannot be read. No other rank asks Slurm for it."""
 
-    def order(nodes: list[str]) -> list[str]:
+    def __init__(self, loaded: LoadedJob):
+        self.loaded = loaded
+        self.switches: tuple[dict[str, str], list[str]] | None = None  # None: one node, nothing to place
+
+    def __call__(self, nodes: list[str]) -> list[str]:
         if len(nodes) == 1:
             return nodes
         from dataclasses import replace
@@ -66,14 +73,14 @@ def _order_nodes(loaded: LoadedJob) -> Callable[[list[str]], list[str]]:
         from hpcscale.topology.tree import flat_tree
 
         try:
-            tree = site_tree(loaded.site.config)
+            tree = site_tree(self.loaded.site.config)
         except HpcscaleError as e:
             print(f"hpcscale launch: switch tree unavailable ({e}); placing as if flat", file=sys.stderr)
             tree = flat_tree(nodes)
-        sized = LoadedJob(replace(loaded.spec, nodes=len(nodes)), loaded.path, loaded.site)
+        leaf_of = {n: tree.leaf_of[n] for n in nodes if n in tree.leaf_of}
+        self.switches = (leaf_of, [leaf for leaf in tree.leaf_order() if leaf in set(leaf_of.values())])
+        sized = LoadedJob(replace(self.loaded.spec, nodes=len(nodes)), self.loaded.path, self.loaded.site)
         return place_job(sized, nodes, tree=tree).nodes
-
-    return order
 
 
 def _attempt_event(work_dir: Path, event: str, attempt: int | None, **fields) -> None:
@@ -255,15 +262,17 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         spec = loaded.spec
         if spec.train is None:
             raise BadInput(f"{run_dir}/job.yaml has no `train:` entry; `command:` jobs run their program directly")
+        placement = _Placement(loaded)
         info = bootstrap(
             timeout_s=spec.timeout_seconds,
-            order_nodes=_order_nodes(loaded),
+            order_nodes=placement,
             device=spec.device,
             gpus_requested=spec.gpus_per_node,
         )
         if info.rank == 0:  # every rank passed the bootstrap, so every rank's stop handler is installed
             print(RANKS_READY, flush=True)
-        code = _run(loaded, info, run_dir, stop, sweep_index)
+        switches = _from_mpi_root(lambda: placement.switches)  # rank 0 read the tree: every rank gets it
+        code = _run(loaded, info, run_dir, stop, sweep_index, switches=switches)
         if code == 0:
             _exit_together(0)
     except StopRequested as e:
@@ -320,7 +329,7 @@ def _abort_job() -> None:
     MPI.COMM_WORLD.Abort(1)
 
 
-def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: int | None) -> int:
+def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: int | None, *, switches=None) -> int:
     import torch.distributed as dist
 
     from hpcscale.launch.context import Context, MetricsLogger
@@ -378,7 +387,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         scratch=expand_path(loaded.site.config.filesystems.scratch),
         run_id=run_id,
         _node_local=node_local,
-        _site=loaded.site.config,
+        _switches=switches,
     )
     watchdog = Watchdog(
         rank=info.rank,
