@@ -12,8 +12,6 @@ def main(ctx: hpcscale.launch.context.Context) -> None:
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,16 +27,24 @@ from hpcscale.layout import ParallelDims
 __all__ = ["Context", "MetricsLogger"]
 
 
-def _append_only(path: Path):
-    """RUN/metrics.jsonl opened for appending, line-buffered: never through a symlink planted at its name
-    (O_NOFOLLOW: someone who can write RUN could point it at a file of yours), and only a regular file."""
-    import stat
+METRICS_LINE_BYTES = 1 << 20  # the longest metrics line: a line is one write, and readers bound what they take
 
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise BadInput(f"{path}: not a regular file; refusing to append the run's metrics to it")
-    return open(fd, "a", buffering=1)
+
+def _append(path: Path, rows: list[dict]) -> None:
+    """Rows appended to RUN/metrics.jsonl as every log of hpcscale is (portable.files.append_json_lines: never
+    through a symlink planted at its name, only a regular file, one write per line, a line over
+    METRICS_LINE_BYTES refused whole); BadInput naming the file otherwise."""
+    from hpcscale.portable import files
+
+    try:
+        files.append_json_lines(path, rows, max_line=METRICS_LINE_BYTES)
+    except files.NotRegularFile:
+        raise BadInput(f"{path}: not a regular file; refusing to append the run's metrics to it") from None
+    except files.TooLarge as e:
+        raise BadInput(
+            f"ctx.metrics.log: a line of {e.size} bytes, over the {METRICS_LINE_BYTES} bytes a metrics line may "
+            "have: log fewer or smaller values per call"
+        ) from None
 
 
 def _loggable(value: Any, depth: int = 0) -> bool:
@@ -89,7 +95,9 @@ class MetricsLogger:
     def __init__(self, path: Path | None, *, attempt: int | None = None, tensorboard: Path | None = None):
         self.path = path
         self.attempt = attempt
-        self._f = _append_only(path) if path is not None else None
+        self._f = path  # rank 0's metrics file, appended to line by line (_append); None on other ranks
+        if path is not None:
+            _append(path, [])  # created, and refused now if it is not a regular file (a planted FIFO, a symlink)
         self._tb = None
         # the newest numbers the loop logged (rank 0): the progress line shows them beside the pace
         self._latest: dict[str, float] = {}
@@ -120,7 +128,7 @@ class MetricsLogger:
                 else {"time": round(time.time(), 3), "attempt": self.attempt}
             )
             row = {**head, **values}
-            self._f.write(json.dumps(row) + "\n")
+            _append(self._f, [row])
             for k, v in values.items():
                 own = k in OWN_KEYS or k.startswith(OWN_PREFIXES)
                 if not own and isinstance(v, int | float) and not isinstance(v, bool):
@@ -139,8 +147,6 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
         if self._tb is not None:
             self._tb.close()
 
