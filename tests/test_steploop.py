@@ -49,6 +49,7 @@ def _run(saves: TierSaves, steps: int) -> list[tuple[int, str]]:
     managers themselves: what happened after each step."""
     happened = []
     for done in range(1, steps + 1):
+        saves._host.manager.wait()  # each step long enough for the drain before to end (a loaded machine: not so)
         draining = saves.drain_due is not None
         busy = draining and saves.drain_would_wait()
         saves.tick(0.01)
