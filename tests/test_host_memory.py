@@ -23,7 +23,7 @@ import yaml
 from conftest import REPO, run_cli
 
 from hpcscale.ckpt import nodelocal, writer
-from hpcscale.ckpt.manager import CheckpointManager
+from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager, Tier
 from hpcscale.ckpt.shards import LocalShard
 from hpcscale.config.load import load_job
 from hpcscale.launch.local import rank_env
@@ -124,12 +124,12 @@ def test_a_cpu_rank_pins_nothing_and_the_first_save_that_stages_says_so_once(gro
     m.close()
 
 
-def _node_local(root: Path, **extra) -> CheckpointManager:
+def _node_local(root: Path, **extra) -> NodeLocalManager:
     layout = nodelocal.build(["a"], 0, {}, [], "other")
-    return CheckpointManager(root, dims=DIMS, rank=0, node_local=layout, keep_last=5, **extra)
+    return NodeLocalManager(root, dims=DIMS, rank=0, node_local=layout, keep_last=5, **extra)
 
 
-def _loaded(manager: CheckpointManager, like: dict, *, node_local: bool) -> dict:
+def _loaded(manager: Tier, like: dict, *, node_local: bool) -> dict:
     out = {k: torch.zeros_like(v) for k, v in like.items()}
     got = manager.load_node_local(out, at_least=None) if node_local else manager.load_latest(out)
     assert got is not None

@@ -34,12 +34,12 @@ class Host:
 
 def _managers(tmp_path):
     from hpcscale.ckpt import nodelocal
-    from hpcscale.ckpt.manager import CheckpointManager
+    from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager
     from hpcscale.layout import ParallelDims
 
     dims = ParallelDims.for_world(world_size=1, tp=1, pp=1)
     layout = nodelocal.build(["n1"], 0, {}, [], "other")
-    local = CheckpointManager(tmp_path / "local", dims=dims, rank=0, keep_last=10, node_local=layout)
+    local = NodeLocalManager(tmp_path / "local", dims=dims, rank=0, keep_last=10, node_local=layout)
     shared = CheckpointManager(tmp_path / "shared", dims=dims, rank=0, keep_last=10)
     return shared, local
 

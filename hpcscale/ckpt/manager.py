@@ -1,4 +1,10 @@
-"""The checkpoint manager used by the trainer and, through the Context, by users' code.
+"""The checkpoint tiers used by the trainer and, through the Context, by users' code: one class per tier behind
+one interface (Tier: save, wait, busy, close, pin, unpin, last_step, last_stats):
+
+- CheckpointManager, the shared tier (RUN/checkpoints on the parallel filesystem): load_latest, and drain, which
+  takes a step of the node-local tier into this one (the operation between the tiers);
+- NodeLocalManager, each node's own storage with partner copies (hpcscale.ckpt.nodelocal): load_node_local,
+  discard_after.
 
     manager = CheckpointManager(run_dir / "checkpoints", ...)     # a collective: every rank constructs it
     restored = manager.load_latest(tensors)                        # newest complete, verified checkpoint
@@ -70,7 +76,16 @@ class SaveStats:
     background_s: float = 0.0  # an async save: from the call's return to its commit
 
 
-class CheckpointManager:
+class Tier:
+    """What both checkpoint tiers do alike (module docstring): the writer thread and its staging buffers, saves
+    (one in flight at most; asynchronous ones in the background), pins against retention, the wait for a save
+    in flight. A tier commits a save its own way (`_commit`) and loads its own way: CheckpointManager is the
+    shared tier (load_latest, and the drain from the other tier), NodeLocalManager each node's own storage
+    (load_node_local). Every method is a collective over the checkpoint group unless it says otherwise."""
+
+    node_local: NodeLocal | None = None  # the node-local tier's layout; None for the shared tier
+    WHAT = "checkpoint directory"  # how refusals name `root`
+
     def __init__(
         self,
         root: Path,
@@ -87,7 +102,6 @@ class CheckpointManager:
         device: torch.device | None = None,
         timeout_s: float | None = None,
         owner: str | None = None,
-        node_local: NodeLocal | None = None,
         staging: StagingPool | None = None,
     ):
         """read_only: only `load_latest` (another run's checkpoints: xsite.start_from). Nothing under `root` is
@@ -102,20 +116,12 @@ class CheckpointManager:
         or accepted only if it is this user's (or root's) and no one else can write it (_take_root): otherwise
         every rank raises BadInput, and nothing under it was read, written or removed.
 
-        node_local: `root` is a directory on each node's own storage (the node-local tier, hpcscale.ckpt.nodelocal):
-        every node writes its ranks' data and its own copy of the index, partner nodes keep copies of the data,
-        each save stands alone (no chunk of an earlier step is referenced), and load_node_local gathers a step
-        from what the surviving nodes hold. The node's lowest rank does there what rank 0 does in a shared root.
-
         staging: the host buffers asynchronous saves copy the tensors into (writer.StagingPool), shared with
         another manager of this rank (the other tier's: one staging copy per rank); without it, its own. Saves of
         the managers that share it take turns in its buffers (a save waits while another's still reads them)."""
         self.root, self.dims, self.rank = root, dims, rank
-        self.node_local = node_local
-        # node-local tier: where rank 0 records which nodes hold the newest step (read by `hpcscale resume`)
-        self.record: Path | None = None
         # who keeps `root` tidy: rank 0 of a shared root, each node's lowest rank of a node-local one
-        self._keeper = rank == (node_local.leader(node_local.node_of[rank]) if node_local else 0)
+        self._keeper = rank == self._keeper_rank()
         self.read_only = read_only
         self.lineage = lineage  # what produced this run's checkpoints (hpcscale.ckpt.lineage), rank 0's
         self.coords = dims.coords(rank)  # where this rank sits: decides which shards it writes
@@ -123,7 +129,6 @@ class CheckpointManager:
         # steps retention keeps whatever keep_last/keep_every say (rank 0's set counts, written to PINNED so
         # `ckpt gc` honours it too): a cross-site start checkpoint until round 0 is adopted (launch.site_rounds)
         self.pinned: set[int] = set()
-        self.committed: set[int] = set()  # node-local tier: the steps this process's saves committed on every node
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         # Metadata of saves travels on its own gloo group: a background save never interleaves with training
         # collectives on the default group.
@@ -170,28 +175,15 @@ class CheckpointManager:
         self._pending = False  # an async save was handed to it and not yet waited for
         self._staged: threading.Event | None = None  # a deferred save's copy taken (wait_staged)
 
+    def _keeper_rank(self) -> int:
+        """The rank that keeps `root` tidy (claims it, removes unfinished saves, applies retention)."""
+        return 0
+
     def _take_root(self, owner: str | None) -> str | None:
         """The keeper, before anything under `root` is read, written or removed: make `root` a directory only
         this user can write, or accept the one there only if it is one (hpcscale.util.trust.private_dir: someone
-        who made it first could have planted a step in it), then claim it for run `owner`. Returns why this
-        run must not use it (None: it may)."""
-        from hpcscale.rundir import claim_checkpoints
-
-        root = self.root
-        where = f"node {self.node_local.node_of[self.rank]}: " if self.node_local is not None else ""
-        what = "node-local checkpoint directory" if self.node_local is not None else "checkpoint directory"
-        try:
-            if self.node_local is None and root.is_symlink():  # to the run's directory under checkpoint_root
-                check_private_dir(root, what=what)
-            else:  # 0700 on a node's own disk; 0755 on the shared tier, whose readers may be colleagues
-                private_dir(root, what=what, mode=0o700 if self.node_local is not None else 0o755)
-            if owner is not None and self.node_local is None:
-                return claim_checkpoints(root, owner)
-        except BadInput as e:
-            return f"{where}{e}"
-        except Exception as e:
-            return f"{where}{root}: cannot make it this run's {what}: {type(e).__name__}: {e}"
-        return None
+        who made it first could have planted a step in it). Returns why this run must not use it (None: it may)."""
+        raise NotImplementedError
 
     def pin(self, step: int, why: str) -> None:
         """Keep `step` whatever the retention policy says, until unpin(step); on disk (PINNED) from rank 0."""
@@ -216,24 +208,8 @@ class CheckpointManager:
             self.log(f"hpcscale: cannot record pinned checkpoints in {self.root}: {e}")
 
     def _adopt_newest(self) -> None:
-        """Dedup new saves against the newest committed checkpoint already on disk (a fresh process). Its index is
-        checked, its chunks are not: a restart replaces this with the step it verified (load_latest) or with
-        nothing (restored_elsewhere). A damaged index is skipped: its chunks are simply written again. Node-local
-        saves dedup nothing."""
-        if self.node_local is not None:
-            return
-        try:
-            steps = committed_steps(self.root)
-            if not steps:
-                return
-            index = read_index(self.root / step_dir_name(steps[0]) / INDEX)
-        except Exception as e:  # any failure of an index skips it; a rank never raises while being built
-            problem = str(e) if isinstance(e, VerificationFailure) else f"unexpected {type(e).__name__}: {e}"
-            if self.rank == 0:
-                self.log(f"hpcscale: not deduplicating against the newest checkpoint: {problem}")
-            return
-        self.writer.adopt(index)
-        self.last_step = steps[0]
+        """What a fresh process deduplicates its first save against: nothing, unless the tier says (the shared
+        tier's newest committed step)."""
 
     # ---- saving ---------------------------------------------------------------------------------------------
     def save(
@@ -255,8 +231,7 @@ class CheckpointManager:
             return done
         t0 = time.perf_counter()
         faults.slow(step)  # tests only: HPCSCALE_CKPT_SLOW, a filesystem that got slower
-        if self.node_local is not None:
-            self.writer.forget()  # every node-local step stands alone
+        self._fresh_save()
         shards = local_shards(tensors)
         table = self._writer_table(shards)
         mine = pieces_to_write(shards, table, self.rank)
@@ -295,6 +270,9 @@ class CheckpointManager:
         self.last_stats = SaveStats(step, time.perf_counter() - t0, 0, 0)
         return self.last_stats
 
+    def _fresh_save(self) -> None:
+        """Before a save's shards are chosen: what the tier forgets (the node-local tier: every step stands alone)."""
+
     def _holding_staging(self, fn: Callable, *args) -> None:
         """On the writer thread: fn(*args), a save that reads the staging buffers; they are given back after it."""
         try:
@@ -324,52 +302,6 @@ class CheckpointManager:
         run restarted from on the other tier; never `step` or a later one."""
         before = self.last_step if self.last_step is not None else self._restored_from
         return step_dir_name(before) if before is not None and before < step else None
-
-    def restored_elsewhere(self, step: int) -> None:
-        """The run restarted from step `step` of the other tier (the node-local one) and verified nothing here.
-        This tier's newest listed step, which the manager deduplicates against since it was made, may be damaged
-        (a chunk that no longer hashes to its hash, a data file gone): a save referencing its chunks would be
-        damaged too, and one of its step would be taken as done. From now on saves deduplicate against nothing
-        older than the first one committed (that first save or drain writes every chunk), and a save or drain
-        that reaches a listed step moves it to `refused/` first, as a refused one is. `step` is the parent the
-        next save records. A collective: rank 0 lists the steps."""
-        self._unverified = set(self._listed_steps())
-        self.writer.forget()
-        self.last_step = None
-        self.last_stats = None
-        self._restored_from = step
-
-    def drain(self, source: Path, step: int) -> SaveStats:
-        """Save step `step` of the node-local tier rooted at `source` (this node's directory) to this tier, in the
-        background, as an asynchronous save does: each rank reads the shards it wrote there from its own data file
-        (every chunk verified against its hash), and the write deduplicates against this tier (only chunks it
-        lacks are written) and commits with this tier's protocol; the trainer state and RNG states are the ones
-        saved with that step. Nothing is copied from the live tensors, so the caller is not blocked at all. A
-        source that cannot be read fails the drain on every rank alike, raised by the next wait()."""
-        done = self._begin(step)
-        if done is not None:
-            return done
-        parent = self._parent(step)
-        self._bg.submit(self._drain, Path(source), step, parent)
-        self._pending = True
-        self.last_stats = SaveStats(step, 0.0, 0, 0)
-        return self.last_stats
-
-    def _drain(self, source: Path, step: int, parent: str | None) -> None:
-        """On the writer thread: read this rank's part of node-local step `step`, then write and commit it with
-        that step's trainer state (lineage included) and time, so its root digest is the node-local step's."""
-        t0 = time.perf_counter()
-        pending, rng, state, created, problem = [], {}, {}, None, None
-        try:
-            # the writer's drain buffers, never page-locked (nor the staging pool's: a node-local save may be in
-            # flight meanwhile, staging there)
-            pending, rng, state, created = drain_source(source, step, self.rank, staging=self.writer.staging)
-        except Exception as e:
-            problem = f"rank {self.rank}: node-local {step_dir_name(step)}: {type(e).__name__}: {e}"
-        faults.fault("drain_read", self.rank)
-        result = self._write(step, pending, rng, state, parent, problem=problem, created=created)
-        if self.last_stats is not None:
-            self.last_stats = SaveStats(step, 0.0, result.new_bytes, result.referenced_bytes, time.perf_counter() - t0)
 
     def _writer_table(self, shards: list) -> dict:
         """shards.writers() for these tensors, computed once for each set of names, shapes and placements (it
@@ -439,119 +371,7 @@ class CheckpointManager:
         if self.rank == 0 and not pool.reported and any(p["staged"][0] for p in parts):
             pool.reported = True  # once per rank 0's pool: both tiers' managers share it
             self.log(_staging_line([p["staged"] for p in parts]))
-        if self.node_local is not None:
-            return self._commit_node_local(step, parts, parent, trainer_state, result)
-        outcome: list = [None]
-        if self.rank == 0:
-            errors = [p["error"] for p in parts if p["error"]]
-            if errors:
-                outcome = [("failed", "; ".join(errors))]
-            else:
-                try:
-                    removed = commit(
-                        self.root,
-                        step,
-                        parts,
-                        layout=self.dims.as_dict(),
-                        parent=parent,
-                        trainer_state=trainer_state,
-                        keep_last=self.keep_last,
-                        keep_every=self.keep_every,
-                        keep=frozenset(self.pinned),
-                        created=created,
-                    )
-                    outcome = [("ok", removed)]
-                except Exception as e:
-                    outcome = [("failed", f"rank 0 commit: {type(e).__name__}: {e}")]
-        dist.broadcast_object_list(outcome, src=0, group=self.group)
-        status, detail = outcome[0]
-        if status != "ok":
-            self.writer.failed()
-            raise RuntimeFailure(f"checkpoint of step {step} failed: {detail}")
-        self.writer.committed(detail)
-        self.last_step = step
-        return result
-
-    def _commit_node_local(self, step, parts, parent, trainer_state, result):
-        """Every rank, after the gather: rank 0 writes the index, every node's lowest rank installs the same
-        bytes in its own root and commits there, then each rank's data file is copied to its node's partners.
-        The save fails (on every rank alike) unless every node committed; a partner copy that fails is said,
-        not fatal: the step is then only as safe as the nodes that hold it."""
-        nl = self.node_local
-        name = step_dir_name(step)
-        payload: list = [None]
-        if self.rank == 0:
-            errors = [p["error"] for p in parts if p["error"]]
-            if errors:
-                payload = [("failed", "; ".join(errors))]
-            else:
-                try:
-                    index = prepare_index(
-                        self.root, step, parts, layout=self.dims.as_dict(), parent=parent, trainer_state=trainer_state
-                    )
-                    tmp = self.root / f".tmp-{name}"
-                    blobs = {f: (tmp / f).read_bytes() for f in (INDEX, DIGEST)}
-                    payload = [("ok", (blobs, sorted(index.files()), index.digest))]
-                except Exception as e:
-                    payload = [("failed", f"rank 0 index: {type(e).__name__}: {e}")]
-        dist.broadcast_object_list(payload, src=0, group=self.group)
-        status, detail = payload[0]
-        problem = None
-        if status == "ok" and self._keeper:
-            try:
-                tmp = self.root / f".tmp-{name}"
-                if self.rank != 0:
-                    tmp.mkdir(mode=0o755, exist_ok=True)  # inside the node's private root (_take_root)
-                    for f, blob in detail[0].items():
-                        atomic_write(tmp / f, blob)
-                keep = frozenset(self.pinned)
-                # a step of an abandoned timeline (saved, then the job restarted from an older one): node-local
-                # steps stand alone, so nothing else refers to it
-                shutil.rmtree(self.root / name, ignore_errors=True)
-                install(self.root, step, keep_last=self.keep_last, keep_every=self.keep_every, keep=keep)
-            except Exception as e:
-                problem = f"node {nl.node_of[self.rank]}: {type(e).__name__}: {e}"
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem, group=self.group)
-        if status != "ok" or any(problems):
-            self.writer.failed()
-            why = detail if status != "ok" else next(p for p in problems if p)
-            raise RuntimeFailure(f"node-local checkpoint of step {step} failed: {why}")
-        files = set(detail[1])
-        writer_of = {f: r for r in range(len(nl.node_of)) if (f := f"{name}/data/rank-{r:05d}.bin") in files}
-        copies = [(r, nl.leader(p), f) for f, r in writer_of.items() for p in nl.partners[nl.node_of[r]]]
-        mine = transfer(copies, rank=self.rank, root=self.root, group=self.group)
-        failed = [None] * dist.get_world_size()
-        dist.all_gather_object(failed, mine, group=self.group)
-        if self.rank == 0 and any(failed):
-            lost = "; ".join(p for ps in failed for p in ps)
-            self.log(f"hpcscale: warning: node-local {name}: partner copies failed: {lost}")
-        if self.rank == 0 and self.record is not None:
-            holders = {f: [nl.node_of[r]] for f, r in writer_of.items()}
-            for src, dst, f in copies:  # a copy counts once neither side said it failed
-                if not any(f in p for p in failed[src] + failed[dst]):
-                    holders[f].append(nl.node_of[dst])
-            try:
-                write_node_local_record(self.record, step=step, nodes=nl.nodes, holders=holders)
-            except OSError as e:
-                self.log(f"hpcscale: warning: cannot record the node-local tier in {self.record}: {e}")
-        self.writer.committed([])
-        self.last_step = step
-        remember_digest(self.root, step, detail[2])  # what a drain of this step must find (drain_source)
-        self.committed.add(step)
-        if len(self.committed) > 4096:  # bounded: a drain never waits for thousands of node-local saves
-            self.committed.discard(min(self.committed))
-        return result
-
-    def discard_after(self, step: int | None) -> None:
-        """Node-local tier: remove this node's steps newer than `step` (the one the run restarted from; None:
-        from scratch). They belong to a timeline the run abandoned, and recovery must never prefer them."""
-        if self.node_local is None or not self._keeper:
-            return
-        for s in committed_steps(self.root):
-            if step is None or s > step:
-                (self.root / step_dir_name(s) / INDEX).unlink(missing_ok=True)  # not a step any more, first
-                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+        return self._commit(step, parts, parent, trainer_state, result, created)
 
     def busy(self) -> bool:
         """Whether an asynchronous save or drain is still running (wait() would block); never blocks."""
@@ -596,6 +416,154 @@ class CheckpointManager:
                 listing = [[]]
         dist.broadcast_object_list(listing, src=0, group=self.group)
         return listing[0]
+
+    def _set_aside(self, steps: list[int], *, what: str = "refused checkpoint") -> None:
+        """Move refused checkpoints to ROOT/refused/ (rank 0; every rank waits), when a save reaches their step
+        (and, as `what` says, steps of this tier that were not verified when the run restarted from the other).
+
+        Training went on from an older step, so they belong to an abandoned timeline, and left in place this
+        save would find its step already committed (the fallback would dead-end there on every restart). They
+        are moved, never deleted: the operator may want to look at what went wrong. Loading never moves them."""
+        if not steps:
+            return
+        if self.rank == 0:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            aside = self.root / REFUSED
+            try:
+                aside.mkdir(mode=0o755, exist_ok=True)  # inside the private root (_take_root)
+                for step in steps:
+                    name = step_dir_name(step)
+                    (self.root / name).rename(aside / f"{name}-{stamp}")
+                    self.log(f"hpcscale: moved {what} {name} to {aside}/{name}-{stamp}")
+            except OSError as e:  # rank 0 raising alone would leave the others at the barrier
+                self.log(f"hpcscale: could not move refused checkpoints aside: {e}")
+        dist.barrier(group=self.group)
+
+
+class CheckpointManager(Tier):
+    """The shared tier: a run's checkpoints on the parallel filesystem (RUN/checkpoints, or its directory under the
+    site's checkpoint_root), one index per step written by rank 0, saves deduplicated against the newest step
+    (only new chunks written); loads the newest step every rank can verify (load_latest) and takes the node-local
+    tier's steps by drain."""
+
+    def _take_root(self, owner: str | None) -> str | None:
+        """The keeper, before anything under `root` is read, written or removed: make `root` a directory only
+        this user can write, or accept the one there only if it is one (hpcscale.util.trust.private_dir: someone
+        who made it first could have planted a step in it), then claim it for run `owner`. Returns why this
+        run must not use it (None: it may)."""
+        from hpcscale.rundir import claim_checkpoints
+
+        root = self.root
+        what = self.WHAT
+        try:
+            if root.is_symlink():  # to the run's directory under checkpoint_root
+                check_private_dir(root, what=what)
+            else:  # 0755: the shared tier's readers may be colleagues
+                private_dir(root, what=what, mode=0o755)
+            if owner is not None:
+                return claim_checkpoints(root, owner)
+        except BadInput as e:
+            return str(e)
+        except Exception as e:
+            return f"{root}: cannot make it this run's {what}: {type(e).__name__}: {e}"
+        return None
+
+    def _adopt_newest(self) -> None:
+        """Dedup new saves against the newest committed checkpoint already on disk (a fresh process). Its index is
+        checked, its chunks are not: a restart replaces this with the step it verified (load_latest) or with
+        nothing (restored_elsewhere). A damaged index is skipped: its chunks are simply written again."""
+        try:
+            steps = committed_steps(self.root)
+            if not steps:
+                return
+            index = read_index(self.root / step_dir_name(steps[0]) / INDEX)
+        except Exception as e:  # any failure of an index skips it; a rank never raises while being built
+            problem = str(e) if isinstance(e, VerificationFailure) else f"unexpected {type(e).__name__}: {e}"
+            if self.rank == 0:
+                self.log(f"hpcscale: not deduplicating against the newest checkpoint: {problem}")
+            return
+        self.writer.adopt(index)
+        self.last_step = steps[0]
+
+    def restored_elsewhere(self, step: int) -> None:
+        """The run restarted from step `step` of the other tier (the node-local one) and verified nothing here.
+        This tier's newest listed step, which the manager deduplicates against since it was made, may be damaged
+        (a chunk that no longer hashes to its hash, a data file gone): a save referencing its chunks would be
+        damaged too, and one of its step would be taken as done. From now on saves deduplicate against nothing
+        older than the first one committed (that first save or drain writes every chunk), and a save or drain
+        that reaches a listed step moves it to `refused/` first, as a refused one is. `step` is the parent the
+        next save records. A collective: rank 0 lists the steps."""
+        self._unverified = set(self._listed_steps())
+        self.writer.forget()
+        self.last_step = None
+        self.last_stats = None
+        self._restored_from = step
+
+    def drain(self, source: Path, step: int) -> SaveStats:
+        """Save step `step` of the node-local tier rooted at `source` (this node's directory) to this tier, in the
+        background, as an asynchronous save does: each rank reads the shards it wrote there from its own data file
+        (every chunk verified against its hash), and the write deduplicates against this tier (only chunks it
+        lacks are written) and commits with this tier's protocol; the trainer state and RNG states are the ones
+        saved with that step. Nothing is copied from the live tensors, so the caller is not blocked at all. A
+        source that cannot be read fails the drain on every rank alike, raised by the next wait()."""
+        done = self._begin(step)
+        if done is not None:
+            return done
+        parent = self._parent(step)
+        self._bg.submit(self._drain, Path(source), step, parent)
+        self._pending = True
+        self.last_stats = SaveStats(step, 0.0, 0, 0)
+        return self.last_stats
+
+    def _drain(self, source: Path, step: int, parent: str | None) -> None:
+        """On the writer thread: read this rank's part of node-local step `step`, then write and commit it with
+        that step's trainer state (lineage included) and time, so its root digest is the node-local step's."""
+        t0 = time.perf_counter()
+        pending, rng, state, created, problem = [], {}, {}, None, None
+        try:
+            # the writer's drain buffers, never page-locked (nor the staging pool's: a node-local save may be in
+            # flight meanwhile, staging there)
+            pending, rng, state, created = drain_source(source, step, self.rank, staging=self.writer.staging)
+        except Exception as e:
+            problem = f"rank {self.rank}: node-local {step_dir_name(step)}: {type(e).__name__}: {e}"
+        faults.fault("drain_read", self.rank)
+        result = self._write(step, pending, rng, state, parent, problem=problem, created=created)
+        if self.last_stats is not None:
+            self.last_stats = SaveStats(step, 0.0, result.new_bytes, result.referenced_bytes, time.perf_counter() - t0)
+
+    def _commit(self, step, parts, parent, trainer_state, result, created):
+        """Every rank, after the gather: rank 0 commits the step in the shared root (its index, written once) and
+        applies retention; every rank learns the outcome."""
+        outcome: list = [None]
+        if self.rank == 0:
+            errors = [p["error"] for p in parts if p["error"]]
+            if errors:
+                outcome = [("failed", "; ".join(errors))]
+            else:
+                try:
+                    removed = commit(
+                        self.root,
+                        step,
+                        parts,
+                        layout=self.dims.as_dict(),
+                        parent=parent,
+                        trainer_state=trainer_state,
+                        keep_last=self.keep_last,
+                        keep_every=self.keep_every,
+                        keep=frozenset(self.pinned),
+                        created=created,
+                    )
+                    outcome = [("ok", removed)]
+                except Exception as e:
+                    outcome = [("failed", f"rank 0 commit: {type(e).__name__}: {e}")]
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        status, detail = outcome[0]
+        if status != "ok":
+            self.writer.failed()
+            raise RuntimeFailure(f"checkpoint of step {step} failed: {detail}")
+        self.writer.committed(detail)
+        self.last_step = step
+        return result
 
     # ---- loading --------------------------------------------------------------------------------------------
     def load_latest(
@@ -674,6 +642,124 @@ class CheckpointManager:
                 "model and optimizer state"
             )
         return None
+
+
+class NodeLocalManager(Tier):
+    """The node-local tier (hpcscale.ckpt.nodelocal): `root` is a directory on each node's own storage. Every node
+    writes its ranks' data and its own copy of the index, partner nodes keep copies of the data, each save stands
+    alone (no chunk of an earlier step is referenced), and load_node_local gathers a step from what the surviving
+    nodes hold. The node's lowest rank does there what rank 0 does in a shared root."""
+
+    WHAT = "node-local checkpoint directory"
+
+    def __init__(self, root: Path, *, node_local: NodeLocal, **kwargs):
+        self.node_local = node_local
+        # where rank 0 records which nodes hold the newest step (read by `hpcscale resume`)
+        self.record: Path | None = None
+        self.committed: set[int] = set()  # the steps this process's saves committed on every node
+        self.moved = (0, 0)  # data files, bytes sent between nodes by the last load_node_local that succeeded
+        super().__init__(root, **kwargs)
+
+    def _keeper_rank(self) -> int:
+        nl = self.node_local
+        return nl.leader(nl.node_of[self.rank])
+
+    def _take_root(self, owner: str | None) -> str | None:
+        """The node's keeper: its directory made 0700 (a node's own disk: no one else needs it), or accepted only
+        if it is private already (hpcscale.util.trust.private_dir); node-local directories are named by the run's
+        id, so there is nothing to claim."""
+        where = f"node {self.node_local.node_of[self.rank]}: "
+        try:
+            private_dir(self.root, what=self.WHAT, mode=0o700)
+        except BadInput as e:
+            return f"{where}{e}"
+        except Exception as e:
+            return f"{where}{self.root}: cannot make it this run's {self.WHAT}: {type(e).__name__}: {e}"
+        return None
+
+    def _fresh_save(self) -> None:
+        self.writer.forget()  # every node-local step stands alone
+
+    def _commit(self, step, parts, parent, trainer_state, result, created):
+        """Every rank, after the gather: rank 0 writes the index, every node's lowest rank installs the same
+        bytes in its own root and commits there, then each rank's data file is copied to its node's partners.
+        The save fails (on every rank alike) unless every node committed; a partner copy that fails is said,
+        not fatal: the step is then only as safe as the nodes that hold it."""
+        nl = self.node_local
+        name = step_dir_name(step)
+        payload: list = [None]
+        if self.rank == 0:
+            errors = [p["error"] for p in parts if p["error"]]
+            if errors:
+                payload = [("failed", "; ".join(errors))]
+            else:
+                try:
+                    index = prepare_index(
+                        self.root, step, parts, layout=self.dims.as_dict(), parent=parent, trainer_state=trainer_state
+                    )
+                    tmp = self.root / f".tmp-{name}"
+                    blobs = {f: (tmp / f).read_bytes() for f in (INDEX, DIGEST)}
+                    payload = [("ok", (blobs, sorted(index.files()), index.digest))]
+                except Exception as e:
+                    payload = [("failed", f"rank 0 index: {type(e).__name__}: {e}")]
+        dist.broadcast_object_list(payload, src=0, group=self.group)
+        status, detail = payload[0]
+        problem = None
+        if status == "ok" and self._keeper:
+            try:
+                tmp = self.root / f".tmp-{name}"
+                if self.rank != 0:
+                    tmp.mkdir(mode=0o755, exist_ok=True)  # inside the node's private root (_take_root)
+                    for f, blob in detail[0].items():
+                        atomic_write(tmp / f, blob)
+                keep = frozenset(self.pinned)
+                # a step of an abandoned timeline (saved, then the job restarted from an older one): node-local
+                # steps stand alone, so nothing else refers to it
+                shutil.rmtree(self.root / name, ignore_errors=True)
+                install(self.root, step, keep_last=self.keep_last, keep_every=self.keep_every, keep=keep)
+            except Exception as e:
+                problem = f"node {nl.node_of[self.rank]}: {type(e).__name__}: {e}"
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem, group=self.group)
+        if status != "ok" or any(problems):
+            self.writer.failed()
+            why = detail if status != "ok" else next(p for p in problems if p)
+            raise RuntimeFailure(f"node-local checkpoint of step {step} failed: {why}")
+        files = set(detail[1])
+        writer_of = {f: r for r in range(len(nl.node_of)) if (f := f"{name}/data/rank-{r:05d}.bin") in files}
+        copies = [(r, nl.leader(p), f) for f, r in writer_of.items() for p in nl.partners[nl.node_of[r]]]
+        mine = transfer(copies, rank=self.rank, root=self.root, group=self.group)
+        failed = [None] * dist.get_world_size()
+        dist.all_gather_object(failed, mine, group=self.group)
+        if self.rank == 0 and any(failed):
+            lost = "; ".join(p for ps in failed for p in ps)
+            self.log(f"hpcscale: warning: node-local {name}: partner copies failed: {lost}")
+        if self.rank == 0 and self.record is not None:
+            holders = {f: [nl.node_of[r]] for f, r in writer_of.items()}
+            for src, dst, f in copies:  # a copy counts once neither side said it failed
+                if not any(f in p for p in failed[src] + failed[dst]):
+                    holders[f].append(nl.node_of[dst])
+            try:
+                write_node_local_record(self.record, step=step, nodes=nl.nodes, holders=holders)
+            except OSError as e:
+                self.log(f"hpcscale: warning: cannot record the node-local tier in {self.record}: {e}")
+        self.writer.committed([])
+        self.last_step = step
+        remember_digest(self.root, step, detail[2])  # what a drain of this step must find (drain_source)
+        self.committed.add(step)
+        if len(self.committed) > 4096:  # bounded: a drain never waits for thousands of node-local saves
+            self.committed.discard(min(self.committed))
+        return result
+
+    def discard_after(self, step: int | None) -> None:
+        """Node-local tier: remove this node's steps newer than `step` (the one the run restarted from; None:
+        from scratch). They belong to a timeline the run abandoned, and recovery must never prefer them."""
+        if not self._keeper:
+            return
+        for s in committed_steps(self.root):
+            if step is None or s > step:
+                (self.root / step_dir_name(s) / INDEX).unlink(missing_ok=True)  # not a step any more, first
+                shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
 
     def load_node_local(
         self,
@@ -783,28 +869,6 @@ class CheckpointManager:
             return Restored(step, index.trainer_state, index.rng.get(self.rank) if same_layout else None)
         self.tensors_dirty = dirty
         return None
-
-    def _set_aside(self, steps: list[int], *, what: str = "refused checkpoint") -> None:
-        """Move refused checkpoints to ROOT/refused/ (rank 0; every rank waits), when a save reaches their step
-        (and, as `what` says, steps of this tier that were not verified when the run restarted from the other).
-
-        Training went on from an older step, so they belong to an abandoned timeline, and left in place this
-        save would find its step already committed (the fallback would dead-end there on every restart). They
-        are moved, never deleted: the operator may want to look at what went wrong. Loading never moves them."""
-        if not steps:
-            return
-        if self.rank == 0:
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-            aside = self.root / REFUSED
-            try:
-                aside.mkdir(mode=0o755, exist_ok=True)  # inside the private root (_take_root)
-                for step in steps:
-                    name = step_dir_name(step)
-                    (self.root / name).rename(aside / f"{name}-{stamp}")
-                    self.log(f"hpcscale: moved {what} {name} to {aside}/{name}-{stamp}")
-            except OSError as e:  # rank 0 raising alone would leave the others at the barrier
-                self.log(f"hpcscale: could not move refused checkpoints aside: {e}")
-        dist.barrier(group=self.group)
 
 
 class _Background:

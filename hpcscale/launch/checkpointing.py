@@ -367,7 +367,7 @@ class Checkpointer:
         ctx = self._ctx
         if self._local_manager is None and ctx._node_local is not None:
             from hpcscale.ckpt import nodelocal
-            from hpcscale.ckpt.manager import CheckpointManager
+            from hpcscale.ckpt.manager import NodeLocalManager
 
             tier = ctx.job.checkpoint.local
             node_of: list = [None] * ctx.world_size
@@ -381,7 +381,7 @@ class Checkpointer:
                 leaf_order,
                 tier.partner_switch,
             )
-            self._local_manager = CheckpointManager(
+            self._local_manager = NodeLocalManager(
                 ctx._node_local,
                 dims=ctx.dims,
                 rank=ctx.rank,

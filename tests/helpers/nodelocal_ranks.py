@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hpcscale.ckpt import nodelocal
-from hpcscale.ckpt.manager import CheckpointManager
+from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager
 from hpcscale.layout import ParallelDims
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     root = Path(spec["base"]) / nodes[rank]
     lineage = {"hpcscale_version": "test"} if rank == 0 else None  # as the launcher gives both tiers
     dims = ParallelDims.for_world(world_size=world, tp=1, pp=1)
-    manager = CheckpointManager(root, dims=dims, rank=rank, keep_last=2, node_local=layout, lineage=lineage)
+    manager = NodeLocalManager(root, dims=dims, rank=rank, keep_last=2, node_local=layout, lineage=lineage)
     out = {}
     if spec["action"] == "save":
         for step in spec["steps"]:

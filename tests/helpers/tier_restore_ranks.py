@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nodelocal_ranks import tensors_at
 
 from hpcscale.ckpt import nodelocal
-from hpcscale.ckpt.manager import CheckpointManager
+from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager
 from hpcscale.launch.checkpointing import FORMAT, Checkpointer
 from hpcscale.layout import ParallelDims
 
@@ -42,7 +42,7 @@ def main() -> None:
     base = Path(spec["base"])
     dims = ParallelDims.for_world(world_size=world, tp=1, pp=1)
     layout = nodelocal.build(nodes, 1, {}, [], "other")
-    local = CheckpointManager(base / nodes[rank], dims=dims, rank=rank, keep_last=10, node_local=layout)
+    local = NodeLocalManager(base / nodes[rank], dims=dims, rank=rank, keep_last=10, node_local=layout)
     shared = CheckpointManager(base / "shared", dims=dims, rank=rank, keep_last=10)
     out: dict = {}
     if spec["action"] == "build":
