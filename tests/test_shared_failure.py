@@ -64,13 +64,49 @@ def test_the_same_exception_on_two_nodes_is_the_programs_and_different_ones_are_
     assert shared_failure(lost) is not None
 
 
-def test_srun_saying_a_task_exited_2_first_is_bad_input_and_a_kill_first_is_not():
-    assert shared_failure(["srun: error: n1: task 0: Exited with exit code 2", "srun: error: n2: task 1: Killed"])
-    assert not shared_failure(["srun: error: n2: task 1: Killed", "srun: error: n1: task 0: Exited with exit code 2"])
+def test_srun_saying_tasks_of_two_nodes_exited_2_first_is_bad_input_and_one_node_or_a_kill_first_is_not():
+    two = ["srun: error: n1: task 0: Exited with exit code 2", "srun: error: n2: task 1: Exited with exit code 2"]
+    assert shared_failure([*two, "srun: error: n3: task 2: Killed"])
+    # one node's tasks only: its mount may be missing ("can't open file", exit 2): a failure that may be its own
+    assert not shared_failure(["srun: error: n1: task 0: Exited with exit code 2", "srun: error: n2: task 1: Killed"])
+    assert not shared_failure(["srun: error: n2: task 1: Killed", *two])
     assert not shared_failure(["srun: error: n1: task 0: Exited with exit code 1"])
     # a rank's own line, where there is one, says more than srun's exit code
     own = _line(RuntimeError("CUDA error: uncorrectable ECC error encountered"), 0, "n1")
     assert not shared_failure([own, "srun: error: n1: task 0: Exited with exit code 2"])
+
+
+def test_a_nodes_fault_is_never_read_as_the_jobs_input():
+    """What a broken node raises looks like input or code errors: a BadInput with an I/O error in its chain (a
+    failing file system client), an import error (a driver or software mount missing there), and NCCL's words
+    for a link gone, the same on both ends of it. None of them is a failure the job shares."""
+    import errno
+
+    try:
+        try:
+            raise OSError(errno.EIO, "Input/output error")
+        except OSError as e:
+            raise BadInput(f"cannot read the token shard ({e.strerror})") from None
+    except BadInput as e:
+        io_error = e
+    line = _line(io_error, 1, "n1")
+    assert FailureLine.parse(line).bad_input is False and shared_failure([line]) is None
+    assert rank_failure([line])[1] == ["n1"]
+    # a typo stays bad input: no node's fault in its chain
+    assert FailureLine.parse(_line(BadInput("train.params.lr: expected a number"), 1, "n1")).bad_input
+    libcuda = ImportError("libcuda.so.1: cannot open shared object file: No such file or directory")
+    assert shared_failure([_line(libcuda, 0, "n1")]) is None  # one node: may be that node's
+    assert shared_failure([_line(libcuda, 0, "n1"), _line(libcuda, 2, "n2")])  # alike on two: the environment's
+    nccl = (
+        "NCCL error in: ProcessGroupNCCL.cpp:2027, remote process exited or there was a network error, NCCL "
+        "version 2.21.5"
+    )
+
+    class DistBackendError(RuntimeError):
+        pass
+
+    both_ends = [_line(DistBackendError(nccl), 0, "n1"), _line(DistBackendError(nccl), 2, "n2")]
+    assert all(FailureLine.parse(x).peer_lost for x in both_ends) and shared_failure(both_ends) is None
 
 
 def test_a_user_error_is_never_requeued_whatever_the_budget():

@@ -21,6 +21,7 @@ Which cause comes first is decided in one place, first_cause, whose docstring gi
 
 from __future__ import annotations
 
+import errno
 import re
 import signal
 from collections.abc import Callable, Iterable
@@ -35,15 +36,47 @@ MAX_RANKS = 1 << 20  # the largest world a log's hang line is believed about (th
 RANKS_SHOWN = 32  # ranks a summary names one by one; the rest are counted
 
 # A peer that died or hung shows up in the survivors as these (gloo, MPI, sockets): consequences, not causes.
+# NCCL's words for a peer or link gone (ncclRemoteError: "remote process exited or there was a network error",
+# ncclSystemError) and torch's DistNetworkError are the same kind of consequence.
 _PEER_LOST = re.compile(
-    r"Connection (closed|reset|refused)|closed by peer|Broken pipe|ECONNRESET|EPIPE|timed? ?out|Timeout", re.IGNORECASE
+    r"Connection (closed|reset|refused)|closed by peer|Broken pipe|ECONNRESET|EPIPE|timed? ?out|Timeout"
+    r"|remote process exited|network error|ncclRemoteError|ncclSystemError|DistNetworkError",
+    re.IGNORECASE,
 )
 BAD_INPUT_MARK = ", bad input"  # the rank refused its input or its code (NOT_THE_NODES): see shared_failure
 PEER_MARK = ", after losing a peer"
 # What a rank fails with that no node is to blame for: its input refused (BadInput: a job spec, an argument, a
-# file it names; exit 2), or the program itself not loadable (an import error, a syntax error: the same code and
-# environment on every node of a cluster's shared file system)
-NOT_THE_NODES = (BadInput, ImportError, SyntaxError)
+# file it names; exit 2), or its code not valid Python (a SyntaxError), unless a node's fault is in the exception's
+# chain (node_fault). An ImportError is not among them: a node whose driver or software mount is broken raises it
+# too (libcuda.so.1), so it counts as shared only on two or more nodes alike (shared_failure).
+NOT_THE_NODES = (BadInput, SyntaxError)
+# errnos of a node's (or its file system client's, or its network's) fault, not of the input: a BadInput raised
+# while reading with one of these in its chain ("cannot read the token shard (Input/output error)") is the node's
+NODE_FAULT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("EIO", "ESTALE", "ENOTCONN", "EREMOTEIO", "ETIMEDOUT", "EHOSTDOWN", "EHOSTUNREACH", "ENETDOWN",
+                 "ENETUNREACH", "ECONNABORTED", "ENOMEM", "ENOSPC", "EDQUOT", "EROFS", "ENODEV", "ENXIO", "ENOLINK")
+    if hasattr(errno, name)
+)  # fmt: skip
+
+
+def node_fault(e: BaseException) -> bool:
+    """Whether the exception, or what it was raised from or during, is an OSError of a node's fault (an I/O error,
+    a stale file handle, a full or read-only local disk, a network gone): not the input's."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in NODE_FAULT_ERRNOS:
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def refused_input(e: BaseException) -> bool:
+    """Whether a rank's exception is its input or code refused, which no node is to blame for (the bad-input
+    mark): NOT_THE_NODES, without a node's fault in its chain."""
+    return isinstance(e, NOT_THE_NODES) and not node_fault(e)
 
 
 # ---- the lines' one spec: each kind is a template; its writer and its reader are both made from it ----------
@@ -154,7 +187,7 @@ def failure_line(e: BaseException, *, rank: str, mpi_rank: int, node: str) -> st
         what=f"{type(e).__name__}: {first}",
         time=utc_stamp(),
         peer=lost_a_peer(e),
-        bad=isinstance(e, NOT_THE_NODES),
+        bad=refused_input(e),
     )
 
 
@@ -380,19 +413,24 @@ def signalled_task(lines: Iterable[str]) -> SignalledTask | None:
     return None
 
 
+_DIST_ERRORS = ("DistBackendError:", "DistNetworkError:", "DistStoreError:", "DistError:")
+
+
 def shared_failure(lines: Iterable[str]) -> str | None:
     """One line saying the job failed alike wherever it ran, so no node is to blame; None otherwise.
 
-    - A rank refused its input (its failure line's bad-input mark: hpcscale's BadInput, exit 2): the job spec, an
-      entry point's argument, a file the job names; or its code (an ImportError, a SyntaxError). The same input on
+    - A rank refused its input (its failure line's bad-input mark: hpcscale's BadInput, exit 2, without a node's
+      fault in its chain: refused_input): the job spec, an entry point's argument, a file the job names; or its
+      code (a SyntaxError). The same input on
       every node: which rank said it first is chance (srun then kills the others, which srun reports as
       "Killed", and which says nothing about their nodes).
     - Ranks on two or more nodes failed for a reason of their own (no peer mark, not a hang) with the same
-      `Type: first line`: the program fails the same way everywhere (its own exception, out of memory on
-      every node), not because of one node.
-    - No rank wrote a failure line, and the first task srun saw end `Exited with exit code 2` before any died of a
-      signal: a program that refused its input before it could write a line of ours (a `command:` job's
-      argument parser).
+      `Type: first line`: the program fails the same way everywhere (its own exception, an import error, out of
+      memory on every node), not because of one node. torch.distributed's own errors are left out (a link
+      between two nodes fails on both ends with one message).
+    - No rank wrote a failure line, and srun saw tasks on two or more nodes end `Exited with exit code 2` before
+      any died of a signal: a program that refused its input before it could write a line of ours (a
+      `command:` job's argument parser).
     A failure on one node only, or different failures, stays a failure that may be a node's (rank_failure)."""
     lines = list(lines)
     failures = [f for line in lines for f in FailureLine.parse_all(line)]
@@ -400,7 +438,8 @@ def shared_failure(lines: Iterable[str]) -> str | None:
     if bad:
         first = min(bad, key=lambda f: f.time or "~")
         return f"{first.line} (refused its input: the same on every node, so no node is to blame)"
-    own = [f for f in _own_failures(failures) if f.node and f.what]
+    # torch.distributed's own errors are left out: a link between two nodes fails on both ends with one message
+    own = [f for f in _own_failures(failures) if f.node and f.what and not f.what.startswith(_DIST_ERRORS)]
     if own:
         first = min(own, key=lambda f: f.time or "~")
         nodes = sorted({f.node for f in own if f.what == first.what})
@@ -411,15 +450,19 @@ def shared_failure(lines: Iterable[str]) -> str | None:
                 f"{first.line}; ranks on nodes {shown} failed the same way, so no node is to blame (the program or "
                 "its input)"
             )
+    exited_2: dict[str, str] = {}  # node -> its tasks that srun saw exit 2 before any task died
     for line in lines if not failures else ():  # a rank's own line, where there is one, says more than srun
         if m := _SRUN_TASK.search(line):
             if m.group(3) == "Exited with exit code 2":
-                return (
-                    f"MPI task {m.group(2)} on node {m.group(1)} exited with code 2 (srun) before any task died: the "
-                    "program refused its input, which no node is to blame for"
-                )
-            if m.group(3) != f"Exited with exit code {STOPPED_EXIT_CODE}":
+                exited_2.setdefault(m.group(1), m.group(2))
+            elif m.group(3) != f"Exited with exit code {STOPPED_EXIT_CODE}":
                 break
+    if len(exited_2) > 1:  # on one node only, it may be that node's (a mount missing there: "can't open file")
+        nodes = ", ".join(sorted(exited_2)[:RANKS_SHOWN])
+        return (
+            f"MPI tasks on nodes {nodes} exited with code 2 (srun) before any task died: the program refused its "
+            "input, which no node is to blame for"
+        )
     return None
 
 

@@ -9,7 +9,7 @@
 3. Who failed: the ranks' own failure lines and srun's `task N: Killed` lines in the job's logs (the first
    rank to fail for a reason of its own; a hang names the rank that stopped making progress), slurmstepd's
    `CANCELLED ... DUE TO TIME LIMIT / PREEMPTION / NODE FAILURE`, and the job's nodes that are not up now.
-   A failure the job shares wherever it ran (hpcscale.launch.failure.shared_failure: bad input, exit 2; the
+   A failure the job shares wherever it ran (hpcscale.launch.failure.first_cause's `shared`: bad input; the
    same exception on ranks of several nodes) blames no node, and the plan warns that the resubmission fails
    the same way unless the job was fixed.
 4. The checkpoint: the newest whose index and every chunk verify (hpcscale.ckpt.ops.verify); the ones refused
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.render import to_plain
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.failure import MAX_RANKS, first_cause, rank_failure, shared_failure
+from hpcscale.launch.failure import MAX_RANKS, first_cause, rank_failure
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
@@ -208,8 +208,9 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
         blamed = []  # the ranks stopped on a signal: srun's lines about their exits blame nobody
     else:
         dims, placement = rank_nodes(events, job_id)
+        cause = first_cause(lines, dims=dims, placement=placement)  # the order every reader takes
         d.rank_failure, blamed = rank_failure(lines, dims=dims, placement=placement)
-        d.shared_failure = shared_failure(lines)
+        d.shared_failure = cause.shared if cause is not None else None  # only where it is the cause
     d.failed_nodes = list(dict.fromkeys([*blamed, *down]))
     if (
         state == "COMPLETED"
@@ -249,7 +250,7 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
     dims, placement = rank_nodes(events, None)
     cause = first_cause(lines, dims=dims, placement=placement)  # the order every reader takes
     d.rank_failure = cause.words if cause is not None else None
-    d.shared_failure = None if stops else shared_failure(lines)
+    d.shared_failure = None if stops or cause is None else cause.shared
     if stops:
         d.explanation = f"stopped on {stops[-1].get('signal')} after step {stops[-1].get('step')}"
     elif d.rank_failure:
