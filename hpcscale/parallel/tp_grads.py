@@ -81,12 +81,25 @@ class GradSpread:
         return f"{self.name} ({self.why})"
 
 
-def _stats(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """(P, 5) fp64 on `device`: has a gradient, finite, sum, L1 norm, squared L2 norm, per gradient."""
+SKIP = object()  # in spreads' list: a parameter this rank cannot compare (its gradient's sum is still owed)
+
+
+def _no_update(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter group's learning rate is 0: a step that changes no weight (torch's
+    _init_optim_state, called by get_state_dict and set_state_dict on a fresh optimizer, a warm-up that starts
+    at 0). Read on every rank alike: the same optimizer settings everywhere."""
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    return bool(lrs) and all(lr is not None and float(lr) == 0.0 for lr in lrs)
+
+
+def _stats(grads: list, device: torch.device) -> torch.Tensor:
+    """(P, 6) fp64 on `device`: has a gradient, finite, sum, L1 norm, squared L2 norm, skipped, per gradient."""
     rows = []
     for g in grads:
-        if g is None:
-            rows.append(torch.zeros(5, dtype=torch.float64, device=device))
+        if g is None or g is SKIP:
+            row = torch.zeros(6, dtype=torch.float64, device=device)
+            row[5] = 1.0 if g is SKIP else 0.0
+            rows.append(row)
             continue
         local = _local(g).detach()
         norms = [
@@ -98,14 +111,16 @@ def _stats(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tens
         finite = torch.isfinite(parts).all()
         parts = torch.where(finite, parts, 0.0)
         one = torch.ones(1, dtype=torch.float64, device=device)
-        rows.append(torch.cat([one, finite.double().reshape(1), parts[:2], parts[2:].square()]))
+        zero = torch.zeros(1, dtype=torch.float64, device=device)
+        rows.append(torch.cat([one, finite.double().reshape(1), parts[:2], parts[2:].square(), zero]))
     return torch.stack(rows)
 
 
 def spreads(
     named: list[tuple[str, torch.Tensor | None]], *, group: dist.ProcessGroup, device: torch.device
 ) -> list[GradSpread]:
-    """The gradients of `named` (name, gradient or None) that differ across the ranks of `group` beyond the
+    """The gradients of `named` (name, gradient, None, or SKIP: this rank cannot compare it, and so none does)
+    that differ across the ranks of `group` beyond the
     tolerance (module docstring). A collective over `group`: every rank passes the same names in the same order.
     One all-reduce, one read back to the host."""
     if not named:
@@ -113,10 +128,12 @@ def spreads(
     table = _stats([g for _, g in named], device)
     both = torch.cat([table, -table]).reshape(-1)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    rows = both.reshape(2, len(named), 5).tolist()  # the one host sync
+    rows = both.reshape(2, len(named), 6).tolist()  # the one host sync
     found = []
     for (name, _), hi, neg_lo in zip(named, rows[0], rows[1], strict=True):
         lo = [-x for x in neg_lo]
+        if hi[5] > 0:
+            continue  # some rank's gradient still owes its sum over tp: nothing to compare yet
         if hi[0] != lo[0]:
             found.append(GradSpread(name, "a gradient on some tp ranks, none on others"))
         elif hi[0] == 0 or (hi[1] == 0 and lo[1] == 0):
@@ -181,8 +198,8 @@ class TpGradCheck:
             self.close()
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if optimizer in self._seen:
-            return
+        if optimizer in self._seen or _no_update(optimizer):
+            return  # a step at learning rate 0 (torch's state_dict helpers make one to create lazy state) is none
         self._seen.add(optimizer)
         named = []
         for group in optimizer.param_groups:
@@ -191,8 +208,12 @@ class TpGradCheck:
                 if entry is None or entry[1]() is not p:
                     continue
                 del self._pending[id(p)]
-                if p.grad is None or _tp_placement(p.grad) is None or _tp_placement(p.grad).is_replicate():
-                    named.append((entry[0], p.grad))
+                # every rank compares the same parameters in the same order, whatever its gradients' placements:
+                # one whose gradient torch still owes a sum of (Partial, as under SequenceParallel) is skipped
+                # by all of them together (spreads)
+                placement = _tp_placement(p.grad) if p.grad is not None else None
+                owed = placement is not None and not placement.is_replicate()
+                named.append((entry[0], SKIP if owed else p.grad))
         self._pending = {k: v for k, v in self._pending.items() if v[1]() is not None}
         if not self._pending:
             self.close()

@@ -6,8 +6,10 @@ Megatron plan (q, k, v column-parallel: each tp rank holds whole heads; o row-pa
    applied to the whole hidden state, so its gradient is the same on every tp rank; the rank writes
    RUN/good.<rank>.json with the step losses once it has trained;
 2. with Qwen3's per-head q_norm and k_norm (RMSNorm over head_dim, shared by the heads), left out of the plan:
-   each tp rank applies them to its own heads only. hpcscale must refuse it at its first optimizer step; if it
-   does not, the rank writes RUN/bad.<rank>.json and the job ends 0.
+   each tp rank applies them to its own heads only. It is registered with ctx.checkpoint.restore first, as the
+   documented loop does (a fresh start's restore makes an optimizer step at learning rate 0, which must not use
+   the check up). hpcscale must refuse it at its first optimizer step; if it does not, the rank writes
+   RUN/bad.<rank>.json and the job ends 0.
 """
 
 import json
@@ -68,7 +70,7 @@ def batch(step):
     return torch.randn(BATCH, SEQ, DIM, generator=g), torch.randn(BATCH, SEQ, DIM, generator=g)
 
 
-def train(ctx, *, qk_norm: bool) -> list[float]:
+def train(ctx, *, qk_norm: bool, restore: bool = False) -> list[float]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from hpcscale.parallel.pipeline import cut_stage
@@ -84,6 +86,8 @@ def train(ctx, *, qk_norm: bool) -> list[float]:
         plan[f"layers.{i}.attn.o"] = RowwiseParallel()
     model = ctx.parallelize(model, tp_plan=plan, blocks=Block)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if restore:  # as the documented loop does: a fresh start's restore makes torch's lr-0 step, which is no step
+        ctx.checkpoint.restore(model, opt)
     pipe = ctx.pipeline(model, n_microbatches=2, loss_fn=F.mse_loss) if dims.pp > 1 else None
     share = BATCH // dims.dp
     losses = []
@@ -106,5 +110,5 @@ def train(ctx, *, qk_norm: bool) -> list[float]:
 def main(ctx) -> None:
     good = train(ctx, qk_norm=False)
     Path(ctx.run_dir, f"good.{ctx.rank}.json").write_text(json.dumps(good))
-    bad = train(ctx, qk_norm=True)
+    bad = train(ctx, qk_norm=True, restore=True)
     Path(ctx.run_dir, f"bad.{ctx.rank}.json").write_text(json.dumps(bad))
