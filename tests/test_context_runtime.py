@@ -66,10 +66,9 @@ def test_forget_refuses_a_model_it_was_not_given(group):
 
 
 def test_metrics_lines_go_through_the_one_appender(tmp_path):
-    """RUN/metrics.jsonl is appended to as every log of hpcscale is (portable.files.append_json_lines): one write
-    per line, a line over the bound refused whole (before, a long line went out in several writes of a buffered
-    file), a torn last line ended before the next, a file removed mid-run made again rather than written into
-    the removed one."""
+    """RUN/metrics.jsonl is appended to as every log of hpcscale is (portable.files.JsonLinesAppender, the
+    descriptor held: a line per step is one write): a line over the bound refused whole (before, a long line went
+    out in several writes of a buffered file), a torn last line ended before the next."""
     from hpcscale.launch.context import METRICS_LINE_BYTES, MetricsLogger
 
     path = tmp_path / "metrics.jsonl"
@@ -82,7 +81,5 @@ def test_metrics_lines_go_through_the_one_appender(tmp_path):
     metrics.log(step=3, loss=1.25)
     lines = path.read_text().splitlines()
     assert [json.loads(x)["step"] for x in (lines[0], lines[2])] == [0, 3] and lines[1] == '{"step": 2, "lo'
-    path.unlink()  # removed by hand mid-run: the next line starts a new file, not a write into the removed one
-    metrics.log(step=4, loss=1.0)
-    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [4]
-    assert metrics.latest(1) == [("loss", 1.0)]
+    assert json.loads(lines[2])["attempt"] == 3 and metrics.latest(1) == [("loss", 1.25)]
+    metrics.close()

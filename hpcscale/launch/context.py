@@ -30,16 +30,26 @@ __all__ = ["Context", "MetricsLogger"]
 METRICS_LINE_BYTES = 1 << 20  # the longest metrics line: a line is one write, and readers bound what they take
 
 
-def _append(path: Path, rows: list[dict]) -> None:
-    """Rows appended to RUN/metrics.jsonl as every log of hpcscale is (portable.files.append_json_lines: never
+def _appender(path: Path):
+    """RUN/metrics.jsonl opened for appending as every log of hpcscale is (portable.files.JsonLinesAppender: never
     through a symlink planted at its name, only a regular file, one write per line, a line over
-    METRICS_LINE_BYTES refused whole); BadInput naming the file otherwise."""
+    METRICS_LINE_BYTES refused whole), the descriptor held: a line per step costs one write. BadInput naming the
+    file otherwise."""
     from hpcscale.portable import files
 
     try:
-        files.append_json_lines(path, rows, max_line=METRICS_LINE_BYTES)
+        return files.JsonLinesAppender(path, max_line=METRICS_LINE_BYTES)
     except files.NotRegularFile:
         raise BadInput(f"{path}: not a regular file; refusing to append the run's metrics to it") from None
+
+
+def _append(appender, rows: list[dict]) -> None:
+    from hpcscale.portable import files
+
+    try:
+        appender.append(rows)
+    except files.NotRegularFile:
+        raise BadInput(f"{appender.path}: not a regular file; refusing to append the run's metrics to it") from None
     except files.TooLarge as e:
         raise BadInput(
             f"ctx.metrics.log: a line of {e.size} bytes, over the {METRICS_LINE_BYTES} bytes a metrics line may "
@@ -95,9 +105,9 @@ class MetricsLogger:
     def __init__(self, path: Path | None, *, attempt: int | None = None, tensorboard: Path | None = None):
         self.path = path
         self.attempt = attempt
-        self._f = path  # rank 0's metrics file, appended to line by line (_append); None on other ranks
-        if path is not None:
-            _append(path, [])  # created, and refused now if it is not a regular file (a planted FIFO, a symlink)
+        # rank 0's metrics file, appended to line by line (_append); None on other ranks. Opened now: a planted
+        # FIFO or symlink is refused before the training starts
+        self._f = _appender(path) if path is not None else None
         self._tb = None
         # the newest numbers the loop logged (rank 0): the progress line shows them beside the pace
         self._latest: dict[str, float] = {}
@@ -147,6 +157,8 @@ class MetricsLogger:
             print(message, flush=True)
 
     def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -181,6 +193,7 @@ class Context:
     step_times: Any = None  # per-rank step times (launch/timing.StepTimes): .record(step, step_s=..., ...)
     _mtbf_s: float | None = field(default=None, repr=False)  # checkpoint.every_steps: auto: the job's MTBF
     _syncs: list[Any] = field(default_factory=list, repr=False)
+    _forgotten_wait_s: float = field(default=0.0, repr=False)  # the gradient-sync waits of models forgotten
     # seconds this rank spent in the step's collectives that hpcscale makes for it (clip_grad_norm_'s all-reduces,
     # the reference trainer's loss all-reduce): waiting for peers, which per-rank timing counts as sync
     _collective_s: float = field(default=0.0, repr=False)
@@ -224,7 +237,7 @@ class Context:
         """Seconds this rank's data-parallel gradient averaging (every registered model's) has waited on the
         network since the start; per-rank timing and the trainer's comm_share take differences of it. 0 without
         replicated data parallelism (FSDP's reduce-scatters are timed as collective waits instead)."""
-        return sum(getattr(s, "comm_wait_total_s", 0.0) for s in self._syncs)
+        return self._forgotten_wait_s + sum(getattr(s, "comm_wait_total_s", 0.0) for s in self._syncs)
 
     def forget(self, model: Any) -> None:
         """Drop `model` (given to ctx.parallelize) from everything the Context keeps of it: its gradient averaging
@@ -237,6 +250,8 @@ class Context:
         if not placed:
             raise BadInput("ctx.forget: this model was not given to ctx.parallelize (or was forgotten already)")
         i = placed[0]
+        # its waits stay counted: per-rank timing takes differences of grad_sync_wait_s, which must never go back
+        self._forgotten_wait_s += getattr(self._syncs[i], "comm_wait_total_s", 0.0)
         del self._models[i], self._syncs[i]
         for param, _group in self._stage_ties.pop(id(model), []):
             self._norm_skip.discard(id(param))

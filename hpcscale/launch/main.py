@@ -74,11 +74,12 @@ class _Placement:
 
         try:
             tree = site_tree(self.loaded.site.config)
-        except HpcscaleError as e:
+        except HpcscaleError as e:  # no switches handed on: partners are then chosen as if each were elsewhere
             print(f"hpcscale launch: switch tree unavailable ({e}); placing as if flat", file=sys.stderr)
             tree = flat_tree(nodes)
-        leaf_of = {n: tree.leaf_of[n] for n in nodes if n in tree.leaf_of}
-        self.switches = (leaf_of, [leaf for leaf in tree.leaf_order() if leaf in set(leaf_of.values())])
+        else:
+            leaf_of = {n: tree.leaf_of[n] for n in nodes if n in tree.leaf_of}
+            self.switches = (leaf_of, [leaf for leaf in tree.leaf_order() if leaf in set(leaf_of.values())])
         sized = LoadedJob(replace(self.loaded.spec, nodes=len(nodes)), self.loaded.path, self.loaded.site)
         return place_job(sized, nodes, tree=tree).nodes
 

@@ -23,6 +23,7 @@ import os
 import stat
 
 __all__ = [
+    "JsonLinesAppender",
     "NotRegularFile",
     "TooLarge",
     "append_json_lines",
@@ -195,38 +196,82 @@ def append_json_lines(path, docs, *, dir_fd=None, mode=0o644, max_line=MAX_LINE_
     - a full disk (ENOSPC, EDQUOT, or a short write: the kernel wrote part of a line) raises OSError(ENOSPC)
       and writes nothing more; the file may then end in a torn line, which readers skip as not JSON, and the
       next append first ends it with a newline, so a torn line never swallows the next one;
-    - `durable`: fsync'd before returning (the line survives a power cut once this returns)."""
+    - `durable`: fsync'd before returning (the line survives a power cut once this returns).
+    JsonLinesAppender gives the same with the descriptor held, for a log written every step."""
+    lines = _json_lines(path, docs, max_line, dumps)
+    fd = _open_log(path, dir_fd, mode)
+    try:
+        return _append_lines(fd, path, lines, durable)
+    finally:
+        os.close(fd)
+
+
+class JsonLinesAppender:
+    """append_json_lines with the log's descriptor held open (a log appended to every training step: one write
+    per line, no open and close, which on a parallel file system are metadata round trips). The same guarantees,
+    checked when it is opened and at each append (the descriptor's file still a regular one; a torn last line
+    ended first). Lines go to the file it opened, also if its name is later replaced."""
+
+    def __init__(self, path, *, mode=0o644, max_line=MAX_LINE_BYTES):
+        self.path, self.max_line = path, max_line
+        self._fd: int | None = _open_log(path, None, mode)
+        try:
+            st = os.fstat(self._fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotRegularFile(path, st)
+        except BaseException:
+            self.close()
+            raise
+
+    def append(self, docs, *, durable=False, **dumps) -> int:
+        """Append each of `docs` as one JSON line (append_json_lines' guarantees); the file's size after."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the appender is closed")
+        return _append_lines(self._fd, self.path, _json_lines(self.path, docs, self.max_line, dumps), durable)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+def _json_lines(path, docs, max_line: int, dumps: dict) -> list[bytes]:
+    """Each doc as one encoded JSON line, checked against `max_line` before anything is written."""
     lines = []
     for doc in docs:
         line = (json.dumps(doc, **dumps) + "\n").encode("utf-8", "surrogateescape")
         if len(line) > max_line:
             raise TooLarge(path, len(line), max_line)
         lines.append(line)
+    return lines
+
+
+def _open_log(path, dir_fd, mode: int) -> int:
     # O_RDWR, not O_WRONLY: the last byte is read to see a torn line; every write still goes to the end
     flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, mode, dir_fd=dir_fd)
+        return os.open(path, flags, mode, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ENXIO:  # a FIFO no one reads: O_NONBLOCK refused to wait for a reader
             raise NotRegularFile(path, None) from None
         raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFile(path, st)
-        if lines and st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
-            lines[0] = b"\n" + lines[0]  # a torn last line (a full disk, a kill): end it, keep ours whole
-        for line in lines:
-            try:
-                written = os.write(fd, line)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise OSError(errno.ENOSPC, "disk full: the line is not written", str(path)) from None
-                raise
-            if written != len(line):
-                raise OSError(errno.ENOSPC, f"disk full: {written} of a line's {len(line)} bytes written", str(path))
-        if durable:
-            os.fsync(fd)
-        return os.fstat(fd).st_size
-    finally:
-        os.close(fd)
+
+
+def _append_lines(fd: int, path, lines: list[bytes], durable: bool) -> int:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(path, st)
+    if lines and st.st_size and os.pread(fd, 1, st.st_size - 1) != b"\n":
+        lines[0] = b"\n" + lines[0]  # a torn last line (a full disk, a kill): end it, keep ours whole
+    for line in lines:
+        try:
+            written = os.write(fd, line)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(errno.ENOSPC, "disk full: the line is not written", str(path)) from None
+            raise
+        if written != len(line):
+            raise OSError(errno.ENOSPC, f"disk full: {written} of a line's {len(line)} bytes written", str(path))
+    if durable:
+        os.fsync(fd)
+    return os.fstat(fd).st_size
