@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from hpcscale.config.job import ModelSize
 from hpcscale.errors import BadInput
 from hpcscale.layout import JobLayout
 from hpcscale.topology.placement import (
@@ -100,10 +101,7 @@ def test_tp_must_divide_tasks_per_node():
 
 def test_weights_from_model_size():
     layout = JobLayout(nodes=16, tasks_per_node=8, tp=8, pp=2)  # dp = 8
-    w = traffic_weights(
-        layout,
-        {"n_layer": 24, "n_embd": 2048, "seq_len": 2048, "micro_batch": 1, "global_batch": 64, "vocab_size": 256},
-    )
+    w = traffic_weights(layout, ModelSize(layers=24, hidden=2048, seq_len=2048, micro_batch=1, global_batch=64))
     n_micro = 64 // 8
     act = 1 * 2048 * 2048 * 2  # bytes of one micro-batch's activations in bf16
     params = 12 * 24 * 2048**2 + 256 * 2048
@@ -111,7 +109,29 @@ def test_weights_from_model_size():
     assert w.dp == pytest.approx(params / 16 * 2 * 2 * 7 / 8)
     assert w.pp == pytest.approx(2 * n_micro * act)
     assert w.tp > w.dp > w.pp  # the usual order for a modest global batch
-    assert traffic_weights(layout, {}) == TrafficWeights()
+    assert traffic_weights(layout, None) == TrafficWeights()
+    declared = traffic_weights(
+        layout, ModelSize(layers=24, hidden=2048, seq_len=2048, global_batch=64, parameters=10**9)
+    )
+    assert declared.dp == pytest.approx(10**9 / 16 * 2 * 2 * 7 / 8) and declared.tp == w.tp  # a declared count wins
+
+
+def test_the_traffic_model_takes_the_declared_size_and_knows_no_models_parameter_names():
+    """A job's `model:` for its own entry point; the built-in trainer's size from its train.params; nothing for a
+    user entry point that declares none (the default ratios), whatever its params are called."""
+    from types import SimpleNamespace
+
+    from hpcscale.config.train import model_size
+
+    builtin = SimpleNamespace(
+        model=None, train=SimpleNamespace(entry="builtin", params={"n_layer": 24, "n_embd": 2048})
+    )
+    size = model_size(builtin)
+    assert (size.layers, size.hidden, size.seq_len, size.micro_batch, size.global_batch) == (24, 2048, 64, 4, 16)
+    user = SimpleNamespace(model=None, train=SimpleNamespace(entry="mine:main", params={"n_layer": 24, "n_embd": 8}))
+    assert model_size(user) is None  # its params' names mean nothing to hpcscale
+    declared = ModelSize(layers=32, hidden=4096, seq_len=4096)
+    assert model_size(SimpleNamespace(model=declared, train=user.train)) is declared
 
 
 def test_the_shard_group_is_placed_closer_than_the_replicas():
@@ -119,8 +139,7 @@ def test_the_shard_group_is_placed_closer_than_the_replicas():
     all-gathers and reduce-scatters weigh more than the replicas' all-reduce of one shard, so each shard
     group's two nodes share a leaf and the replicas cross the core."""
     layout = JobLayout(nodes=4, tasks_per_node=2, tp=1, pp=1, dp_shard=4)  # dp 8 = 2 replicas x 4 shards
-    params = {"n_layer": 24, "n_embd": 2048, "seq_len": 2048, "micro_batch": 1, "global_batch": 64}
-    w = traffic_weights(layout, params)
+    w = traffic_weights(layout, ModelSize(layers=24, hidden=2048, seq_len=2048, micro_batch=1, global_batch=64))
     total = (12 * 24 * 2048**2 + 256 * 2048) * 2
     assert w.dp_shard == pytest.approx(total * 1.5 * 2 * 3 / 4)  # 1.5 x a ring all-reduce over 4
     assert w.dp == pytest.approx(total / 4 * 2 * 1 / 2)  # one shard's all-reduce over 2 replicas
@@ -133,3 +152,17 @@ def test_the_shard_group_is_placed_closer_than_the_replicas():
     assert all(len(leaves) == 1 for leaves in groups.values()), groups
     edges = slot_edges(layout, w)
     assert placement_cost(p.nodes, edges, tree) < placement_cost(["a", "b", "c", "d"], edges, tree)
+
+
+def test_a_declared_model_size_is_checked_like_any_key(tmp_path):
+    from conftest import run_cli
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: m\nsite: local\ntrain:\n  entry: mine:main\nmodel:\n  layers: 0\n  hiden: 4096\n  seq_len: 2048\n"
+    )
+    r = run_cli("config", "validate", str(job))
+    assert r.returncode == 2, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "job.yaml:7: model.hiden: unknown key (did you mean 'hidden'?)" in out
+    assert "job.yaml:6: model.layers: must be at least 1, got 0" in out

@@ -161,6 +161,25 @@ class Metrics:
 
 
 @dataclass(kw_only=True, slots=True)
+class ModelSize:
+    """The model's size, as placement's traffic model needs it (docs/placement.md): the bytes each kind of group
+    exchanges per step follow from it. Declare it for your own entry point; the built-in trainer's comes from its
+    `train.params`. Without one, placement uses default ratios."""
+
+    layers: int = setting("Transformer blocks.", min=1)
+    hidden: int = setting("Hidden size (the width of the activations the layers pass on).", min=1)
+    seq_len: int = setting("Tokens per sample.", min=1)
+    micro_batch: int = setting("Samples per micro-batch on one data-parallel rank.", default=1, min=1)
+    global_batch: int | None = setting(
+        "Samples per optimizer step over all data-parallel ranks; unset: one micro-batch per rank.", default=None, min=1
+    )
+    vocab: int = setting("Vocabulary size (the embedding's rows).", default=256, min=1)
+    parameters: int | None = setting(
+        "Parameters of the whole model; unset: 12·layers·hidden² + vocab·hidden (a GPT's).", default=None, min=1
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class XsiteJob:
     """This job is one site's trainer in a cross-site training (docs/cross-site.md)."""
 
@@ -333,6 +352,10 @@ class JobSpec:
     data: Data = setting("Training data.", factory=Data)
     metrics: Metrics = setting("Per-rank timing and TensorBoard.", factory=Metrics)
     xsite: XsiteJob | None = setting("Cross-site training: the config and this job's site.", default=None)
+    model: ModelSize | None = setting(
+        "The model's size, for placement's traffic model (the built-in trainer's comes from train.params).",
+        default=None,
+    )
     signals: Signals = setting("Time-limit and preemption signal, and requeue.", factory=Signals)
     restart: Restart = setting("Requeue budgets and node exclusion.", factory=Restart)
     timeout_seconds: int = setting(

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from hpcscale.config.fields import setting
+from hpcscale.config.job import ModelSize
 from hpcscale.layout import ParallelDims
 
 
@@ -99,3 +100,27 @@ def train_checks(cfg: TrainConfig, *, dims: ParallelDims) -> list[tuple[str, str
     if cfg.min_lr > cfg.lr:
         out.append(("min_lr", f"min_lr({cfg.min_lr}) is above lr({cfg.lr})"))
     return out
+
+
+def model_size(spec) -> ModelSize | None:
+    """The model's size placement's traffic model takes (config.job.ModelSize): the job's `model:` when it declares
+    one; for the built-in trainer, from its train.params (n_layer, n_embd, seq_len, micro_batch, global_batch, and
+    vocab_size where given); None otherwise (placement's default ratios). The traffic model itself knows no
+    model's parameter names."""
+    if spec.model is not None:
+        return spec.model
+    train = spec.train
+    if train is None or train.entry != "builtin":
+        return None
+    p = {f.name: f.default for f in fields(TrainConfig)} | dict(train.params or {})
+    try:
+        return ModelSize(
+            layers=int(p["n_layer"]),
+            hidden=int(p["n_embd"]),
+            seq_len=int(p["seq_len"]),
+            micro_batch=int(p["micro_batch"]),
+            global_batch=int(p["global_batch"]),
+            vocab=int(p.get("vocab_size", 256)),
+        )
+    except (TypeError, ValueError):  # config validate says what is wrong with them; placement uses the ratios
+        return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.config.site import SiteConfig
+from hpcscale.config.train import model_size
 from hpcscale.errors import BadInput
 from hpcscale.layout import JobLayout
 from hpcscale.slurm.client import SlurmClient
@@ -45,10 +46,8 @@ def place_job(loaded: LoadedJob, nodes: str | list[str], *, tree: SwitchTree | N
     if len(hosts) != spec.nodes:
         raise BadInput(f"{loaded.path}: the job asks for {spec.nodes} nodes but the allocation has {len(hosts)}")
     layout = JobLayout(nodes=len(hosts), tasks_per_node=spec.tasks_per_node, **spec.parallel.degrees)
-    params = spec.train.params if spec.train else None
-    return place(
-        nodes=hosts, tree=tree or site_tree(loaded.site.config), layout=layout, weights=traffic_weights(layout, params)
-    )
+    weights = traffic_weights(layout, model_size(spec))  # the job's declared model size, or the trainer's
+    return place(nodes=hosts, tree=tree or site_tree(loaded.site.config), layout=layout, weights=weights)
 
 
 def job_log_paths(job_id: str, client: SlurmClient | None = None) -> dict[str, str]:

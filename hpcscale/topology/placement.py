@@ -59,28 +59,25 @@ class TrafficWeights:
         return {n: getattr(self, n) for n in names if n == DP or n in dims.mesh_axes} | {"source": self.source}
 
 
-def traffic_weights(layout: JobLayout, params: dict[str, Any] | None) -> TrafficWeights:
-    """Bytes per step from the model's size when the job gives it (GPT: n_layer, n_embd, seq_len, micro_batch,
-    global_batch, vocab_size); the default ratios otherwise. Megatron-style TP all-reduces activations 4 times
-    per layer per micro-batch (2 forward, 2 backward); DP all-reduces this rank's gradient shard once per step;
-    PP sends one activation forward and one gradient back per micro-batch (Narayanan et al., SC'21, sec. 3)."""
-    p = params or {}
-    try:
-        layers, hidden, seq = int(p["n_layer"]), int(p["n_embd"]), int(p["seq_len"])
-        micro = int(p.get("micro_batch", 1))
-        global_batch = int(p.get("global_batch", micro * layout.dp))
-        vocab = int(p.get("vocab_size", 256))
-    except (KeyError, TypeError, ValueError):
+def traffic_weights(layout: JobLayout, size: Any = None) -> TrafficWeights:
+    """Bytes per step from the model's size when the job declares one (`size`: a config.job.ModelSize, from the
+    job's `model:` or the built-in trainer's params: config.train.model_size); the default ratios otherwise.
+    Megatron-style TP all-reduces activations 4 times per layer per micro-batch (2 forward, 2 backward); DP
+    all-reduces this rank's gradient shard once per step; PP sends one activation forward and one gradient back
+    per micro-batch (Narayanan et al., SC'21, sec. 3)."""
+    if size is None:
         if layout.dp_shard > 1:  # the replicas' ring carries one 1/dp_shard shard of the gradients
             return TrafficWeights(
                 dp=10.0 / layout.dp_shard,
                 source=f"default ratios (tp 100 : dp_shard 15 : dp_replicate 10/{layout.dp_shard} : pp 1)",
             )
         return TrafficWeights()
+    layers, hidden, seq, micro, vocab = size.layers, size.hidden, size.seq_len, size.micro_batch, size.vocab
+    global_batch = size.global_batch if size.global_batch is not None else micro * layout.dp
     elt = 2  # bytes per element in bf16
     n_micro = max(1, global_batch // (micro * layout.dp))
     act = micro * seq * hidden * elt
-    params_total = 12 * layers * hidden * hidden + vocab * hidden
+    params_total = size.parameters if size.parameters is not None else 12 * layers * hidden * hidden + vocab * hidden
     ring = lambda n: 2 * (n - 1) / n if n > 1 else 0.0  # noqa: E731 - bytes factor of a ring all-reduce
     slice_bytes = params_total / (layout.tp * layout.pp) * elt
     shard, replicas = layout.dp_shard, layout.dp // layout.dp_shard
