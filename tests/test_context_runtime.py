@@ -69,7 +69,7 @@ def test_metrics_lines_go_through_the_one_appender(tmp_path):
     """RUN/metrics.jsonl is appended to as every log of hpcscale is (portable.files.JsonLinesAppender, the
     descriptor held: a line per step is one write): a line over the bound refused whole (before, a long line went
     out in several writes of a buffered file), a torn last line ended before the next."""
-    from hpcscale.launch.context import METRICS_LINE_BYTES, MetricsLogger
+    from hpcscale.launch.metrics import METRICS_LINE_BYTES, MetricsLogger
 
     path = tmp_path / "metrics.jsonl"
     metrics = MetricsLogger(path, attempt=3)

@@ -253,7 +253,7 @@ def test_launch_reads_its_jobs_log_paths_whole_whatever_they_hold(local_cluster,
     reads `scontrol show job`, each path is whole (and a job name holding `StdOut=` changes nothing)."""
     import subprocess
 
-    from hpcscale.launch.main import _check_own_logs
+    from hpcscale.launch.attempts import check_own_logs
 
     monkeypatch.setenv("SLURM_CONF", local_cluster["SLURM_CONF"])
     run = tmp_path / "run X=1 Y"
@@ -261,10 +261,10 @@ def test_launch_reads_its_jobs_log_paths_whole_whatever_they_hold(local_cluster,
     jobs = []
     try:
         jobs.append(_held_job(local_cluster, run / "logs" / "slurm-%j.out", run / "logs" / "slurm-%j.err"))
-        _check_own_logs(run, jobs[-1])
+        check_own_logs(run, jobs[-1])
         assert "warning" not in capsys.readouterr().err
         jobs.append(_held_job(local_cluster, tmp_path / "elsewhere X=2.out", run / "logs" / "slurm-%j.err"))
-        _check_own_logs(run, jobs[-1])
+        check_own_logs(run, jobs[-1])
         said = capsys.readouterr().err
         assert f"writes its log to {tmp_path / 'elsewhere X=2.out'}, not {run.resolve()}/logs/" in said, said
         # resume and smoke read the job's accounting rows through the same parser (sacct's unlikely delimiter)

@@ -13,33 +13,28 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
+from hpcscale.launch.attempts import attempt_event, begin_attempt
 from hpcscale.launch.failure import failure_line, lost_a_peer
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
-from hpcscale.portable.lock import process_start_time
 from hpcscale.rundir import (
     METRICS,
     TENSORBOARD,
     RunDir,
-    Submission,
     link_checkpoints,
     node_local_dir,
     site_checkpoint_root,
     sweep_dir,
 )
-from hpcscale.slurm.allocation import job_log_paths
 from hpcscale.util.paths import expand_path
 from hpcscale.util.pystart import clean_import_path
-from hpcscale.util.trust import clean
 
 # The reference trainer is loaded by name like any user's entry point: launch runs entry points, it does not
 # know the trainer (hpcscale.train sits above launch and builds on its Context).
@@ -82,89 +77,6 @@ class _Placement:
             self.switches = (leaf_of, [leaf for leaf in tree.leaf_order() if leaf in set(leaf_of.values())])
         sized = LoadedJob(replace(self.loaded.spec, nodes=len(nodes)), self.loaded.path, self.loaded.site)
         return place_job(sized, nodes, tree=tree).nodes
-
-
-def _attempt_event(work_dir: Path, event: str, attempt: int | None, **fields) -> None:
-    """One line of RUN/attempts.jsonl; a run directory that cannot take it must not end the training."""
-    try:
-        RunDir(work_dir).add_attempt_event(
-            {"event": event, "attempt": attempt, "time": datetime.now(timezone.utc).isoformat(), **fields}
-        )
-    except OSError as e:
-        print(f"hpcscale launch: cannot record the attempt's {event} in {work_dir}: {e}", file=sys.stderr, flush=True)
-
-
-def _begin_attempt(work_dir: Path, info, dims) -> int:
-    """Number this start of the job's ranks (1, 2, ...) and record where and under which Slurm job it runs:
-    every metrics line then names its attempt, so steps repeated after a requeue or resume are told apart."""
-    try:
-        attempt = RunDir(work_dir).next_attempt()
-    except OSError:
-        attempt = 0
-    if os.environ.get("SLURM_JOB_ID") and not os.environ.get("SLURM_ARRAY_JOB_ID"):  # a sweep's are submitted
-        _adopt_job(work_dir, os.environ["SLURM_JOB_ID"])
-    _attempt_event(
-        work_dir,
-        "begin",
-        attempt,
-        job_id=os.environ.get("SLURM_JOB_ID"),
-        restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        nodes=info.nodes,
-        world_size=info.world_size,
-        layout=dims.as_dict(),  # with nodes: which rank sat where, in which groups (NCCL timeout diagnosis)
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        pid_start=process_start_time(os.getpid()),  # with the pid: a reused pid is not taken for this rank
-    )
-    return attempt
-
-
-def _adopt_job(work_dir: Path, job_id: str) -> None:
-    """A Slurm job hpcscale did not submit (an admin's own script calling `hpcscale launch`) is still a job of
-    the run: recorded as a submission the first time one of its attempts starts, so `status` lists it and
-    `resume` diagnoses it through sacct (its nodes, its exit) and resubmits with the rendered script."""
-    rd = RunDir(work_dir)
-    try:
-        subs = rd.submissions()
-        if any(s.job_id == job_id for s in subs):
-            return
-        rd.record(
-            Submission(
-                index=len(subs) + 1,
-                job_id=job_id,
-                cluster=os.environ.get("SLURM_CLUSTER_NAME"),
-                time=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                script="",  # the script is the admin's, not in RUN/submissions
-                template="own script",
-                reason="started by a script hpcscale did not submit",
-            )
-        )
-    except (OSError, HpcscaleError) as e:  # the run goes on; status and resume will not know this job
-        print(f"hpcscale launch: cannot record job {job_id} in {work_dir}: {e}", file=sys.stderr, flush=True)
-        return
-    _check_own_logs(work_dir, job_id)
-
-
-def _check_own_logs(work_dir: Path, job_id: str) -> None:
-    """The failure diagnosis (`resume`, `hpcscale requeue`) reads a job's log where the rendered script puts it,
-    RUN/logs/slurm-JOBID.out and .err: say so at once when an admin's script writes elsewhere. The paths come
-    from `scontrol show job` read by hpcscale.slurm.parse (a path holding spaces or ` Key=` is read whole)."""
-    logs = Path(os.path.realpath(work_dir)) / "logs"
-    want = {"StdOut": logs / f"slurm-{job_id}.out", "StdErr": logs / f"slurm-{job_id}.err"}
-    try:  # the job's own environment names its cluster's slurm.conf
-        fields = job_log_paths(job_id)
-    except (OSError, HpcscaleError):
-        return
-    wrong = [k for k, path in want.items() if k in fields and Path(os.path.realpath(fields[k])) != path]
-    if wrong:
-        print(
-            f"hpcscale launch: warning: job {job_id} writes its log to {clean(fields[wrong[0]])}, not "
-            f"{want[wrong[0]]}: `hpcscale resume` and `hpcscale requeue` read a failed attempt's rank, node and "
-            f"signal from there; add `#SBATCH --output={work_dir}/logs/slurm-%j.out` and "
-            f"`#SBATCH --error={work_dir}/logs/slurm-%j.err`",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 STOP_BARRIER_S = 30.0
@@ -364,7 +276,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
     if spec.checkpoint.local.every_steps and loaded.site.config.filesystems.node_local:
         sweep = work_dir.name if sweep_index is not None else None
         node_local = node_local_dir(loaded.site, info.node, run_id, sweep=sweep)
-    attempt = _begin_attempt(work_dir, info, dims) if info.rank == 0 else None
+    attempt = begin_attempt(work_dir, info, dims) if info.rank == 0 else None
     tensorboard = work_dir / TENSORBOARD / f"attempt-{attempt}" if spec.metrics.tensorboard else None
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)
     ctx = Context(
@@ -418,7 +330,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         if info.rank == 0:  # the batch script's requeue decision reads it (hpcscale.recovery.requeue)
             # stop_s: from the signal to the committed checkpoint, what the stop took of the grace time
             took = None if stop.at is None else round(time.monotonic() - stop.at, 2)
-            _attempt_event(work_dir, "stop", attempt, signal=_signal_name(stop.signal), step=_stop_step(e), stop_s=took)
+            attempt_event(work_dir, "stop", attempt, signal=_signal_name(stop.signal), step=_stop_step(e), stop_s=took)
         # Every rank agreed on this step (Context.should_stop). They leave together, after rank 0 recorded the
         # stop: srun --kill-on-bad-exit takes the first exit 75 for a failure and kills the ranks still
         # running, rank 0 perhaps before its record. A bounded wait: a rank stopped alone must not hang here.
