@@ -60,7 +60,7 @@ def local_rank_pids(run_dir: Path) -> dict[int, int]:
 
 
 # The fixtures of tests that start ranks, Slurm jobs or servers: those tests are marked `slow`, and the fast tier
-# (`python3 -m pytest -m "not slow" -n 2`, a few minutes) is everything else.
+# (`python3 -m pytest -m fast -n 2`, a few minutes) is everything else.
 SLOW_FIXTURES = frozenset({"mpi", "local_cluster", "sshd", "openmpi5", "run_2x2x2", "ckpt_saved_1_2"})
 
 # What the test command's workers (pytest-xdist, --dist loadgroup) must not split or run side by side.
@@ -82,8 +82,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         names = getattr(item, "fixturenames", ())
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if SLOW_FIXTURES.intersection(names) or item.get_closest_marker("wheel"):
+        if SLOW_FIXTURES.intersection(names) or item.get_closest_marker("wheel") or item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.slow)
+        else:  # the fast tier: `python3 -m pytest -m fast -n 2`
+            item.add_marker(pytest.mark.fast)
         if "local_cluster" in names:
             group = "slurm"
         elif shared := next((n for n in SHARED_SETUP if n in names), None):
