@@ -22,6 +22,7 @@ from hpcscale.errors import BadInput
 from hpcscale.launch.metrics import MetricsLogger
 from hpcscale.launch.signals import StopFlag
 from hpcscale.layout import ParallelDims
+from hpcscale.util.paths import expand_path
 
 # the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
 __all__ = ["Context", "MetricsLogger"]
@@ -150,7 +151,7 @@ class Context:
         allocates and initializes only its own shards (hpcscale.parallel.init), running every module's
         reset_parameters() and then `init(module)`, with torch's RNG seeded from `seed` and the module's name,
         so every layout starts from the weights hpcscale.parallel.init.initialize gives the model built whole."""
-        from hpcscale.errors import BadInput
+        # lazy: parallel/ imports torch; importing the Context needs no torch
         from hpcscale.parallel.data_parallel import parallelize
         from hpcscale.parallel.fsdp import ShardedSync, resolve_reshard, shard_model
         from hpcscale.parallel.grad_sync import GradSync
@@ -201,6 +202,7 @@ class Context:
         self._syncs.append(sync)
         if self.dims.tp > 1:
             if self._tp_grads is None:
+                # lazy: parallel/ imports torch; importing the Context needs no torch
                 from hpcscale.parallel.tp_grads import TpGradCheck
 
                 self._tp_grads = TpGradCheck(group=self.mesh["tp"].get_group(), device=self.device, tp=self.dims.tp)
@@ -216,6 +218,7 @@ class Context:
         import torch
         import torch.distributed as dist
 
+        # lazy: parallel/ imports torch; importing the Context needs no torch
         from hpcscale.parallel.ties import STAGE_TIES
 
         ties = model.__dict__.get(STAGE_TIES) or []
@@ -245,7 +248,7 @@ class Context:
         forward and backward with the data-parallel gradient averaging around them and returns the step's mean
         loss on the last stage (`first`/`last` say which stage takes the inputs and which the targets).
         `loss_fn(output, target)` is the loss of one micro-batch; it is divided by n_microbatches for you."""
-        from hpcscale.errors import BadInput
+        # lazy: parallel/ imports torch; importing the Context needs no torch
         from hpcscale.parallel.pipeline import SCHEDULES, Pipeline, build_schedule
 
         if self.dims.pp == 1:
@@ -288,7 +291,7 @@ class Context:
         ctx.metrics.log). `parameters`: by default those of every model given to ctx.parallelize.
         torch.nn.utils.clip_grad_norm_ takes a tp-sharded model's norm wrongly or raises (`mixed torch.Tensor and
         DTensor`). A collective: call it in every rank, after backward."""
-        from hpcscale.errors import BadInput
+        # lazy: parallel/ imports torch; importing the Context needs no torch
         from hpcscale.parallel.clip import clip_grad_norm
 
         if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm >= 0:
@@ -323,9 +326,7 @@ class Context:
         layout, in an order fixed by `seed`; pass it to ctx.checkpoint.restore (`data=loader`) and a resumed
         run carries on where the last save was. `vocab_size`: the model's vocabulary; a dataset whose tokenizer
         has more ids is refused (BadInput, exit 2 at start) rather than indexing past the embedding."""
-        from hpcscale.data.loader import TokenLoader
-        from hpcscale.errors import BadInput
-        from hpcscale.util.paths import expand_path
+        from hpcscale.data.loader import TokenLoader  # lazy: data.loader imports numpy, which this module avoids
 
         if not self.job.data.manifest:
             raise BadInput("ctx.token_batches: the job names no data.manifest (hpcscale data prepare makes one)")
@@ -373,7 +374,7 @@ class Context:
         """The job's checkpoints for this code: restore(model, optimizer, **state) and step(step)
         (hpcscale.launch.checkpointing.Checkpointer, docs/context-api.md)."""
         if self._checkpoint is None:
-            from hpcscale.launch.checkpointing import Checkpointer
+            from hpcscale.launch.checkpointing import Checkpointer  # lazy: imports torch; the Context needs none
 
             self._checkpoint = Checkpointer(self)
         return self._checkpoint
