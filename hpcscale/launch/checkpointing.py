@@ -27,18 +27,24 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hpcscale.ckpt import lineage, nodelocal
+from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager, Restored
+from hpcscale.ckpt.nodelocal import RECORD
+from hpcscale.ckpt.rng import restore_rng
 from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.launch.site_rounds import Rounds, load_start_from
 from hpcscale.launch.steploop import StepLoop
 from hpcscale.launch.tiersaves import TierSaves
 from hpcscale.launch.watchdog import NoWatchdog
-
-if TYPE_CHECKING:
-    from hpcscale.ckpt.manager import Restored
+from hpcscale.parallel.fsdp import reshard
+from hpcscale.parallel.ties import STAGE_TIES, find_ties
+from hpcscale.rundir import CHECKPOINTS
+from hpcscale.xsite.rounds import TAG
 
 FORMAT = 1  # the JSON state's layout ("hpcscale.context" in it)
 
@@ -164,8 +170,6 @@ class Checkpointer:
             )
         pretrained = False  # xsite.start_from: a fresh site starts from that checkpoint (not its data or RNG)
         if restored is None and self._ctx.job.xsite is not None and self._ctx.job.xsite.start_from:
-            from hpcscale.launch.site_rounds import load_start_from
-
             restored = load_start_from(
                 self._ctx, self._ctx.dims, tensors, check_state=self._state_problem, steps=self.steps
             )
@@ -237,8 +241,6 @@ class Checkpointer:
             self._start_clock(restored.step)
             return restored.step
         if restored.rng is not None:
-            from hpcscale.ckpt.rng import restore_rng
-
             restore_rng(restored.rng, self._ctx.device)
         self._ctx.metrics.log(
             step=restored.step - 1, restored_from=restored.step, restore_s=round(time.perf_counter() - t0, 4)
@@ -295,8 +297,6 @@ class Checkpointer:
             tensors = {k: v for k, v in tensors.items() if k.split("/")[1] not in self._not_saved}
         state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
         if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
-            from hpcscale.xsite.rounds import TAG
-
             state[TAG] = self._rounds.state_for_save(done_steps)
         if optim_sd is not None:
             state["optimizer"] = {
@@ -366,9 +366,6 @@ class Checkpointer:
         on first use: a collective)."""
         ctx = self._ctx
         if self._local_manager is None and ctx._node_local is not None:
-            from hpcscale.ckpt import nodelocal
-            from hpcscale.ckpt.manager import NodeLocalManager
-
             tier = ctx.job.checkpoint.local
             node_of: list = [None] * ctx.world_size
             dist.all_gather_object(node_of, ctx.node)
@@ -395,7 +392,6 @@ class Checkpointer:
                 lineage=self._lineage(),  # a drain keeps the node-local step's trainer state, lineage included
                 staging=self.manager.staging,  # one set of staging buffers per rank for both tiers (writer.StagingPool)
             )
-            from hpcscale.ckpt.nodelocal import RECORD
 
             if ctx.rank == 0:
                 self._local_manager.record = ctx.run_dir / RECORD
@@ -460,7 +456,6 @@ class Checkpointer:
             return False
         if self._model is None:
             raise BadInput("the job is a cross-site site (xsite:): ctx.checkpoint.restore needs the model")
-        from hpcscale.launch.site_rounds import Rounds
 
         self._rounds = Rounds(
             self._ctx, self._model, tokens_per_step=int(self.tokens_per_step), pins=lambda: self.manager
@@ -478,8 +473,6 @@ class Checkpointer:
     def _lineage(self) -> dict | None:
         """What produced this run's checkpoints (hpcscale.ckpt.lineage), collected once for both tiers."""
         if not self._lineage_collected:
-            from hpcscale.ckpt import lineage
-
             self._lineage_value, self._lineage_collected = lineage.of_context(self._ctx), True
         return self._lineage_value
 
@@ -487,9 +480,6 @@ class Checkpointer:
     def manager(self):
         """The CheckpointManager underneath (created on first use: a collective)."""
         if self._manager is None:
-            from hpcscale.ckpt.manager import CheckpointManager
-            from hpcscale.rundir import CHECKPOINTS
-
             ctx = self._ctx
             policy = ctx.job.checkpoint
             self._manager = CheckpointManager(
@@ -538,7 +528,6 @@ class Checkpointer:
         whatever the layout: (this stage's names to store under another name, None for one dropped as the same tensor
         as an earlier name here; the names this stage does not write, as a lower stage holding a copy writes them).
         Every stage reads them by that name, so a checkpoint loads into any pp."""
-        from hpcscale.parallel.ties import STAGE_TIES, find_ties
 
         renames: dict[str, str | None] = {}
         not_saved: set[str] = set()
@@ -581,8 +570,6 @@ class Checkpointer:
         if self._model is None:
             return {}, None, None
         from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        from hpcscale.parallel.fsdp import reshard
 
         reshard(self._model)  # FSDP2 units a no-grad forward left gathered name full tensors, not the shards
         model_sd, optim_sd = get_state_dict(self._model, list(self._optimizers))
