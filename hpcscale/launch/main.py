@@ -21,9 +21,16 @@ from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import BadInput, HpcscaleError
+from hpcscale.launch import waits
 from hpcscale.launch.attempts import attempt_event, begin_attempt
+from hpcscale.launch.bootstrap import bootstrap, node_name
+from hpcscale.launch.context import Context, MetricsLogger
 from hpcscale.launch.failure import failure_line, lost_a_peer
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
+from hpcscale.launch.timing import StepTimes
+from hpcscale.launch.watchdog import Watchdog
+from hpcscale.layout import ParallelDims
+from hpcscale.observe.interval import job_mtbf
 from hpcscale.rundir import (
     METRICS,
     TENSORBOARD,
@@ -33,6 +40,8 @@ from hpcscale.rundir import (
     site_checkpoint_root,
     sweep_dir,
 )
+from hpcscale.slurm.allocation import place_job, site_tree
+from hpcscale.topology.tree import flat_tree
 from hpcscale.util.paths import expand_path
 from hpcscale.util.pystart import clean_import_path
 
@@ -63,9 +72,6 @@ class _Placement:
         if len(nodes) == 1:
             return nodes
         from dataclasses import replace
-
-        from hpcscale.slurm.allocation import place_job, site_tree
-        from hpcscale.topology.tree import flat_tree
 
         try:
             tree = site_tree(self.loaded.site.config)
@@ -165,8 +171,6 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
     clean_import_path()
     from mpi4py import MPI
 
-    from hpcscale.launch.bootstrap import bootstrap, node_name
-
     try:
         # inside: a job spec the ranks refuse (hand-edited since the submission) writes the failure line with its
         # bad-input mark too, which tells the requeue and resume that no node is to blame
@@ -219,8 +223,6 @@ def _from_mpi_root(compute: Callable):
 
 
 def _job_mtbf(loaded: LoadedJob, work_dir: Path, nodes: list[str]):
-    from hpcscale.observe.interval import job_mtbf
-
     try:
         events = RunDir(work_dir).attempt_events()
     except OSError:
@@ -245,10 +247,7 @@ def _abort_job() -> None:
 def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: int | None, *, switches=None) -> int:
     import torch.distributed as dist
 
-    from hpcscale.launch.context import Context, MetricsLogger
-    from hpcscale.launch.watchdog import Watchdog
-    from hpcscale.layout import ParallelDims
-    from hpcscale.parallel.mesh import build_mesh
+    from hpcscale.parallel.mesh import build_mesh  # lazy: imports torch, which loads after clean_import_path()
 
     os.environ["HPCSCALE_RANK"] = str(info.rank)
     spec = loaded.spec
@@ -311,11 +310,10 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
         on_hang=_abort_job,
     ).start()
     ctx.watchdog = watchdog  # the entry point beats it after each step (ctx.checkpoint.step does)
-    from hpcscale.launch.timing import StepTimes
 
     ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
     if spec.metrics.timing_every:
-        from hpcscale.launch import ledger, waits
+        from hpcscale.launch import ledger  # lazy: imports torch, which loads after clean_import_path()
 
         ctx._waits = waits.install()  # this thread's waits in every collective, whoever issues it (per-rank timing)
         # and what each of its collectives sends, per group (the communication ledger), in the same timing rows
