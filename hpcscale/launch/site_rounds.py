@@ -43,9 +43,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpcscale.ckpt.format import INDEX, read_index, step_dir_name
+from hpcscale.ckpt.manager import CheckpointManager
+from hpcscale.ckpt.reader import load_shards
+from hpcscale.ckpt.shards import local_shards
 from hpcscale.config.xsite import XsiteConfig, load_xsite
+from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.util.paths import expand_path
 from hpcscale.xsite import handed
+from hpcscale.xsite.outer import check_finite
 from hpcscale.xsite.rounds import TAG
 
 POLL_S = 1.0
@@ -157,9 +163,6 @@ class Rounds:
         boundary = done_steps - (done_steps - self.start) % self.H
         if self.since >= boundary:  # a round was adopted after the boundary: nothing in flight
             return False
-        from hpcscale.ckpt.format import INDEX, read_index, step_dir_name
-        from hpcscale.ckpt.reader import load_shards
-        from hpcscale.ckpt.shards import local_shards
 
         copies = {name: p.detach().clone() for name, p in self.model.named_parameters()}
         problem = None
@@ -269,7 +272,6 @@ class Rounds:
         """Why θ(r) must not become this model's weights (None: it may): a tensor missing, extra or of another
         shape than the parameter it replaces, or a value that is not finite. The sync tick refuses such rounds
         already; a file planted in the run directory must not reach the weights either."""
-        from hpcscale.xsite.outer import check_finite
 
         # every parameter this rank holds must be there with its global shape; θ may hold more (buffers, which
         # stay the site's own, and a pipeline's other stages)
@@ -302,8 +304,6 @@ class Rounds:
         ok = torch.tensor([1.0 if same else 0.0], device=self.ctx.device)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if ok.item() < 1:
-            from hpcscale.errors import BadInput
-
             raise BadInput(
                 f"xsite.start_from: global round 0 is not the checkpoint this site started from "
                 f"({self.ctx.job.xsite.start_from}):"
@@ -345,9 +345,6 @@ def load_start_from(ctx, dims, tensors: dict[str, torch.Tensor], *, check_state=
     (hpcscale.ckpt.manager.Restored: the step and the trainer state); the caller takes neither the data position
     nor the RNG from it. Refused (VerificationFailure) when none loads: a site must not start from anything else;
     BadInput when it is at or past `steps` (the training's last step), where no round could follow. Collective."""
-    from hpcscale.ckpt.format import step_dir_name
-    from hpcscale.ckpt.manager import CheckpointManager
-    from hpcscale.errors import BadInput, VerificationFailure
 
     root = expand_path(ctx.job.xsite.start_from)
     seen = [root.is_dir()]  # rank 0's answer for every rank: one rank raising alone would hang the others
