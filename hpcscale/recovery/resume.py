@@ -39,12 +39,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from hpcscale.config.load import LoadedJob
+from hpcscale.ckpt.format import committed_steps, step_dir_name
+from hpcscale.ckpt.ops import verify
+from hpcscale.config.decode import Decoder
+from hpcscale.config.load import LoadedJob, check_job
 from hpcscale.config.render import to_plain
+from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.failure import MAX_RANKS, first_cause, rank_failure
+from hpcscale.launch.local import LocalResult, local_env, run_local
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
@@ -53,13 +57,12 @@ from hpcscale.recovery.joblog import attempt_lines, read_logs
 from hpcscale.recovery.requeue import grace_advice
 from hpcscale.rundir import RESUME_STATE, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
+from hpcscale.slurm.submit import Prepared, prepare, submit_job
 from hpcscale.util import proc
 from hpcscale.util.hostlist import expand
-from hpcscale.util.trust import check_fd, clean
-
-if TYPE_CHECKING:
-    from hpcscale.launch.local import LocalResult
-    from hpcscale.slurm.submit import Prepared
+from hpcscale.util.paths import expand_path
+from hpcscale.util.pystart import child_env, hpcscale_command
+from hpcscale.util.trust import check_fd, check_trusted, clean
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
@@ -263,8 +266,6 @@ def diagnose_local(rd: RunDir, sub: Submission) -> Diagnosis:
 # ---- checkpoints ---------------------------------------------------------------------------------------------
 def pick_checkpoint(rd: RunDir) -> tuple[int | None, list[dict]]:
     """(the newest step that verifies whole, [{step, problem}] of the newer ones that do not)."""
-    from hpcscale.ckpt.format import committed_steps, step_dir_name
-    from hpcscale.ckpt.ops import verify
 
     if not rd.checkpoints.is_dir():
         return None, []
@@ -398,6 +399,7 @@ def _choose_tier(plan: Plan, rd: RunDir, client: SlurmClient, nodes: int) -> Non
     verified one and the nodes that hold it whole survive (not excluded, not down): the resubmission must then
     run on them (`--nodelist`), and the ranks load it without reading the shared tier. Otherwise the shared
     tier, and why."""
+    # lazy: ckpt.nodelocal imports torch, and resume runs on the login node (hpcscale resume)
     from hpcscale.ckpt.nodelocal import RECORD, plan_from_record
 
     lost = set(plan.exclude)
@@ -414,10 +416,6 @@ def _choose_tier(plan: Plan, rd: RunDir, client: SlurmClient, nodes: int) -> Non
 
 
 def _resized(loaded: LoadedJob, nodes: int) -> LoadedJob:
-    from hpcscale.config.decode import Decoder
-    from hpcscale.config.load import check_job
-    from hpcscale.config.yamlsrc import load_yaml
-
     spec = replace(loaded.spec, nodes=nodes)
     dec = Decoder(loaded.source or load_yaml(loaded.path))  # -p overrides keep their "command line" place
     check_job(spec, loaded.site.config, dec)
@@ -428,7 +426,6 @@ def _resized(loaded: LoadedJob, nodes: int) -> LoadedJob:
 
 def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob, prepared: Prepared | None = None) -> str | None:
     """Submit the plan's job (`prepared`: as what_it_runs showed it, sent as it is) and record the decision."""
-    from hpcscale.slurm.submit import submit_job
 
     reason = f"resume from step {plan.checkpoint}" if plan.checkpoint is not None else "resume from the start"
     reason += f" after: {plan.diagnosis.explanation}"[:400]
@@ -484,13 +481,10 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob, prepared: Prepared |
         "source": list(site.environment.source),
     }
     if plan.kind == "local":
-        from hpcscale.util.pystart import child_env, hpcscale_command
-
         out["command"] = [
             "mpirun", "-n", str(spec.world_size), "--oversubscribe", "--bind-to", "none", *site.launcher.extra_args,
             *hpcscale_command("launch", "--run-dir", str(rd.path)),
         ]  # fmt: skip
-        from hpcscale.launch.local import local_env
 
         # as run_local sets it (PYTHONPATH's absolute entries only)
         out["environment"] = child_env({**env, **local_env(), "OMP_NUM_THREADS": "1"}, {})
@@ -508,7 +502,6 @@ def what_it_runs(rd: RunDir, plan: Plan, loaded: LoadedJob, prepared: Prepared |
 def prepare_resubmission(rd: RunDir, plan: Plan, loaded: LoadedJob, client: SlurmClient | None = None) -> Prepared:
     """The Slurm resubmission of the plan, resolved and rendered once: shown by what_it_runs, sent by
     submit_resume."""
-    from hpcscale.slurm.submit import prepare
 
     return prepare(loaded, run_dir=rd.path, excluded=tuple(plan.exclude), required=tuple(plan.nodelist), client=client)
 
@@ -517,8 +510,6 @@ def _check_named_files(loaded: LoadedJob) -> None:
     """The files the job script sources (site `environment.source`) and the program a `command:` job names by
     absolute path run as the user: each that exists here must be trusted like the configuration naming it
     (hpcscale.util.trust; UntrustedFile, exit 2). Paths that exist only on the compute nodes are not checked."""
-    from hpcscale.util.paths import expand_path
-    from hpcscale.util.trust import check_trusted
 
     named = [(p, "file the job script sources (site.yaml environment.source)") for p in
              loaded.site.config.environment.source]  # fmt: skip
@@ -577,7 +568,6 @@ def resume(
             return Resumed(plan)
         record(rd, plan)
         on_plan(plan)
-        from hpcscale.launch.local import run_local
 
         result = run_local(loaded, ranks=loaded.spec.world_size, run_dir=rd.path, reuse=True, echo=echo, warn=warn)
     return Resumed(plan, result)
