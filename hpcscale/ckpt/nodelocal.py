@@ -24,8 +24,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcscale.ckpt.format import INDEX, Index, committed_steps, open_data_file, read_index, step_dir_name
-from hpcscale.portable.files import fsync_dir
+from hpcscale.ckpt.format import (
+    INDEX,
+    ChunkRef,
+    Index,
+    committed_steps,
+    open_data_file,
+    read_index,
+    step_dir_name,
+    tensor_view,
+)
+from hpcscale.ckpt.ops import chunk_verdict
+from hpcscale.ckpt.reader import ChunkReader, overlapping, torch_dtype
+from hpcscale.ckpt.shards import LocalShard
+from hpcscale.ckpt.writer import PendingShard, aligned_empty
+from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.portable.files import atomic_write, fsync_dir
+from hpcscale.util.bounded import loads_json
+from hpcscale.util.trust import UntrustedFile, read_trusted
 
 PIECE = 16 << 20  # bytes per send/recv of a file's transfer
 
@@ -97,8 +113,6 @@ def build(node_of: list[str], k: int, leaf_of: dict[str, str], leaf_order: list[
 # ---- what a node holds ------------------------------------------------------------------------------------------
 def file_problem(root: Path, index: Index, rel: str) -> str | None:
     """None when `root/rel` holds every chunk `index` places in it with the right hash; else what is wrong."""
-    from hpcscale.ckpt.format import ChunkRef
-    from hpcscale.ckpt.ops import chunk_verdict
 
     t = index.tables
     names = [s.decode() for s in t.strings["files"]]
@@ -185,8 +199,6 @@ def complete_steps(per_node: dict[str, dict[int, tuple[str, list[str], list[str]
 
 def needed_files(index: Index, targets) -> set[str]:
     """The data files holding a chunk of a saved shard that overlaps one of `targets` (this rank's pieces)."""
-    from hpcscale.ckpt.format import tensor_view
-    from hpcscale.ckpt.reader import overlapping
 
     out: set[str] = set()
     for t in targets:
@@ -228,10 +240,6 @@ def drain_source(root: Path, step: int, rank: int, *, staging=None) -> tuple[lis
     so every chunk of a shard this rank wrote is in this rank's own data file. `staging(shards)` (the shared
     writer's ShardWriter.staging, given shards over meta tensors) gives the buffers to read into, kept from
     drain to drain in one arena and never page-locked; without it, new page-aligned buffers."""
-    from hpcscale.ckpt.reader import ChunkReader, torch_dtype
-    from hpcscale.ckpt.shards import LocalShard
-    from hpcscale.ckpt.writer import PendingShard, aligned_empty
-    from hpcscale.errors import VerificationFailure
 
     name = step_dir_name(step)
     index = read_index(root / name / INDEX)
@@ -468,8 +476,6 @@ def write_node_local_record(path: Path, *, step: int, nodes: list[str], holders:
     no one else can write (plan_from_record)."""
     import json
 
-    from hpcscale.portable.files import atomic_write
-
     text = json.dumps({"step": step, "nodes": nodes, "holders": holders}, sort_keys=True) + "\n"
     atomic_write(path, text, mode=0o644, exact_mode=True)
 
@@ -518,9 +524,6 @@ def plan_from_record(path: Path, *, lost: set[str], max_nodes: int) -> LocalChoi
     owned by the user or root, writable by no one else, not a symbolic link, checked on the descriptor read,
     at most RECORD_MAX_BYTES): UntrustedFile (BadInput, exit 2) otherwise. Within that, every field is checked;
     whatever is wrong with its contents means "no node-local step", said in `why`."""
-    from hpcscale.errors import BadInput
-    from hpcscale.util.bounded import loads_json
-    from hpcscale.util.trust import UntrustedFile, read_trusted
 
     if not os.path.lexists(path):
         return LocalChoice(None, [], "no node-local step recorded")
