@@ -33,8 +33,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hpcscale.ckpt.format import LATEST, step_dir_name, step_of
+from hpcscale.ckpt.ops import verify
+from hpcscale.config.load import resolve_site
 from hpcscale.errors import BadInput
 from hpcscale.layout import JobLayout
+from hpcscale.observe.timing import read_windows, traffic
+from hpcscale.recovery.resume import plan_resume
+from hpcscale.rundir import ATTEMPTS, CHECKPOINTS, LOGS, METRICS, OWNER, RUN_ID, TIMING, RunDir
+from hpcscale.smoke.probe import SMOKE_DIR
 from hpcscale.util.bounded import read_bounded, read_tail
 from hpcscale.util.trust import private_dir
 
@@ -206,8 +213,6 @@ METRICS_TAIL = 8 << 20  # the end of a smoke job's metrics.jsonl read (a smoke r
 
 
 def _rank_reports(run_dir: Path) -> list[dict]:
-    from hpcscale.smoke.probe import SMOKE_DIR
-
     out = []
     for path in sorted((run_dir / SMOKE_DIR).glob("rank-*.json")):
         try:  # a rank's report is a few KB: a FIFO, a device or a larger file there is no report of ours
@@ -337,8 +342,6 @@ def expected_groups(plan: SmokePlan) -> list[str]:
 def traffic_check(layout: JobOutcome, plan: SmokePlan) -> Check:
     """The layout run's bytes per step in each process group, from its newest ledger window (timing.jsonl);
     it fails when a group the layout splits moved nothing (a reduction or a stage's sends missing)."""
-    from hpcscale.observe.timing import read_windows, traffic
-    from hpcscale.rundir import TIMING
 
     windows = read_windows(layout.run_dir / TIMING) if (layout.run_dir / TIMING).is_file() else []
     groups = traffic(windows[-1]) if windows else []
@@ -360,9 +363,6 @@ def traffic_check(layout: JobOutcome, plan: SmokePlan) -> Check:
 
 
 def verify_checkpoint(layout: JobOutcome, step: int) -> Check:
-    from hpcscale.ckpt.format import step_dir_name
-    from hpcscale.ckpt.ops import verify
-
     step_dir = layout.run_dir / "checkpoints" / step_dir_name(step)
     if not (step_dir / "index.h5").is_file():
         return Check("checkpoint", "fail", f"no committed checkpoint at {step_dir} (layout run {layout.how})")
@@ -385,8 +385,6 @@ def stopped_at(src: Path, dst: Path, step: int) -> None:
     """A copy of run directory `src` in `dst` as the run was after `step` steps: its recorded spec and
     submissions, and its checkpoints up to that step (copied out of a separate checkpoint root if the site has
     one: never shared), without its metrics, logs or run id (a copy is a run of its own)."""
-    from hpcscale.ckpt.format import LATEST, step_of
-    from hpcscale.rundir import ATTEMPTS, CHECKPOINTS, LOGS, METRICS, OWNER, RUN_ID, TIMING
 
     skip = {RUN_ID, METRICS, TIMING, ATTEMPTS, LOGS, CHECKPOINTS}
     dst.mkdir(parents=True)
@@ -423,8 +421,6 @@ def compare_resume(layout: JobOutcome, resumed: JobOutcome | None, half: int) ->
 
 def diagnose_timeout(outcome: JobOutcome, plan: SmokePlan) -> Check:
     """What `resume --dry-run` would say of the forced timeout."""
-    from hpcscale.recovery.resume import plan_resume
-    from hpcscale.rundir import RunDir
 
     late = plan.layout.world - 1
     try:
@@ -462,7 +458,6 @@ def make_plan(
     machine shows, else 4). A Slurm site: `nodes` nodes (default 2) of the partition (default: the site's),
     one rank per GPU (2 per node on CPU partitions), all of each node's cores. tp and pp default to 2 where the
     ranks allow, so all three axes are exercised on 8 ranks or more."""
-    from hpcscale.config.load import resolve_site
 
     if local:
         if nodes not in (None, 1):
