@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcscale.config.xsite import XsiteConfig, XsiteSite
+from hpcscale.data.manifest import Manifest, entry_for
 from hpcscale.errors import BadInput
 from hpcscale.portable import lock as tick_lock
 from hpcscale.portable.errors import StageError
@@ -68,10 +69,26 @@ from hpcscale.portable.files import append_json_lines, atomic_write
 from hpcscale.portable.hashing import SHA256
 from hpcscale.util.bounded import read_bounded, read_tail
 from hpcscale.util.paths import expand_path
+from hpcscale.util.trust import private_dir
 from hpcscale.xsite import handed
+from hpcscale.xsite.channel import parse_endpoint
 from hpcscale.xsite.handed import GLOBAL_DIR, global_path
+from hpcscale.xsite.roundfile import (
+    FP32_MAX,
+    THETA,
+    Rejected,
+    RejectedContribution,
+    read_contribution,
+    read_round,
+    round_stem,
+    theta_digest,
+    training_id,
+    write_contribution,
+    write_round,
+)
 from hpcscale.xsite.roundfile import contribution_stem as contrib_stem  # one owner of the record names
-from hpcscale.xsite.roundfile import round_stem
+from hpcscale.xsite.signing import load_keyring, load_private
+from hpcscale.xsite.stage import StageOptions, stage_files
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled: an idle tick needs none of it (1 s)
     import torch
@@ -152,7 +169,12 @@ def _fault(point: str) -> None:
 
 def _round_checkpoints(run: Path) -> list[tuple[int, dict]]:
     """(step, xsite tag) of every committed checkpoint of the run that is a round checkpoint, oldest first."""
-    from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name
+    from hpcscale.ckpt.format import (  # lazy: loads numpy, which this module avoids
+        INDEX,
+        committed_steps,
+        read_index,
+        step_dir_name,
+    )
 
     root = run / "checkpoints"
     if not root.is_dir():
@@ -176,16 +198,14 @@ def _start(tag: dict) -> int:
 
 
 def _consolidated(run: Path, step: int) -> dict[str, torch.Tensor]:
-    from hpcscale.ckpt.export import consolidated
-    from hpcscale.ckpt.format import step_dir_name
+    from hpcscale.ckpt.export import consolidated  # lazy: loads torch, kept off `hpcscale sync`
+    from hpcscale.ckpt.format import step_dir_name  # lazy: loads numpy, which this module avoids
 
     return {k: v.float() for k, v in consolidated(run / "checkpoints" / step_dir_name(step)).items()}
 
 
 def _push(cfg: XsiteConfig, files: list[Path], src_dir: Path, dst: str) -> int:
     """Stage `files` (in src_dir) to the endpoint `dst` with the staging transports; bytes sent."""
-    from hpcscale.data.manifest import Manifest, entry_for
-    from hpcscale.xsite.stage import StageOptions, stage_files
 
     entries = [entry_for(src_dir, f.name, SHA256) for f in files]
     opts = StageOptions(jobs=1, ssh=tuple(str(expand_path(a)) if a.startswith("~") else a for a in cfg.ssh))
@@ -242,7 +262,6 @@ def _state_dirs(cfg: XsiteConfig, me: XsiteSite) -> None:
     someone else would stop or mislead it (a round-999999.json in rounds/ stopped publishing). Otherwise
     UntrustedFile, exit 2, before anything in them is read. Every site's incoming/ directory is made here too,
     before a push makes it with the pushing session's umask."""
-    from hpcscale.util.trust import private_dir
 
     state = Path(os.path.realpath(_state(me)))  # a state path that is a symbolic link: the directory it leads to
     subs = [OUTBOX, INBOX, LOCK_DIR]
@@ -268,8 +287,6 @@ def _append_log(state: Path, events: list[dict[str, Any]]) -> None:
 
 
 def _tick_locked(cfg: XsiteConfig, me: XsiteSite, report: TickReport, clock: TickClock) -> None:
-    from hpcscale.xsite.signing import load_keyring, load_private
-
     key = load_private(expand_path(me.key))
     keyring = load_keyring(expand_path(cfg.keys))
     aggregator = cfg.site(cfg.aggregator)
@@ -334,8 +351,6 @@ def _write_fresh_round(state: Path, cfg: XsiteConfig, r: int, theta: dict, key, 
     behind its sites takes over (its momentum was in the rounds it lost)."""
     import torch
 
-    from hpcscale.xsite.roundfile import write_round
-
     momentum = {k: torch.zeros_like(v) for k, v in theta.items()}
     write_round(state / ROUNDS, round=r, parent=None if r == 0 else r - 1, outer=_outer(cfg), accepted=[],
                 rejected=[], theta=theta, momentum=momentum, key=key, training=training)  # fmt: skip
@@ -348,7 +363,6 @@ def _publish_round0(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport) ->
     start = [step for step, tag in _round_checkpoints(_run(me)) if tag["base_round"] == -1 and step == _start(tag)]
     if not start:
         return  # the aggregator's trainer has not saved its start yet
-    from hpcscale.xsite.roundfile import training_id  # here, not above: a tick with nothing to publish needs no torch
 
     theta = _consolidated(_run(me), start[0])
     # every later record of this training names it
@@ -419,7 +433,6 @@ def _catch_up(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport)
     if ahead is None:
         _say_behind(state, newest, None, report)
         return True
-    from hpcscale.xsite.roundfile import Rejected, read_contribution, read_round
 
     ours = None  # this aggregator's newest round's record, verified (its training, θ's names and shapes)
     if published:
@@ -480,8 +493,7 @@ def _adopt(cfg: XsiteConfig, me: XsiteSite, key, report: TickReport, ours, train
             entry = next((e for e in handed.entries(_run(me)) if e.round == r), None)
         if not digests or entry is None:
             return False  # nothing to adopt θ(r) from (and no torch loaded to find that out)
-    from hpcscale.xsite.outer import check_outer_result
-    from hpcscale.xsite.roundfile import THETA, theta_digest
+    from hpcscale.xsite.outer import check_outer_result  # lazy: loads torch, kept off `hpcscale sync`
 
     if copy is not None:
         theta, source = copy.theta, f"{copy.path} (signed by this aggregator's key)"
@@ -573,8 +585,6 @@ def _fetch_command(site: XsiteSite, r: int, dest: Path) -> str:
     """The command that copies round r's record from `site`'s inbox into `dest` (shown, never run)."""
     import shlex
 
-    from hpcscale.xsite.channel import parse_endpoint
-
     names = [f"{round_stem(r)}.json", f"{round_stem(r)}.safetensors"]
     try:
         ep = parse_endpoint(site.reach)
@@ -591,8 +601,6 @@ def _fetch_command(site: XsiteSite, r: int, dest: Path) -> str:
 
 # ---- 2-3. export and push this site's contribution --------------------------------------------------------------
 def _verified_round(cfg: XsiteConfig, state: Path, keyring, r: int, where: str = INBOX, need_momentum: bool = False):
-    from hpcscale.xsite.roundfile import read_round
-
     path = state / where / f"{round_stem(r)}.json"
     if not path.exists():
         return None
@@ -625,8 +633,7 @@ def _export(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport) -
         if foreign:
             report.add("waiting", reason=f"round {base} in the inbox cannot be a base: {foreign}")
             continue
-        from hpcscale.xsite.outer import check_finite, delta, encode  # torch: only once there is one to write
-        from hpcscale.xsite.roundfile import theta_digest, write_contribution
+        from hpcscale.xsite.outer import check_finite, delta, encode  # lazy: loads torch, kept off `hpcscale sync`
 
         try:
             d = delta(published.theta, _consolidated(_run(me), step))
@@ -792,8 +799,7 @@ def _aggregate(cfg: XsiteConfig, me: XsiteSite, key, keyring, report: TickReport
     arrived = _arrivals(cfg, state, r, oldest)
     if not any(a.base == r - 1 for a in arrived):
         return  # the usual cron tick: do not read and verify the whole base round for nothing (late ones wait)
-    from hpcscale.xsite.outer import OuterStep, check_outer_result
-    from hpcscale.xsite.roundfile import RejectedContribution, write_round
+    from hpcscale.xsite.outer import OuterStep, check_outer_result  # lazy: loads torch, kept off `hpcscale sync`
 
     base = _verified_round(cfg, state, keyring, r - 1, where=ROUNDS, need_momentum=True)
     valid, rejected = _check(cfg, arrived, base, keyring, r, oldest)
@@ -879,8 +885,12 @@ def _arrivals(cfg: XsiteConfig, state: Path, r: int, oldest: int) -> list[Arriva
 
 def _check(cfg: XsiteConfig, arrived: list[Arrival], base, keyring, r: int, oldest: int):
     """(what verifies, decoded and measured; what does not, with the reason) of the arrivals."""
-    from hpcscale.xsite.outer import check_finite, contribution_bound, decode, l2_norm
-    from hpcscale.xsite.roundfile import Rejected, RejectedContribution, read_contribution
+    from hpcscale.xsite.outer import (  # lazy: loads torch, kept off `hpcscale sync`
+        check_finite,
+        contribution_bound,
+        decode,
+        l2_norm,
+    )
 
     shapes = {k: tuple(v.shape) for k, v in base.theta.items()}
     bound = contribution_bound(shapes)
@@ -909,7 +919,6 @@ def _bound_to(cfg: XsiteConfig, c, base, digests: dict[int, str], keyring) -> No
     """Rejected unless contribution `c` names this training and was computed against the very θ(base) it
     names (a training that names itself: from its round 0 on; one whose rounds name none, from before records
     did, takes unbound contributions). digests caches each base round's θ digest for this tick."""
-    from hpcscale.xsite.roundfile import Rejected, theta_digest
 
     if base.training is None:
         return
@@ -982,7 +991,7 @@ def _quorum(cfg: XsiteConfig, state: Path, r: int, on_time: list[str], clock: Ti
 def _screen(cfg: XsiteConfig, state: Path, r: int, base, valid: list[Checked]):
     """outer.screen over these contributions: refused (no honest round could have their norm), held out or cut
     to the usual size, each against the other sites' norms applied in the last HISTORY_ROUNDS published rounds."""
-    from hpcscale.xsite.outer import HISTORY_ROUNDS, l2_norm, screen
+    from hpcscale.xsite.outer import HISTORY_ROUNDS, l2_norm, screen  # lazy: loads torch, kept off `hpcscale sync`
 
     return screen(
         {c.site: c.norm for c in valid},
@@ -999,7 +1008,6 @@ def _applied_norms(cfg: XsiteConfig, state: Path, rounds: range) -> dict[str, li
     """site -> the norms its contributions were applied with in these published rounds (this aggregator's own
     records; a round missing, unreadable or without norms adds nothing). Only this config's sites, and only
     finite numbers from 0 to fp32's largest: whatever the file says, a norm that could not be a Δ's is left out."""
-    from hpcscale.xsite.roundfile import FP32_MAX
 
     sites = {s.name for s in cfg.sites}
     out: dict[str, list[float]] = {}
@@ -1016,7 +1024,7 @@ def _applied_norms(cfg: XsiteConfig, state: Path, rounds: range) -> dict[str, li
 
 def _combine(cfg: XsiteConfig, valid: list[Checked]) -> dict[str, torch.Tensor]:
     """Δ̄ by the configured rule; token weights (the `mean` rule's) capped relative to the other sites'."""
-    from hpcscale.xsite.outer import aggregate, capped_weights
+    from hpcscale.xsite.outer import aggregate, capped_weights  # lazy: loads torch, kept off `hpcscale sync`
 
     if cfg.outer.rule == "mean" and cfg.weighting == "tokens":
         weights = capped_weights({c.site: c.contribution.tokens for c in valid}, ratio=cfg.outer.max_weight_ratio)
@@ -1058,7 +1066,6 @@ def _site_copy(cfg: XsiteConfig, state: Path, key, keyring, r: int) -> Path:
     """outgoing/round-r: the published round's θ, signed again without the momentum (a site needs only θ, and
     the downlink to every site is most of a round's bytes). Made from the verified full round, so a tick killed
     between publishing and this is completed by the next."""
-    from hpcscale.xsite.roundfile import write_round
 
     path = state / OUTGOING / f"{round_stem(r)}.json"
     if path.exists():
@@ -1111,8 +1118,6 @@ def _push_round(
 
 
 def _hand_over(cfg: XsiteConfig, me: XsiteSite, keyring, report: TickReport) -> None:
-    from hpcscale.xsite.roundfile import Rejected
-
     state = _state(me)
     found = _rounds_in(state / INBOX)
     if not found:
@@ -1155,8 +1160,13 @@ def _unfit_round(run: Path, published) -> str | None:
     """Why a verified round must not be handed to the run (None: it may): θ not finite or beyond the bound a
     published round keeps (outer.check_outer_result), or names and shapes other than the run's model's (its
     newest checkpoint's, where it has one). A site that refuses a round goes on to the next valid one."""
-    from hpcscale.ckpt.format import INDEX, committed_steps, read_index, step_dir_name
-    from hpcscale.xsite.outer import check_outer_result
+    from hpcscale.ckpt.format import (  # lazy: loads numpy, which this module avoids
+        INDEX,
+        committed_steps,
+        read_index,
+        step_dir_name,
+    )
+    from hpcscale.xsite.outer import check_outer_result  # lazy: loads torch, kept off `hpcscale sync`
 
     problem = check_outer_result(published.theta, {})
     if problem:
