@@ -37,6 +37,11 @@ from hpcscale.errors import BadInput
 MAX_LISTED = 8  # problems named in one refusal; the rest counted
 
 
+def listed(lines: list[str], limit: int = MAX_LISTED) -> list[str]:
+    """The first `limit` of `lines`, then `... and N more`: what one refusal names."""
+    return lines[:limit] + ([f"... and {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
 @dataclass(frozen=True, slots=True)
 class SplitProblem:
     """One parameter the plan would split in a way the first forward cannot run."""
@@ -133,9 +138,7 @@ def check_plan(model: nn.Module, plan: Any, *, tp: int) -> None:
     found = problems(model, plan, tp=tp)
     if not found:
         return
-    lines = [p.line(tp) for p in found[:MAX_LISTED]]
-    if len(found) > MAX_LISTED:
-        lines.append(f"... and {len(found) - MAX_LISTED} more")
+    lines = listed([p.line(tp) for p in found])
     raise BadInput(
         f"ctx.parallelize: the tp_plan does not fit the model at parallel.tp = {tp} (torch would split these "
         "unevenly and the first forward would fail inside it):\n  "

@@ -46,6 +46,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hpcscale.errors import BadInput
+from hpcscale.parallel.tp_check import listed
 
 RTOL = 1e-5  # of the parameter's L1 norm; far below what a gradient computed on a share differs by
 MAX_LISTED = 5  # parameters named in one refusal; the rest counted
@@ -154,9 +155,7 @@ def spreads(
 
 def refusal(found: list[GradSpread], *, tp: int) -> BadInput:
     """The BadInput naming `found` (up to MAX_LISTED, then a count) and what to do."""
-    lines = [s.line() for s in found[:MAX_LISTED]]
-    if len(found) > MAX_LISTED:
-        lines.append(f"... and {len(found) - MAX_LISTED} more")
+    lines = listed([s.line() for s in found], MAX_LISTED)
     return BadInput(
         f"ctx.parallelize: at parallel.tp = {tp} these parameters, left whole on every tp rank by the tp_plan, got "
         "a different gradient on each tp rank at the first optimizer step:\n  "
