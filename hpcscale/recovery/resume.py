@@ -47,7 +47,7 @@ from hpcscale.config.load import LoadedJob, check_job
 from hpcscale.config.render import to_plain
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.failure import MAX_RANKS, first_cause, rank_failure
+from hpcscale.launch.failure import MAX_RANKS, first_cause
 from hpcscale.launch.local import LocalResult, local_env, run_local
 from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
@@ -210,10 +210,11 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
     if end is not None and end.get("cause") in ("preempted", "time_limit"):
         blamed = []  # the ranks stopped on a signal: srun's lines about their exits blame nobody
     else:
+        blamed = []
         dims, placement = rank_nodes(events, job_id)
-        cause = first_cause(lines, dims=dims, placement=placement)  # the order every reader takes
-        d.rank_failure, blamed = rank_failure(lines, dims=dims, placement=placement)
-        d.shared_failure = cause.shared if cause is not None else None  # only where it is the cause
+        cause = first_cause(lines, dims=dims, placement=placement)  # the order every reader takes; read once
+        if cause is not None:  # as rank_failure says it: a shared failure in its own words, blaming no node
+            d.rank_failure, blamed, d.shared_failure = cause.shared or cause.words, list(cause.nodes), cause.shared
     d.failed_nodes = list(dict.fromkeys([*blamed, *down]))
     if (
         state == "COMPLETED"
