@@ -272,6 +272,35 @@ def test_a_concurrent_swapper_never_gets_a_write_outside_and_never_a_false_manif
         assert "symlink" in r.stderr or "replaced" in r.stderr or "vanished" in r.stderr or "removed" in r.stderr
 
 
+@pytest.mark.parametrize("now", ["symlink", "directory", "gone", "file"])
+def test_a_directory_refused_as_it_was_opened_is_named_for_what_is_there_now(tmp_path, now):
+    """open(O_NOFOLLOW|O_DIRECTORY) refused a name; by the time the refusal is worded, a swapper may have put the
+    directory back or removed its symlink: every state says why (the swapper test above meets each by chance)."""
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    sub = dst / "sub"
+    if now == "symlink":
+        sub.symlink_to(tmp_path)
+    elif now == "directory":
+        sub.mkdir()
+    elif now == "file":
+        sub.write_bytes(b"x")
+    sink = Sink(str(dst), "xxh128", jobs=1)
+    try:
+        err = sink._in_the_way(sink.root_fd(), "sub", "sub")
+    finally:
+        sink.close()
+    words = str(err)
+    assert f"{dst}/sub" in words
+    assert {
+        "symlink": "is a symlink",
+        "directory": "is a directory again now",
+        "gone": "was removed since",
+        "file": "is in the way",
+    }[now] in words, words
+    assert now == "file" or "never writes through a symlink" in words
+
+
 # -- records that vouch for content --------------------------------------------------------------------------
 
 

@@ -505,6 +505,13 @@ class Sink:
                     "symlink in the destination",
                     "input",
                 )
+        except FileNotFoundError:  # gone by now: swapped out, then removed, while we opened it
+            return StageError(
+                f"{path} was a symlink or not a directory when this stage opened it, and was removed since: "
+                "someone is changing the destination; hpcscale stage never writes through a symlink in the "
+                "destination",
+                "input",
+            )
         except OSError:
             pass
         return StageError(f"{path} is in the way: the manifest needs a directory there", "input")
