@@ -96,11 +96,11 @@ def test_imports_run_down_the_layers():
     assert not upward, "imports up the layers:\n" + "\n".join(sorted(upward))
 
 
-# What the rank side (launch/, parallel/, train/) may know of the scheduler: the allocation it runs in and the
-# switch tree it is placed on, both read-only (slurm/allocation.py). Submitting, requeueing, cancelling and
-# reading a job's state belong to the login side (slurm/ and recovery/), above it.
+# The rank side (launch/, parallel/, train/) imports nothing of the scheduler: what a rank may read of it (the
+# switch tree it is placed on, where its job's logs go) is handed in by `hpcscale launch`
+# (hpcscale.launch.scheduler.SchedulerView). Submitting, requeueing, cancelling and reading a job's state belong
+# to the login side (slurm/ and recovery/), above it.
 RANK_SIDE = ("launch", "parallel", "train")
-RANK_SIDE_MAY_IMPORT = {"hpcscale.slurm.allocation"}
 
 
 def test_the_rank_side_reads_the_allocation_and_no_more_of_the_scheduler():
@@ -109,7 +109,7 @@ def test_the_rank_side_reads_the_allocation_and_no_more_of_the_scheduler():
         for module, targets in _graph().items()
         if _unit(module) in RANK_SIDE
         for target in targets
-        if _unit(target) in ("slurm", "recovery") and target not in RANK_SIDE_MAY_IMPORT
+        if _unit(target) in ("slurm", "recovery")
     )
     assert not reaching, "the rank side reaching into the scheduler's side:\n" + "\n".join(reaching)
 

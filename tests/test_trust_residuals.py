@@ -254,6 +254,7 @@ def test_launch_reads_its_jobs_log_paths_whole_whatever_they_hold(local_cluster,
     import subprocess
 
     from hpcscale.launch.attempts import check_own_logs
+    from hpcscale.slurm.allocation import job_log_paths
 
     monkeypatch.setenv("SLURM_CONF", local_cluster["SLURM_CONF"])
     run = tmp_path / "run X=1 Y"
@@ -261,10 +262,10 @@ def test_launch_reads_its_jobs_log_paths_whole_whatever_they_hold(local_cluster,
     jobs = []
     try:
         jobs.append(_held_job(local_cluster, run / "logs" / "slurm-%j.out", run / "logs" / "slurm-%j.err"))
-        check_own_logs(run, jobs[-1])
+        check_own_logs(run, jobs[-1], job_log_paths)
         assert "warning" not in capsys.readouterr().err
         jobs.append(_held_job(local_cluster, tmp_path / "elsewhere X=2.out", run / "logs" / "slurm-%j.err"))
-        check_own_logs(run, jobs[-1])
+        check_own_logs(run, jobs[-1], job_log_paths)
         said = capsys.readouterr().err
         assert f"writes its log to {tmp_path / 'elsewhere X=2.out'}, not {run.resolve()}/logs/" in said, said
         # resume and smoke read the job's accounting rows through the same parser (sacct's unlikely delimiter)

@@ -94,10 +94,12 @@ def place(job: str, nodes: str, site: str | None, as_json: bool) -> None:
       hpcscale topo place job.yaml --nodes 'n[1-4]'
     """
     from hpcscale.config.load import load_job
-    from hpcscale.slurm.allocation import place_job
+    from hpcscale.slurm.allocation import site_tree
+    from hpcscale.topology.placement import place_job
+    from hpcscale.util.hostlist import expand
 
     loaded = load_job(job, site=site)
-    p = place_job(loaded, nodes)
+    p = place_job(loaded, expand(nodes), tree=site_tree(loaded.site.config))
     if as_json:
         print_json(
             {

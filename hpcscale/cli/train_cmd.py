@@ -29,8 +29,12 @@ def launch(run_dir: Path, sweep_index: int | None) -> None:
     Exit codes: 0 done, 75 stopped on request (SIGUSR1/SIGUSR2/SIGTERM; resume later), 1 failure.
     """
     from hpcscale.launch.main import launch as run_rank
+    from hpcscale.launch.scheduler import SchedulerView
+    from hpcscale.slurm.allocation import job_log_paths, site_tree
 
-    sys.exit(run_rank(run_dir, sweep_index=sweep_index))
+    # the ranks read the scheduler through these two, and import nothing of hpcscale.slurm themselves
+    scheduler = SchedulerView(switch_tree=site_tree, log_paths=job_log_paths)
+    sys.exit(run_rank(run_dir, sweep_index=sweep_index, scheduler=scheduler))
 
 
 @click.command()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.errors import HpcscaleError
 from hpcscale.portable.lock import process_start_time
 from hpcscale.rundir import RunDir, Submission
-from hpcscale.slurm.allocation import job_log_paths
 from hpcscale.util.trust import clean
 
 
@@ -29,7 +29,7 @@ def attempt_event(work_dir: Path, event: str, attempt: int | None, **fields) -> 
         print(f"hpcscale launch: cannot record the attempt's {event} in {work_dir}: {e}", file=sys.stderr, flush=True)
 
 
-def begin_attempt(work_dir: Path, info, dims) -> int:
+def begin_attempt(work_dir: Path, info, dims, log_paths: Callable[[str], dict[str, str]] | None = None) -> int:
     """Number this start of the job's ranks (1, 2, ...) and record where and under which Slurm job it runs:
     every metrics line then names its attempt, so steps repeated after a requeue or resume are told apart."""
     try:
@@ -37,7 +37,7 @@ def begin_attempt(work_dir: Path, info, dims) -> int:
     except OSError:
         attempt = 0
     if os.environ.get("SLURM_JOB_ID") and not os.environ.get("SLURM_ARRAY_JOB_ID"):  # a sweep's are submitted
-        adopt_job(work_dir, os.environ["SLURM_JOB_ID"])
+        adopt_job(work_dir, os.environ["SLURM_JOB_ID"], log_paths)
     attempt_event(
         work_dir,
         "begin",
@@ -54,7 +54,7 @@ def begin_attempt(work_dir: Path, info, dims) -> int:
     return attempt
 
 
-def adopt_job(work_dir: Path, job_id: str) -> None:
+def adopt_job(work_dir: Path, job_id: str, log_paths: Callable[[str], dict[str, str]] | None = None) -> None:
     """A Slurm job hpcscale did not submit (an admin's own script calling `hpcscale launch`) is still a job of
     the run: recorded as a submission the first time one of its attempts starts, so `status` lists it and
     `resume` diagnoses it through sacct (its nodes, its exit) and resubmits with the rendered script."""
@@ -77,17 +77,18 @@ def adopt_job(work_dir: Path, job_id: str) -> None:
     except (OSError, HpcscaleError) as e:  # the run goes on; status and resume will not know this job
         print(f"hpcscale launch: cannot record job {job_id} in {work_dir}: {e}", file=sys.stderr, flush=True)
         return
-    check_own_logs(work_dir, job_id)
+    if log_paths is not None:
+        check_own_logs(work_dir, job_id, log_paths)
 
 
-def check_own_logs(work_dir: Path, job_id: str) -> None:
+def check_own_logs(work_dir: Path, job_id: str, log_paths: Callable[[str], dict[str, str]]) -> None:
     """The failure diagnosis (`resume`, `hpcscale requeue`) reads a job's log where the rendered script puts it,
     RUN/logs/slurm-JOBID.out and .err: say so at once when an admin's script writes elsewhere. The paths come
     from `scontrol show job` read by hpcscale.slurm.parse (a path holding spaces or ` Key=` is read whole)."""
     logs = Path(os.path.realpath(work_dir)) / "logs"
     want = {"StdOut": logs / f"slurm-{job_id}.out", "StdErr": logs / f"slurm-{job_id}.err"}
     try:  # the job's own environment names its cluster's slurm.conf
-        fields = job_log_paths(job_id)
+        fields = log_paths(job_id)
     except (OSError, HpcscaleError):
         return
     wrong = [k for k, path in want.items() if k in fields and Path(os.path.realpath(fields[k])) != path]

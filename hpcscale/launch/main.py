@@ -26,6 +26,7 @@ from hpcscale.launch.attempts import attempt_event, begin_attempt
 from hpcscale.launch.bootstrap import bootstrap, node_name
 from hpcscale.launch.context import Context, MetricsLogger
 from hpcscale.launch.failure import failure_line, lost_a_peer
+from hpcscale.launch.scheduler import NO_SCHEDULER, SchedulerView
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.launch.timing import StepTimes
 from hpcscale.launch.watchdog import Watchdog
@@ -40,7 +41,7 @@ from hpcscale.rundir import (
     site_checkpoint_root,
     sweep_dir,
 )
-from hpcscale.slurm.allocation import place_job, site_tree
+from hpcscale.topology.placement import place_job
 from hpcscale.topology.tree import flat_tree
 from hpcscale.util.paths import expand_path
 from hpcscale.util.pystart import clean_import_path
@@ -64,8 +65,9 @@ class _Placement:
     node-local tier's partner copies) is handed to every rank with the order; hostname order and one flat switch
     if the tree cannot be read. No other rank asks Slurm for it."""
 
-    def __init__(self, loaded: LoadedJob):
+    def __init__(self, loaded: LoadedJob, scheduler: SchedulerView):
         self.loaded = loaded
+        self.read_tree = scheduler.switch_tree
         self.switches: tuple[dict[str, str], list[str]] | None = None  # None: one node, nothing to place
 
     def __call__(self, nodes: list[str]) -> list[str]:
@@ -74,7 +76,9 @@ class _Placement:
         from dataclasses import replace
 
         try:
-            tree = site_tree(self.loaded.site.config)
+            if self.read_tree is None:
+                raise HpcscaleError("no scheduler was handed to this launch")
+            tree = self.read_tree(self.loaded.site.config)
         except HpcscaleError as e:  # no switches handed on: partners are then chosen as if each were elsewhere
             print(f"hpcscale launch: switch tree unavailable ({e}); placing as if flat", file=sys.stderr)
             tree = flat_tree(nodes)
@@ -161,7 +165,7 @@ def apply_environment(loaded: LoadedJob) -> None:
 PEER_LOST_GRACE_S = 3.0  # from a survivor's failure line to its MPI_Abort (see launch)
 
 
-def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
+def launch(run_dir: Path, *, sweep_index: int | None = None, scheduler: SchedulerView = NO_SCHEDULER) -> int:
     """Run this rank. A rank that finished exits here, with every rank (_exit_together); otherwise returns the
     process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
     stop = StopFlag()
@@ -179,7 +183,7 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         spec = loaded.spec
         if spec.train is None:
             raise BadInput(f"{run_dir}/job.yaml has no `train:` entry; `command:` jobs run their program directly")
-        placement = _Placement(loaded)
+        placement = _Placement(loaded, scheduler)
         info = bootstrap(
             timeout_s=spec.timeout_seconds,
             order_nodes=placement,
@@ -189,7 +193,7 @@ def launch(run_dir: Path, *, sweep_index: int | None = None) -> int:
         if info.rank == 0:  # every rank passed the bootstrap, so every rank's stop handler is installed
             print(RANKS_READY, flush=True)
         switches = _from_mpi_root(lambda: placement.switches)  # rank 0 read the tree: every rank gets it
-        code = _run(loaded, info, run_dir, stop, sweep_index, switches=switches)
+        code = _run(loaded, info, run_dir, stop, sweep_index, switches=switches, scheduler=scheduler)
         if code == 0:
             _exit_together(0)
     except StopRequested as e:
@@ -244,7 +248,16 @@ def _abort_job() -> None:
     MPI.COMM_WORLD.Abort(1)
 
 
-def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: int | None, *, switches=None) -> int:
+def _run(
+    loaded: LoadedJob,
+    info,
+    run_dir: Path,
+    stop: StopFlag,
+    sweep_index: int | None,
+    *,
+    switches=None,
+    scheduler: SchedulerView = NO_SCHEDULER,
+) -> int:
     import torch.distributed as dist
 
     from hpcscale.parallel.mesh import build_mesh  # lazy: imports torch, which loads after clean_import_path()
@@ -275,7 +288,7 @@ def _run(loaded: LoadedJob, info, run_dir: Path, stop: StopFlag, sweep_index: in
     if spec.checkpoint.local.every_steps and loaded.site.config.filesystems.node_local:
         sweep = work_dir.name if sweep_index is not None else None
         node_local = node_local_dir(loaded.site, info.node, run_id, sweep=sweep)
-    attempt = begin_attempt(work_dir, info, dims) if info.rank == 0 else None
+    attempt = begin_attempt(work_dir, info, dims, scheduler.log_paths) if info.rank == 0 else None
     tensorboard = work_dir / TENSORBOARD / f"attempt-{attempt}" if spec.metrics.tensorboard else None
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)
     ctx = Context(

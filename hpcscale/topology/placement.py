@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcscale.config.load import LoadedJob
+from hpcscale.config.train import model_size
 from hpcscale.errors import BadInput
 from hpcscale.layout import DP, JobLayout, ParallelDims, axis_named
 from hpcscale.topology.tree import SwitchTree
@@ -201,6 +203,16 @@ def place(
     return Placement(
         order, placement_cost(order, edges, tree), hostname_cost, False, "stage packing + swap search", weights, layout
     )
+
+
+def place_job(loaded: LoadedJob, nodes: list[str], *, tree: SwitchTree) -> Placement:
+    """The placement of job `loaded` on the allocated `nodes` under `tree`, weighed by its declared model size."""
+    spec = loaded.spec
+    if len(nodes) != spec.nodes:
+        raise BadInput(f"{loaded.path}: the job asks for {spec.nodes} nodes but the allocation has {len(nodes)}")
+    layout = JobLayout(nodes=len(nodes), tasks_per_node=spec.tasks_per_node, **spec.parallel.degrees)
+    weights = traffic_weights(layout, model_size(spec))  # the job's declared model size, or the trainer's
+    return place(nodes=list(nodes), tree=tree, layout=layout, weights=weights)
 
 
 def _leaf_distance_matrix(leaves: list[str], tree: SwitchTree, by_leaf: dict[str, list[str]]) -> np.ndarray:
