@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hpcscale.errors import BadInput
-from hpcscale.launch.context import MetricsLogger
+from hpcscale.launch.context import MetricsLogger, Runtime
 from hpcscale.launch.loopclock import LoopClock
 from hpcscale.launch.tiersaves import TierSaves
 from hpcscale.launch.watchdog import NoWatchdog
@@ -24,7 +24,7 @@ class Host:
 
     def __init__(self, shared, local, policy, metrics):
         self.manager, self._local, self._policy = shared, local, policy
-        self._ctx = SimpleNamespace(_mtbf_s=None, metrics=metrics)
+        self._ctx = SimpleNamespace(runtime=Runtime(), metrics=metrics)
         self._watchdog = NoWatchdog()
         self.defer_staging = False
 
@@ -108,17 +108,17 @@ def test_without_the_node_local_tier_the_shared_tier_saves_on_its_schedule(group
 
 def _clock(tmp_path, **ctx):
     metrics = MetricsLogger(tmp_path / "metrics.jsonl")
-    base = {"step_times": None, "grad_sync_wait_s": 0.0, "_collective_s": 0.0, "_waits": None, "metrics": metrics}
+    base = {"step_times": None, "grad_sync_wait_s": 0.0, "collective_s": 0.0, "runtime": Runtime(), "metrics": metrics}
     return LoopClock(SimpleNamespace(**{**base, **ctx}), start=0), metrics
 
 
 def test_the_clock_leaves_paused_work_out_and_counts_the_codes_collectives_as_sync(tmp_path):
-    ctx = SimpleNamespace(step_times=None, grad_sync_wait_s=0.0, _collective_s=0.0, _waits=None, metrics=None)
+    ctx = SimpleNamespace(step_times=None, grad_sync_wait_s=0.0, collective_s=0.0, runtime=Runtime(), metrics=None)
     clock = LoopClock(ctx, start=0)
     with clock.paused():
         time.sleep(0.2)  # an evaluation: no step's time
     assert clock.work_s(time.perf_counter()) < 0.15
-    ctx._collective_s = 0.5  # clip_grad_norm_'s all-reduces waited half a second
+    ctx.collective_s = 0.5  # clip_grad_norm_'s all-reduces waited half a second
     assert clock.sync_s(10.0, 10.25) == pytest.approx(0.75)
     assert clock.sync_s(10.0, 10.25) == pytest.approx(0.25)  # counted once
 

@@ -365,12 +365,12 @@ class Checkpointer:
         """The node-local tier's CheckpointManager (hpcscale.ckpt.nodelocal), None when the job has none (created
         on first use: a collective)."""
         ctx = self._ctx
-        if self._local_manager is None and ctx._node_local is not None:
+        if self._local_manager is None and ctx.runtime.node_local is not None:
             tier = ctx.job.checkpoint.local
             node_of: list = [None] * ctx.world_size
             dist.all_gather_object(node_of, ctx.node)
             # the switch tree as rank 0 read it at placement (launch/main.py): no rank asks Slurm again
-            leaf_of, leaf_order = ctx._switches if len(set(node_of)) > 1 and ctx._switches else ({}, [])
+            leaf_of, leaf_order = ctx.runtime.switches if len(set(node_of)) > 1 and ctx.runtime.switches else ({}, [])
             layout = nodelocal.build(
                 node_of,
                 tier.partners,
@@ -379,7 +379,7 @@ class Checkpointer:
                 tier.partner_switch,
             )
             self._local_manager = NodeLocalManager(
-                ctx._node_local,
+                ctx.runtime.node_local,
                 dims=ctx.dims,
                 rank=ctx.rank,
                 keep_last=tier.keep_last,
@@ -395,7 +395,9 @@ class Checkpointer:
 
             if ctx.rank == 0:
                 self._local_manager.record = ctx.run_dir / RECORD
-            ctx.metrics.print(f"hpcscale: node-local tier in {ctx._node_local}; partner copies: {layout.describe()}")
+            ctx.metrics.print(
+                f"hpcscale: node-local tier in {ctx.runtime.node_local}; partner copies: {layout.describe()}"
+            )
         return self._local_manager
 
     def close(self) -> None:

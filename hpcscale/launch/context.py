@@ -25,7 +25,21 @@ from hpcscale.layout import ParallelDims
 from hpcscale.util.paths import expand_path
 
 # the public API (docs/context-api.md, docs/huggingface.md, docs/checkpoint-format.md): what user code imports
-__all__ = ["Context", "MetricsLogger"]
+__all__ = ["Context", "MetricsLogger", "Runtime"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Runtime:
+    """What `hpcscale launch` found for this attempt before the entry point started, fixed until it ends: read by
+    the Context's parts (the step loop, the checkpoint tiers, per-rank timing) as `ctx.runtime`."""
+
+    node_local: Path | None = None  # this node's root of the node-local checkpoint tier (checkpoint.local), or None
+    # (each allocated node's leaf switch, the leaves' order), read once by rank 0 at placement (launch/main.py):
+    # the node-local tier places its partner copies by it; None on one node or when the tree could not be read
+    switches: Any = None
+    mtbf_s: float | None = None  # the job's MTBF, for checkpoint intervals of `auto` (observe/interval.py)
+    # every collective wait of the training thread (hpcscale.launch.waits), when per-rank timing is on
+    waits: Any = None
 
 
 @dataclass(kw_only=True)
@@ -49,22 +63,15 @@ class Context:
     sweep_point: dict[str, Any] = field(default_factory=dict)
     scratch: Path | None = None  # the site's scratch directory
     run_id: str | None = None  # the run directory's id (RUN/run-id): its checkpoints carry it as their owner
-    # this node's root of the node-local checkpoint tier, when the job uses it (checkpoint.local)
-    _node_local: Path | None = field(default=None, repr=False)
-    # (each allocated node's leaf switch, the leaves' order), read once by rank 0 at placement (launch/main.py):
-    # the node-local tier places its partner copies by it; None on one node
-    _switches: Any = field(default=None, repr=False)
+    runtime: Runtime = field(default_factory=Runtime)  # what launch found for this attempt (Runtime)
     watchdog: Any = None  # the rank's hang watchdog (launch/watchdog.py): .beat(step), .paused(reason)
     step_times: Any = None  # per-rank step times (launch/timing.StepTimes): .record(step, step_s=..., ...)
-    _mtbf_s: float | None = field(default=None, repr=False)  # checkpoint.every_steps: auto: the job's MTBF
     _syncs: list[Any] = field(default_factory=list, repr=False)
     _forgotten_wait_s: float = field(default=0.0, repr=False)  # the gradient-sync waits of models forgotten
     # seconds this rank spent in the step's collectives that hpcscale makes for it (clip_grad_norm_'s all-reduces,
     # the reference trainer's loss all-reduce): waiting for peers, which per-rank timing counts as sync
-    _collective_s: float = field(default=0.0, repr=False)
+    collective_s: float = 0.0
     _pp_group: Any = field(default=None, repr=False)  # mesh["pp"]'s group, looked up once (slicing the mesh reads it)
-    # every collective wait of the training thread (hpcscale.launch.waits), when per-rank timing is on
-    _waits: Any = field(default=None, repr=False)
     _checkpoint: Any = field(default=None, repr=False)
     _models: list[Any] = field(default_factory=list, repr=False)  # ctx.parallelize's; _syncs[i] is _models[i]'s
     # per model (id) given to ctx.parallelize: its ties across pipeline stages, (parameter, group of the stages
@@ -308,7 +315,7 @@ class Context:
         norm = clip_grad_norm(
             params, max_norm, pp_group=pp_group, device=self.device, waited=waited, not_counted=self._norm_skip
         )
-        self._collective_s += sum(waited or ())
+        self.collective_s += sum(waited or ())
         return norm
 
     def token_batches(
@@ -382,13 +389,15 @@ class Context:
     def should_stop(self) -> bool:
         """Whether any rank received a stop signal. A collective over all ranks: call it everywhere."""
 
-        return self._any_of(self.stop.requested)[0]
+        return self.any_of_and_sums([self.stop.requested], {})[0][0]
 
-    def _any_of(self, *flags: bool) -> list[bool]:
-        """For each flag, whether any rank's is set: one all-reduce (collective: every rank, same count)."""
-        return self._any_of_and_sums(flags, {})[0]
+    def close(self) -> None:
+        """The entry point returned: the last step's save (ctx.checkpoint's, if used) is committed and any in
+        flight waited for. Called by launch, once."""
+        if self._checkpoint is not None:
+            self._checkpoint.close()
 
-    def _any_of_and_sums(self, flags: Any, sums: dict[str, Any]) -> tuple[list[bool], dict[str, float]]:
+    def any_of_and_sums(self, flags: Any, sums: dict[str, Any]) -> tuple[list[bool], dict[str, float]]:
         """For each flag, whether any rank's is set, and each of `sums` (one-element tensors on this rank's
         device) summed over every rank, in fp64: one all-reduce and one read back to the host."""
         import torch

@@ -3,7 +3,7 @@ how far the run has to go.
 
 A step's time is measured from the end of the previous `ctx.checkpoint.step()` (or the restore) to the end of
 this one, saves included; time inside `ctx.checkpoint.paused(...)` (an evaluation) is left out. Its parts:
-`sync_s`, the stop check's all-reduce and the collectives hpcscale made for the code (`ctx._collective_s`:
+`sync_s`, the stop check's all-reduce and the collectives hpcscale made for the code (`ctx.collective_s`:
 clip_grad_norm_'s, the reference trainer's loss); `wait_s`, every collective wait of the training thread
 (hpcscale.launch.waits) saves left out; `dp_wait_s`, the data-parallel gradient averaging's wait
 (ctx.grad_sync_wait_s). They go to the rank's StepTimes (per-rank timing, docs/observability.md).
@@ -40,7 +40,7 @@ class LoopClock:
         self._times = ctx.step_times or NoStepTimes()
         self._times.restart()  # the ledger's counts from before the first step (model build, the load) are no step's
         self._dp_wait_last = ctx.grad_sync_wait_s
-        self._collective_last = ctx._collective_s
+        self._collective_last = ctx.collective_s
         self._t_last = time.perf_counter()  # when the last step() (or restore) returned
         self._waits_last = self.waited()  # the collective-wait clock at the last step()'s end
         self._progress = (self._t_last, start, -math.inf)  # since when, from which step, last said
@@ -48,12 +48,12 @@ class LoopClock:
 
     def waited(self) -> float:
         """The collective-wait clock (hpcscale.launch.waits) of the training thread; 0 while timing is off."""
-        waits = self._ctx._waits
+        waits = self._ctx.runtime.waits
         return waits.total_s if waits is not None else 0.0
 
     def sync_s(self, t_sync: float, t_read: float) -> float:
         """The stop check's all-reduce (from t_sync to t_read) and the step's other collectives made for the code."""
-        now = self._ctx._collective_s
+        now = self._ctx.collective_s
         took = t_read - t_sync + now - self._collective_last
         self._collective_last = now
         return took

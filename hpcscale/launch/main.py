@@ -24,7 +24,7 @@ from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch import waits
 from hpcscale.launch.attempts import attempt_event, begin_attempt
 from hpcscale.launch.bootstrap import bootstrap, node_name
-from hpcscale.launch.context import Context, MetricsLogger
+from hpcscale.launch.context import Context, MetricsLogger, Runtime
 from hpcscale.launch.failure import failure_line, lost_a_peer
 from hpcscale.launch.scheduler import NO_SCHEDULER, SchedulerView
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
@@ -291,6 +291,11 @@ def _run(
     attempt = begin_attempt(work_dir, info, dims, scheduler.log_paths) if info.rank == 0 else None
     tensorboard = work_dir / TENSORBOARD / f"attempt-{attempt}" if spec.metrics.tensorboard else None
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)
+    mtbf_s = None
+    if "auto" in (spec.checkpoint.every_steps, spec.checkpoint.local.every_steps):  # the job's MTBF, on every rank
+        mtbf_s = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
+    # this thread's waits in every collective, whoever issues it (per-rank timing)
+    collective_waits = waits.install() if spec.metrics.timing_every else None
     ctx = Context(
         rank=info.rank,
         world_size=info.world_size,
@@ -311,8 +316,7 @@ def _run(
         sweep_point=point,
         scratch=expand_path(loaded.site.config.filesystems.scratch),
         run_id=run_id,
-        _node_local=node_local,
-        _switches=switches,
+        runtime=Runtime(node_local=node_local, switches=switches, mtbf_s=mtbf_s, waits=collective_waits),
     )
     watchdog = Watchdog(
         rank=info.rank,
@@ -325,18 +329,14 @@ def _run(
     ctx.watchdog = watchdog  # the entry point beats it after each step (ctx.checkpoint.step does)
 
     ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
-    if spec.metrics.timing_every:
+    if collective_waits is not None:
         from hpcscale.launch import ledger  # lazy: imports torch, which loads after clean_import_path()
 
-        ctx._waits = waits.install()  # this thread's waits in every collective, whoever issues it (per-rank timing)
-        # and what each of its collectives sends, per group (the communication ledger), in the same timing rows
-        ctx.step_times.ledger = ledger.install(ctx._waits)
-    if "auto" in (spec.checkpoint.every_steps, spec.checkpoint.local.every_steps):  # the job's MTBF, on every rank
-        ctx._mtbf_s = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
+        # what each of the thread's collectives sends, per group (the communication ledger), in the timing rows
+        ctx.step_times.ledger = ledger.install(collective_waits)
     try:
         resolve_entry(spec.train.entry)(ctx)
-        if ctx._checkpoint is not None:  # ctx.checkpoint: the last step's save, and the wait for one in flight
-            ctx._checkpoint.close()
+        ctx.close()  # ctx.checkpoint's last step's save, and the wait for one in flight
     except StopRequested as e:
         if info.rank == 0:  # the batch script's requeue decision reads it (hpcscale.recovery.requeue)
             # stop_s: from the signal to the committed checkpoint, what the stop took of the grace time

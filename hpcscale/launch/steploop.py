@@ -59,7 +59,7 @@ class StepLoop:
         settle(ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
         t_sync = time.perf_counter()
         draining = saves.drain_due is not None
-        flags, values = ctx._any_of_and_sums((ctx.stop.requested, draining and saves.drain_would_wait()), sums or {})
+        flags, values = ctx.any_of_and_sums((ctx.stop.requested, draining and saves.drain_would_wait()), sums or {})
         stop, tier_busy = flags
         t_read = time.perf_counter()
         if report is not None:

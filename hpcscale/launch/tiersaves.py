@@ -40,12 +40,12 @@ class TierSaves:
 
         ctx, policy = self._host._ctx, self._host._policy
         self.shared = SaveSchedule(
-            policy.every_steps, start=step, mtbf=ctx._mtbf_s, log=ctx.metrics.log, say=ctx.metrics.print
+            policy.every_steps, start=step, mtbf=ctx.runtime.mtbf_s, log=ctx.metrics.log, say=ctx.metrics.print
         )
         self.local_schedule = SaveSchedule(
             policy.local.every_steps,
             start=step,
-            mtbf=ctx._mtbf_s,
+            mtbf=ctx.runtime.mtbf_s,
             log=ctx.metrics.log,
             say=ctx.metrics.print,
             tier="node-local",
