@@ -112,6 +112,27 @@ CASES = [
         "must be one of 'USR1', 'USR2', 'TERM'",
     ),
     ("not-a-mapping", "job", "- a  # <-\n- b\n", "", "expected a mapping"),
+    (
+        "spares-beyond-the-partition",
+        "job",
+        JOB + "nodes: 3\nrestart:\n  spare_nodes: 2  # <-\n",
+        "restart.spare_nodes",
+        "3 nodes and 2 spares requested but partition 'debug' has 4",
+    ),
+    (
+        "spares-for-a-command-job",
+        "job",
+        JOB + "command: [hostname]\nrestart:\n  spare_nodes: 1  # <-\n",
+        "restart.spare_nodes",
+        "a `command:` job cannot have spare nodes",
+    ),
+    (
+        "spares-without-slurm",
+        "job",
+        "name: j\nsite: local\nrestart:\n  spare_nodes: 1  # <-\n",
+        "restart.spare_nodes",
+        "has no Slurm allocation to hold spares",
+    ),
     ("missing-required", "job", "site: localcluster  # <-\n", "", "missing required key 'name'"),
     (
         "site-bad-hostlist",

@@ -197,6 +197,9 @@ def test_one_order_for_every_reader():
     # 1. a hang, unless a rank failed of its own accord first
     assert first_cause([*hang, own_late], world_size=4).kind == "hang"
     assert first_cause([own_first, *hang], world_size=4).kind == "failure"
+    # the stuck rank wrote nothing (stopped, then killed): its node is where the job placed it, when known
+    assert first_cause(hang, world_size=4).nodes == ()
+    assert first_cause(hang, placement=["n1", "n1", "n3", "n3"]).nodes == ("n3",)
     # ... and a hang where every rank waited in Python (a deadlock) blames no node, whatever srun killed after it
     deadlock = [
         *hang,

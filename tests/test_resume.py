@@ -10,6 +10,7 @@ crashes at every start (stops at its cap); resume while the job is running, and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -362,6 +363,60 @@ def test_under_pypis_open_mpi_5_a_killed_rank_is_named_and_its_node_excluded(loc
     assert ends[-1]["exit_code"] == 137, ends[-1]
     plan = json.loads(run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster).stdout)
     assert plan["exclude"] == ["n2"] and "killed" in plan["diagnosis"]["explanation"], plan
+
+
+def _wait_attempt_steps(run: Path, attempt: int, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = _rows(run) if (run / "metrics.jsonl").exists() else []
+        if sum(1 for r in rows if "loss" in r and r.get("attempt") == attempt) >= n:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"attempt {attempt}: fewer than {n} steps after {timeout}s\n" + _log(run)[-3000:])
+
+
+def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local_cluster, reference, tmp_path):
+    """restart.spare_nodes: 2 on the four-node cluster: the steps run on two nodes (n1, n2: the fullest leaf
+    switch), n3 and n4 wait. A rank on n2 killed with -9: the batch script leaves n2 out and starts a step on
+    n1 and the nearest spare, n3, in the same job (no requeue, no new submission), from the newest node-local
+    checkpoint (n2's part from its partner's copy on n1). Then a rank on n3 stopped with SIGSTOP (a hung node):
+    the watchdogs name it, and the next step runs on n1 and n4. The job completes in its one allocation and
+    every step's loss is the uninterrupted run's."""
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 2, "spare_nodes": 2})
+    spec = yaml.safe_load(job.read_text())
+    spec["checkpoint"]["local"] = {"every_steps": 5}
+    spec["hang_timeout_seconds"] = 15
+    job.write_text(yaml.safe_dump(spec))
+    job_id = _submit(job, run, local_cluster)
+    stopped: list[int] = []
+    try:
+        _wait_attempt_steps(run, 1, 80)
+        os.kill(_rank_pids(run, "n2")[0], signal.SIGKILL)
+        _wait_attempt_steps(run, 2, 30)
+        stopped = _rank_pids(run, "n3")[:1]
+        os.kill(stopped[0], signal.SIGSTOP)
+        assert _wait_gone(job_id, local_cluster, timeout=600) == "COMPLETED", _log(run)[-4000:]
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    events = _events(run)
+    begins = [e for e in events if e["event"] == "begin"]
+    ends = [e for e in events if e["event"] == "end"]
+    assert [e["nodes"] for e in begins] == [["n1", "n2"], ["n1", "n3"], ["n1", "n4"]], begins
+    assert [e["cause"] for e in ends] == ["failed", "failed", "completed"], ends
+    assert [e.get("excluded") for e in ends] == [["n2"], ["n3"], None], ends
+    assert [e.get("relaunch") for e in ends] == [["n1", "n3"], ["n1", "n4"], None], ends
+    assert {e["job_id"] for e in events if "job_id" in e} == {job_id} and not any(e.get("requeue") for e in ends)
+    assert all(e["restart_count"] == 0 for e in ends)
+    log = _log(run)
+    assert "relaunch 1 of restart.max_failures = 2 in this allocation: n2 left out" in log, log[-3000:]
+    assert "relaunch 2 of restart.max_failures = 2 in this allocation: n3 left out" in log, log[-3000:]
+    resumed = re.findall(r"resumed from checkpoint step (\d+) of the node-local tier", log)
+    assert len(resumed) == 2 and "nothing read from the shared tier" in log, log[-3000:]
+    assert len(json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)["submissions"]) == 1
+    _assert_matches(run, reference)
 
 
 def test_node_down_is_excluded_and_the_run_finishes_on_fewer_nodes(local_cluster, reference, tmp_path):

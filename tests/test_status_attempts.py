@@ -145,7 +145,7 @@ JSONISH = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-FIELDS = ("attempt", "time", "cause", "exit_code", "why", "failure", "requeue", "backoff_s", "nodes")
+FIELDS = ("attempt", "time", "cause", "exit_code", "why", "failure", "requeue", "backoff_s", "nodes", "relaunch")
 
 
 @settings(max_examples=60, deadline=None)

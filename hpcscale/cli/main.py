@@ -21,6 +21,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("hpcscale.cli.report_cmd", "report", "Plots and a summary of a run: loss, throughput, per-rank time."),
     "resume": ("hpcscale.cli.resume_cmd", "resume", "Explain how a run stopped; resubmit from a verified checkpoint."),
     "requeue": ("hpcscale.cli.resume_cmd", "requeue", "In a batch script, after the ranks: requeue the job or not."),
+    "step-nodes": (
+        "hpcscale.cli.resume_cmd",
+        "step_nodes",
+        "In a batch script with spare nodes: the nodes its first step runs on.",
+    ),
     "topo": ("hpcscale.cli.topo_cmd", "topo", "Show the switch tree; plan rank placement."),
     "run": ("hpcscale.cli.train_cmd", "run", "Run a job on this machine through mpirun (--local)."),
     "launch": ("hpcscale.cli.train_cmd", "launch", "One rank of a job, under srun or mpirun."),

@@ -157,7 +157,13 @@ def _show(plan) -> None:
 @click.command()
 @click.argument("run", type=click.Path(file_okay=False, exists=True, path_type=Path))
 @click.option("--exit-code", type=int, required=True, help="The ranks' exit code (srun's, or mpirun's).")
-def requeue(run: Path, exit_code: int) -> None:
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="A job with restart.spare_nodes: when the failure is relaunched in this allocation, print the next "
+    "step's nodes on stdout (nothing otherwise).",
+)
+def requeue(run: Path, exit_code: int, in_place: bool) -> None:
     """The batch script's decision after its ranks end: record how the attempt ended and requeue the job
     itself (scontrol requeue) after a stop signal, a time limit or a failure, while the job spec's restart
     budgets allow. Every built-in template calls it; a batch script of your own calls it right after srun:
@@ -168,11 +174,38 @@ def requeue(run: Path, exit_code: int) -> None:
       hpcscale requeue "$RUN" --exit-code "$rc"
 
     It prints its decision on stderr and exits 0 whatever it decides (the job's state says the rest).
+    With spare nodes (restart.spare_nodes) the default template runs its steps in a loop instead
+    (docs/runbook.md, "Spare nodes"):
+
+    \b
+      nodes=$(hpcscale step-nodes "$RUN")
+      while [ -n "$nodes" ]; do
+        srun --nodes=N --ntasks=T --nodelist="$nodes" ... hpcscale launch --run-dir "$RUN" &
+        wait $!; rc=$?
+        nodes=$(hpcscale requeue "$RUN" --exit-code "$rc" --in-place)
+      done
     """
-    _requeue(run, exit_code)
+    _requeue(run, exit_code, in_place=in_place)
 
 
-def _requeue(run: Path, exit_code: int) -> None:
+def _requeue(run: Path, exit_code: int, *, in_place: bool = False) -> None:
     from hpcscale.recovery.requeue import after_step
+    from hpcscale.util.hostlist import compress
 
-    after_step(run, exit_code, say=lambda line: click.echo(line, err=True))
+    decision = after_step(run, exit_code, say=lambda line: click.echo(line, err=True), in_place=in_place)
+    if in_place and decision.relaunch:
+        click.echo(compress(decision.relaunch))
+
+
+@click.command("step-nodes")
+@click.argument("run", type=click.Path(file_okay=False, exists=True, path_type=Path))
+def step_nodes(run: Path) -> None:
+    """In a batch script with spare nodes (restart.spare_nodes): the nodes of the allocation its first step
+    runs on, as a Slurm hostlist for `srun --nodelist`. The fewest leaf switches that hold the step, the fullest
+    first; the other nodes are the spares (docs/runbook.md, "Spare nodes")."""
+    import os
+
+    from hpcscale.recovery.requeue import first_step
+    from hpcscale.rundir import RunDir
+
+    click.echo(first_step(RunDir.open(run), os.environ, say=lambda line: click.echo(line, err=True)))

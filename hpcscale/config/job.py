@@ -273,6 +273,15 @@ class Restart:
         "in this run.",
         default="failed",
     )
+    spare_nodes: int = setting(
+        "Nodes allocated beyond `nodes` and kept idle: when a step fails with a node to blame, the batch script "
+        "leaves that node out for the rest of the job and starts a new step on the others plus a spare, in the "
+        "same allocation, without going back to the queue (docs/runbook.md). Each such relaunch counts against "
+        "`max_failures`.",
+        default=0,
+        min=0,
+        max=64,
+    )
 
 
 def check_sweep(params: dict[str, list[Any]]) -> str | None:

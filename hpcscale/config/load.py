@@ -300,9 +300,17 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         found = entry_problem(spec.train.entry, [p for p in env.get("PYTHONPATH", "").split(":") if p])
         if found is not None:
             (dec.error if found[0] == "error" else dec.warn)(("train", "entry"), found[1])
+    if spec.restart.spare_nodes and (spec.command is not None or spec.sweep is not None or spec.container):
+        what = "a `command:` job" if spec.command is not None else "a sweep" if spec.sweep else "a container job"
+        dec.error(
+            ("restart", "spare_nodes"),
+            f"{what} cannot have spare nodes: only the default template relaunches a step in place",
+        )
     if site.scheduler == "local":
         if spec.nodes != 1:
             dec.error(("nodes",), f"site '{site.name}' is this machine only: nodes must be 1")
+        if spec.restart.spare_nodes:
+            dec.error(("restart", "spare_nodes"), f"site '{site.name}' has no Slurm allocation to hold spares")
         return
     part = site.partition(spec.partition)
     if part is None:
@@ -317,6 +325,11 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
     count = len(expand(part.nodes))
     if spec.nodes > count:
         dec.error(("nodes",), f"{spec.nodes} nodes requested but {where} has {count}")
+    elif spec.nodes + spec.restart.spare_nodes > count:
+        dec.error(
+            ("restart", "spare_nodes"),
+            f"{spec.nodes} nodes and {spec.restart.spare_nodes} spares requested but {where} has {count}",
+        )
     if spec.gpus_per_node > part.gpus_per_node:
         dec.error(
             ("gpus_per_node",), f"{spec.gpus_per_node} GPUs per node requested but {where} has {part.gpus_per_node}"

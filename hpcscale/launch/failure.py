@@ -516,7 +516,9 @@ def first_cause(
     failures = [f for line in lines for f in FailureLine.parse_all(line)]
     own = _own_failures(failures)
     if (hung := hung_ranks(lines, world_size=world_size)) is not None:
-        where = stalled_nodes(lines)
+        where = stalled_nodes(lines)  # a stuck rank's node as its own stall line says, else as the job placed it
+        if placement is not None:
+            where = {r: node for r, node in enumerate(placement)} | where
         nodes = tuple(dict.fromkeys(where[r] for r in hung.stuck if r in where))
         return Cause("hang", _describe_hang(hung), tuple(hung.stuck), nodes)
     died = _DIED.search(text)

@@ -41,19 +41,23 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from hpcscale.ckpt.format import INDEX, committed_steps, step_dir_name
 from hpcscale.config.job import JobSpec
-from hpcscale.errors import STOPPED_EXIT_CODE
+from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, HpcscaleError
 from hpcscale.launch.failure import first_cause, signalled_task
 from hpcscale.launch.signals import STOP_SIGNALS
 from hpcscale.recovery.joblog import attempt_lines
+from hpcscale.recovery.nodes import NODE_FAILURE, first_step_nodes, rank_nodes, relaunch_nodes, unhealthy
 from hpcscale.rundir import RunDir
+from hpcscale.slurm.allocation import site_tree
 from hpcscale.slurm.client import SlurmClient
+from hpcscale.topology.tree import SwitchTree, flat_tree
 from hpcscale.util import proc
+from hpcscale.util.hostlist import compress, expand
 from hpcscale.util.slurmtime import parse_duration
 from hpcscale.util.trust import UntrustedFile
 
@@ -73,6 +77,8 @@ class Decision:
     checkpoint: int | None = None  # newest committed step when the attempt ended
     progress: bool = True  # a checkpoint committed since the end of the previous attempt
     committed: list | None = None  # committed_now() when the attempt ended: what the next one is judged against
+    relaunch: list | None = None  # the next step's nodes, when it starts in this allocation (restart.spare_nodes)
+    excluded: list | None = None  # the nodes this failure blames, left out of this allocation's later steps
 
 
 def classify(exit_code: int, stopped: bool, seconds_left: float | None, grace_s: int, cancelled: bool = False) -> str:
@@ -173,7 +179,8 @@ def decide(
     budget_key = BUDGETS[cause]
     r = spec.restart
     budget = {"preempted": r.max_preemptions, "time_limit": r.max_time_limits, "failed": r.max_failures}[cause]
-    used = sum(1 for e in mine if e.get("cause") == cause and e.get("requeue"))
+    # a relaunch in the allocation (restart.spare_nodes) spends the failure budget as a requeue does
+    used = sum(1 for e in mine if e.get("cause") == cause and (e.get("requeue") or e.get("relaunch")))
     if used >= budget:
         why = f"{cause.replace('_', ' ')} budget spent: {used} of restart.{budget_key} = {budget} requeues used"
         return Decision(cause, False, why, **common)
@@ -277,8 +284,81 @@ def _tail_rows(path: Path, limit: int = 8 << 20) -> list[dict]:
     return rows
 
 
-def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = None, say=print) -> Decision:
-    """Record how this attempt ended and requeue the job if the policy says so (see the module docstring)."""
+def relaunch_here(
+    spec: JobSpec,
+    events: list[dict],
+    *,
+    job_id: str | None,
+    restart_count: int,
+    blamed: list[str],
+    allocation: list[str],
+    tree: SwitchTree,
+    base: Decision,
+) -> Decision | None:
+    """The decision to start the next step in this allocation (restart.spare_nodes), or None: the failed attempt
+    blamed nodes it ran on, spares remain for them, and restart.max_failures is not spent by this job's requeues
+    and relaunches. The blamed nodes stay out of the job's later steps (`excluded` of its earlier ends too)."""
+    begins = [e for e in events if e.get("event") == "begin" and e.get("job_id") == job_id]
+    previous = begins[-1].get("nodes") if begins else None
+    if not isinstance(previous, list) or not all(isinstance(h, str) and h in allocation for h in previous):
+        return None  # a begin record that is not this allocation's (a file others may write): no relaunch here
+    failed = [h for h in blamed if h in previous]
+    if not failed or job_id is None:
+        return None
+    mine = [e for e in events if e.get("event") == "end" and e.get("job_id") == job_id]
+    here = [e for e in mine if e.get("restart_count") == restart_count]  # this allocation's: a requeue starts anew
+    before = [h for e in here if isinstance(e.get("excluded"), list) for h in e["excluded"] if isinstance(h, str)]
+    used = sum(1 for e in mine if e.get("cause") == "failed" and (e.get("requeue") or e.get("relaunch")))
+    budget = spec.restart.max_failures
+    if used >= budget:
+        return None
+    nodes = relaunch_nodes(previous, failed, allocation, before, tree)
+    if nodes is None:
+        return None
+    why = (
+        f"relaunch {used + 1} of restart.max_failures = {budget} in this allocation: {compress(failed)} left out, "
+        f"the step now on {compress(nodes)}"
+    )
+    return replace(base, requeue=False, why=why, backoff_s=0, relaunch=nodes, excluded=failed)
+
+
+def first_step(rd: RunDir, env, say=print) -> str:
+    """The hostlist of the nodes the job's first step runs on in this allocation (SLURM_JOB_NODELIST): the
+    choice of hpcscale.recovery.nodes.first_step_nodes on the site's switch tree. BadInput outside a job."""
+    spec = rd.load_job().spec
+    listed = env.get("SLURM_JOB_NODELIST")
+    if not listed:
+        raise BadInput("hpcscale step-nodes runs in a batch script: SLURM_JOB_NODELIST is not set")
+    allocation = expand(listed)
+    return compress(first_step_nodes(allocation, spec.nodes, _tree_or_flat(rd, allocation, say)))
+
+
+def _tree_or_flat(rd: RunDir, allocation: list[str], say) -> SwitchTree:
+    """The site's switch tree for choosing a spare; the allocation under one switch when it cannot be read."""
+    try:
+        return site_tree(rd.site_config())
+    except HpcscaleError as e:
+        say(f"hpcscale: switch tree unavailable ({e}); choosing a spare as if every node were under one switch")
+        return flat_tree(allocation)
+
+
+def _blamed_now(client: SlurmClient, lines: list[str], found, previous) -> list[str]:
+    """The nodes a failed attempt blames: those its first cause names, those srun saw fail, and those of its
+    step that Slurm does not have up now (a node lost: slurmd gone, marked down)."""
+    blamed = list(found.nodes) if found is not None and not found.shared else []
+    blamed += [m.group(1) for line in lines if (m := NODE_FAILURE.search(line))]
+    if isinstance(previous, list) and all(isinstance(h, str) for h in previous):
+        with contextlib.suppress(proc.CommandFailed, OSError):
+            blamed += unhealthy(client, previous)
+    return list(dict.fromkeys(blamed))
+
+
+def after_step(
+    run_dir: Path, exit_code: int, *, env: dict[str, str] | None = None, say=print, in_place: bool = False
+) -> Decision:
+    """Record how this attempt ended and requeue the job if the policy says so (see the module docstring).
+    `in_place` (the batch script of a job with spare nodes): a failure with a node to blame may instead start
+    the next step in this allocation (Decision.relaunch: its nodes); the script starts it."""
     env = dict(os.environ if env is None else env)
     rd = RunDir.open(run_dir)
     spec = rd.load_job().spec
@@ -293,14 +373,17 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
     # How the attempt ended, read from the job's log in the one order of causes (first_cause): a task that died
     # of a signal is how it ended, whatever srun's exit code (signalled_task); a failure the job shares wherever
     # it ran is a user error (srun killed the others after the first)
-    shared = died = failure = None
+    shared = died = failure = found = None
+    lines: list[str] = []
     if cause == "failed" and job_id:
         try:
             lines = attempt_lines(rd, job_id)
         except UntrustedFile as e:  # the decision is still made: srun's exit code stands for the attempt's
             say(f"hpcscale: warning: the job's log is not read: {e}")
         else:
-            found = first_cause(lines)  # the one order of causes (hpcscale.launch.failure.first_cause)
+            dims, placement = rank_nodes(events, job_id)
+            # the one order of causes (hpcscale.launch.failure.first_cause)
+            found = first_cause(lines, dims=dims, placement=placement)
             shared = found.shared if found is not None else None  # why no node is to blame, in words
             died = signalled_task(lines) if found is not None and found.kind == "signal" else None
             failure = shared or (None if died or found is None else found.words)
@@ -309,6 +392,22 @@ def after_step(run_dir: Path, exit_code: int, *, env: dict[str, str] | None = No
     committed = committed_now(rd.checkpoints)
     newest = committed[0][0] if committed else None
     decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=newest, committed=committed)
+    if in_place and cause == "failed" and spec.restart.spare_nodes and job_id:
+        previous = begins[-1].get("nodes") if begins else None
+        blamed = _blamed_now(client, lines, found, previous)
+        allocation = expand(env.get("SLURM_JOB_NODELIST", "")) if env.get("SLURM_JOB_NODELIST") else []
+        tree = _tree_or_flat(rd, allocation, say)
+        here = relaunch_here(
+            spec,
+            events,
+            job_id=job_id,
+            restart_count=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+            blamed=blamed,
+            allocation=allocation,
+            tree=tree,
+            base=decision,
+        )
+        decision = here or decision
     code = 128 + died.signum if died else exit_code
     rd.add_attempt_event(
         {

@@ -47,13 +47,13 @@ from hpcscale.config.load import LoadedJob, check_job
 from hpcscale.config.render import to_plain
 from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput, HpcscaleError
-from hpcscale.launch.failure import MAX_RANKS, first_cause
+from hpcscale.launch.failure import first_cause
 from hpcscale.launch.local import LocalResult, local_env, run_local
-from hpcscale.layout import ParallelDims
 from hpcscale.observe.timing import judge, read_windows
 from hpcscale.portable import lock as run_lock
 from hpcscale.portable.errors import StageError
 from hpcscale.recovery.joblog import attempt_lines, read_logs
+from hpcscale.recovery.nodes import NODE_FAILURE, rank_nodes, unhealthy
 from hpcscale.recovery.requeue import grace_advice
 from hpcscale.rundir import RESUME_STATE, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
@@ -66,11 +66,7 @@ from hpcscale.util.trust import check_fd, check_trusted, clean
 
 ACTIVE = {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT", "STOPPED", "SPECIAL_EXIT"}  # fmt: skip
-UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
 _STEPD = re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON (\S+) CANCELLED AT \S+ DUE TO ([A-Z ]+?) \*\*\*")
-_NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
-# MAX_RANKS (hpcscale.launch.failure): the most ranks a `begin` record's placement is worked out for (rank_nodes),
-# and the largest world a hang line in the logs is believed about
 
 
 @dataclass(slots=True)
@@ -144,42 +140,6 @@ def _nodes(text: str) -> list[str]:
         return []
 
 
-def _unhealthy(client: SlurmClient, nodes: list[str]) -> list[str]:
-    """Those of `nodes` that are not up now (down, drained, failing, not responding)."""
-    if not nodes:
-        return []
-    out = client.run("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T", check=False, timeout=30)
-    bad = []
-    for line in out.stdout.splitlines():
-        name, _, state = line.partition(" ")
-        if any(u in state.upper() for u in UNHEALTHY) and name not in bad:
-            bad.append(name)
-    return bad
-
-
-def rank_nodes(events: list[dict], job_id: str | None) -> tuple[ParallelDims | None, list[str] | None]:
-    """(the layout, the node of each global rank) of the job's last attempt, from its begin record (nodes in
-    placement order, ranks filling each node in turn); None for what it does not record usably. Every degree
-    the record holds is kept, dp_shard included: a timeout in a shard or replicate group is blamed on that
-    group's late ranks only when its members can be worked out."""
-    begins = [e for e in events if e.get("event") == "begin" and (job_id is None or e.get("job_id") == job_id)]
-    if not begins:
-        return None, None
-    nodes, world, layout = begins[-1].get("nodes"), begins[-1].get("world_size"), begins[-1].get("layout")
-    try:
-        dims = ParallelDims.from_dict(layout)
-    except BadInput:
-        dims = None
-    if dims is not None and dims.world_size != world:
-        dims = None
-    if type(world) is not int or world > MAX_RANKS:  # the record is a file others may write: a world of 10^12
-        return None, None  # ranks is neither listed here nor enumerated by the failure diagnosis (its groups)
-    if not isinstance(nodes, list) or not nodes or world % len(nodes):
-        return dims, None
-    per_node = world // len(nodes)
-    return dims, [str(nodes[r // per_node]) for r in range(world)]
-
-
 def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosis:
     job_id = sub.job_id or ""
     source = "sacct"
@@ -205,8 +165,8 @@ def diagnose_slurm(rd: RunDir, sub: Submission, client: SlurmClient) -> Diagnosi
     events = rd.attempt_events()
     ends = [e for e in events if e.get("event") == "end" and e.get("job_id") == job_id]
     end = ends[-1] if ends else None
-    down = _unhealthy(client, d.nodes)
-    down += [m.group(1) for line in lines if (m := _NODE_FAILURE.search(line)) and m.group(1) not in down]
+    down = unhealthy(client, d.nodes)
+    down += [m.group(1) for line in lines if (m := NODE_FAILURE.search(line)) and m.group(1) not in down]
     if end is not None and end.get("cause") in ("preempted", "time_limit"):
         blamed = []  # the ranks stopped on a signal: srun's lines about their exits blame nobody
     else:
@@ -405,7 +365,7 @@ def _choose_tier(plan: Plan, rd: RunDir, client: SlurmClient, nodes: int) -> Non
 
     lost = set(plan.exclude)
     choice = plan_from_record(rd.path / RECORD, lost=lost, max_nodes=nodes)
-    if choice.step is not None and (down := _unhealthy(client, choice.nodes)):
+    if choice.step is not None and (down := unhealthy(client, choice.nodes)):
         choice = plan_from_record(rd.path / RECORD, lost=lost | set(down), max_nodes=nodes)
     if choice.step is None:
         plan.tier_reason = f"{choice.why}: the shared tier"

@@ -66,7 +66,9 @@ def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
         "run_dir": str(run_dir),
         "job": {
             "name": spec.name,
-            "nodes": spec.nodes,
+            "nodes": spec.nodes + spec.restart.spare_nodes,  # the allocation: the step's nodes and the spares
+            "step_nodes": spec.nodes,
+            "spare_nodes": spec.restart.spare_nodes,
             "tasks_per_node": spec.tasks_per_node,
             "cpus_per_task": spec.cpus_per_task,
             "gpus_per_node": gpu_request,

@@ -70,7 +70,7 @@ def resolve(
     switches = None
     if tree is not None and tree.switches:
         candidates = [n for n in expand(partition.nodes) if n not in set(excluded)]
-        switches = min_leaf_switches(tree, candidates, spec.nodes, tuple(required))
+        switches = min_leaf_switches(tree, candidates, spec.nodes + spec.restart.spare_nodes, tuple(required))
     return ResolvedJob(
         spec=spec,
         site=site,

@@ -22,6 +22,9 @@ restart count; `join_attempts` joins the two on (job id, restart count), never o
   integer restart count in [0, MAX_RESTART]; of two for the same start the later wins; each field is taken
   only with the type hpcscale writes (text cut to MAX_TEXT characters, control characters escaped); a job
   shows at most MAX_ATTEMPTS starts (the newest; the number left out is noted).
+- a step relaunched in the same allocation (restart.spare_nodes, hpcscale.recovery.requeue.relaunch_here): one
+  start of the job holds several steps, each a begin and an end of its own; all but the last are shown from
+  their events, state RELAUNCHED, and the last is joined with Slurm's row.
 - the backoff: the newest start's end event asked for a requeue and Slurm still has the job RUNNING (the batch
   script is sleeping before `scontrol requeue`): the attempt is `waiting`, its requeue due at the event's
   time plus its backoff_s.
@@ -30,13 +33,14 @@ restart count; `join_attempts` joins the two on (job id, restart count), never o
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from hpcscale.config.errors import ConfigError
 from hpcscale.config.yamlsrc import parse_yaml
 from hpcscale.errors import BadInput
+from hpcscale.observe.downtime import relaunch_downtimes
 from hpcscale.rundir import JOB, TIMING, RunDir, Submission
 from hpcscale.slurm import parse
 from hpcscale.slurm.client import SlurmClient
@@ -81,6 +85,8 @@ class Attempt:
     why: str = ""  # the requeue policy's words
     failure: str = ""  # the failure every rank shared (user_error), or the local run's failure line
     requeue: bool | None = None  # the end event's decision
+    relaunch: str = ""  # the nodes of the step that replaced this one in the same allocation (restart.spare_nodes)
+    downtime: dict | None = None  # a relaunched step's: how long training stopped (hpcscale.observe.downtime)
     backoff_s: int | None = None
     ended: str = ""  # the end event's time
     waiting: bool = False  # the requeue's backoff: the end event asked for it, Slurm still has the job RUNNING
@@ -145,6 +151,9 @@ def run_status(path: Path, *, now: datetime | None = None) -> RunStatus:
     ids = [s.job_id for s in subs if s.job_id]
     events = rd.attempt_events()
     now = now or datetime.now(timezone.utc)
+    notes: list[str] = []
+    rows = _metric_rows(rd.metrics, notes)
+    downtimes = relaunch_downtimes(events, _relaunch_rows(rows, events))
     states: dict[str, list[JobState]] = {}
     sources = set()
     if ids:
@@ -160,14 +169,14 @@ def run_status(path: Path, *, now: datetime | None = None) -> RunStatus:
                 starts[job_id] = _scontrol(client, job_id)
                 sources.add("scontrol")
         for base, jobs in starts.items():
-            states[base] = [_job(job_id, name, rows, events, now) for job_id, (name, rows) in jobs.items()]
+            states[base] = [
+                _job(job_id, name, starts_of, events, now, downtimes) for job_id, (name, starts_of) in jobs.items()
+            ]
     local = [s for s in subs if s.template == "local"]
     if local:
         states.update(_local_states(rd, local, events))
         sources.add("attempts")
     source = ", ".join(sorted(sources)) or "none"
-    notes: list[str] = []
-    rows = _metric_rows(rd.metrics, notes)
     return RunStatus(
         rd.path,
         _job_name(rd),
@@ -181,10 +190,12 @@ def run_status(path: Path, *, now: datetime | None = None) -> RunStatus:
     )
 
 
-def _job(job_id: str, name: str, starts: list[Attempt], events: list[dict], now: datetime) -> JobState:
+def _job(
+    job_id: str, name: str, starts: list[Attempt], events: list[dict], now: datetime, downtimes: dict | None = None
+) -> JobState:
     """The job as Slurm has it now (its newest start), with every start joined with its events."""
     known = [a for a in starts if not a.state.startswith("UNKNOWN")]  # scontrol's "no such job" is no start
-    attempts, left_out = join_attempts(job_id, known, events, now=now)
+    attempts, left_out = join_attempts(job_id, known, events, now=now, downtimes=downtimes)
     current = starts[-1] if starts else Attempt(0, "UNKNOWN", "", "", "", "", "")
     return JobState(
         job_id,
@@ -201,44 +212,71 @@ def _job(job_id: str, name: str, starts: list[Attempt], events: list[dict], now:
 
 
 def join_attempts(
-    job_id: str, starts: list[Attempt], events: list[dict], *, now: datetime
+    job_id: str, starts: list[Attempt], events: list[dict], *, now: datetime, downtimes: dict | None = None
 ) -> tuple[list[Attempt], int]:
     """Slurm's starts of `job_id` (Attempt rows with Slurm's fields only, each with its restart count) joined with
     RUN/attempts.jsonl's begin and end events of the same job and restart count (the module docstring says how
     and what wins); returns the newest MAX_ATTEMPTS, oldest first, and how many older ones were left out."""
-    begins: dict[int, dict] = {}
-    ends: dict[int, dict] = {}
+    # per restart count, its steps in order: (begin, end) pairs, more than one where a failed step was relaunched
+    # in the same allocation (restart.spare_nodes); an end with no begin is a step no rank began
+    steps: dict[int, list[list]] = {}
     for e in events:
         n = e.get("restart_count")
         if e.get("job_id") != job_id or type(n) is not int or not 0 <= n <= MAX_RESTART:
             continue
+        pairs = steps.setdefault(n, [])
         if e.get("event") == "begin":
-            begins[n] = e
+            if (
+                pairs
+                and pairs[-1][1] is None
+                and pairs[-1][0] is not None
+                and pairs[-1][0].get("attempt") == e.get("attempt")
+            ):
+                pairs[-1][0] = e  # the same attempt's begin again: the later wins
+            else:
+                pairs.append([e, None])
         elif e.get("event") == "end":
-            ends[n] = e
+            if pairs and pairs[-1][1] is None:
+                pairs[-1][1] = e
+            elif pairs and pairs[-1][1].get("attempt") == e.get("attempt"):
+                pairs[-1][1] = e  # the same attempt's end again: the later wins
+            else:
+                pairs.append([None, e])
     slurm = {a.restart: a for a in starts}
-    keys = sorted(set(slurm) | set(begins) | set(ends))
-    current = keys[-1] if keys else -1  # a start with a later one of the same job was requeued
+    keys = [(n, i) for n in sorted(set(slurm) | set(steps)) for i in range(max(1, len(steps.get(n, ()))))]
+    current = keys[-1][0] if keys else -1  # a start with a later one of the same job was requeued
     left_out = max(0, len(keys) - MAX_ATTEMPTS)
     keys = keys[left_out:]
     out = []
-    for n in keys:
-        begin, end = begins.get(n), ends.get(n)
-        base = slurm.get(n) or _from_events(n, "REQUEUED" if n < current else "UNKNOWN", begin, end)
-        out.append(_with_events(base, begin, end, newest=n == keys[-1], now=now))
+    for n, i in keys:
+        pairs = steps.get(n) or [[None, None]]
+        begin, end = pairs[i]
+        if i < len(pairs) - 1:  # a step relaunched in the same allocation: Slurm's row is the last step's
+            base = _from_events(n, "RELAUNCHED", begin, end)
+        else:
+            base = slurm.get(n) or _from_events(n, "REQUEUED" if n < current else "UNKNOWN", begin, end)
+        joined = _with_events(base, begin, end, newest=(n, i) == keys[-1], now=now)
+        if joined.relaunch and downtimes and joined.attempt in downtimes:
+            joined = replace(joined, downtime=downtimes[joined.attempt])
+            joined = replace(joined, summary=attempt_summary(joined))
+        out.append(joined)
     return out, left_out
 
 
 def _from_events(restart: int, state: str, begin: dict | None, end: dict | None) -> Attempt:
     """A start Slurm's answer does not list, from its events: nodes from the begin, times from both."""
-    hosts = begin.get("nodes") if begin else None
-    nodes = ""
-    if isinstance(hosts, list):
-        names = [clean(h, limit=64) for h in hosts[:16] if isinstance(h, str)]
-        nodes = ",".join(names) + (f",… ({len(hosts)} in all)" if len(hosts) > 16 else "")
+    nodes = _hosts(begin.get("nodes") if begin else None)
     start = _text(begin.get("time") if begin else None, 64)
     finished = _text(end.get("time") if end else None, 64)
     return Attempt(restart, state, "", nodes, _elapsed(start, finished), start, finished)
+
+
+def _hosts(value) -> str:
+    """An event's list of node names as shown ("" when it is not one): at most 16, then how many in all."""
+    if not isinstance(value, list):
+        return ""
+    names = [clean(h, limit=64) for h in value[:16] if isinstance(h, str)]
+    return ",".join(names) + (f",… ({len(value)} in all)" if len(value) > 16 else "")
 
 
 def _text(value, limit: int) -> str:
@@ -266,6 +304,7 @@ def _with_events(base: Attempt, begin: dict | None, end: dict | None, *, newest:
             why=_text(end.get("why"), MAX_TEXT),
             failure=_text(end.get("failure"), MAX_TEXT),
             requeue=requeue if type(requeue) is bool else None,
+            relaunch=_hosts(end.get("relaunch")),
             backoff_s=_int(end.get("backoff_s"), 0, 86400),
             ended=_text(end.get("time"), 64),
         )
@@ -304,6 +343,13 @@ def attempt_summary(a: Attempt) -> str:
         else:
             when = f"due since {a.requeue_at} ({-a.requeue_in_s} s ago)"
         return f"{how}; the requeue is waiting, {when}" + (f": {why}" if why else "")
+    if a.relaunch:
+        stopped = ""
+        if a.downtime and a.downtime.get("total_s") is not None:
+            parts = {"detection": "detect_s", "step start": "start_s", "load": "load_s", "first step": "first_step_s"}
+            said = ", ".join(f"{k} {a.downtime[v]:.1f} s" for k, v in parts.items() if a.downtime.get(v) is not None)
+            stopped = f"; training stopped {a.downtime['total_s']:.1f} s ({said})"
+        return f"{how}; relaunched in the same allocation" + (f": {a.why}" if a.why else "") + stopped
     if a.requeue:
         return f"{how}; requeued" + (f": {a.why}" if a.why else "")
     if a.requeue is None:  # `run --local`: no requeue to speak of
@@ -407,6 +453,24 @@ def _metric_rows(path: Path, notes: list[str]) -> list[bytes]:
         notes.append(f"{path.name} skipped: {e}")
         return []
     return [] if tail is None else tail.data.splitlines()[::-1]
+
+
+def _relaunch_rows(lines: list[bytes], events: list[dict]) -> list[dict]:
+    """The metrics rows of the attempts around each relaunch in an allocation (the failed step's and the next
+    one's), parsed: what hpcscale.observe.downtime reads. None parsed when the run relaunched nothing."""
+    around = {e["attempt"] + d for e in events if e.get("event") == "end" and isinstance(e.get("relaunch"), list)
+              and type(e.get("attempt")) is int for d in (0, 1)}  # fmt: skip
+    if not around:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = loads_json(line, source="metrics.jsonl")
+        except BadInput:
+            continue
+        if isinstance(row, dict) and row.get("attempt") in around:
+            rows.append(row)
+    return rows
 
 
 def _last_training_line(lines: list[bytes]) -> dict | None:

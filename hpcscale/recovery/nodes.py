@@ -1,0 +1,97 @@
+"""Which nodes a failure blames, and which nodes of an allocation a job's step runs on.
+
+The node health and rank placement that `hpcscale resume` and the batch script's decision both read (`unhealthy`,
+`rank_nodes`, srun's node-failure line), and the choice of the step's nodes in an allocation with spares
+(`restart.spare_nodes`, docs/runbook.md "Spare nodes"):
+
+- the first step takes the fewest leaf switches that hold it, the fullest leaves first (in the tree's order on a
+  tie), and within a leaf its nodes in hostname order; the rest of the allocation are the spares;
+- a relaunch keeps the previous step's nodes but the failed ones, each replaced by the spare nearest to it in the
+  switch tree (under its own leaf switch first; hostname order on a tie), so the ranks that talk most stay as
+  close as they were. Where fewer spares remain than nodes failed there is no relaunch (None).
+"""
+
+from __future__ import annotations
+
+import re
+
+from hpcscale.errors import BadInput
+from hpcscale.launch.failure import MAX_RANKS
+from hpcscale.layout import ParallelDims
+from hpcscale.slurm.client import SlurmClient
+from hpcscale.topology.tree import SwitchTree
+from hpcscale.util.hostlist import sort_hosts
+
+__all__ = ["NODE_FAILURE", "UNHEALTHY", "first_step_nodes", "rank_nodes", "relaunch_nodes", "unhealthy"]
+
+UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
+NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
+
+
+def unhealthy(client: SlurmClient, nodes: list[str]) -> list[str]:
+    """Those of `nodes` that are not up now (down, drained, failing, not responding)."""
+    if not nodes:
+        return []
+    out = client.run("sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T", check=False, timeout=30)
+    bad = []
+    for line in out.stdout.splitlines():
+        name, _, state = line.partition(" ")
+        if any(u in state.upper() for u in UNHEALTHY) and name not in bad:
+            bad.append(name)
+    return bad
+
+
+def rank_nodes(events: list[dict], job_id: str | None) -> tuple[ParallelDims | None, list[str] | None]:
+    """(the layout, the node of each global rank) of the job's last attempt, from its begin record (nodes in
+    placement order, ranks filling each node in turn); None for what it does not record usably. Every degree
+    the record holds is kept, dp_shard included: a timeout in a shard or replicate group is blamed on that
+    group's late ranks only when its members can be worked out."""
+    begins = [e for e in events if e.get("event") == "begin" and (job_id is None or e.get("job_id") == job_id)]
+    if not begins:
+        return None, None
+    nodes, world, layout = begins[-1].get("nodes"), begins[-1].get("world_size"), begins[-1].get("layout")
+    try:
+        dims = ParallelDims.from_dict(layout)
+    except BadInput:
+        dims = None
+    if dims is not None and dims.world_size != world:
+        dims = None
+    if type(world) is not int or world > MAX_RANKS:  # the record is a file others may write: a world of 10^12
+        return None, None  # ranks is neither listed here nor enumerated by the failure diagnosis (its groups)
+    if not isinstance(nodes, list) or not nodes or world % len(nodes):
+        return dims, None
+    per_node = world // len(nodes)
+    return dims, [str(nodes[r // per_node]) for r in range(world)]
+
+
+def first_step_nodes(allocation: list[str], n: int, tree: SwitchTree) -> list[str]:
+    """The `n` nodes of `allocation` the job's first step runs on (the module's rule); BadInput when the
+    allocation holds fewer."""
+    if len(allocation) < n:
+        raise BadInput(f"the allocation has {len(allocation)} nodes and the step needs {n}")
+    by_leaf = tree.restricted_to(sort_hosts(allocation))
+    order = {leaf: i for i, leaf in enumerate(by_leaf)}
+    chosen: list[str] = []
+    for leaf in sorted(by_leaf, key=lambda k: (-len(by_leaf[k]), order[k])):
+        chosen += by_leaf[leaf][: n - len(chosen)]
+        if len(chosen) == n:
+            break
+    return sort_hosts(chosen)
+
+
+def relaunch_nodes(
+    previous: list[str], failed: list[str], allocation: list[str], excluded: list[str], tree: SwitchTree
+) -> list[str] | None:
+    """The nodes of the step after one on `previous` failed with `failed` to blame: the failed nodes out, each
+    replaced by the nearest spare (the module's rule). Spares: the allocation's nodes in no step, not `excluded`
+    (every node this job blamed before). None when too few spares remain."""
+    out = set(failed) | set(excluded)
+    spares = [h for h in sort_hosts(allocation) if h not in out and h not in previous]
+    keep = [h for h in previous if h not in out]
+    for node in sort_hosts([h for h in previous if h in out]):
+        if not spares:
+            return None
+        best = min(spares, key=lambda s: tree.distance(node, s))  # the first of the nearest, in hostname order
+        spares.remove(best)
+        keep.append(best)
+    return sort_hosts(keep)
