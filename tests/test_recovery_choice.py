@@ -27,8 +27,8 @@ from trainjobs import job_spec
 
 from hpcscale.ckpt.format import committed_steps
 from hpcscale.config.job import MAX_BACKOFF_S, JobSpec, Restart, Signals
-from hpcscale.recovery.requeue import committed_now, decide, failure_backoff
 from hpcscale.recovery.nodes import MAX_RANKS, rank_nodes
+from hpcscale.recovery.requeue import committed_now, decide, failure_backoff
 
 
 # ---- which checkpoint a restart loads --------------------------------------------------------------------------
