@@ -153,7 +153,8 @@ def wait_for_job(job_id: str, env: dict[str, str], timeout: float = 240) -> str:
             text=True,
             env={**os.environ, **env},
         )
-        state = (out.stdout.strip().splitlines() or ["PENDING"])[0].split()[0]
+        # the last row: a job Slurm resized (a failed node removed from a --no-kill job) has a RESIZING row first
+        state = (out.stdout.strip().splitlines() or ["PENDING"])[-1].split()[0]
         if state in TERMINAL:
             return state
         time.sleep(0.2)  # a poll is one sacct call (milliseconds); a whole second added half a second to each wait

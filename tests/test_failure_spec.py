@@ -197,6 +197,14 @@ def test_one_order_for_every_reader():
     # 1. a hang, unless a rank failed of its own accord first
     assert first_cause([*hang, own_late], world_size=4).kind == "hang"
     assert first_cause([own_first, *hang], world_size=4).kind == "failure"
+    # a node Slurm declared failed: srun then reports the other nodes' tasks Killed; the failed node is blamed
+    lost = [
+        "srun: error: Node failure on n2",
+        "srun: error: n1: tasks 0-1: Killed",
+        "srun: error: n2: tasks 2-3: Killed",
+    ]
+    assert first_cause(lost).kind == "node" and first_cause(lost).nodes == ("n2",)
+    assert first_cause(lost[1:]).nodes == ("n1",)  # without the node's line, the first task srun saw killed
     # the stuck rank wrote nothing (stopped, then killed): its node is where the job placed it, when known
     assert first_cause(hang, world_size=4).nodes == ()
     assert first_cause(hang, placement=["n1", "n1", "n3", "n3"]).nodes == ("n3",)

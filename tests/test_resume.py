@@ -377,11 +377,12 @@ def _wait_attempt_steps(run: Path, attempt: int, n: int, timeout: float = 300) -
 
 def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local_cluster, reference, tmp_path):
     """restart.spare_nodes: 2 on the four-node cluster: the steps run on two nodes (n1, n2: the fullest leaf
-    switch), n3 and n4 wait. A rank on n2 killed with -9: the batch script leaves n2 out and starts a step on
-    n1 and the nearest spare, n3, in the same job (no requeue, no new submission), from the newest node-local
-    checkpoint (n2's part from its partner's copy on n1). Then a rank on n3 stopped with SIGSTOP (a hung node):
-    the watchdogs name it, and the next step runs on n1 and n4. The job completes in its one allocation and
-    every step's loss is the uninterrupted run's."""
+    switch), n3 and n4 wait. n2 lost: its ranks killed with -9, Slurm told it is down, its node-local directory
+    gone. The batch script leaves n2 out and starts a step on n1 and the nearest spare, n3, in the same job (no
+    requeue, no new submission), from the newest node-local checkpoint (n2's part from its partner's copy on n1).
+    Then a rank on n3 stopped with SIGSTOP (a hung node): the watchdogs name it, and the next step runs on n1 and
+    n4. The job completes in its one allocation and every step's loss is the uninterrupted run's."""
+    env = {**os.environ, **local_cluster}
     run = tmp_path / "run"
     job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 2, "spare_nodes": 2})
     spec = yaml.safe_load(job.read_text())
@@ -389,11 +390,19 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
     spec["hang_timeout_seconds"] = 15
     job.write_text(yaml.safe_dump(spec))
     job_id = _submit(job, run, local_cluster)
+    node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
     stopped: list[int] = []
     try:
         _wait_attempt_steps(run, 1, 80)
-        os.kill(_rank_pids(run, "n2")[0], signal.SIGKILL)
+        mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=down", "reason=hpcscale-test"], check=True, env=env)
+        for pid in _rank_pids(run, "n2"):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(node_dirs / "n2" / mine, ignore_errors=True)  # lost with its disk
         _wait_attempt_steps(run, 2, 30)
+        busy = run_cli("resume", str(run), "--dry-run", env=local_cluster)  # what the running job does next
+        assert busy.returncode == 2, busy.stderr
+        assert "spares left: n4; 1 of restart.max_failures = 2 left" in busy.stderr, busy.stderr
         stopped = _rank_pids(run, "n3")[:1]
         os.kill(stopped[0], signal.SIGSTOP)
         assert _wait_gone(job_id, local_cluster, timeout=600) == "COMPLETED", _log(run)[-4000:]
@@ -401,6 +410,7 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
         for pid in stopped:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], env=env)
     events = _events(run)
     begins = [e for e in events if e["event"] == "begin"]
     ends = [e for e in events if e["event"] == "end"]
@@ -415,7 +425,12 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
     assert "relaunch 2 of restart.max_failures = 2 in this allocation: n3 left out" in log, log[-3000:]
     resumed = re.findall(r"resumed from checkpoint step (\d+) of the node-local tier", log)
     assert len(resumed) == 2 and "nothing read from the shared tier" in log, log[-3000:]
-    assert len(json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)["submissions"]) == 1
+    status = json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)
+    (sub,) = status["submissions"]
+    steps = sub["jobs"][0]["attempts"]
+    assert [a["state"].split()[0] for a in steps] == ["RELAUNCHED", "RELAUNCHED", "COMPLETED"], steps
+    for a in steps[:2]:  # how long training stopped, in its parts
+        assert a["downtime"]["total_s"] > 0 and a["downtime"]["load_s"] > 0, a
     _assert_matches(run, reference)
 
 

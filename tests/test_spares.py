@@ -20,7 +20,8 @@ from hpcscale.errors import BadInput
 from hpcscale.observe.downtime import relaunch_downtimes
 from hpcscale.recovery.nodes import first_step_nodes, relaunch_nodes
 from hpcscale.recovery.requeue import Decision, relaunch_here
-from hpcscale.slurm.status import join_attempts
+from hpcscale.slurm import parse
+from hpcscale.slurm.status import SACCT_FIELDS, join_attempts, sacct_starts
 from hpcscale.topology.tree import build_tree, flat_tree
 
 # the local cluster's tree: leaf1 over n1, n2; leaf2 over n3, n4; one spine
@@ -111,7 +112,7 @@ def test_the_batch_script_runs_its_steps_on_the_chosen_nodes_and_passes_shellche
     assert r.returncode == 0, r.stderr
     text = r.stdout
     assert "#SBATCH --nodes=4\n" in text and "#SBATCH --no-kill\n" in text
-    assert '--nodes=2 --ntasks=4 --nodelist="$nodes" hpcscale launch' in text
+    assert '--overlap --nodes=2 --ntasks=4 --nodelist="$nodes" hpcscale launch' in text
     assert 'nodes=$(hpcscale step-nodes "$HPCSCALE_RUN_DIR")' in text
     assert 'nodes=$(hpcscale requeue "$HPCSCALE_RUN_DIR" --exit-code "$rc" --in-place)' in text
     need(shutil.which("shellcheck") is not None, "shellcheck (Debian package)")
@@ -169,3 +170,17 @@ def test_status_shows_each_step_of_an_allocation_and_how_long_training_stopped()
 def test_without_a_tree_the_spare_is_the_first_free_node():
     flat = flat_tree(ALL)
     assert relaunch_nodes(["n1", "n2"], ["n1"], ALL, [], flat) == ["n2", "n3"]
+
+
+def test_a_job_slurm_resized_is_one_start_not_a_requeue():
+    """A failed node removed from a --no-kill job: `sacct -X -D` ends the job's record where it was resized
+    (RESIZING) and goes on in a new one, as the local cluster printed it; both are one start, restart count 0."""
+    d = parse.SACCT_DELIMITER
+    text = (
+        f"569{d}RESIZING{d}0:0{d}n[1-4]{d}00:00:12{d}2026-11-28T11:26:04{d}2026-11-28T11:26:16{d}tiny\n"
+        f"569{d}COMPLETED{d}0:0{d}n[1,3-4]{d}00:00:42{d}2026-11-28T11:26:16{d}2026-11-28T11:26:58{d}tiny\n"
+    )
+    ((name, starts),) = sacct_starts(parse.sacct_rows(text, SACCT_FIELDS))["569"].values()
+    assert name == "tiny" and [(a.restart, a.state, a.nodes, a.start) for a in starts] == [
+        (0, "COMPLETED", "n[1,3-4]", "2026-11-28T11:26:04")
+    ]

@@ -276,7 +276,10 @@ def test_a_killed_rank_shows_failed_through_the_backoff_and_requeued_after(local
     try:
         metrics = run / "metrics.jsonl"
         _poll(lambda: True if metrics.exists() and metrics.read_text().count('"loss"') >= 40 else None, 240)
-        os.kill(_rank_pids(run)[0], signal.SIGKILL)
+        victim = _rank_pids(run)[0]
+        environ = Path(f"/proc/{victim}/environ").read_bytes().split(b"\0")
+        node = next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"SLURMD_NODENAME="))
+        os.kill(victim, signal.SIGKILL)
 
         def waiting():
             doc = json.loads(run_cli("status", str(run), "--json", env=local_cluster).stdout)
@@ -301,6 +304,10 @@ def test_a_killed_rank_shows_failed_through_the_backoff_and_requeued_after(local
         assert first["cause"] == "failed" and not first["waiting"] and first["restart"] == 0
         assert first["summary"].startswith("failed (exit 137); requeued: requeue 1 of restart.max_failures = 1")
         assert second["restart"] == 1 and second["state"] in ("PENDING", "RUNNING", "COMPLETED")
+        # the requeued job is kept off the node the failure blamed (restart.exclude: failed), wherever it starts
+        shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=env).stdout
+        assert f"ExcNodeList={node}" in shown, shown
+        assert f"the requeued job is kept off {node}" in (run / "logs" / f"slurm-{job_id}.err").read_text()
         assert wait_for_job(job_id, local_cluster, timeout=300) == "COMPLETED"
         doc = _poll(
             lambda: (
@@ -314,6 +321,7 @@ def test_a_killed_rank_shows_failed_through_the_backoff_and_requeued_after(local
             30,
         )
         attempts = doc["submissions"][0]["jobs"][0]["attempts"]
+        assert node not in attempts[-1]["nodes"], attempts
         assert [(a["state"], a["cause"], a["attempt"]) for a in attempts] == [
             ("REQUEUED", "failed", 1),
             ("COMPLETED", "completed", 2),

@@ -180,7 +180,7 @@ def requeue(run: Path, exit_code: int, in_place: bool) -> None:
     \b
       nodes=$(hpcscale step-nodes "$RUN")
       while [ -n "$nodes" ]; do
-        srun --nodes=N --ntasks=T --nodelist="$nodes" ... hpcscale launch --run-dir "$RUN" &
+        srun --overlap --nodes=N --ntasks=T --nodelist="$nodes" ... hpcscale launch --run-dir "$RUN" &
         wait $!; rc=$?
         nodes=$(hpcscale requeue "$RUN" --exit-code "$rc" --in-place)
       done

@@ -269,8 +269,8 @@ class Restart:
         min=1,
     )
     exclude: Literal["never", "failed", "all-failed"] = setting(
-        "Nodes `hpcscale resume` keeps the job off: none, those of the last failure, or every node that failed "
-        "in this run.",
+        "Nodes `hpcscale resume` and a requeue after a failure keep the job off: none, those of the last failure, "
+        "or every node that failed in this run (a requeue: in this Slurm job).",
         default="failed",
     )
     spare_nodes: int = setting(

@@ -380,6 +380,9 @@ _SRUN_TASK = re.compile(
 
 
 # the signal of each way srun says a task died of one of its own (not the SIGTERM --kill-on-bad-exit sends the rest)
+# srun's word for a node Slurm declared failed during the step (down, not responding): its tasks are gone, and
+# Slurm then kills the step's other tasks, which srun reports as Killed on their own (healthy) nodes
+NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 _TASK_SIGNALS = {"Killed": signal.SIGKILL, "Aborted": signal.SIGABRT, "Segmentation fault": signal.SIGSEGV}
 
 
@@ -470,7 +473,7 @@ def shared_failure(lines: Iterable[str]) -> str | None:
 class Cause:
     """How a job ended, read from its output (first_cause)."""
 
-    kind: str  # "hang", "signal", "failure", "nccl", "shared", "silent", "lost_peer", "exited"
+    kind: str  # "hang", "signal", "failure", "nccl", "shared", "node", "silent", "lost_peer", "exited"
     words: str  # one line for a person: the rank that failed first, and how
     ranks: tuple[int, ...] = ()  # the ranks to blame (MPI ranks where only mpirun or srun named them)
     nodes: tuple[str, ...] = ()  # the nodes to blame: none for a failure the job shares wherever it ran
@@ -500,12 +503,14 @@ def first_cause(
     5. A rank mpirun saw die of SIGABRT, which a rank may die of in the aftermath (a torch thread's
        std::terminate while the process exits, NCCL's watchdog): it yields to 3 and 4.
     6. A job that failed alike wherever it ran with no line of ours (srun: exit code 2 before any task died).
-    7. A task srun saw end by a signal (Killed, Aborted, a segmentation fault; else Terminated): its node.
+    7. A node Slurm declared failed during the step (srun: "Node failure on N"): its node, not the tasks srun
+       saw killed after it on the other nodes.
+    8. A task srun saw end by a signal (Killed, Aborted, a segmentation fault; else Terminated): its node.
        srun's lines carry no order, and its --kill-on-bad-exit kills the rest after a rank's own failure, so
        they come after 3.
-    8. Only survivors wrote lines (all after losing a peer) and the world is known: the ranks that wrote none
+    9. Only survivors wrote lines (all after losing a peer) and the world is known: the ranks that wrote none
        (fewer than wrote) ended first without a word (kill -9, the OOM killer); no node is blamed on that guess.
-    9. The first line there is (whole lines before cut ones); then how srun or mpirun say a rank exited.
+    10. The first line there is (whole lines before cut ones); then how srun or mpirun say a rank exited.
     """
     from hpcscale.launch.nccl_failure import describe_nccl_timeouts, nccl_timeouts
 
@@ -536,6 +541,9 @@ def first_cause(
         return _died(died, failures)
     if (shared := shared_failure(lines)) is not None:
         return Cause("shared", shared, shared=shared)
+    lost = list(dict.fromkeys(m.group(1) for line in lines if (m := NODE_FAILURE.search(line))))
+    if lost:  # before the tasks srun saw killed: Slurm killed the others' after it declared these nodes failed
+        return Cause("node", f"node {', '.join(lost)} failed during the step (srun: Node failure)", (), tuple(lost))
     tasks = [m for line in lines if (m := _SRUN_TASK.search(line))]
     signalled = [m for m in tasks if m.group(3) in _TASK_SIGNALS] or [m for m in tasks if m.group(3) == "Terminated"]
     if signalled:  # killed without a word: the OOM killer, kill -9, its node gone

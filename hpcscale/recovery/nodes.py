@@ -13,10 +13,8 @@ The node health and rank placement that `hpcscale resume` and the batch script's
 
 from __future__ import annotations
 
-import re
-
 from hpcscale.errors import BadInput
-from hpcscale.launch.failure import MAX_RANKS
+from hpcscale.launch.failure import MAX_RANKS, NODE_FAILURE
 from hpcscale.layout import ParallelDims
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.topology.tree import SwitchTree
@@ -25,7 +23,6 @@ from hpcscale.util.hostlist import sort_hosts
 __all__ = ["NODE_FAILURE", "UNHEALTHY", "first_step_nodes", "rank_nodes", "relaunch_nodes", "unhealthy"]
 
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
-NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 
 
 def unhealthy(client: SlurmClient, nodes: list[str]) -> list[str]:

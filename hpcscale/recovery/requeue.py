@@ -26,7 +26,11 @@ trapped, not fatal), then calls `hpcscale requeue "$RUN" --exit-code $rc` (`hpcs
    waits its backoff here (the allocation is held meanwhile: a requeued job's start time cannot be set from
    inside the job, Slurm sets it when the job re-enters the queue), then `scontrol requeue`, which ends this
    batch script. Slurm itself holds a requeued job back for the site's credential lifetime (`AuthInfo`
-   `cred_expire`, 120 s by default) before it may start.
+   `cred_expire`, 120 s by default) before it may start. A failure's requeued job is then kept off the nodes
+   the failure blamed (`restart.exclude`; `scontrol update ExcNodeList=`, which Slurm takes from a pending job
+   only: SIGTERM is ignored from the requeue to that update).
+4. With spare nodes (`restart.spare_nodes`, `in_place`), a failure that blames nodes of the step is relaunched
+   in the allocation instead, while spares and `max_failures` last (`relaunch_here`): no requeue, no backoff.
 
 The restarted job reruns the script from the top; its ranks resume from the newest checkpoint that every rank
 can load and verify, from either tier (hpcscale.launch.checkpointing, Checkpointer._load_newest).
@@ -333,6 +337,23 @@ def first_step(rd: RunDir, env, say=print) -> str:
     return compress(first_step_nodes(allocation, spec.nodes, _tree_or_flat(rd, allocation, say)))
 
 
+def _keep_off(rd: RunDir, spec: JobSpec, events: list[dict], job_id: str, blamed: list[str]) -> list[str]:
+    """The nodes a requeued job is kept off (restart.exclude): those this failure blames, and with `all-failed`
+    those every earlier end of the job blamed; none when the partition could not then hold the job."""
+    off = list(blamed)
+    if spec.restart.exclude == "all-failed":
+        for e in events:
+            if e.get("event") == "end" and e.get("job_id") == job_id and isinstance(e.get("excluded"), list):
+                off += [h for h in e["excluded"] if isinstance(h, str)]
+    off = list(dict.fromkeys(off))
+    try:
+        partition = rd.site_config().partition(spec.partition)
+    except HpcscaleError:
+        return []
+    hosts = set(expand(partition.nodes)) if partition is not None else set()
+    return off if len(hosts - set(off)) >= spec.nodes + spec.restart.spare_nodes else []
+
+
 def _tree_or_flat(rd: RunDir, allocation: list[str], say) -> SwitchTree:
     """The site's switch tree for choosing a spare; the allocation under one switch when it cannot be read."""
     try:
@@ -408,6 +429,11 @@ def after_step(
             base=decision,
         )
         decision = here or decision
+    if decision.requeue and cause == "failed" and job_id and spec.restart.exclude != "never":
+        previous = begins[-1].get("nodes") if begins else None
+        keep_off = _keep_off(rd, spec, events, job_id, _blamed_now(client, lines, found, previous))
+        if keep_off:
+            decision = replace(decision, excluded=keep_off)
     code = 128 + died.signum if died else exit_code
     rd.add_attempt_event(
         {
@@ -437,9 +463,16 @@ def after_step(
             )
             time.sleep(decision.backoff_s)
         # `scontrol requeue` ends this batch script (SIGTERM, then SIGKILL after KillWait): the decision is
-        # already recorded above.
+        # already recorded above. SIGTERM is ignored from here, so the requeued (now pending) job can still be
+        # kept off the nodes this job blamed: Slurm takes ExcNodeList only from a pending job.
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             client.run("scontrol", "requeue", job_id, timeout=60)
+            if decision.excluded:
+                client.run("scontrol", "update", f"jobid={job_id}", f"ExcNodeList={compress(decision.excluded)}")
+                say(f"hpcscale: the requeued job is kept off {compress(decision.excluded)}")
         except proc.CommandFailed as e:
             print(f"hpcscale: requeue failed: {e}", file=sys.stderr, flush=True)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return decision

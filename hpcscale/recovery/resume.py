@@ -289,6 +289,28 @@ def plan_resume(
     return plan, loaded
 
 
+def _in_place_outlook(spec, events: list[dict], diag: Diagnosis) -> str:
+    """What a running job with spare nodes does at its next failure that blames a node: which spares are left
+    (the allocation's nodes in no step and not blamed) and how much of restart.max_failures it has used."""
+    mine = [e for e in events if e.get("job_id") == diag.job_id]
+    begins = [e for e in mine if e.get("event") == "begin"]
+    ends = [e for e in mine if e.get("event") == "end"]
+    current = begins[-1].get("restart_count") if begins else None
+    step = begins[-1].get("nodes") if begins and isinstance(begins[-1].get("nodes"), list) else []
+    blamed = {h for e in ends if e.get("restart_count") == current and isinstance(e.get("excluded"), list)
+              for h in e["excluded"] if isinstance(h, str)}  # fmt: skip
+    spares = [h for h in diag.nodes if h not in step and h not in blamed]
+    used = sum(1 for e in ends if e.get("cause") == "failed" and (e.get("requeue") or e.get("relaunch")))
+    left = max(0, spec.restart.max_failures - used)
+    if not spares or not left:
+        why = "no spare is left" if not spares else "restart.max_failures is spent"
+        return f"; at its next failure it does not relaunch in its allocation ({why})"
+    return (
+        f"; at its next failure that blames a node it relaunches in its allocation (spares left: "
+        f"{', '.join(spares)}; {left} of restart.max_failures = {spec.restart.max_failures} left)"
+    )
+
+
 def _decide(
     rd: RunDir, *, exclude_mode: str | None, nodes: int | None, client: SlurmClient | None, exclude_slow: bool
 ) -> tuple[Plan, LoadedJob, SlurmClient | None]:
@@ -308,7 +330,8 @@ def _decide(
         client = client or SlurmClient.for_site(loaded.site.config)
         diag = diagnose_slurm(rd, last, client)
     if diag.active:
-        raise BadInput(f"{rd.path}: {clean(diag.explanation)}")  # log text: cleaned for the terminal
+        outlook = _in_place_outlook(spec, rd.attempt_events(), diag) if spec.restart.spare_nodes else ""
+        raise BadInput(f"{rd.path}: {clean(diag.explanation)}{outlook}")  # log text: cleaned for the terminal
     step, refused = pick_checkpoint(rd)
     if diag.finished or (local and _finished_local(rd, loaded, step)):
         why = clean(diag.explanation) or f"checkpoint at step {step}"

@@ -515,11 +515,19 @@ def _sacct(client: SlurmClient, ids: list[str]) -> dict[str, dict[str, tuple[str
 
 def sacct_starts(rows: list[dict[str, str]]) -> dict[str, dict[str, tuple[str, list[Attempt]]]]:
     """Every start of each job in `sacct -X -D` rows (SACCT_FIELDS), by job then JobID (an array job's tasks are
-    JobIDs of their own): the newest row's name and the starts, oldest first, row i having restart count i."""
+    JobIDs of their own): the newest row's name and the starts, oldest first, row i having restart count i (a
+    RESIZING row is not a start of its own: it and the row after it are one)."""
     result: dict[str, dict[str, tuple[str, list[Attempt]]]] = {}
+    resized: dict[str, str] = {}  # JobID -> the Start of its record before a resize
     for row in rows:
         jobs = result.setdefault(parse.job_base(row["JobID"]), {})
         _, starts = jobs.get(row["JobID"], ("", []))
+        if row["State"].split(" ")[0] == "RESIZING":
+            # Slurm ends a job's record where it resized it (a failed node removed from a --no-kill job) and goes
+            # on in a new one: the same start, not a requeue
+            resized.setdefault(row["JobID"], row["Start"])
+            jobs[row["JobID"]] = (row["JobName"], starts)
+            continue
         starts.append(
             Attempt(
                 restart=len(starts),
@@ -527,7 +535,7 @@ def sacct_starts(rows: list[dict[str, str]]) -> dict[str, dict[str, tuple[str, l
                 exit_code=row["ExitCode"],
                 nodes=row["NodeList"],
                 elapsed=row["Elapsed"],
-                start=row["Start"],
+                start=resized.pop(row["JobID"], row["Start"]),
                 end=row["End"],
             )
         )
