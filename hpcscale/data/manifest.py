@@ -273,7 +273,7 @@ def _read_dataset(d: Any, where: str, paths: set[str]) -> TokenDataset:
     shards = [TokenShard(s["path"], s["samples"]) for s in shards_raw]
     ds = TokenDataset(str(d.get("dtype", "uint16")), d["vocab_size"], d["sample_len"], shards)
     if ds.dtype not in TOKEN_DTYPES:
-        raise BadInput(f"{where}: dataset.dtype: '{ds.dtype[:40]}' is not uint8, uint16 or uint32")
+        raise BadInput(f"{where}: dataset.dtype: {ds.dtype[:40]!r} is not uint8, uint16 or uint32")
     for i, s in enumerate(ds.shards):
         if s.path not in paths:
             raise BadInput(f"{where}: dataset.shards[{i}]: '{s.path}' is not in files")
