@@ -2,7 +2,7 @@
 """Write docs/config-reference.md from the config schemas (hpcscale/config/site.py and job.py).
 
 Every key, its type, default and doc come from the dataclass fields themselves, so the reference cannot
-drift from the code; tests/test_docs.py fails when the committed file is stale. Regenerate with:
+drift from the code; tests/house/test_docs.py fails when the committed file is stale. Regenerate with:
 
     python scripts/gen_config_reference.py
 """

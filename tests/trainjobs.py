@@ -24,7 +24,7 @@ PARAMS = {
 
 # What a GPU cluster runs by default, on CPU ranks: fused AdamW, bf16 mixed precision, async saves (and, for a
 # user's model, foreach AdamW: torch's default on CUDA). HPCSCALE_TEST_GPU_DEFAULTS=1 turns it on for every job
-# this module makes; tests/test_gpu_defaults.py always runs it.
+# this module makes; tests/training/test_gpu_defaults.py always runs it.
 GPU_DEFAULTS = {
     "params": {"fused_optimizer": True},
     "parallel": {"mixed_precision": "bf16"},

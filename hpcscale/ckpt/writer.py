@@ -179,7 +179,7 @@ class StagingPool:
     each one up to a power of two (up to twice the bytes, all page-locked) and never gives them back to the
     system. Buffers for CPU tensors are never pinned: on a CPU rank nothing is. A registration the driver refuses
     leaves the arena pageable (the copies are then synchronous, nothing else changes) and says why in
-    `pin_problem`. (Only a GPU shows the registration itself: tests/test_host_memory.py checks the bookkeeping
+    `pin_problem`. (Only a GPU shows the registration itself: tests/ckpt/test_host_memory.py checks the bookkeeping
     around it with the CUDA calls stood in for, and scripts/experiments/gpu_path.py runs it on a GPU.)
 
     The tiers' saves can be in flight at the same time: each manager has its own writer thread, and the trainer

@@ -4,7 +4,7 @@ and its stacks), `run --local` and the Slurm diagnosis (recovery/resume.py, the 
 this module.
 
 Each kind of line is one LineSpec, a template of named FIELDS from which both its writer (format) and its reader
-(parse) are made, so what is written and what is read cannot drift (tests/test_failure_spec.py: any values read
+(parse) are made, so what is written and what is read cannot drift (tests/recovery/test_failure_spec.py: any values read
 back, also glued to another rank's unfinished line or followed by slurmstepd's words; a line cut short says
 less, never something else). The failure line (FAILURE): `hpcscale launch: rank R (MPI rank M) on node N failed:
 Type: first line [at TIME(, after losing a peer)(, bad input)]`. TIME is UTC with microseconds (sorts as text);

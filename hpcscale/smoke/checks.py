@@ -46,7 +46,7 @@ from hpcscale.util.bounded import read_bounded, read_tail
 from hpcscale.util.trust import private_dir
 
 BF16_TOLERANCE = 0.03  # relative, per step: bf16 layouts agree to about 1e-2 over a short run
-FP32_TOLERANCE = 1e-5  # relative, per step: the layout guarantee (tests/test_train_layouts.py)
+FP32_TOLERANCE = 1e-5  # relative, per step: the layout guarantee (tests/training/test_train_layouts.py)
 TIMEOUT_S = 20  # the forced timeout's collective timeout (the job spec's minimum is 10)
 
 

@@ -1,7 +1,7 @@
 """The built-in trainer (`train.entry: builtin`): the reference GPT at any (tp, pp, dp).
 
 The job's global batch fixes the optimisation: every layout sees the same samples per step and averages the
-same gradients, so changing the layout changes speed, never the losses (tests/test_train_layouts.py).
+same gradients, so changing the layout changes speed, never the losses (tests/training/test_train_layouts.py).
 
 The trainer is an entry point like any user's: its model is placed by `ctx.parallelize`, its pipeline run by
 `ctx.pipeline`, its checkpoints kept by `ctx.checkpoint`. Order of construction, and why:

@@ -16,7 +16,7 @@ module installed before it; last, BOOT calls the agent's `main`. The installed p
 the remote's own: an import of a module that was not shipped fails rather than finding another version.
 
 Invariant: the bytes shipped are read from this installation's own files, the same modules the local side
-imports (no second copy to drift); tests/test_portable.py checks that AGENT_MODULES holds every hpcscale
+imports (no second copy to drift); tests/stage/test_portable.py checks that AGENT_MODULES holds every hpcscale
 module the agent imports, each after the modules it imports. Unbuffered reads of exactly these bytes:
 requests sent right behind (without waiting for the agent's hello) must stay in the pipe for the agent, not
 in a buffered reader's read-ahead. Everything goes out in one write with the first requests: one round trip.

@@ -497,7 +497,7 @@ _prelaunched: Channel | None = None
 
 # Every option of `hpcscale stage` (hpcscale/cli/stage_cmd.py) and whether it takes a value: the scan below
 # must step over each value, or a value that looks like an option would be read as one. A test walks the
-# click command's options and fails on any that is missing here (tests/test_stage_prelaunch.py).
+# click command's options and fails on any that is missing here (tests/stage/test_stage_prelaunch.py).
 STAGE_OPTIONS = {
     "--from": True,
     "--to": True,

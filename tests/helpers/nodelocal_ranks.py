@@ -1,4 +1,4 @@
-"""One rank of a node-local tier test (tests/test_nodelocal.py): real gloo, real files, emulated nodes.
+"""One rank of a node-local tier test (tests/ckpt/test_nodelocal.py): real gloo, real files, emulated nodes.
 
     python nodelocal_ranks.py SPEC_JSON RANK
 

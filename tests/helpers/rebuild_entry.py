@@ -1,4 +1,4 @@
-"""A user entry point with the documented `ctx.checkpoint.rebuild` hook (tests/test_context_runtime.py).
+"""A user entry point with the documented `ctx.checkpoint.rebuild` hook (tests/training/test_context_runtime.py).
 
 Trains `steps` steps of a small MLP at the job's data parallelism, saving on the job's period. When every
 checkpoint is refused after part of it was read into the model, `restore` calls rebuild, which builds and

@@ -1,4 +1,4 @@
-"""One rank of a two-tier restart test (tests/test_trust_residuals.py): real gloo, real files, emulated nodes, the
+"""One rank of a two-tier restart test (tests/trust/test_trust_residuals.py): real gloo, real files, emulated nodes, the
 restart's tier choice made by ctx.checkpoint's own code (Checkpointer._load_newest).
 
     python tier_restore_ranks.py SPEC_JSON RANK

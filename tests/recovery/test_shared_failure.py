@@ -6,7 +6,7 @@ a task being `Exited with exit code 2`. The Slurm tests run a job whose entry po
 Context (every rank refuses it, srun kills the slower ones: "task N: Killed") and one whose entry point raises the
 same ValueError on both nodes; each ends after one attempt, cause `user_error`, and `resume --dry-run` excludes
 no node and says why. One rank's exception stays `failed` (it may be its node's), named as the attempt's end
-rather than the ranks srun killed after it; a rank killed with -9 (a node's failure): tests/test_resume.py.
+rather than the ranks srun killed after it; a rank killed with -9 (a node's failure): tests/recovery/test_resume.py.
 """
 
 from __future__ import annotations

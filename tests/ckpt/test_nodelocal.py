@@ -2,7 +2,7 @@
 own: partner copies, recovery from what the surviving nodes hold (a lost node's part from its partner, moved
 over the process group), a corrupt copy refused for the partner's, two lost partners leaving no complete step,
 a full node-local disk failing the save on every rank alike, a stop signal during a node-local save (`run --local`).
-On the Slurm cluster: tests/test_resume.py."""
+On the Slurm cluster: tests/recovery/test_resume.py."""
 
 from __future__ import annotations
 

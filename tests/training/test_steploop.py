@@ -1,6 +1,6 @@
 """The step loop's named parts, each on its own: the save policy of both tiers (TierSaves) with real checkpoint
 managers on a one-rank gloo group, and the clock (LoopClock) with a real metrics file. The whole loop behind
-ctx.checkpoint.step runs in every training test (tests/test_nodelocal.py, tests/test_progress.py, ...).
+ctx.checkpoint.step runs in every training test (tests/ckpt/test_nodelocal.py, tests/house/test_progress.py, ...).
 """
 
 from __future__ import annotations

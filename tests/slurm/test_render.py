@@ -1,7 +1,7 @@
 """sbatch rendering: golden files for every template x Slurm site, shellcheck, sbatch --test-only, quoting.
 
 Regenerate the golden files (after checking the diff is intended) with:
-    HPCSCALE_REGEN_GOLDEN=1 python -m pytest tests/test_render.py
+    HPCSCALE_REGEN_GOLDEN=1 python -m pytest tests/slurm/test_render.py
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_golden(template, site, tmp_path):
     path = GOLDEN / f"{template}__{site}.sbatch"
     if os.environ.get("HPCSCALE_REGEN_GOLDEN"):
         path.write_text(text)
-    assert path.exists(), f"missing {path}: HPCSCALE_REGEN_GOLDEN=1 python -m pytest tests/test_render.py"
+    assert path.exists(), f"missing {path}: HPCSCALE_REGEN_GOLDEN=1 python -m pytest tests/slurm/test_render.py"
     assert text == path.read_text()  # whole-file comparison: a missing line fails too
 
 

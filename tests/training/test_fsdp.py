@@ -3,7 +3,7 @@ ctx.checkpoint, on 4 gloo ranks: the single process's losses at every layout, a 
 checkpoints where every rank writes only its own shard and that load into any other layout, and the rule that
 picks each piece's one writer (a property over layouts).
 
-The built-in trainer's sharded layouts are in tests/test_train_layouts.py (same parametrisation as the others).
+The built-in trainer's sharded layouts are in tests/training/test_train_layouts.py (same parametrisation as the others).
 """
 
 from __future__ import annotations

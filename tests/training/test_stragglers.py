@@ -5,7 +5,7 @@ loss every step, ctx.clip_grad_norm_) on two ranks under `run --local`, sharded 
 pipelined, with one rank slowed: by a slow data loader (the loop sleeps on that rank), or by a CPU hog sharing
 its core (each rank pinned to a core of its own, the hog, real-time, on the slowed rank's). `hpcscale status`
 must name that rank, and only it. Stop-and-continue bursts (SIGSTOP) with dp over four ranks on the Slurm
-cluster: tests/test_observe.py. (Bursts on two ranks beside other load proved a poor test: a rank stopped while
+cluster: tests/house/test_observe.py. (Bursts on two ranks beside other load proved a poor test: a rank stopped while
 it waits reads as waiting, and one rank's peers' median includes itself.)"""
 
 from __future__ import annotations

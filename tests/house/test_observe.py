@@ -285,7 +285,7 @@ def test_auto_interval_plans_longer_intervals_when_saves_get_slower(mpi, tmp_pat
     """A site whose nodes fail every 3.6 s, saves made 0.5 s slower from step 30 on (fault injection): the
     planned interval grows with the cost, and every plan is recorded with its reason."""
     site = tmp_path / "flaky.yaml"
-    local = yaml.safe_load((Path(__file__).parent.parent / "site_configs" / "local.yaml").read_text())
+    local = yaml.safe_load((Path(__file__).parents[2] / "site_configs" / "local.yaml").read_text())
     local["name"] = "flaky"
     local["reliability"] = {"node_mtbf_hours": 0.001}
     site.write_text(yaml.safe_dump(local))
@@ -324,7 +324,7 @@ def test_each_tier_plans_its_own_auto_interval_and_the_shared_saves_are_drained(
     own saves' cost and the steps' measured time, each shared save is taken on the node-local tier and drained
     from there once, in order, and the plans are recorded apart."""
     site = tmp_path / "flaky.yaml"
-    local = yaml.safe_load((Path(__file__).parent.parent / "site_configs" / "local.yaml").read_text())
+    local = yaml.safe_load((Path(__file__).parents[2] / "site_configs" / "local.yaml").read_text())
     local["name"] = "flaky"
     local["reliability"] = {"node_mtbf_hours": 0.001}
     local["filesystems"]["node_local"] = str(tmp_path / "node-local")

@@ -1,7 +1,7 @@
 """docs/huggingface.md as written: a BPE tokenizer trained on the corpus, `data prepare --tokenizer`, a
 transformers Llama trained under tp and FSDP2 (the page's entry point, hf.parallelize and a plain loop, and its job),
 stopped with SIGTERM and resumed bitwise, exported and loaded by `from_pretrained` with the trained model's
-validation loss. tests/test_hf_adapters.py runs the other families through hpcscale.train.hf."""
+validation loss. tests/training/test_hf_adapters.py runs the other families through hpcscale.train.hf."""
 
 from __future__ import annotations
 

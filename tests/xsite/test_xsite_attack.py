@@ -2,7 +2,7 @@
 trainers): it scales its Δ up every round, or sends, reversed, just under what a bound lets through, for 12
 rounds, with two and three sites, under `mean` and `auto`. What one round may do is docs/cross-site.md's threat
 model; these tests check that no round exceeds it and that nothing compounds over rounds (a site's own norms
-never raise its own bound). The figures in the docs come from `python tests/test_xsite_attack.py`."""
+never raise its own bound). The figures in the docs come from `python tests/xsite/test_xsite_attack.py`."""
 
 from __future__ import annotations
 

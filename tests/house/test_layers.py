@@ -10,7 +10,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hpcscale"
+PACKAGE = Path(__file__).resolve().parents[2] / "hpcscale"
 
 # Lowest first. A unit is a subpackage (hpcscale/ckpt/) or a top-level module (hpcscale/layout.py); "" is the
 # package's own __init__ (the version). Each unit may import only itself and units listed before it.

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hpcscale.errors import BadInput
 from hpcscale.portable import files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---- helpers -------------------------------------------------------------------------------------------------
