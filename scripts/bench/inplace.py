@@ -79,7 +79,10 @@ def begin_nodes(run: Path, attempt: int) -> list[str]:
 
 
 def kill_second(run: Path) -> float:
-    wait(lambda: any(r.get("local_checkpoint") for r in rows(run)), 300, "a node-local checkpoint")
+    # a node-local step whole on both nodes (its partner copies too): RUN/node-local.json names it
+    record = run / "node-local.json"
+    wait(lambda: record.exists() and json.loads(record.read_text() or "{}").get("step", 0) >= 10, 300,
+         "a whole node-local checkpoint")  # fmt: skip
     victim = begin_nodes(run, 1)[-1]
     t = time.time()
     os.kill(rank_pid(run, victim), signal.SIGKILL)
@@ -95,6 +98,7 @@ def one(base: Path, rep: int) -> dict:
     wait(lambda: has_step(run, 2), 300, "the relaunched step's first step")
     inplace_s = first_step(run, 2) - t_kill
     parts = relaunch_downtimes(events(run), rows(run))[1]
+    restored = next((r["restored_from"] for r in rows(run) if r.get("attempt") == 2 and "restored_from" in r), None)
     sh("scancel", jid, check=False)
     wait(lambda: gone(jid), 120, "the in-place job to leave")
     # 2. resume
@@ -129,6 +133,7 @@ def one(base: Path, rep: int) -> dict:
         "fresh_start_to_step_s": fresh_s,
         "target_s": target,
         "resume_over_inplace": resume_s / inplace_s,
+        "inplace_restored_from": restored,
     }
 
 
@@ -141,7 +146,10 @@ def main() -> None:
         raise SystemExit("the local cluster does not answer: scripts/localcluster up")
     base = Path(tempfile.mkdtemp(prefix="hpcscale-bench-inplace-", dir="/var/tmp"))
     results = [one(base, rep) for rep in range(a.reps)]
-    med = {k: statistics.median(r[k] for r in results if r[k] is not None) for k in results[0]}
+    med = {
+        k: statistics.median(vals) if (vals := [r[k] for r in results if r[k] is not None]) else None
+        for k in results[0]
+    }
     if a.json:
         print(json.dumps({"reps": results, "median": med, "when": datetime.now().isoformat()}, indent=2))
         return
