@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 from hpcscale.errors import BadInput
+from hpcscale.observe.downtime import relaunch_downtimes
 from hpcscale.observe.timing import human_bytes
 from hpcscale.portable.files import atomic_write
 from hpcscale.rundir import JOB, METRICS, TIMING, RunDir
@@ -51,6 +52,8 @@ class RunData:
     saves: list[tuple[int, float, int | None]] = field(default_factory=list)  # (step saved, time, attempt)
     restarts: list[tuple[int, float, int]] = field(default_factory=list)  # (first step, time, attempt)
     attempts: int = 0
+    # attempt -> how long training stopped when it was relaunched in its allocation (hpcscale.observe.downtime)
+    relaunches: dict[int, dict] = field(default_factory=dict)
     skipped: int = 0  # lines that were not JSON objects
     cut_bytes: int = 0  # bytes at the start of metrics.jsonl not read (over METRICS_TAIL)
 
@@ -89,6 +92,7 @@ def read_run(path: Path) -> RunData:
     if tail is None:
         raise BadInput(f"{rd.path}: no {METRICS}: the run has not logged a step yet")
     data.cut_bytes = tail.cut
+    marks: list[dict] = []  # each attempt's step times and restores, for the relaunches' downtime
     for line in tail.data.splitlines():
         if not line.strip():
             continue
@@ -102,6 +106,8 @@ def read_run(path: Path) -> RunData:
         step, attempt = row["step"], row.get("attempt")
         attempt = attempt if type(attempt) is int else None
         when = row.get("time") if _finite(row.get("time")) else None
+        if attempt is not None and when is not None and ("restore_s" in row or "loss" in row) and len(marks) < 1 << 20:
+            marks.append({k: row[k] for k in ("attempt", "time", "loss", "restore_s") if k in row})
         loss = row.get("loss")
         if _finite(loss):  # a string, a 1e308 or a nested value is not a loss to plot: the line is skipped
             data.train[step] = {k: row[k] for k in KEPT if k in row}
@@ -126,7 +132,9 @@ def read_run(path: Path) -> RunData:
             data.saves.append((row["checkpoint"], float(when), attempt))
     if not data.train:
         raise BadInput(f"{rd.path / METRICS}: no training line (step and loss) to report")
-    for event in rd.attempt_events():
+    events = rd.attempt_events()
+    data.relaunches = relaunch_downtimes(events, marks)
+    for event in events:
         if event.get("event") != "begin" or type(event.get("attempt")) is not int:
             continue
         data.attempts += 1
@@ -416,6 +424,7 @@ def summarize(data: RunData, verdict, images: list[str], *, comm: dict | None = 
         "median_tokens_per_s": sorted(tps)[len(tps) // 2] if tps else None,
         "attempts": data.attempts,
         "restarts": [{"step": s, "attempt": a} for s, _, a in data.restarts],
+        "relaunches": [{"attempt": a, **d} for a, d in sorted(data.relaunches.items())],
         "checkpoints": sorted({s for s, _, _ in data.saves}),
         "stragglers": None if verdict is None else verdict.to_json(),
         "communication": comm,
@@ -448,6 +457,16 @@ def render_markdown(s: dict) -> str:
         f"| attempts | {s['attempts']} ({len(s['restarts'])} restart(s){': ' + restarts if restarts else ''}) |",
         f"| checkpoints saved | {len(saved)}{f' (steps {shown})' if saved else ''} |",
     ]
+    for r in s.get("relaunches", []):  # a failed step relaunched in its allocation (restart.spare_nodes)
+        parts = ", ".join(
+            f"{word} {num(r[key], '.1f')} s"
+            for word, key in (("detection", "detect_s"), ("step start", "start_s"), ("load", "load_s"),
+                              ("first step", "first_step_s"))
+        )  # fmt: skip
+        lines.append(
+            f"| relaunched in place after attempt {r['attempt']} | training stopped {num(r['total_s'], '.1f')} s "
+            f"({parts}) |"
+        )
     v = s["stragglers"]
     if v is None:
         lines.append("| stragglers | no per-rank timing recorded (metrics.timing_every) |")

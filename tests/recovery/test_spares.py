@@ -184,3 +184,31 @@ def test_a_job_slurm_resized_is_one_start_not_a_requeue():
     assert name == "tiny" and [(a.restart, a.state, a.nodes, a.start) for a in starts] == [
         (0, "COMPLETED", "n[1,3-4]", "2026-11-28T11:26:04")
     ]
+
+
+def test_the_report_says_how_long_training_stopped_at_each_relaunch(tmp_path):
+    from hpcscale.observe.report import read_run, render_markdown, summarize
+
+    t0 = T0.timestamp()
+    rows = [
+        {"step": 40, "loss": 3.0, "attempt": 1, "time": t0 + 25},
+        {"step": 39, "restored_from": 40, "restore_s": 0.5, "attempt": 2, "time": t0 + 37},
+        {"step": 40, "loss": 3.0, "attempt": 2, "time": t0 + 38},
+    ]
+    events = [
+        {"event": "begin", "attempt": 1, "job_id": "9", "restart_count": 0, "time": _at(0)},
+        {"event": "end", "attempt": 1, "job_id": "9", "restart_count": 0, "cause": "failed", "relaunch": ["n1", "n3"],
+         "time": _at(30)},
+        {"event": "begin", "attempt": 2, "job_id": "9", "restart_count": 0, "time": _at(34)},
+    ]  # fmt: skip
+    (tmp_path / "job.yaml").write_text("name: m\n")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "attempts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    s = summarize(read_run(tmp_path), None, [])
+    assert s["relaunches"] == [
+        {"attempt": 1, "detect_s": 5.0, "start_s": 4.0, "load_s": 0.5, "first_step_s": 4.0, "total_s": 13.0}
+    ]
+    assert (
+        "| relaunched in place after attempt 1 | training stopped 13.0 s (detection 5.0 s, step start 4.0 s, "
+        "load 0.5 s, first step 4.0 s) |" in render_markdown(s)
+    )
