@@ -10,7 +10,6 @@ without a word is noticed by srun (--kill-on-bad-exit) or mpirun; every collecti
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import sys
@@ -20,12 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcscale.config.load import LoadedJob
-from hpcscale.errors import BadInput, HpcscaleError
+from hpcscale.errors import BadInput
 from hpcscale.launch import waits
 from hpcscale.launch.attempts import attempt_event, begin_attempt
 from hpcscale.launch.bootstrap import bootstrap, node_name
 from hpcscale.launch.context import Context, MetricsLogger, Runtime
+from hpcscale.launch.ending import PEER_LOST_GRACE_S, STOP_BARRIER_S, abort_job, exit_together, leave_together
 from hpcscale.launch.failure import failure_line, lost_a_peer
+from hpcscale.launch.placing import Placement, from_mpi_root
 from hpcscale.launch.scheduler import NO_SCHEDULER, SchedulerView
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
 from hpcscale.launch.timing import StepTimes
@@ -41,8 +42,6 @@ from hpcscale.rundir import (
     site_checkpoint_root,
     sweep_dir,
 )
-from hpcscale.topology.placement import place_job
-from hpcscale.topology.tree import flat_tree
 from hpcscale.util.paths import expand_path
 from hpcscale.util.pystart import clean_import_path
 
@@ -57,77 +56,6 @@ def resolve_entry(entry: str) -> Callable:
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as e:
         raise BadInput(f"train.entry '{entry}' cannot be loaded: {e}") from None
-
-
-class _Placement:
-    """Placement on the real allocation, called by rank 0 alone (bootstrap): the switch tree is read once, here,
-    and what the ranks need of it (`switches`: each allocated node's leaf switch and the leaves' order, for the
-    node-local tier's partner copies) is handed to every rank with the order; hostname order and one flat switch
-    if the tree cannot be read. No other rank asks Slurm for it."""
-
-    def __init__(self, loaded: LoadedJob, scheduler: SchedulerView):
-        self.loaded = loaded
-        self.read_tree = scheduler.switch_tree
-        self.switches: tuple[dict[str, str], list[str]] | None = None  # None: one node, nothing to place
-
-    def __call__(self, nodes: list[str]) -> list[str]:
-        if len(nodes) == 1:
-            return nodes
-        from dataclasses import replace
-
-        try:
-            if self.read_tree is None:
-                raise HpcscaleError("no scheduler was handed to this launch")
-            tree = self.read_tree(self.loaded.site.config)
-        except HpcscaleError as e:  # no switches handed on: partners are then chosen as if each were elsewhere
-            print(f"hpcscale launch: switch tree unavailable ({e}); placing as if flat", file=sys.stderr)
-            tree = flat_tree(nodes)
-        else:
-            leaf_of = {n: tree.leaf_of[n] for n in nodes if n in tree.leaf_of}
-            self.switches = (leaf_of, [leaf for leaf in tree.leaf_order() if leaf in set(leaf_of.values())])
-        sized = LoadedJob(replace(self.loaded.spec, nodes=len(nodes)), self.loaded.path, self.loaded.site)
-        return place_job(sized, nodes, tree=tree).nodes
-
-
-STOP_BARRIER_S = 30.0
-
-
-def _leave_together(timeout_s: float) -> bool:
-    """An MPI barrier that gives up after `timeout_s` (polled: MPI's own Barrier cannot time out)."""
-    import time
-
-    from mpi4py import MPI
-
-    req = MPI.COMM_WORLD.Ibarrier()
-    deadline = time.monotonic() + timeout_s
-    while not req.Test():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-def _exit_together(code: int) -> None:
-    """Every rank is done (past the stop barrier, or the entry returned and the process group is gone): run the
-    atexit handlers (a user's too), finalize MPI and exit now, skipping the interpreter's teardown. Torch's
-    teardown takes a second or more, unevenly, so skipping it ends the ranks within moments of each other and
-    srun's --kill-on-bad-exit finds nothing left to kill; and a gloo thread that outlives the process group and
-    reaches for the interpreter while it is being torn down aborts the rank ("terminate called without an
-    active exception", SIGABRT after a run that had finished)."""
-    import atexit
-    import gc
-
-    from mpi4py import MPI
-
-    with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()
-    gc.collect()  # unreachable files a user did not close are flushed by their finalizers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with contextlib.suppress(Exception):
-        if not MPI.Is_finalized():
-            MPI.Finalize()
-    os._exit(code)
 
 
 def _signal_name(signum: int | None) -> str | None:
@@ -162,11 +90,8 @@ def apply_environment(loaded: LoadedJob) -> None:
             os.environ.setdefault(name, value)
 
 
-PEER_LOST_GRACE_S = 3.0  # from a survivor's failure line to its MPI_Abort (see launch)
-
-
 def launch(run_dir: Path, *, sweep_index: int | None = None, scheduler: SchedulerView = NO_SCHEDULER) -> int:
-    """Run this rank. A rank that finished exits here, with every rank (_exit_together); otherwise returns the
+    """Run this rank. A rank that finished exits here, with every rank (exit_together); otherwise returns the
     process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
     stop = StopFlag()
     stop.install()  # before the slow imports and MPI_Init: a stop signal during start-up is not lost
@@ -183,7 +108,7 @@ def launch(run_dir: Path, *, sweep_index: int | None = None, scheduler: Schedule
         spec = loaded.spec
         if spec.train is None:
             raise BadInput(f"{run_dir}/job.yaml has no `train:` entry; `command:` jobs run their program directly")
-        placement = _Placement(loaded, scheduler)
+        placement = Placement(loaded, scheduler)
         info = bootstrap(
             timeout_s=spec.timeout_seconds,
             order_nodes=placement,
@@ -192,13 +117,13 @@ def launch(run_dir: Path, *, sweep_index: int | None = None, scheduler: Schedule
         )
         if info.rank == 0:  # every rank passed the bootstrap, so every rank's stop handler is installed
             print(RANKS_READY, flush=True)
-        switches = _from_mpi_root(lambda: placement.switches)  # rank 0 read the tree: every rank gets it
+        switches = from_mpi_root(lambda: placement.switches)  # rank 0 read the tree: every rank gets it
         code = _run(loaded, info, run_dir, stop, sweep_index, switches=switches, scheduler=scheduler)
         if code == 0:
-            _exit_together(0)
+            exit_together(0)
     except StopRequested as e:
         if getattr(e, "together", False):
-            _exit_together(STOPPED_EXIT_CODE)
+            exit_together(STOPPED_EXIT_CODE)
         code = STOPPED_EXIT_CODE
     except Exception as e:
         # One line that names the rank and node, then the traceback; then take the whole job down now.
@@ -219,13 +144,6 @@ def launch(run_dir: Path, *, sweep_index: int | None = None, scheduler: Schedule
     return code
 
 
-def _from_mpi_root(compute: Callable):
-    """compute() on MPI rank 0, its result in every rank."""
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD.bcast(compute() if MPI.COMM_WORLD.rank == 0 else None, root=0)
-
-
 def _job_mtbf(loaded: LoadedJob, work_dir: Path, nodes: list[str]):
     try:
         events = RunDir(work_dir).attempt_events()
@@ -237,15 +155,6 @@ def _job_mtbf(loaded: LoadedJob, work_dir: Path, nodes: list[str]):
         events=events,
         now=time.time(),
     )
-
-
-def _abort_job() -> None:
-    """The watchdog's way to end a hung job: MPI_Abort, so srun/mpirun kill every rank, the stuck one too."""
-    from mpi4py import MPI
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(1)
 
 
 def _run(
@@ -293,7 +202,7 @@ def _run(
     metrics = MetricsLogger(work_dir / METRICS if info.rank == 0 else None, attempt=attempt, tensorboard=tensorboard)
     mtbf_s = None
     if "auto" in (spec.checkpoint.every_steps, spec.checkpoint.local.every_steps):  # the job's MTBF, on every rank
-        mtbf_s = _from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
+        mtbf_s = from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
     # this thread's waits in every collective, whoever issues it (per-rank timing)
     collective_waits = waits.install() if spec.metrics.timing_every else None
     ctx = Context(
@@ -324,7 +233,7 @@ def _run(
         node=info.node,
         world_size=info.world_size,
         min_seconds=spec.hang_timeout_seconds,
-        on_hang=_abort_job,
+        on_hang=abort_job,
     ).start()
     ctx.watchdog = watchdog  # the entry point beats it after each step (ctx.checkpoint.step does)
 
@@ -348,7 +257,7 @@ def _run(
         # Tearing the process group down here joins gloo's threads; exiting with them alive aborted ranks
         # after a clean stop ("terminate called without an active exception").
         dist.destroy_process_group()
-        e.together = _leave_together(STOP_BARRIER_S)  # type: ignore[attr-defined]
+        e.together = leave_together(STOP_BARRIER_S)  # type: ignore[attr-defined]
         raise
     finally:
         watchdog.stop()  # the closing barrier has the collective timeout

@@ -254,7 +254,7 @@ def test_a_killed_rank_is_named_when_the_launcher_hears_of_the_survivors_first(o
             deadline = time.monotonic() + 20
             while log.read_text().count(" failed: ") < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)
-            time.sleep(4)  # the survivors' grace before MPI_Abort (launch.main.PEER_LOST_GRACE_S)
+            time.sleep(4)  # the survivors' grace before MPI_Abort (launch.ending.PEER_LOST_GRACE_S)
         finally:
             for pid in launcher:
                 os.kill(pid, signal.SIGCONT)

@@ -1,0 +1,63 @@
+"""How a rank's job ends: together after a stop or a finished run (every rank past a bounded barrier, then out
+at once, skipping the interpreter's teardown), or at once after a failure or a hang (MPI_Abort, so srun or mpirun
+kill every rank)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+__all__ = ["PEER_LOST_GRACE_S", "STOP_BARRIER_S", "abort_job", "exit_together", "leave_together"]
+
+STOP_BARRIER_S = 30.0
+
+
+def leave_together(timeout_s: float) -> bool:
+    """An MPI barrier that gives up after `timeout_s` (polled: MPI's own Barrier cannot time out)."""
+    import time
+
+    from mpi4py import MPI
+
+    req = MPI.COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    while not req.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def exit_together(code: int) -> None:
+    """Every rank is done (past the stop barrier, or the entry returned and the process group is gone): run the
+    atexit handlers (a user's too), finalize MPI and exit now, skipping the interpreter's teardown. Torch's
+    teardown takes a second or more, unevenly, so skipping it ends the ranks within moments of each other and
+    srun's --kill-on-bad-exit finds nothing left to kill; and a gloo thread that outlives the process group and
+    reaches for the interpreter while it is being torn down aborts the rank ("terminate called without an
+    active exception", SIGABRT after a run that had finished)."""
+    import atexit
+    import gc
+
+    from mpi4py import MPI
+
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    gc.collect()  # unreachable files a user did not close are flushed by their finalizers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(Exception):
+        if not MPI.Is_finalized():
+            MPI.Finalize()
+    os._exit(code)
+
+
+PEER_LOST_GRACE_S = 3.0  # a survivor of a lost peer: from its failure line to its MPI_Abort, so the launcher names the peer
+
+
+def abort_job() -> None:
+    """The watchdog's way to end a hung job: MPI_Abort, so srun/mpirun kill every rank, the stuck one too."""
+    from mpi4py import MPI
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
