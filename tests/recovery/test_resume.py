@@ -434,6 +434,46 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
     _assert_matches(run, reference)
 
 
+def test_three_failures_in_one_allocation_one_of_them_during_a_relaunch(local_cluster, reference, tmp_path):
+    """restart.spare_nodes: 3, one node a step (four ranks on it): the step runs on n1, the batch script's node,
+    and n2-n4 wait. The ranks on n1 killed with -9 (the batch script lives on): the step moves to n2, the nearest
+    spare. A rank of that new step killed as soon as it began, before its first step (a failure during the
+    relaunch itself): the step moves to n3. A rank there stopped with SIGSTOP (a hang): the step moves to n4, and
+    the job completes in its one allocation with the uninterrupted run's losses (one node a step: no partner
+    copies, so each relaunch loads the shared tier's newest checkpoint)."""
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", nodes=1, ranks=4, restart={"max_failures": 3, "spare_nodes": 3})
+    spec = yaml.safe_load(job.read_text())
+    spec["hang_timeout_seconds"] = 15
+    job.write_text(yaml.safe_dump(spec))
+    job_id = _submit(job, run, local_cluster)
+    stopped: list[int] = []
+    try:
+        _wait_attempt_steps(run, 1, 40)
+        for pid in _rank_pids(run, "n1"):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120  # attempt 2 began: kill one of its ranks before it trains
+        while not any(e["event"] == "begin" and e["attempt"] == 2 for e in _events(run)):
+            assert time.monotonic() < deadline, _log(run)[-3000:]
+            time.sleep(0.05)
+        assert not any(r.get("attempt") == 2 and "loss" in r for r in _rows(run))
+        os.kill(_rank_pids(run, "n2")[0], signal.SIGKILL)
+        _wait_attempt_steps(run, 3, 20)
+        stopped = _rank_pids(run, "n3")[:1]
+        os.kill(stopped[0], signal.SIGSTOP)
+        assert _wait_gone(job_id, local_cluster, timeout=600) == "COMPLETED", _log(run)[-4000:]
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    events = _events(run)
+    assert [e["nodes"] for e in events if e["event"] == "begin"] == [["n1"], ["n2"], ["n3"], ["n4"]], events
+    ends = [e for e in events if e["event"] == "end"]
+    assert [e.get("excluded") for e in ends] == [["n1"], ["n2"], ["n3"], None], ends
+    assert [e["cause"] for e in ends] == ["failed"] * 3 + ["completed"] and not any(e.get("requeue") for e in ends)
+    _assert_matches(run, reference)
+
+
 def test_node_down_is_excluded_and_the_run_finishes_on_fewer_nodes(local_cluster, reference, tmp_path):
     env = {**os.environ, **local_cluster}
     run = tmp_path / "run"
