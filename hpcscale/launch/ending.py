@@ -51,7 +51,8 @@ def exit_together(code: int) -> None:
     os._exit(code)
 
 
-PEER_LOST_GRACE_S = 3.0  # a survivor of a lost peer: from its failure line to its MPI_Abort, so the launcher names the peer
+# a survivor of a lost peer: from its failure line to its MPI_Abort, so srun or mpirun names the peer's death first
+PEER_LOST_GRACE_S = 3.0
 
 
 def abort_job() -> None:
