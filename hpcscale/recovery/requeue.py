@@ -468,11 +468,16 @@ def after_step(
         previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             client.run("scontrol", "requeue", job_id, timeout=60)
-            if decision.excluded:
-                client.run("scontrol", "update", f"jobid={job_id}", f"ExcNodeList={compress(decision.excluded)}")
-                say(f"hpcscale: the requeued job is kept off {compress(decision.excluded)}")
         except proc.CommandFailed as e:
             print(f"hpcscale: requeue failed: {e}", file=sys.stderr, flush=True)
+        else:
+            if decision.excluded:
+                off = compress(decision.excluded)
+                try:
+                    client.run("scontrol", "update", f"jobid={job_id}", f"ExcNodeList={off}", timeout=60)
+                    say(f"hpcscale: the requeued job is kept off {off}")
+                except proc.CommandFailed as e:
+                    print(f"hpcscale: the requeued job could not be kept off {off}: {e}", file=sys.stderr, flush=True)
         finally:
             signal.signal(signal.SIGTERM, previous)
     return decision
