@@ -413,9 +413,10 @@ def after_step(
     committed = committed_now(rd.checkpoints)
     newest = committed[0][0] if committed else None
     decision = decide(spec, events, job_id=job_id, cause=cause, checkpoint=newest, committed=committed)
+    blamed: list[str] = []  # the nodes this failure blames, asked of the logs and Slurm once
+    if cause == "failed" and job_id:
+        blamed = _blamed_now(client, lines, found, begins[-1].get("nodes") if begins else None)
     if in_place and cause == "failed" and spec.restart.spare_nodes and job_id:
-        previous = begins[-1].get("nodes") if begins else None
-        blamed = _blamed_now(client, lines, found, previous)
         allocation = expand(env.get("SLURM_JOB_NODELIST", "")) if env.get("SLURM_JOB_NODELIST") else []
         tree = _tree_or_flat(rd, allocation, say)
         here = relaunch_here(
@@ -430,8 +431,7 @@ def after_step(
         )
         decision = here or decision
     if decision.requeue and cause == "failed" and job_id and spec.restart.exclude != "never":
-        previous = begins[-1].get("nodes") if begins else None
-        keep_off = _keep_off(rd, spec, events, job_id, _blamed_now(client, lines, found, previous))
+        keep_off = _keep_off(rd, spec, events, job_id, blamed)
         if keep_off:
             decision = replace(decision, excluded=keep_off)
     code = 128 + died.signum if died else exit_code
