@@ -16,6 +16,12 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["run"] and argv is None:
+        # `hpcscale run`'s stop signals are held from here until its StopForwarder takes them (before mpirun
+        # starts): one that comes while the front end is still importing is then a stop, not its death
+        import signal
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGHUP, signal.SIGINT))
     staging = args[:1] == ["stage"]
     if staging:
         from hpcscale.xsite.channel import prelaunch

@@ -116,6 +116,9 @@ class StopForwarder:
     def __enter__(self) -> StopForwarder:
         for sig in FRONT_END_SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
+        # `hpcscale run` held them since its start (hpcscale.cli.entry): one that came meanwhile is handled now,
+        # and nothing started from here on (mpirun) inherits them held
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FRONT_END_SIGNALS)
         return self
 
     def stop_watching(self) -> None:
