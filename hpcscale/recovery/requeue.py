@@ -51,6 +51,7 @@ from pathlib import Path
 
 from hpcscale.ckpt.format import INDEX, committed_steps, step_dir_name
 from hpcscale.config.job import JobSpec
+from hpcscale.config.site import SiteConfig
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, HpcscaleError
 from hpcscale.launch.failure import first_cause, signalled_task
 from hpcscale.launch.signals import STOP_SIGNALS
@@ -149,6 +150,18 @@ def _progress(ends: list[dict], checkpoint: int | None, committed: list | None) 
     return checkpoint is not None and (previous is None or checkpoint > previous)
 
 
+def spent(ends: list[dict], cause: str) -> int:
+    """How many of these `end` events requeued the job, or relaunched its step in the allocation, after a `cause`:
+    what the restart budget of that cause has used (a relaunch spends the failure budget as a requeue does)."""
+    return sum(1 for e in ends if e.get("cause") == cause and (e.get("requeue") or e.get("relaunch")))
+
+
+def blamed_before(ends: list[dict]) -> list[str]:
+    """The nodes these `end` events blamed (their `excluded`), each once, in order; what is not a name skipped."""
+    names = [h for e in ends if isinstance(e.get("excluded"), list) for h in e["excluded"] if isinstance(h, str)]
+    return list(dict.fromkeys(names))
+
+
 def decide(
     spec: JobSpec,
     events: list[dict],
@@ -183,8 +196,7 @@ def decide(
     budget_key = BUDGETS[cause]
     r = spec.restart
     budget = {"preempted": r.max_preemptions, "time_limit": r.max_time_limits, "failed": r.max_failures}[cause]
-    # a relaunch in the allocation (restart.spare_nodes) spends the failure budget as a requeue does
-    used = sum(1 for e in mine if e.get("cause") == cause and (e.get("requeue") or e.get("relaunch")))
+    used = spent(mine, cause)
     if used >= budget:
         why = f"{cause.replace('_', ' ')} budget spent: {used} of restart.{budget_key} = {budget} requeues used"
         return Decision(cause, False, why, **common)
@@ -310,9 +322,9 @@ def relaunch_here(
     if not failed or job_id is None:
         return None
     mine = [e for e in events if e.get("event") == "end" and e.get("job_id") == job_id]
-    here = [e for e in mine if e.get("restart_count") == restart_count]  # this allocation's: a requeue starts anew
-    before = [h for e in here if isinstance(e.get("excluded"), list) for h in e["excluded"] if isinstance(h, str)]
-    used = sum(1 for e in mine if e.get("cause") == "failed" and (e.get("requeue") or e.get("relaunch")))
+    # this allocation's blamed nodes (a requeue starts anew); the budget counts the job's every start
+    before = blamed_before([e for e in mine if e.get("restart_count") == restart_count])
+    used = spent(mine, "failed")
     budget = spec.restart.max_failures
     if used >= budget:
         return None
@@ -334,30 +346,25 @@ def first_step(rd: RunDir, env, say=print) -> str:
     if not listed:
         raise BadInput("hpcscale step-nodes runs in a batch script: SLURM_JOB_NODELIST is not set")
     allocation = expand(listed)
-    return compress(first_step_nodes(allocation, spec.nodes, _tree_or_flat(rd, allocation, say)))
+    return compress(first_step_nodes(allocation, spec.nodes, _tree_or_flat(rd.site_config(), allocation, say)))
 
 
-def _keep_off(rd: RunDir, spec: JobSpec, events: list[dict], job_id: str, blamed: list[str]) -> list[str]:
+def _keep_off(site: SiteConfig, spec: JobSpec, events: list[dict], job_id: str, blamed: list[str]) -> list[str]:
     """The nodes a requeued job is kept off (restart.exclude): those this failure blames, and with `all-failed`
     those every earlier end of the job blamed; none when the partition could not then hold the job."""
     off = list(blamed)
     if spec.restart.exclude == "all-failed":
-        for e in events:
-            if e.get("event") == "end" and e.get("job_id") == job_id and isinstance(e.get("excluded"), list):
-                off += [h for h in e["excluded"] if isinstance(h, str)]
+        off += blamed_before([e for e in events if e.get("event") == "end" and e.get("job_id") == job_id])
     off = list(dict.fromkeys(off))
-    try:
-        partition = rd.site_config().partition(spec.partition)
-    except HpcscaleError:
-        return []
+    partition = site.partition(spec.partition)
     hosts = set(expand(partition.nodes)) if partition is not None else set()
     return off if len(hosts - set(off)) >= spec.nodes + spec.restart.spare_nodes else []
 
 
-def _tree_or_flat(rd: RunDir, allocation: list[str], say) -> SwitchTree:
+def _tree_or_flat(site: SiteConfig, allocation: list[str], say) -> SwitchTree:
     """The site's switch tree for choosing a spare; the allocation under one switch when it cannot be read."""
     try:
-        return site_tree(rd.site_config())
+        return site_tree(site)
     except HpcscaleError as e:
         say(f"hpcscale: switch tree unavailable ({e}); choosing a spare as if every node were under one switch")
         return flat_tree(allocation)
@@ -383,7 +390,8 @@ def after_step(
     env = dict(os.environ if env is None else env)
     rd = RunDir.open(run_dir)
     spec = rd.load_job().spec
-    client = SlurmClient.for_site(rd.site_config())
+    site = rd.site_config()  # read once: the client, the switch tree and the partition take it
+    client = SlurmClient.for_site(site)
     job_id = env.get("SLURM_JOB_ID")
     events = rd.attempt_events()
     begins = [e for e in events if e.get("event") == "begin"]
@@ -418,7 +426,7 @@ def after_step(
         blamed = _blamed_now(client, lines, found, begins[-1].get("nodes") if begins else None)
     if in_place and cause == "failed" and spec.restart.spare_nodes and job_id:
         allocation = expand(env.get("SLURM_JOB_NODELIST", "")) if env.get("SLURM_JOB_NODELIST") else []
-        tree = _tree_or_flat(rd, allocation, say)
+        tree = _tree_or_flat(site, allocation, say)
         here = relaunch_here(
             spec,
             events,
@@ -431,7 +439,7 @@ def after_step(
         )
         decision = here or decision
     if decision.requeue and cause == "failed" and job_id and spec.restart.exclude != "never":
-        keep_off = _keep_off(rd, spec, events, job_id, blamed)
+        keep_off = _keep_off(site, spec, events, job_id, blamed)
         if keep_off:
             decision = replace(decision, excluded=keep_off)
     code = 128 + died.signum if died else exit_code

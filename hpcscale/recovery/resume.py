@@ -54,7 +54,7 @@ from hpcscale.portable import lock as run_lock
 from hpcscale.portable.errors import StageError
 from hpcscale.recovery.joblog import attempt_lines, read_logs
 from hpcscale.recovery.nodes import NODE_FAILURE, rank_nodes, unhealthy
-from hpcscale.recovery.requeue import grace_advice
+from hpcscale.recovery.requeue import blamed_before, grace_advice, spent
 from hpcscale.rundir import RESUME_STATE, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
 from hpcscale.slurm.submit import Prepared, prepare, submit_job
@@ -297,10 +297,9 @@ def _in_place_outlook(spec, events: list[dict], diag: Diagnosis) -> str:
     ends = [e for e in mine if e.get("event") == "end"]
     current = begins[-1].get("restart_count") if begins else None
     step = begins[-1].get("nodes") if begins and isinstance(begins[-1].get("nodes"), list) else []
-    blamed = {h for e in ends if e.get("restart_count") == current and isinstance(e.get("excluded"), list)
-              for h in e["excluded"] if isinstance(h, str)}  # fmt: skip
+    blamed = blamed_before([e for e in ends if e.get("restart_count") == current])
     spares = [h for h in diag.nodes if h not in step and h not in blamed]
-    used = sum(1 for e in ends if e.get("cause") == "failed" and (e.get("requeue") or e.get("relaunch")))
+    used = spent(ends, "failed")
     left = max(0, spec.restart.max_failures - used)
     if not spares or not left:
         why = "no spare is left" if not spares else "restart.max_failures is spent"
