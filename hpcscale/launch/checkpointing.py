@@ -429,15 +429,19 @@ class Checkpointer:
             self._manager.close()
 
     @contextlib.contextmanager
-    def paused(self, reason: str) -> Iterator[None]:
-        """Work between steps that is not training (an evaluation): the hang watchdog waits for it, and its time
-        is left out of the step times (per-rank timing, checkpoint.every_steps: auto)."""
+    def paused(self, reason: str, *, bounded: bool = False) -> Iterator[None]:
+        """Work between steps that is not training (an evaluation): the hang watchdog waits for it (with
+        `bounded`, up to its pause limit: hpcscale.launch.watchdog), and its time is left out of the step times
+        (per-rank timing, checkpoint.every_steps: auto)."""
         if self._loop is not None:
-            with self._watchdog.paused(reason), self._loop.clock.paused():
+            with self._watchdog.paused(reason, bounded=bounded), self._loop.clock.paused():
                 yield
             return
         times = self._ctx.step_times  # an evaluation's collectives are no step's traffic either
-        with self._watchdog.paused(reason), times.paused() if times is not None else contextlib.nullcontext():
+        with (
+            self._watchdog.paused(reason, bounded=bounded),
+            times.paused() if times is not None else contextlib.nullcontext(),
+        ):
             yield
 
     def _hook_optimizers(self) -> None:

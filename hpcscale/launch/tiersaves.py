@@ -129,9 +129,12 @@ class TierSaves:
         host = self._host
         local = host._local
         tensors, state = host._state_for_save(done_steps)
-        with host._watchdog.paused("checkpoint"):
+        # bounded: a rank stopped inside a node-local save is named within the watchdog's pause limit, not at the
+        # collective timeout (hpcscale.launch.watchdog); the wait for the save before is not this save's own work
+        with host._watchdog.paused("node-local checkpoint", bounded=True):
             t = time.perf_counter()
             self.local_wait()
+            host._watchdog.progress()
             before = local.last_stats  # what the save before wrote in the background: its cost, for `auto`
             self._local_background_before = (before.background_s or None) if before is not None else None
             try:

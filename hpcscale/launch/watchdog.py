@@ -19,6 +19,20 @@ a step the run has already shown it can take. Work that is long for a reason of 
 evaluation) runs inside `paused(reason)`; the clock stops there, and the interval of the step it belongs to
 excludes it, so one checkpoint does not raise the timeout for the rest of the run.
 
+A pause that asks for it (`bounded=True`: the node-local tier's saves) is watched too, by a rule of its own:
+once a pause of the same reason has ended in this process, the next one may last
+
+    pause limit = max(min_seconds, factor × the longest pause of that reason so far)
+
+(time the process did not run left out), and the watchdog fires when it lasts longer, with the same line as
+for a step (its seconds count from the last finished step, the pause included). So a rank stopped in the middle
+of a node-local save, whose peers then wait in the save's collectives, is named within the limit rather than at
+the collective timeout. `progress()` inside a pause starts its clock again (a wait for the previous save's
+background write has ended: what follows is this save's own work), as a beat does. The first pause of a reason
+has no history to go by and is bounded only by the collective timeout, as is every pause that does not ask:
+a shared-tier save (a parallel filesystem's speed varies too much for a rule learned from earlier saves to
+tell a hang from a busy day), an evaluation, a cross-site round (it waits on other sites).
+
 When it fires, in this order:
 1. one line to stderr in the format of every rank failure (launch/failure.py), so `run --local`, the
    Slurm log readers and people parse it alike:
@@ -99,6 +113,11 @@ class Watchdog:
         self._paused_at: float | None = None  # when the outermost pause began
         self._pauses = 0
         self.pause_reason: str | None = None
+        self.longest_pause: dict[str, float] = {}  # reason: the longest ended pause of it, time not running left out
+        self._pause_from: float | None = None  # when the outermost pause began, or the last beat inside it
+        self._pause_limit: float | None = None  # how long the outermost pause may last; None: unbounded
+        self._not_running = 0.0  # seconds this process did not run (stalls): written by the thread alone
+        self._pause_not_running = 0.0  # _not_running when _pause_from was set
         self._stop = threading.Event()
         self._poll = min(_POLL_S, max(0.01, min_seconds / 4))
         self._thread = threading.Thread(target=self._run, name=f"hpcscale-watchdog-{rank}", daemon=True)
@@ -126,15 +145,34 @@ class Watchdog:
             if interval > self.longest:
                 self.longest = interval  # before _since: a reader with the old _since sees a longer timeout
         if paused_at is not None:  # a beat inside a pause: the pause counts only from here
+            self._pause_not_running = self._not_running
+            self._pause_from = now
             self._paused_at = now
         self.last_step = step
         self._since = now
 
+    def progress(self) -> None:
+        """Inside a pause: what it waited for has come; its clock starts again from here (module docstring)."""
+        if self._paused_at is not None:
+            self._pause_not_running = self._not_running
+            self._pause_from = time.monotonic()
+
+    def pause_limit(self, reason: str) -> float | None:
+        """How long a pause of `reason` may last: None before one has ended (see the module docstring)."""
+        longest = self.longest_pause.get(reason)
+        return None if longest is None else max(self.min_seconds, self.factor * longest)
+
     @contextlib.contextmanager
-    def paused(self, reason: str) -> Iterator[None]:
-        """Legitimately long work (a checkpoint save, evaluation): the clock stops until it ends."""
-        if self._pauses == 0:
-            self._paused_at = time.monotonic()
+    def paused(self, reason: str, *, bounded: bool = False) -> Iterator[None]:
+        """Legitimately long work (a checkpoint save, evaluation): the step clock stops until it ends; with
+        `bounded`, the pause is held to its own limit (`pause_limit`)."""
+        outermost = self._pauses == 0
+        if outermost:
+            now = time.monotonic()
+            self._pause_limit = self.pause_limit(reason) if bounded else None
+            self._pause_not_running = self._not_running
+            self._pause_from = now
+            self._paused_at = now  # last: the thread reads the limit and clock of this pause, never the previous one's
             self.pause_reason = reason
         self._pauses += 1
         try:
@@ -142,10 +180,19 @@ class Watchdog:
         finally:
             self._pauses -= 1
             if self._pauses == 0:
+                now = time.monotonic()
                 if self._since is not None and self._paused_at is not None:
-                    self._since += time.monotonic() - self._paused_at  # before un-pausing: never seen too old
+                    self._since += now - self._paused_at  # before un-pausing: never seen too old
                 self._paused_at = None
+                if outermost and self._pause_from is not None:
+                    lasted = self._pause_lasted(now, self._pause_from)
+                    if lasted > self.longest_pause.get(reason, -1.0):
+                        self.longest_pause[reason] = lasted
+                self._pause_from = self._pause_limit = None
                 self.pause_reason = None
+
+    def _pause_lasted(self, now: float, start: float) -> float:
+        return now - start - (self._not_running - self._pause_not_running)
 
     def _run(self) -> None:
         woke_by = None  # when the last wait should have ended at the latest
@@ -154,8 +201,16 @@ class Watchdog:
             if woke_by is not None and now - woke_by > STALL_S:
                 self._stalled(now - woke_by)
             since = self._since
-            if since is None or self._paused_at is not None:
+            paused_at = self._paused_at
+            if since is None:
                 wait = self._poll
+            elif paused_at is not None:
+                limit, start = self._pause_limit, self._pause_from
+                left = None if limit is None or start is None else limit - self._pause_lasted(now, start)
+                if left is not None and left <= 0 and self._paused_at == paused_at:
+                    self._fire(now - since)  # the seconds since the last finished step, the pause included
+                    return
+                wait = self._poll if left is None else min(self._poll, left)
             else:
                 timeout = self.timeout
                 elapsed = now - since
@@ -173,6 +228,7 @@ class Watchdog:
         rank that mpirun or srun continue only to kill it says it here, with its peers' hang lines before it."""
         if self._since is not None and self._paused_at is None:
             self._since += lost
+        self._not_running += lost  # a pause is not long for the time its process did not run either
         with contextlib.suppress(OSError, ValueError):
             line = stall_line(rank=self.rank, mpi_rank=self.mpi_rank, node=self.node, seconds=lost)
             _write_all(sys.stderr.fileno(), (line + "\n").encode())
@@ -237,5 +293,8 @@ class NoWatchdog:
         pass
 
     @contextlib.contextmanager
-    def paused(self, reason: str) -> Iterator[None]:
+    def paused(self, reason: str, *, bounded: bool = False) -> Iterator[None]:
         yield
+
+    def progress(self) -> None:
+        pass

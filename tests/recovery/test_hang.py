@@ -5,6 +5,7 @@ Also the watchdog's timeout rule, and the reading of its lines (hung_ranks, desc
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -33,25 +34,40 @@ from hpcscale.launch.watchdog import Watchdog
 
 HANG_S = 8  # the job's hang_timeout_seconds
 COLLECTIVE_S = 60  # its timeout_seconds: the job must end well before a collective would time out
-# the job trains 15 steps: stopped after its 6th (past the checkpoint at 5), resumed from 5 or 10 to the end; each
+# the job trains 15 steps: stopped inside its save after 10, resumed from 5 to the end; each
 # step a run (hung, resumed, reference) need not take costs 0.1-0.3 s on two cores
 STEPS = 15
 
 
-def _wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
+def _wait_for_steps(
+    run_dir: Path, n: int, proc: subprocess.Popen, out: Path, timeout: float = 120, poll: float = 0.2
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= n:
             return
         assert proc.poll() is None, out.read_text()[-3000:]
-        time.sleep(0.2)
+        time.sleep(poll)
     raise AssertionError(f"fewer than {n} steps after {timeout}s:\n{out.read_text()[-3000:]}")
 
 
-def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_continues(mpi, tmp_path):
-    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=STEPS, log_every=50, checkpoint={"every_steps": 5})
+def test_a_rank_stopped_inside_a_node_local_save_is_named_the_live_ranks_dump_their_stacks_and_resume_continues(
+    mpi, tmp_path
+):
+    """Four ranks under `run --local` with the node-local tier (synchronous saves every 5 steps; from step 10
+    each save's write is held back 4 s, HPCSCALE_CKPT_SLOW_WRITE): rank 2 stopped with SIGSTOP inside the save
+    of step 10. Its peers wait for it in the save's collectives; their watchdogs, paused for the save, hold it
+    to the pause limit (the save of step 5 went quickly) and name rank 2 within the hang timeout and a margin,
+    not at the collective timeout. The stop among training steps is the in-place tests' (tests/recovery/
+    test_resume.py, the three failures)."""
+    site = tmp_path / "site.yaml"
+    local = yaml.safe_load((REPO / "site_configs" / "local.yaml").read_text())
+    local["filesystems"]["node_local"] = str(tmp_path / "node-local")
+    site.write_text(yaml.safe_dump(local))
+    job = job_spec(tmp_path / "job.yaml", tp=2, pp=2, ranks=4, steps=STEPS, log_every=50)
     spec = yaml.safe_load(job.read_text())
-    spec |= {"hang_timeout_seconds": HANG_S, "timeout_seconds": COLLECTIVE_S}
+    spec |= {"hang_timeout_seconds": HANG_S, "timeout_seconds": COLLECTIVE_S, "site": str(site)}
+    spec["checkpoint"] = {"every_steps": 5, "async": False, "local": {"every_steps": 5}}
     job.write_text(yaml.safe_dump(spec))
     run_dir, out = tmp_path / "run", tmp_path / "out.txt"
     with open(out, "w") as f:  # a file, not a pipe: nobody reads a pipe while the test waits
@@ -60,11 +76,15 @@ def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_con
             stdout=f,
             stderr=subprocess.STDOUT,
             cwd=REPO,
+            env={**os.environ, "HPCSCALE_CKPT_SLOW_WRITE": "4@10:node-local"},
         )
     try:
         _wait_for_steps(run_dir, 6, proc, out)  # past the first checkpoint
         ranks = local_rank_pids(run_dir)
         assert sorted(ranks) == [0, 1, 2, 3], ranks
+        # step 10's line is logged before its save, whose write then waits 4 s: inside it
+        _wait_for_steps(run_dir, 10, proc, out, poll=0.02)
+        assert len(losses(run_dir)) == 10
         stopped_at = time.monotonic()
         os.kill(ranks[2], signal.SIGSTOP)
         code = proc.wait(timeout=COLLECTIVE_S)
@@ -101,6 +121,9 @@ def test_a_stopped_rank_is_named_the_live_ranks_dump_their_stacks_and_resume_con
     # faulthandler's dump: the training thread waits in a collective (the trainer's own frames), the watchdog runs
     assert logged.count("Current thread 0x") >= 3 and "Thread 0x" in logged
     assert 'File "' in logged and "hpcscale/train/trainer.py" in logged and "in train" in logged
+    assert "hpcscale/launch/tiersaves.py" in logged and "in save_local" in logged  # they waited inside the save
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["local_checkpoint"] for r in rows if "local_checkpoint" in r] == [5]  # step 10's never finished
     # `resume` explains the hang, takes the newest checkpoint and finishes the run as if nothing happened
     resumed = run_cli("resume", str(run_dir), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -174,6 +197,66 @@ def test_the_timeout_is_factor_times_the_longest_step_and_pauses_do_not_count():
     finally:
         wd.stop()
     assert hangs == [] and wd.fired is None
+
+
+def test_a_bounded_pause_fires_past_factor_times_the_longest_of_its_reason_and_others_never_do():
+    """A pause that asks to be bounded (the node-local tier's saves) has no limit the first time (nothing to go by),
+    then max(min_seconds, factor x the longest of its reason); a pause of another reason, or one that does not
+    ask, is never bounded; the line is a hang's, its seconds counted from the last step, the pause included."""
+    wd, hangs = _watchdog(min_seconds=0.2, factor=3)
+    try:
+        wd.beat(0)
+        assert wd.pause_limit("node-local checkpoint") is None
+        with wd.paused("node-local checkpoint", bounded=True):
+            time.sleep(0.35)  # the first: longer than the floor, and no limit
+        first = wd.longest_pause["node-local checkpoint"]
+        assert 0.35 <= first < 0.6 and wd.pause_limit("node-local checkpoint") == pytest.approx(3 * first)
+        with wd.paused("evaluation"):  # not bounded: far past any limit
+            time.sleep(3 * first + 0.3)
+        with wd.paused("checkpoint", bounded=True):  # bounded, but the first of its reason
+            time.sleep(0.5)
+        wd.beat(1)
+        assert hangs == [] and wd.fired is None
+        beat_at = time.monotonic()
+        with wd.paused("node-local checkpoint", bounded=True):
+            _wait(hangs, within=3 * first + 2)
+        paused_for = hangs[0] - beat_at if hangs else None
+    finally:
+        wd.stop()
+    assert paused_for is not None and paused_for >= 3 * first, paused_for
+    f = FailureLine.parse(wd.fired)
+    assert f.hang.last_step == 1 and f.hang.seconds >= 3 * first and f.peer_lost
+
+
+def test_progress_inside_a_pause_starts_its_clock_again_and_the_floor_holds():
+    wd, hangs = _watchdog(min_seconds=0.3, factor=2)
+    try:
+        wd.beat(0)
+        with wd.paused("node-local checkpoint", bounded=True):
+            time.sleep(0.01)  # a tiny first pause: the limit is the floor, 0.3 s
+        assert wd.pause_limit("node-local checkpoint") == 0.3
+        with wd.paused("node-local checkpoint", bounded=True):
+            for _ in range(4):  # 0.8 s in all, never 0.3 s without progress (the save before ended, say)
+                time.sleep(0.2)
+                wd.progress()
+        assert hangs == []
+        assert wd.longest_pause["node-local checkpoint"] < 0.3  # what follows the last progress, not the wait
+        wd.progress()  # outside a pause: nothing
+    finally:
+        wd.stop()
+    assert hangs == [] and wd.fired is None
+
+
+def test_time_a_stopped_process_spent_inside_a_bounded_pause_does_not_count():
+    """SIGSTOPped for 1 s inside a bounded pause whose limit is 0.8 s, then the pause ends: not a hang."""
+    then = """with wd.paused("node-local checkpoint", bounded=True):
+    time.sleep(0.01)
+with wd.paused("node-local checkpoint", bounded=True):
+    time.sleep(1.4)  # SIGSTOPped for 1 s of it
+wd.beat(8)"""
+    out, err = _stopped_for(_watchdog_child(rank=2, min_seconds=0.8, then=then), after=0.1, seconds=1.0, timeout=10)
+    assert out == "not fired\n", err
+    assert " was not running for " in err
 
 
 def test_a_stopped_watchdog_never_fires():
