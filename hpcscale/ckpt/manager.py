@@ -716,7 +716,9 @@ class NodeLocalManager(Tier):
                 # a step of an abandoned timeline (saved, then the job restarted from an older one): node-local
                 # steps stand alone, so nothing else refers to it
                 shutil.rmtree(self.root / name, ignore_errors=True)
-                install(self.root, step, keep_last=self.keep_last, keep_every=self.keep_every, keep=keep)
+                # keep_last steps besides this one until its partner copies are made (below): until then a lost
+                # node takes its part of this step along, and the steps before it are what recovery has
+                install(self.root, step, keep_last=self.keep_last + 1, keep_every=self.keep_every, keep=keep)
             except Exception as e:
                 problem = f"node {nl.node_of[self.rank]}: {type(e).__name__}: {e}"
         problems = [None] * dist.get_world_size()
@@ -728,12 +730,20 @@ class NodeLocalManager(Tier):
         files = set(detail[1])
         writer_of = {f: r for r in range(len(nl.node_of)) if (f := f"{name}/data/rank-{r:05d}.bin") in files}
         copies = [(r, nl.leader(p), f) for f, r in writer_of.items() for p in nl.partners[nl.node_of[r]]]
+        faults.fault("partner_copy", self.rank)  # tests only: a node lost between its step and its partner copies
         mine = transfer(copies, rank=self.rank, root=self.root, group=self.group)
         failed = [None] * dist.get_world_size()
         dist.all_gather_object(failed, mine, group=self.group)
         if self.rank == 0 and any(failed):
             lost = "; ".join(p for ps in failed for p in ps)
             self.log(f"hpcscale: warning: node-local {name}: partner copies failed: {lost}")
+        if self._keeper:  # the copies made: now the retention keep_last says
+            try:
+                apply_retention(
+                    self.root, keep_last=self.keep_last, keep_every=self.keep_every, keep=frozenset(self.pinned)
+                )
+            except OSError as e:
+                self.log(f"hpcscale: warning: node {nl.node_of[self.rank]}: node-local retention: {e}")
         if self.rank == 0 and self.record is not None:
             holders = {f: [nl.node_of[r]] for f, r in writer_of.items()}
             for src, dst, f in copies:  # a copy counts once neither side said it failed

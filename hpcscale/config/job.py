@@ -97,7 +97,12 @@ class NodeLocalTier:
         default=0,
         min=0,
     )
-    keep_last: int = setting("Keep the newest K node-local steps on each node.", default=2, min=1)
+    keep_last: int = setting(
+        "Keep the newest K node-local steps on each node; a step counts once its partner copies are made (until "
+        "then the node holds K + 1), so a node lost during a save still leaves K whole steps to recover from.",
+        default=2,
+        min=1,
+    )
     partners: int = setting(
         "How many other nodes hold a copy of each node's node-local data (capped at the job's nodes - 1). 0: a "
         "lost node takes its part of every node-local step with it, and recovery falls back to the shared tier.",
@@ -281,6 +286,14 @@ class Restart:
         default=0,
         min=0,
         max=64,
+    )
+    shrink: bool = setting(
+        "When a step fails with a node to blame and no spare is left for it, start the next step in the same "
+        "allocation on fewer nodes instead of requeueing: the most of the remaining nodes the layout and the "
+        "built-in trainer's batch rules allow (the data-parallel degree shrinks, the checkpoint is resharded, "
+        "global_batch is kept by accumulating more micro-batches). Counts against `max_failures`; when no smaller "
+        "layout fits, the job is requeued as without it (docs/runbook.md).",
+        default=False,
     )
 
 

@@ -133,6 +133,29 @@ def test_a_corrupt_copy_is_refused_and_the_partners_copy_is_taken(tmp_path):
 
 
 @starts_ranks
+def test_a_node_lost_before_its_partner_copies_leaves_keep_last_whole_steps_behind(tmp_path):
+    """keep_last 2: steps 10 and 20 saved with their partner copies; node b killed (-9) in step 30 after every
+    node installed it but before the partner copies. Node a must still hold two whole steps before 30 (a step is
+    not counted towards keep_last until its copies are made): with a's copy of b's part of step 20 corrupted too,
+    a load without b takes step 10 (30 is not whole, 20 not any more), not nothing."""
+    nodes = ["a", "a", "b", "b"]
+    _run(tmp_path, "save", nodes=nodes, action="save", steps=[10, 20])
+    _run(tmp_path, "save-killed", nodes=nodes, action="save", steps=[30], env={"HPCSCALE_CKPT_FAULT": "partner_copy@2"},
+         fails=True)  # fmt: skip
+    base = tmp_path / "nodes"
+    held = sorted(p.name for p in (base / "a").iterdir() if p.name.startswith("step-"))
+    assert held == ["step-00000010", "step-00000020", "step-00000030"], held
+    b_file = next(iter(_files(base / "a", 20) - {"rank-00000.bin", "rank-00001.bin"}))
+    copy = base / "a" / "step-00000020" / "data" / b_file
+    data = bytearray(copy.read_bytes())
+    data[100] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    shutil.rmtree(base / "b")
+    loaded = _run(tmp_path, "load", nodes=["a", "a", "c", "c"], action="load")
+    assert [r["step"] for r in loaded] == [10] * 4 and all(r["ok"] for r in loaded), _run.logs
+
+
+@starts_ranks
 def test_two_lost_nodes_that_partner_each_other_leave_no_complete_step(tmp_path):
     nodes = ["a", "b", "c", "d"]
     _run(tmp_path, "save", nodes=nodes, action="save", steps=[10])
