@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -95,6 +96,32 @@ def pytest_collection_modifyitems(config, items):
         else:
             continue
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# Signal state a test may leave behind in its worker, where every later test's subprocesses would inherit it:
+# a signal blocked or ignored survives fork and exec (a Python started with SIGINT ignored never raises
+# KeyboardInterrupt), a handler of ours does not survive exec but makes the worker itself deaf to it.
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_signal_state():
+    """Put the worker's signal mask and dispositions back as they were before each test; a test that leaves a
+    signal blocked or ignored fails (its subprocesses, and every later test's, would inherit it)."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    handlers = {sig: signal.getsignal(sig) for sig in _WATCHED_SIGNALS}
+    yield
+    leaked = []
+    now = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if now != mask:
+        leaked.append(f"signal mask {sorted(map(int, mask))} -> {sorted(map(int, now))}")
+    for sig, old in handlers.items():
+        new = signal.getsignal(sig)
+        if new is not old and old is not None:
+            signal.signal(sig, old)
+            if new is signal.SIG_IGN:
+                leaked.append(f"{signal.Signals(sig).name} left ignored")
+    assert not leaked, f"the test left signal state behind (put back): {'; '.join(leaked)}"
 
 
 def need(ok: bool, what: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("data_written", "data_durable", "index_written", "gc")
+POINTS = ("data_written", "data_durable", "index_written", "gc", "drain_read", "partner_copy")
 
 
 def fault(point: str, rank: int) -> None:
@@ -26,8 +26,9 @@ def slow(step: int) -> None:
 
 def slow_write(step: int, *, node_local: bool) -> None:
     """HPCSCALE_CKPT_SLOW_WRITE=<seconds>@<step>[:shared|:node-local]: the write of every save (or drain) from
-    `step` on, of both tiers or the one named, starts `seconds` late, on the writer thread of an asynchronous
-    save: a save that stays in flight that long, for the tests of what waits for one."""
+    `step` on (`@=<step>`: of that step's alone), of both tiers or the one named, starts `seconds` late, on the
+    writer thread of an asynchronous save: a save that stays in flight that long, for the tests of what waits
+    for one or fails during one."""
     spec, _, tier = os.environ.get("HPCSCALE_CKPT_SLOW_WRITE", "").partition(":")
     if not tier or tier == ("node-local" if node_local else "shared"):
         _sleep(spec, step)
@@ -37,7 +38,7 @@ def _sleep(spec: str, step: int) -> None:
     if not spec:
         return
     seconds, _, start = spec.partition("@")
-    if step >= int(start or 0):
+    if step == int(start[1:]) if start.startswith("=") else step >= int(start or 0):
         import time
 
         time.sleep(float(seconds))
