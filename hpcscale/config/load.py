@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hpcscale.config.decode import Decoder
@@ -258,6 +258,16 @@ def _check_switches(site: SiteConfig, dec: Decoder) -> None:
             )
 
 
+def on_nodes(loaded: LoadedJob, nodes: int) -> tuple[LoadedJob, list[ConfigIssue]]:
+    """Job `loaded` run on `nodes` nodes instead of its own (`hpcscale resume --nodes`, restart.shrink), and what
+    is wrong with it there (the layout, the built-in trainer's batch rules; [] when it fits), each issue located
+    in the job file as at load."""
+    spec = replace(loaded.spec, nodes=nodes)
+    dec = Decoder(loaded.source or load_yaml(loaded.path))  # -p overrides keep their "command line" place
+    check_job(spec, loaded.site.config, dec)
+    return LoadedJob(spec, loaded.path, loaded.site), dec.issues
+
+
 def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
     if spec.train is not None and spec.command is not None:
         dec.error(("command",), "give either train or command, not both")
@@ -300,17 +310,21 @@ def check_job(spec: JobSpec, site: SiteConfig, dec: Decoder) -> None:
         found = entry_problem(spec.train.entry, [p for p in env.get("PYTHONPATH", "").split(":") if p])
         if found is not None:
             (dec.error if found[0] == "error" else dec.warn)(("train", "entry"), found[1])
-    if spec.restart.spare_nodes and (spec.command is not None or spec.sweep is not None or spec.container):
+    in_place = [k for k in ("spare_nodes", "shrink") if getattr(spec.restart, k)]  # a relaunch in the allocation
+    if in_place and (spec.command is not None or spec.sweep is not None or spec.container):
         what = "a `command:` job" if spec.command is not None else "a sweep" if spec.sweep else "a container job"
         dec.error(
-            ("restart", "spare_nodes"),
-            f"{what} cannot have spare nodes: only the default template relaunches a step in place",
+            ("restart", in_place[0]),
+            f"{what} cannot have restart.{in_place[0]}: only the default template relaunches a step in place",
         )
     if site.scheduler == "local":
         if spec.nodes != 1:
             dec.error(("nodes",), f"site '{site.name}' is this machine only: nodes must be 1")
-        if spec.restart.spare_nodes:
-            dec.error(("restart", "spare_nodes"), f"site '{site.name}' has no Slurm allocation to hold spares")
+        if in_place:
+            dec.error(
+                ("restart", in_place[0]),
+                f"site '{site.name}' has no Slurm allocation to relaunch a step in (restart.{in_place[0]})",
+            )
         return
     part = site.partition(spec.partition)
     if part is None:

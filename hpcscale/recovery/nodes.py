@@ -8,10 +8,15 @@ The node health and rank placement that `hpcscale resume` and the batch script's
   tie), and within a leaf its nodes in hostname order; the rest of the allocation are the spares;
 - a relaunch keeps the previous step's nodes but the failed ones, each replaced by the spare nearest to it in the
   switch tree (under its own leaf switch first; hostname order on a tie), so the ranks that talk most stay as
-  close as they were. Where fewer spares remain than nodes failed there is no relaunch (None).
+  close as they were. Where fewer spares remain than nodes failed there is no relaunch (None);
+- unless the job may shrink (`restart.shrink`): then the next step runs on as many of the nodes left (the
+  previous step's survivors and the spares still free) as the job's layout and batch rules allow, chosen
+  among them as a first step's nodes are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from hpcscale.errors import BadInput
 from hpcscale.launch.failure import MAX_RANKS, NODE_FAILURE
@@ -20,7 +25,15 @@ from hpcscale.slurm.client import SlurmClient
 from hpcscale.topology.tree import SwitchTree
 from hpcscale.util.hostlist import sort_hosts
 
-__all__ = ["NODE_FAILURE", "UNHEALTHY", "first_step_nodes", "rank_nodes", "relaunch_nodes", "unhealthy"]
+__all__ = [
+    "NODE_FAILURE",
+    "UNHEALTHY",
+    "first_step_nodes",
+    "rank_nodes",
+    "relaunch_nodes",
+    "shrink_nodes",
+    "unhealthy",
+]
 
 UNHEALTHY = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "UNKNOWN", "MAINT", "REBOOT", "POWER")
 
@@ -92,3 +105,22 @@ def relaunch_nodes(
         spares.remove(best)
         keep.append(best)
     return sort_hosts(keep)
+
+
+def shrink_nodes(
+    previous: list[str],
+    failed: list[str],
+    allocation: list[str],
+    excluded: list[str],
+    tree: SwitchTree,
+    fits: Callable[[int], bool],
+) -> list[str] | None:
+    """restart.shrink, when too few spares remain for `failed`: the next step's nodes, as many of those left (the
+    allocation's nodes neither `failed` nor `excluded`) as `fits(n)` allows, n at most the previous step's count,
+    chosen as `first_step_nodes` chooses. None when no count fits."""
+    out = set(failed) | set(excluded)
+    left = [h for h in sort_hosts(allocation) if h not in out]
+    for n in range(min(len(left), len(previous)), 0, -1):
+        if fits(n):
+            return first_step_nodes(left, n, tree)
+    return None

@@ -31,6 +31,7 @@ trapped, not fatal), then calls `hpcscale requeue "$RUN" --exit-code $rc` (`hpcs
    only: SIGTERM is ignored from the requeue to that update).
 4. With spare nodes (`restart.spare_nodes`, `in_place`), a failure that blames nodes of the step is relaunched
    in the allocation instead, while spares and `max_failures` last (`relaunch_here`): no requeue, no backoff.
+   With `restart.shrink`, a failure with too few spares left relaunches on fewer nodes, where the job fits.
 
 The restarted job reruns the script from the top; its ranks resume from the newest checkpoint that every rank
 can load and verify, from either tier (hpcscale.launch.checkpointing, Checkpointer._load_newest).
@@ -45,18 +46,27 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from hpcscale.ckpt.format import INDEX, committed_steps, step_dir_name
 from hpcscale.config.job import JobSpec
+from hpcscale.config.load import on_nodes
 from hpcscale.config.site import SiteConfig
 from hpcscale.errors import STOPPED_EXIT_CODE, BadInput, HpcscaleError
 from hpcscale.launch.failure import first_cause, signalled_task
 from hpcscale.launch.signals import STOP_SIGNALS
 from hpcscale.recovery.joblog import attempt_lines
-from hpcscale.recovery.nodes import NODE_FAILURE, first_step_nodes, rank_nodes, relaunch_nodes, unhealthy
+from hpcscale.recovery.nodes import (
+    NODE_FAILURE,
+    first_step_nodes,
+    rank_nodes,
+    relaunch_nodes,
+    shrink_nodes,
+    unhealthy,
+)
 from hpcscale.rundir import RunDir
 from hpcscale.slurm.allocation import site_tree
 from hpcscale.slurm.client import SlurmClient
@@ -310,10 +320,12 @@ def relaunch_here(
     allocation: list[str],
     tree: SwitchTree,
     base: Decision,
+    fits: Callable[[int], bool] | None = None,
 ) -> Decision | None:
     """The decision to start the next step in this allocation (restart.spare_nodes), or None: the failed attempt
     blamed nodes it ran on, spares remain for them, and restart.max_failures is not spent by this job's requeues
-    and relaunches. The blamed nodes stay out of the job's later steps (`excluded` of its earlier ends too)."""
+    and relaunches. The blamed nodes stay out of the job's later steps (`excluded` of its earlier ends too).
+    `fits` (restart.shrink: whether the job runs on n nodes): with too few spares, the step shrinks instead."""
     begins = [e for e in events if e.get("event") == "begin" and e.get("job_id") == job_id]
     previous = begins[-1].get("nodes") if begins else None
     if not isinstance(previous, list) or not all(isinstance(h, str) and h in allocation for h in previous):
@@ -329,11 +341,16 @@ def relaunch_here(
     if used >= budget:
         return None
     nodes = relaunch_nodes(previous, failed, allocation, before, tree)
+    shrunk = ""
+    if nodes is None and fits is not None:
+        nodes = shrink_nodes(previous, failed, allocation, before, tree, fits)
+        n = len(nodes or ())
+        shrunk = f"no spare left: the step shrinks from {len(previous)} to {n} node(s) (restart.shrink), "
     if nodes is None:
         return None
     why = (
         f"relaunch {used + 1} of restart.max_failures = {budget} in this allocation: {compress(failed)} left out, "
-        f"the step now on {compress(nodes)}"
+        f"{shrunk}the step now on {compress(nodes)}"
     )
     return replace(base, requeue=False, why=why, backoff_s=0, relaunch=nodes, excluded=failed)
 
@@ -389,7 +406,8 @@ def after_step(
     the next step in this allocation (Decision.relaunch: its nodes); the script starts it."""
     env = dict(os.environ if env is None else env)
     rd = RunDir.open(run_dir)
-    spec = rd.load_job().spec
+    loaded = rd.load_job()
+    spec = loaded.spec
     site = rd.site_config()  # read once: the client, the switch tree and the partition take it
     client = SlurmClient.for_site(site)
     job_id = env.get("SLURM_JOB_ID")
@@ -424,7 +442,7 @@ def after_step(
     blamed: list[str] = []  # the nodes this failure blames, asked of the logs and Slurm once
     if cause == "failed" and job_id:
         blamed = _blamed_now(client, lines, found, begins[-1].get("nodes") if begins else None)
-    if in_place and cause == "failed" and spec.restart.spare_nodes and job_id:
+    if in_place and cause == "failed" and (spec.restart.spare_nodes or spec.restart.shrink) and job_id:
         allocation = expand(env.get("SLURM_JOB_NODELIST", "")) if env.get("SLURM_JOB_NODELIST") else []
         tree = _tree_or_flat(site, allocation, say)
         here = relaunch_here(
@@ -436,6 +454,7 @@ def after_step(
             allocation=allocation,
             tree=tree,
             base=decision,
+            fits=(lambda n: not on_nodes(loaded, n)[1]) if spec.restart.shrink else None,
         )
         decision = here or decision
     if decision.requeue and cause == "failed" and job_id and spec.restart.exclude != "never":

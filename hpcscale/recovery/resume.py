@@ -36,16 +36,14 @@ import contextlib
 import os
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from hpcscale.ckpt.format import committed_steps, step_dir_name
 from hpcscale.ckpt.ops import verify
-from hpcscale.config.decode import Decoder
-from hpcscale.config.load import LoadedJob, check_job
+from hpcscale.config.load import LoadedJob, on_nodes
 from hpcscale.config.render import to_plain
-from hpcscale.config.yamlsrc import load_yaml
 from hpcscale.errors import BadInput, HpcscaleError
 from hpcscale.launch.failure import first_cause
 from hpcscale.launch.local import LocalResult, local_env, run_local
@@ -301,13 +299,19 @@ def _in_place_outlook(spec, events: list[dict], diag: Diagnosis) -> str:
     spares = [h for h in diag.nodes if h not in step and h not in blamed]
     used = spent(ends, "failed")
     left = max(0, spec.restart.max_failures - used)
-    if not spares or not left:
-        why = "no spare is left" if not spares else "restart.max_failures is spent"
-        return f"; at its next failure it does not relaunch in its allocation ({why})"
-    return (
-        f"; at its next failure that blames a node it relaunches in its allocation (spares left: "
-        f"{', '.join(spares)}; {left} of restart.max_failures = {spec.restart.max_failures} left)"
-    )
+    if spares and left:
+        return (
+            f"; at its next failure that blames a node it relaunches in its allocation (spares left: "
+            f"{', '.join(spares)}; {left} of restart.max_failures = {spec.restart.max_failures} left)"
+        )
+    if not spares and left and spec.restart.shrink:
+        return (
+            f"; at its next failure that blames a node it relaunches in its allocation on fewer nodes where the "
+            f"job fits (no spare left, restart.shrink; {left} of restart.max_failures = "
+            f"{spec.restart.max_failures} left)"
+        )
+    why = "no spare is left" if not spares else "restart.max_failures is spent"
+    return f"; at its next failure it does not relaunch in its allocation ({why})"
 
 
 def _decide(
@@ -329,7 +333,8 @@ def _decide(
         client = client or SlurmClient.for_site(loaded.site.config)
         diag = diagnose_slurm(rd, last, client)
     if diag.active:
-        outlook = _in_place_outlook(spec, rd.attempt_events(), diag) if spec.restart.spare_nodes else ""
+        in_place = spec.restart.spare_nodes or spec.restart.shrink
+        outlook = _in_place_outlook(spec, rd.attempt_events(), diag) if in_place else ""
         raise BadInput(f"{rd.path}: {clean(diag.explanation)}{outlook}")  # log text: cleaned for the terminal
     step, refused = pick_checkpoint(rd)
     if diag.finished or (local and _finished_local(rd, loaded, step)):
@@ -399,12 +404,10 @@ def _choose_tier(plan: Plan, rd: RunDir, client: SlurmClient, nodes: int) -> Non
 
 
 def _resized(loaded: LoadedJob, nodes: int) -> LoadedJob:
-    spec = replace(loaded.spec, nodes=nodes)
-    dec = Decoder(loaded.source or load_yaml(loaded.path))  # -p overrides keep their "command line" place
-    check_job(spec, loaded.site.config, dec)
-    if dec.issues:
-        raise BadInput("\n".join(f"{i} (resuming on {nodes} nodes)" for i in dec.issues))
-    return LoadedJob(spec, loaded.path, loaded.site)
+    resized, issues = on_nodes(loaded, nodes)
+    if issues:
+        raise BadInput("\n".join(f"{i} (resuming on {nodes} nodes)" for i in issues))
+    return resized
 
 
 def submit_resume(rd: RunDir, plan: Plan, loaded: LoadedJob, prepared: Prepared | None = None) -> str | None:

@@ -69,6 +69,8 @@ def template_context(job: ResolvedJob, template_name: str) -> dict[str, Any]:
             "nodes": spec.nodes + spec.restart.spare_nodes,  # the allocation: the step's nodes and the spares
             "step_nodes": spec.nodes,
             "spare_nodes": spec.restart.spare_nodes,
+            "shrink": spec.restart.shrink,
+            "in_place": bool(spec.restart.spare_nodes or spec.restart.shrink),  # steps relaunched in the allocation
             "tasks_per_node": spec.tasks_per_node,
             "cpus_per_task": spec.cpus_per_task,
             "gpus_per_node": gpu_request,

@@ -124,14 +124,21 @@ CASES = [
         "job",
         JOB + "command: [hostname]\nrestart:\n  spare_nodes: 1  # <-\n",
         "restart.spare_nodes",
-        "a `command:` job cannot have spare nodes",
+        "a `command:` job cannot have restart.spare_nodes",
+    ),
+    (
+        "shrink-for-a-sweep",
+        "job",
+        JOB + "sweep:\n  params:\n    lr: [1, 2]\nrestart:\n  shrink: true  # <-\n",
+        "restart.shrink",
+        "a sweep cannot have restart.shrink",
     ),
     (
         "spares-without-slurm",
         "job",
         "name: j\nsite: local\nrestart:\n  spare_nodes: 1  # <-\n",
         "restart.spare_nodes",
-        "has no Slurm allocation to hold spares",
+        "has no Slurm allocation to relaunch a step in (restart.spare_nodes)",
     ),
     ("missing-required", "job", "site: localcluster  # <-\n", "", "missing required key 'name'"),
     (

@@ -204,9 +204,9 @@ def test_time_limit_requeues_until_its_budget_is_spent(local_cluster, tmp_path):
     """A 2-minute limit with 40 s of grace: each attempt is stopped by the time-limit signal, checkpoints,
     and requeues itself while restart.max_time_limits allows (1 here); the second stop ends the job. Slurm sends the
     signal up to 60 s early (20-80 s into each attempt here): with a 1-minute limit it could come before the
-    ranks started, and that attempt would have no checkpoint of its own. Two ranks on one node: the job trains
-    flat out for minutes while it waits for Slurm's signal, and one node's step (one session, one autogroup)
-    leaves the other half of the machine to the rest of the suite."""
+    ranks started, and that attempt would have no checkpoint of its own. Two ranks on one node, training the
+    built-in trainer's steps at a walking pace (tests/helpers/paced_entry.py): the job waits minutes for Slurm's
+    signal and leaves the machine's cores to the rest of the suite meanwhile."""
     run = tmp_path / "run"
     job = _slurm_job(
         tmp_path / "job.yaml",
@@ -216,7 +216,11 @@ def test_time_limit_requeues_until_its_budget_is_spent(local_cluster, tmp_path):
         time_limit="2",
         signals={"grace_seconds": 40},
         restart={"max_time_limits": 1},
+        environment={"PYTHONPATH": str(REPO / "tests" / "helpers")},
     )
+    spec = yaml.safe_load(job.read_text())
+    spec["train"]["entry"] = "paced_entry:train"
+    job.write_text(yaml.safe_dump(spec))
     job_id = _submit(job, run, local_cluster)
     _wait_gone(job_id, local_cluster, timeout=720)
     ends = [e for e in _events(run) if e["event"] == "end"]
@@ -380,14 +384,17 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
     switch), n3 and n4 wait. n2 lost: its ranks killed with -9, Slurm told it is down, its node-local directory
     gone. The batch script leaves n2 out and starts a step on n1 and the nearest spare, n3, in the same job (no
     requeue, no new submission), from the newest node-local checkpoint (n2's part from its partner's copy on n1).
-    Then a rank on n3 killed with -9: the next step runs on n1 and n4. The job completes in its one allocation
-    and every step's loss is the uninterrupted run's."""
+    Then a rank on n3 killed with -9 while the drain of step 125 to the shared tier is in flight (its write held
+    back 3 s): the next step runs on n1 and n4 from the node-local tier, and no half-drained step is ever taken
+    for a checkpoint. The job completes in its one allocation, every shared checkpoint verifies, and every
+    step's loss is the uninterrupted run's."""
     env = {**os.environ, **local_cluster}
     run = tmp_path / "run"
     job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 2, "spare_nodes": 2})
     spec = yaml.safe_load(job.read_text())
-    spec["checkpoint"]["local"] = {"every_steps": 5}
+    spec["checkpoint"]["local"] = {"every_steps": 5}  # the shared tier's saves (every 25) drained from it
     spec["hang_timeout_seconds"] = 15
+    spec["environment"] = {"HPCSCALE_CKPT_SLOW_WRITE": "3@=125:shared"}
     job.write_text(yaml.safe_dump(spec))
     job_id = _submit(job, run, local_cluster)
     node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
@@ -402,6 +409,10 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
         busy = run_cli("resume", str(run), "--dry-run", env=local_cluster)  # what the running job does next
         assert busy.returncode == 2, busy.stderr
         assert "spares left: n4; 1 of restart.max_failures = 2 left" in busy.stderr, busy.stderr
+        deadline = time.monotonic() + 120
+        while not any(r.get("checkpoint") == 125 and r.get("attempt") == 2 for r in _rows(run)):
+            assert time.monotonic() < deadline, _log(run)[-3000:]  # logged as the drain starts: 3 s in flight
+            time.sleep(0.1)
         os.kill(_rank_pids(run, "n3")[0], signal.SIGKILL)
         assert _wait_gone(job_id, local_cluster, timeout=600) == "COMPLETED", _log(run)[-4000:]
     finally:
@@ -426,7 +437,48 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
     assert [a["state"].split()[0] for a in steps] == ["RELAUNCHED", "RELAUNCHED", "COMPLETED"], steps
     for a in steps[:2]:  # how long training stopped, in its parts
         assert a["downtime"]["total_s"] > 0 and a["downtime"]["load_s"] > 0, a
+    assert "drained from the node-local tier" in log
+    shared = json.loads(run_cli("ckpt", "ls", str(run), "--json").stdout)["checkpoints"]
+    assert 125 not in [c["step"] for c in shared] and max(c["step"] for c in shared) == STEPS, shared
+    for c in shared:  # what the killed drain left is not a checkpoint; every one that is verifies whole
+        assert run_cli("ckpt", "verify", c["path"]).returncode == 0, c
     _assert_matches(run, reference)
+
+
+def test_with_no_spare_left_the_step_shrinks_in_its_allocation_and_the_losses_hold(local_cluster, reference, tmp_path):
+    """restart.shrink on two nodes of two ranks each (dp 4) and no spare: n2 lost (its ranks killed with -9, Slurm
+    told it is down, its node-local directory gone). The batch script starts the next step on n1 alone, in the same
+    allocation: dp 2, the global batch kept by two micro-batches a rank, the newest node-local checkpoint
+    resharded onto it (n2's part from its partner's copy on n1). The job completes and every step's loss is the
+    uninterrupted dp-4 run's (to 1e-5: the same global batch summed in another order)."""
+    env = {**os.environ, **local_cluster}
+    run = tmp_path / "run"
+    job = _slurm_job(tmp_path / "job.yaml", restart={"max_failures": 1, "shrink": True})
+    spec = yaml.safe_load(job.read_text())
+    spec["checkpoint"]["local"] = {"every_steps": 5}
+    job.write_text(yaml.safe_dump(spec))
+    job_id = _submit(job, run, local_cluster)
+    node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
+    try:
+        _wait_attempt_steps(run, 1, 80)
+        mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=down", "reason=hpcscale-test"], check=True, env=env)
+        for pid in _rank_pids(run, "n2"):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(node_dirs / "n2" / mine, ignore_errors=True)  # lost with its disk
+        assert _wait_gone(job_id, local_cluster, timeout=600) == "COMPLETED", _log(run)[-4000:]
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], env=env)
+    events = _events(run)
+    begins = [e for e in events if e["event"] == "begin"]
+    ends = [e for e in events if e["event"] == "end"]
+    assert [(e["nodes"], e["world_size"]) for e in begins] == [(["n1", "n2"], 4), (["n1"], 2)], begins
+    assert [e["cause"] for e in ends] == ["failed", "completed"] and ends[0]["relaunch"] == ["n1"], ends
+    log = _log(run)
+    assert "no spare left: the step shrinks from 2 to 1 node(s) (restart.shrink), the step now on n1" in log
+    resharded = r"resumed from checkpoint step \d+ of the node-local tier .*\(new layout: resharded\)"
+    assert re.search(resharded, log), log[-3000:]
+    _assert_matches(run, reference, rel=1e-5)
 
 
 def test_three_failures_in_one_allocation_one_of_them_during_a_relaunch(local_cluster, reference, tmp_path):

@@ -18,7 +18,7 @@ from trainjobs import job_spec
 from hpcscale.config.job import JobSpec, Restart, Signals
 from hpcscale.errors import BadInput
 from hpcscale.observe.downtime import relaunch_downtimes
-from hpcscale.recovery.nodes import first_step_nodes, relaunch_nodes
+from hpcscale.recovery.nodes import first_step_nodes, relaunch_nodes, shrink_nodes
 from hpcscale.recovery.requeue import Decision, relaunch_here
 from hpcscale.slurm import parse
 from hpcscale.slurm.status import SACCT_FIELDS, join_attempts, sacct_starts
@@ -104,6 +104,30 @@ def test_a_relaunch_needs_a_blamed_node_of_the_step_a_spare_and_budget():
     assert relaunch_here(_spec(spare_nodes=2), odd, blamed=["n1"], **args) is None
 
 
+def test_with_too_few_spares_a_shrinking_step_takes_as_many_nodes_left_as_fit():
+    even = lambda n: n % 2 == 0  # noqa: E731  (a layout that needs an even node count)
+    assert shrink_nodes(["n1", "n2", "n3", "n4"], ["n2"], ALL, [], TREE, even) == ["n3", "n4"]  # the fullest leaf
+    assert shrink_nodes(["n1", "n2", "n3", "n4"], ["n2"], ALL, [], TREE, lambda n: True) == ["n1", "n3", "n4"]
+    assert shrink_nodes(["n1", "n2"], ["n2"], ALL, ["n3", "n4"], TREE, lambda n: True) == ["n1"]
+    assert shrink_nodes(["n1", "n2"], ["n2"], ["n1", "n2"], [], TREE, even) is None  # nothing fits
+    # never more nodes than the step had: a spare left over is no reason to grow
+    assert shrink_nodes(["n1", "n2"], ["n1", "n2"], ["n1", "n2", "n3"], [], TREE, lambda n: True) == ["n3"]
+
+
+def test_a_shrink_is_a_relaunch_on_fewer_nodes_only_where_the_job_fits_and_only_when_asked():
+    begin = {"event": "begin", "attempt": 1, "job_id": "7", "restart_count": 0, "nodes": ["n1", "n2"]}
+    args = {"job_id": "7", "restart_count": 0, "allocation": ["n1", "n2"], "tree": TREE, "base": _base()}
+    here = relaunch_here(_spec(max_failures=2, shrink=True), [begin], blamed=["n2"], fits=lambda n: True, **args)
+    assert here is not None and here.relaunch == ["n1"] and here.excluded == ["n2"] and not here.requeue
+    assert "no spare left: the step shrinks from 2 to 1 node(s) (restart.shrink), the step now on n1" in here.why
+    assert relaunch_here(_spec(shrink=True), [begin], blamed=["n2"], fits=lambda n: False, **args) is None
+    assert relaunch_here(_spec(), [begin], blamed=["n2"], **args) is None  # not asked: requeued as before
+    # spares first: a shrink only once they are spent
+    wide = {**args, "allocation": ALL}
+    first = relaunch_here(_spec(spare_nodes=2, shrink=True), [begin], blamed=["n2"], fits=lambda n: True, **wide)
+    assert first is not None and first.relaunch == ["n1", "n3"] and "shrinks" not in first.why
+
+
 def test_the_batch_script_runs_its_steps_on_the_chosen_nodes_and_passes_shellcheck(tmp_path):
     job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=4, site="localcluster", nodes=2)
     spec = job.read_text() + "restart:\n  spare_nodes: 2\n"
@@ -112,7 +136,8 @@ def test_the_batch_script_runs_its_steps_on_the_chosen_nodes_and_passes_shellche
     assert r.returncode == 0, r.stderr
     text = r.stdout
     assert "#SBATCH --nodes=4\n" in text and "#SBATCH --no-kill\n" in text
-    assert '--overlap --nodes=2 --ntasks=4 --nodelist="$nodes" hpcscale launch' in text
+    assert '--overlap --nodes="$step_n" --ntasks="$((step_n * 2))" --nodelist="$nodes" hpcscale launch' in text
+    assert 'step_n=$(scontrol show hostnames "$nodes" | wc -l)' in text  # a step may shrink: counted each time
     assert 'nodes=$(hpcscale step-nodes "$HPCSCALE_RUN_DIR")' in text
     assert 'nodes=$(hpcscale requeue "$HPCSCALE_RUN_DIR" --exit-code "$rc" --in-place)' in text
     need(shutil.which("shellcheck") is not None, "shellcheck (Debian package)")
