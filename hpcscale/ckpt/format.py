@@ -715,7 +715,7 @@ def read_index(path: Path) -> Index:
     return exam.index
 
 
-REFUSED = "refused"  # under the checkpoint root: refused checkpoints set aside at a fallback (ckpt/manager.py)
+REFUSED = "refused"  # under the checkpoint root: refused checkpoints set aside at a fallback (ckpt/tier.py)
 
 
 def committed_steps(root: Path) -> list[int]:

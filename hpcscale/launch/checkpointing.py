@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from hpcscale.ckpt import lineage, nodelocal
-from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager, Restored
+from hpcscale.ckpt.local_tier import NodeLocalManager
+from hpcscale.ckpt.manager import CheckpointManager, Restored
 from hpcscale.ckpt.nodelocal import RECORD
 from hpcscale.ckpt.rng import restore_rng
 from hpcscale.errors import BadInput, VerificationFailure

@@ -1,4 +1,4 @@
-"""The async save's writer thread (hpcscale.ckpt.manager): what it keeps after a save, what reaches the
+"""The async save's writer thread (hpcscale.ckpt.tier): what it keeps after a save, what reaches the
 training thread when a save raises, and that a dead or closed thread makes the caller raise, never wait.
 
 In one process, on a real gloo group of one rank and real files. A call that could block is made through
@@ -15,7 +15,8 @@ import weakref
 import pytest
 import torch
 
-from hpcscale.ckpt.manager import CheckpointManager, _Background
+from hpcscale.ckpt.manager import CheckpointManager
+from hpcscale.ckpt.tier import _Background
 from hpcscale.errors import RuntimeFailure
 from hpcscale.layout import ParallelDims
 

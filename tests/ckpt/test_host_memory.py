@@ -23,8 +23,10 @@ import yaml
 from conftest import REPO, run_cli
 
 from hpcscale.ckpt import nodelocal, writer
-from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager, Tier
+from hpcscale.ckpt.local_tier import NodeLocalManager
+from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.ckpt.shards import LocalShard
+from hpcscale.ckpt.tier import Tier
 from hpcscale.config.load import load_job
 from hpcscale.launch.local import rank_env
 from hpcscale.layout import ParallelDims

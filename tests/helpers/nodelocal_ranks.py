@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from hpcscale.ckpt import nodelocal
-from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager
+from hpcscale.ckpt.local_tier import NodeLocalManager
+from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.layout import ParallelDims
 
 

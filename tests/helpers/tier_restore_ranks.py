@@ -25,7 +25,8 @@ import torch.distributed as dist
 from nodelocal_ranks import tensors_at
 
 from hpcscale.ckpt import nodelocal
-from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager
+from hpcscale.ckpt.local_tier import NodeLocalManager
+from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.launch.checkpointing import FORMAT, Checkpointer
 from hpcscale.layout import ParallelDims
 

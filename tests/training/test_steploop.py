@@ -34,7 +34,8 @@ class Host:
 
 def _managers(tmp_path):
     from hpcscale.ckpt import nodelocal
-    from hpcscale.ckpt.manager import CheckpointManager, NodeLocalManager
+    from hpcscale.ckpt.local_tier import NodeLocalManager
+    from hpcscale.ckpt.manager import CheckpointManager
     from hpcscale.layout import ParallelDims
 
     dims = ParallelDims.for_world(world_size=1, tp=1, pp=1)
