@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,14 +101,50 @@ def pytest_collection_modifyitems(config, items):
 
 # Signal state a test may leave behind in its worker, where every later test's subprocesses would inherit it:
 # a signal blocked or ignored survives fork and exec (a Python started with SIGINT ignored never raises
-# KeyboardInterrupt), a handler of ours does not survive exec but makes the worker itself deaf to it.
+# KeyboardInterrupt), a handler of ours does not survive exec but makes the worker itself deaf to it. C code
+# (a library, a thread it started) can change the process's dispositions without Python's signal module
+# knowing: the kernel's view (/proc) is checked too.
 _WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2)
+_FRONT_END = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _kernel_signals() -> tuple[set[int], set[int]]:
+    """(ignored, blocked in the main thread) of _FRONT_END, as the kernel sees them (/proc/self/status)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigIgn", "SigBlk"):
+            fields[key] = int(value.strip(), 16)
+    bits = lambda mask: {int(s) for s in _FRONT_END if mask >> (int(s) - 1) & 1}  # noqa: E731
+    return bits(fields.get("SigIgn", 0)), bits(fields.get("SigBlk", 0))
+
+
+_KERNEL_BASELINE = _kernel_signals()  # at the worker's start
+
+
+def _mend_kernel_signals(when: str) -> None:
+    """Put SIGINT/SIGTERM/SIGHUP back as the worker started with them, warning where they had changed."""
+    ignored, blocked = _kernel_signals()
+    extra_ignored, extra_blocked = ignored - _KERNEL_BASELINE[0], blocked - _KERNEL_BASELINE[1]
+    if not (extra_ignored or extra_blocked):
+        return
+    for sig in extra_ignored:  # set by C code: Python's table may not know; set it anew
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    if extra_blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, extra_blocked)
+    names = lambda sigs: ",".join(signal.Signals(s).name for s in sorted(sigs)) or "none"  # noqa: E731
+    warnings.warn(
+        f"signal state changed {when} (put back): ignored {names(extra_ignored)}, blocked {names(extra_blocked)}",
+        stacklevel=1,
+    )
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_signal_state():
+def _no_leaked_signal_state(request):
     """Put the worker's signal mask and dispositions back as they were before each test; a test that leaves a
-    signal blocked or ignored fails (its subprocesses, and every later test's, would inherit it)."""
+    signal blocked or ignored through Python fails (its subprocesses, and every later test's, would inherit it).
+    A change Python's signal module does not know of (C code) is put back with a warning naming the test."""
+    _mend_kernel_signals(f"before {request.node.nodeid}")
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     handlers = {sig: signal.getsignal(sig) for sig in _WATCHED_SIGNALS}
     yield
@@ -121,6 +158,7 @@ def _no_leaked_signal_state():
             signal.signal(sig, old)
             if new is signal.SIG_IGN:
                 leaked.append(f"{signal.Signals(sig).name} left ignored")
+    _mend_kernel_signals(f"during {request.node.nodeid} (or by a thread an earlier test left running)")
     assert not leaked, f"the test left signal state behind (put back): {'; '.join(leaked)}"
 
 

@@ -379,6 +379,17 @@ def _wait_attempt_steps(run: Path, attempt: int, n: int, timeout: float = 300) -
     raise AssertionError(f"attempt {attempt}: fewer than {n} steps after {timeout}s\n" + _log(run)[-3000:])
 
 
+def _lose_node(run: Path, node: str, env: dict) -> None:
+    """`node` lost with its disk: Slurm told it is down, the run's ranks on it killed with -9, its node-local
+    directory gone (the caller sets the node back to resume)."""
+    mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
+    down = ["scontrol", "update", f"nodename={node}", "state=down", "reason=hpcscale-test"]
+    subprocess.run(down, check=True, env=env)
+    for pid in _rank_pids(run, node):
+        os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(Path("/var/tmp/hpcscale-localcluster/local1/tmp") / node / mine, ignore_errors=True)
+
+
 def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local_cluster, reference, tmp_path):
     """restart.spare_nodes: 2 on the four-node cluster: the steps run on two nodes (n1, n2: the fullest leaf
     switch), n3 and n4 wait. n2 lost: its ranks killed with -9, Slurm told it is down, its node-local directory
@@ -397,14 +408,9 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
     spec["environment"] = {"HPCSCALE_CKPT_SLOW_WRITE": "3@=125:shared"}
     job.write_text(yaml.safe_dump(spec))
     job_id = _submit(job, run, local_cluster)
-    node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
     try:
         _wait_attempt_steps(run, 1, 80)
-        mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
-        subprocess.run(["scontrol", "update", "nodename=n2", "state=down", "reason=hpcscale-test"], check=True, env=env)
-        for pid in _rank_pids(run, "n2"):
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(node_dirs / "n2" / mine, ignore_errors=True)  # lost with its disk
+        _lose_node(run, "n2", env)
         _wait_attempt_steps(run, 2, 30)
         busy = run_cli("resume", str(run), "--dry-run", env=local_cluster)  # what the running job does next
         assert busy.returncode == 2, busy.stderr
@@ -458,14 +464,9 @@ def test_with_no_spare_left_the_step_shrinks_in_its_allocation_and_the_losses_ho
     spec["checkpoint"]["local"] = {"every_steps": 5}
     job.write_text(yaml.safe_dump(spec))
     job_id = _submit(job, run, local_cluster)
-    node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
     try:
         _wait_attempt_steps(run, 1, 80)
-        mine = f"hpcscale-{(run / 'run-id').read_text().strip()}"
-        subprocess.run(["scontrol", "update", "nodename=n2", "state=down", "reason=hpcscale-test"], check=True, env=env)
-        for pid in _rank_pids(run, "n2"):
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(node_dirs / "n2" / mine, ignore_errors=True)  # lost with its disk
+        _lose_node(run, "n2", env)
         assert _wait_gone(job_id, local_cluster, timeout=600) == "COMPLETED", _log(run)[-4000:]
     finally:
         subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], env=env)
