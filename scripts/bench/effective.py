@@ -2,7 +2,7 @@
 """Effective training time with a failure injected every N seconds: relaunch in the allocation (spare nodes)
 against the in-job requeue, measured on the local Slurm cluster, side by side with the same job unharmed.
 
-    python scripts/bench/effective.py [--reps 5] [--every 20] [--json]   (scripts/localcluster up; quiet machine)
+    python scripts/bench/effective.py [--reps 5] [--every 12] [--json]   (scripts/localcluster up; quiet machine)
 
 Per repetition, three runs of the same job (one node of two ranks, a GPT of ~80 MB of model and optimizer
 state, node-local checkpoints every 5 steps, shared every 25; a fixed number of steps):
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts" / "bench"))
 from resume import ENV, gone, rows, sh, wait  # noqa: E402
 
-STEPS = 700  # about a minute of training here at two ranks
+STEPS = 300  # about 45 s of training here at two ranks
 
 
 def job_file(path: Path, *, spares: int, failures: int) -> Path:
@@ -124,7 +124,7 @@ def one(base: Path, rep: int, every: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--every", type=float, default=20.0, help="seconds between injected failures")
+    ap.add_argument("--every", type=float, default=12.0, help="seconds between injected failures")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if subprocess.run(["sinfo", "-h"], capture_output=True, env=ENV).returncode != 0:
