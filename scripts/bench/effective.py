@@ -49,7 +49,9 @@ def job_file(path: Path, *, spares: int, failures: int) -> Path:
         "timeout_seconds": 60,
         "hang_timeout_seconds": 30,
         "checkpoint": {"every_steps": 25, "local": {"every_steps": 5}},
-        "restart": {"max_failures": failures, "spare_nodes": spares, "failure_backoff_seconds": 0},
+        # max_no_progress: attempts killed every few seconds may commit nothing new; the requeue goes on anyway
+        "restart": {"max_failures": failures, "spare_nodes": spares, "failure_backoff_seconds": 0,
+                    "max_no_progress": 10},
         "train": {
             "entry": "builtin",
             "params": {"steps": STEPS, "log_every": 100, "eval_every": 0, "global_batch": 4, "micro_batch": 2,
