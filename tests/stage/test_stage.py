@@ -432,6 +432,14 @@ def _gone(pids: list[int], timeout: float = 10) -> bool:
     return False
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT and SIGTERM as a user's shell hands them to a command (default, not
+    blocked), whatever the test worker's own state (a worker started in the background may ignore SIGINT)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+
 def _start_slow_copy(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen, list[int]]:
     """A local stage with two copier processes, slowed by --bwlimit, caught while its two big files are in
     flight, one in each process; returns (src, dst, the front end, its copier processes)."""
@@ -440,7 +448,8 @@ def _start_slow_copy(tmp_path: Path) -> tuple[Path, Path, subprocess.Popen, list
     build(src)
     dst = tmp_path / "dst"
     cmd = ["hpcscale", "stage", str(src / "manifest.json"), "--from", str(src), "--to", str(dst), "-j", "2"]
-    p = subprocess.Popen([*cmd, "--bwlimit", "2M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    p = subprocess.Popen([*cmd, "--bwlimit", "2M"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                         preexec_fn=_as_from_a_terminal)  # fmt: skip
     deadline = time.monotonic() + 60
     while not (dst.exists() and len([q for q in no_parts(dst) if q.stat().st_size >= 1 << 20]) == 2):
         assert p.poll() is None, p.communicate()
@@ -576,7 +585,8 @@ try:
 except KeyboardInterrupt:
     print("PID", os.getpid(), "interrupted", flush=True)
 """
-    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    r = subprocess.run([PY, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO,
+                       preexec_fn=_as_from_a_terminal)  # fmt: skip
     lines = [line for line in r.stdout.splitlines() if line.startswith("PID")]
     assert len(lines) == 1, r.stdout + r.stderr  # one process came back from stage_files: the front end
     assert "Traceback" not in r.stderr, r.stderr
