@@ -344,8 +344,8 @@ def relaunch_here(
     shrunk = ""
     if nodes is None and fits is not None:
         nodes = shrink_nodes(previous, failed, allocation, before, tree, fits)
-        n = len(nodes or ())
-        shrunk = f"no spare left: the step shrinks from {len(previous)} to {n} node(s) (restart.shrink), "
+        if nodes is not None:
+            shrunk = f"no spare left: the step shrinks from {len(previous)} to {len(nodes)} node(s) (restart.shrink), "
     if nodes is None:
         return None
     why = (
