@@ -109,6 +109,43 @@ def submit(
         click.echo(f"run directory: {r.run_dir}", err=True)
 
 
+def _efficiency_line(m: dict, flops: dict | None) -> str | None:
+    """`efficiency:` MFU and TFLOPS per device of the last step, the model FLOPs and how they were found, and
+    the memory peaks (docs/observability.md#efficiency); None when the run logged none of them."""
+    from hpcscale.util.trust import clean_markup
+
+    def cm(value: object, limit: int) -> str:
+        return clean_markup(value, limit=limit)
+
+    parts = []
+    if "mfu" in m:
+        parts.append(f"MFU {_num(m['mfu'], '.1f', scale=100)} %")
+    if "tflops" in m:
+        parts.append(f"{_num(m['tflops'], '.4g')} TFLOPS per device")
+    if isinstance(flops, dict):
+        peak = flops.get("peak_tflops")
+        device = cm(flops.get("device"), 80)
+        if peak is not None:
+            parts.append(f"peak {_num(peak, '.4g')} TFLOPS per {device} ({cm(flops.get('peak_source'), 20)})")
+        else:
+            parts.append(f"no peak known for {device}")
+        per_token = flops.get("flops_per_token")
+        if flops.get("flops_per_step") is None:
+            parts.append(f"model FLOPs not known ({cm(flops.get('why'), 200)})")
+        elif per_token is not None:
+            parts.append(f"{_num(per_token, '.4g', scale=1e-9)} GFLOP per token ({cm(flops.get('source'), 20)})")
+        else:
+            step = flops.get("flops_per_step")
+            parts.append(f"{_num(step, '.4g', scale=1e-12)} TFLOP per step ({cm(flops.get('source'), 20)})")
+    if "mem_gb" in m:
+        parts.append(
+            f"device memory peak {_num(m['mem_gb'], '.2f')} GB ({_num(m.get('mem_reserved_gb'), '.2f')} reserved)"
+        )
+    if "rss_gb" in m:
+        parts.append(f"host memory peak {_num(m['rss_gb'], '.2f')} GB")
+    return "efficiency: " + ", ".join(parts) if parts else None
+
+
 def _num(value, fmt: str, scale: float = 1.0) -> str:
     """A figure from a run's files (times `scale`), formatted when it is a finite number; shown as found
     (cleaned) otherwise."""
@@ -226,6 +263,9 @@ def status(run: Path, as_json: bool) -> None:
         pace = f", {_num(m['step_time_s'], '.1f', scale=1000)} ms/step" if "step_time_s" in m else ""
         rate = f", {_num(m['tokens_per_s'], '.0f')} tokens/s" if "tokens_per_s" in m else ""
         out.print(f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}{pace}{rate}")
+    line = _efficiency_line(st.last_metrics or {}, st.model_flops)
+    if line:
+        out.print(line)
     if st.timing:
         for line in format_timing(st.timing, run) + format_traffic(st.timing):
             out.print(line)

@@ -163,6 +163,13 @@ class Metrics:
     tensorboard: bool = setting(
         "Also write rank 0's metrics as TensorBoard event files under RUN/tensorboard/.", default=False
     )
+    flops: Literal["count", "formula", "off"] = setting(
+        "How the model FLOPs of a step are found for `tflops` and `mfu` (docs/observability.md#efficiency): "
+        "`count` runs each attempt's first step under torch's FlopCounterMode (6 x parameters x tokens where it "
+        "sees nothing); `formula` uses 6 x parameters x ctx.checkpoint.tokens_per_step alone (code the counter "
+        "cannot run under, torch.compile's); `off`: no FLOPs, memory only.",
+        default="count",
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -183,6 +183,27 @@ class Reliability:
     )
 
 
+def check_peaks(peaks: dict[str, float]) -> str | None:
+    bad = [f"{k}: {v}" for k, v in peaks.items() if not v > 0 or v != v or v == float("inf")]
+    empty = [repr(k) for k in peaks if not re.search(r"[A-Za-z0-9]", k)]
+    if empty:
+        return f"a device name needs a letter or digit: {', '.join(empty)}"
+    return f"not a positive TFLOPS figure: {', '.join(bad)}" if bad else None
+
+
+@dataclass(kw_only=True, slots=True)
+class Devices:
+    """What the site's accelerators can do: what MFU is measured against (docs/observability.md#efficiency)."""
+
+    peak_tflops: dict[str, float] = setting(
+        "Peak dense TFLOPS of one device, by name: a key matches when its words appear, in order, in the name torch "
+        "reports (`NVIDIA H100 80GB HBM3`; `cpu` for CPU ranks), the key with most words winning. Looked at before "
+        "hpcscale's table of known accelerators (bf16 dense peaks); a CPU has none unless named here.",
+        factory=dict,
+        check=check_peaks,
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class SiteConfig:
     """A site: one cluster (or this machine) and how to run on it."""
@@ -202,6 +223,7 @@ class SiteConfig:
     staging: Staging = setting("Cross-site data staging.", factory=Staging)
     slurm: SlurmSettings = setting("Slurm client settings.", factory=SlurmSettings)
     reliability: Reliability = setting("Node failure rate.", factory=Reliability)
+    devices: Devices = setting("Accelerator peaks for MFU.", factory=Devices)
 
     def partition(self, name: str | None) -> Partition | None:
         """The partition called `name`, or the default one when `name` is None."""

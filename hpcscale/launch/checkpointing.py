@@ -281,6 +281,13 @@ class Checkpointer:
             raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
         self._loop.step(step, data_s=data_s, sums=sums, report=report)
 
+    def efficiency(self, step_s: float) -> dict[str, float]:
+        """A step of `step_s` seconds as efficiency figures for a metrics line: `tflops` (model TFLOPS achieved
+        per device) and `mfu` once the attempt's first step was counted, and this rank's memory peaks (`mem_gb`,
+        `mem_reserved_gb`, `pinned_gb` on a GPU; `rss_gb`). A user loop's own lines have them already; this is
+        for a line of your own (docs/observability.md#efficiency). Empty before restore()."""
+        return self._loop.efficiency.figures(step_s) if self._loop is not None else {}
+
     # ---- the rest -------------------------------------------------------------------------------------------
     def save(self, done_steps: int, *, asynchronous: bool | None = None) -> float:
         """Save now, as the state after `done_steps` steps (asynchronous: the job's checkpoint.async); returns
@@ -406,6 +413,8 @@ class Checkpointer:
         checkpoint period and that step is not saved yet, and wait for a save in flight; then end the manager's
         writer thread."""
         self._tiers.forget_drain()  # never drained: the end-of-run save goes to the shared tier itself
+        if self._loop is not None:
+            self._loop.efficiency.close()  # a count the code's end cut short counts nothing
         try:
             self._close_shared()
         finally:  # after the shared tier (a drain in flight reads the node-local files), and whatever it raised
@@ -435,7 +444,7 @@ class Checkpointer:
         `bounded`, up to its pause limit: hpcscale.launch.watchdog), and its time is left out of the step times
         (per-rank timing, checkpoint.every_steps: auto)."""
         if self._loop is not None:
-            with self._watchdog.paused(reason, bounded=bounded), self._loop.clock.paused():
+            with self._watchdog.paused(reason, bounded=bounded), self._loop.paused():
                 yield
             return
         times = self._ctx.step_times  # an evaluation's collectives are no step's traffic either

@@ -40,6 +40,8 @@ class Runtime:
     mtbf_s: float | None = None  # the job's MTBF, for checkpoint intervals of `auto` (observe/interval.py)
     # every collective wait of the training thread (hpcscale.launch.waits), when per-rank timing is on
     waits: Any = None
+    # the site's devices.peak_tflops (device name -> peak dense TFLOPS): what MFU is measured against
+    peak_tflops: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)

@@ -225,7 +225,13 @@ def _run(
         sweep_point=point,
         scratch=expand_path(loaded.site.config.filesystems.scratch),
         run_id=run_id,
-        runtime=Runtime(node_local=node_local, switches=switches, mtbf_s=mtbf_s, waits=collective_waits),
+        runtime=Runtime(
+            node_local=node_local,
+            switches=switches,
+            mtbf_s=mtbf_s,
+            waits=collective_waits,
+            peak_tflops=dict(loaded.site.config.devices.peak_tflops),
+        ),
     )
     watchdog = Watchdog(
         rank=info.rank,

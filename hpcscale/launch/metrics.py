@@ -78,6 +78,7 @@ def _plain(value: Any) -> Any:
 # what hpcscale itself writes into a metrics line: the progress line says these its own way
 OWN_KEYS = frozenset(
     {"step", "time", "attempt", "step_time_s", "tokens_per_s", "comm_share", "restored_from", "restore_s"}
+    | {"tflops", "mfu", "mem_gb", "mem_reserved_gb", "pinned_gb", "rss_gb", "model_flops"}
 )
 OWN_PREFIXES = ("checkpoint", "local_checkpoint", "xsite_")  # saves and cross-site rounds: their own lines say them
 

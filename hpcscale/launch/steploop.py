@@ -12,7 +12,9 @@ parts, each its own object:
 4. cross-site rounds (hpcscale.launch.site_rounds.Rounds, a site of an `xsite:` job): a round boundary saves
    the round checkpoint and waits for (or, overlapping, later adopts) the next global round;
 5. the clock (hpcscale.launch.loopclock.LoopClock): the step's time and its parts to per-rank timing, and for a
-   user loop a metrics line and the progress line.
+   user loop a metrics line and the progress line;
+6. efficiency (hpcscale.launch.efficiency.Efficiency): the attempt's second step counted for its model FLOPs
+   (agreed over the ranks at its step(), once), then each line's `tflops`, `mfu` and memory.
 The last step (`ctx.checkpoint.steps` set) saves nothing here: Checkpointer.close saves the end state after the
 code returns. `ctx.checkpoint` (hpcscale.launch.checkpointing.Checkpointer) owns the state a save writes and
 what a restart loads; it makes this loop at its restore, at the step the run starts from.
@@ -20,10 +22,12 @@ what a restart loads; it makes this loop at its restore, at the step the run sta
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from hpcscale.launch.efficiency import Efficiency
 from hpcscale.launch.loopclock import LoopClock
 from hpcscale.launch.signals import STOP_LINE, StopRequested
 from hpcscale.parallel.device import settle
@@ -40,6 +44,18 @@ class StepLoop:
         # a metrics line per step with step_time_s (and tokens_per_s): not for the built-in trainer, whose own
         # line per step carries them
         self._user_lines = getattr(host._ctx.job.train, "entry", None) != "builtin"
+        ctx = host._ctx
+        self.efficiency = Efficiency(ctx, mode=ctx.job.metrics.flops, peak_tflops=ctx.runtime.peak_tflops)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work between steps that is not training (an evaluation): no step's time, traffic or FLOPs."""
+        self.efficiency.suspend()
+        try:
+            with self.clock.paused():
+                yield
+        finally:
+            self.efficiency.resume()
 
     def step(
         self,
@@ -53,6 +69,9 @@ class StepLoop:
         host, saves, clock = self._host, self.saves, self.clock
         ctx = host._ctx
         host._watchdog.beat(step)
+        flops = self.efficiency.step_done(host.tokens_per_step)  # the counted step's: a collective, once
+        if flops is not None:
+            self._say_flops(step, flops)
         done = step + 1
         host._done = done
         host._stepped = True
@@ -90,10 +109,29 @@ class StepLoop:
             rounds.poll(done)  # adopt the round in flight if it has landed
         clock.record(step, step_s=work_s + ckpt_s, data_s=data_s, sync_s=sync_s, ckpt_s=ckpt_s, wait_s=wait_s)
         if self._user_lines:
-            ctx.metrics.log(**clock.line(step, work_s + ckpt_s, host.tokens_per_step))
+            step_s = work_s + ckpt_s
+            ctx.metrics.log(**clock.line(step, step_s, host.tokens_per_step), **self.efficiency.figures(step_s))
             if host.steps:
                 clock.say_progress(step, work_s + ckpt_s, host.steps)
         clock.end_step()
+        self.efficiency.next_step(last=last)
+
+    def _say_flops(self, step: int, record: dict) -> None:
+        """The model FLOPs found at the counted step: a metrics line and one line for people."""
+        metrics = self._host._ctx.metrics
+        metrics.log(step=step, model_flops=record)
+        per_step = record.get("flops_per_step")
+        if per_step is None:
+            metrics.print(f"hpcscale: model FLOPs not known ({record['why']}): no tflops or mfu")
+            return
+        per_token = record.get("flops_per_token")
+        tok = f", {per_token / 1e9:.4g} GFLOP per token" if per_token else ""
+        peak = (
+            f"MFU against {record['peak_tflops']:g} TFLOPS per {record['device']} ({record['peak_source']})"
+            if record["peak_tflops"]
+            else f"no peak known for {record['device']}: no MFU (site devices.peak_tflops)"
+        )
+        metrics.print(f"hpcscale: model FLOPs {per_step / 1e12:.4g} TFLOP per step ({record['source']}{tok}); {peak}")
 
     def _stop(self, step: int) -> None:
         """A rank got a stop signal: the state after `step` saved to the shared tier and waited for (a node-local

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hpcscale.launch.efficiency import memory_gauges
 from hpcscale.observe.timing import COLUMNS, MAX_LINE, make_line
 from hpcscale.portable.files import append_json_lines
 from hpcscale.rundir import TIMING
@@ -30,8 +31,9 @@ Arrivals = dict[tuple[str, tuple[int, ...]], list[list[float]]]
 
 
 class StepTimes:
-    def __init__(self, *, run_dir: Path, every: int, rank: int, node: str, pp: int, attempt: int | None):
+    def __init__(self, *, run_dir: Path, every: int, rank: int, node: str, pp: int, attempt: int | None, device=None):
         self.every = every
+        self.device = device  # the rank's torch.device: its memory peaks go with each window (None: host only)
         self.rank, self.node, self.pp, self.attempt = rank, node, pp, attempt
         self.path = run_dir / TIMING
         self._rows: list[tuple[float, ...]] = []
@@ -48,6 +50,7 @@ class StepTimes:
             node=ctx.node,
             pp=ctx.pp_rank,
             attempt=ctx.metrics.attempt,
+            device=ctx.device,
         )
 
     def record(
@@ -100,6 +103,7 @@ class StepTimes:
         sums, arrivals = window_traffic(traffic)
         steps = max(len(rows), 1)
         ledger = {name: v / steps for name, v in sums.items()}
+        ledger.update(memory_gauges(self.device))  # peaks since the attempt started: not means
         mine = (self.rank, self.node, self.pp, self.attempt, len(rows), means, ledger, arrivals)
         gathered = MPI.COMM_WORLD.gather(mine, root=0)
         if gathered is None:

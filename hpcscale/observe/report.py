@@ -40,8 +40,9 @@ METRICS_TAIL = 64 << 20  # bytes of metrics.jsonl read (its end): ~300k steps
 MAX_FIGURE = 1e100  # a figure beyond this is not plotted (matplotlib's transforms overflow near 1e308)
 PLOT_ROWS = 128  # rows of the per-rank heatmap; more ranks are binned
 MAX_STEP = 10**15  # a step number beyond this is damage, not a step
-KEPT = ("loss", "tokens_per_s", "step_time_s", "time", "attempt")  # what the report keeps of a training line
-TIMED = ("tokens_per_s", "step_time_s")  # what ctx.checkpoint.step adds to a user loop's line
+EFFICIENCY = ("tflops", "mfu", "mem_gb", "mem_reserved_gb", "rss_gb")  # docs/observability.md#efficiency
+KEPT = ("loss", "tokens_per_s", "step_time_s", "time", "attempt", *EFFICIENCY)  # what is kept of a training line
+TIMED = ("tokens_per_s", "step_time_s", *EFFICIENCY)  # what ctx.checkpoint.step adds to a user loop's line
 
 
 @dataclass
@@ -54,6 +55,7 @@ class RunData:
     attempts: int = 0
     # attempt -> how long training stopped when it was relaunched in its allocation (hpcscale.observe.downtime)
     relaunches: dict[int, dict] = field(default_factory=dict)
+    model_flops: dict | None = None  # the newest model FLOPs record (efficiency)
     skipped: int = 0  # lines that were not JSON objects
     cut_bytes: int = 0  # bytes at the start of metrics.jsonl not read (over METRICS_TAIL)
 
@@ -127,6 +129,8 @@ def read_run(path: Path) -> RunData:
                     timed[(step, attempt)] = got
         if _finite(row.get("val_loss")):
             data.val[step] = float(row["val_loss"])
+        if isinstance(row.get("model_flops"), dict):
+            data.model_flops = row["model_flops"]
         saved = row.get("checkpoint")
         if type(saved) is int and 0 <= saved <= MAX_STEP and when is not None and len(data.saves) < 100_000:
             data.saves.append((row["checkpoint"], float(when), attempt))
@@ -201,6 +205,8 @@ def build(run: Path, out: Path) -> dict:
 
     matplotlib.use("Agg")
     images = {"loss.png": _plot_loss(data), "throughput.png": _plot_throughput(data)}
+    if any(_finite(r.get(k)) for r in data.train.values() for k in EFFICIENCY):
+        images["efficiency.png"] = _plot_efficiency(data)
     if windows:
         images["ranks.png"] = _plot_ranks(windows, verdict)
     summary = summarize(data, verdict, list(images), comm=comm)
@@ -303,6 +309,47 @@ def _plot_loss(data: RunData) -> bytes:
         ax.set_xlabel("tokens")
         ax.set_ylabel("loss")
         ax.legend(fontsize=8)
+    return _save(fig)
+
+
+def _plot_efficiency(data: RunData) -> bytes:
+    """MFU (or model TFLOPS per device where no peak is known) and the memory peaks, against the step."""
+    import matplotlib.pyplot as plt
+
+    steps = sorted(data.train)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+
+    def series(key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
+        got = [(s, data.train[s][key] * scale) for s in steps if _finite(data.train[s].get(key))]
+        return [s for s, _ in got], [v for _, v in got]
+
+    xs, mfu = series("mfu", 100.0)
+    if mfu:
+        top.plot(xs, mfu, lw=1, color="tab:green")
+        top.set_ylabel("MFU, %")
+    else:
+        xs, tflops = series("tflops")
+        top.plot(xs, tflops, lw=1, color="tab:green")
+        top.set_ylabel("model TFLOPS per device")
+        if not tflops:
+            top.text(0.5, 0.5, "no model FLOPs logged", ha="center", va="center", transform=top.transAxes)
+    _mark(top, data, x_of=lambda s: s)
+    flops = data.model_flops or {}
+    peak = flops.get("peak_tflops")
+    how = f" against {peak:g} TFLOPS per device" if _finite(peak) else " (no peak known: no MFU)"
+    top.set_title(f"{data.name}: efficiency{how}")
+    for key, label in (
+        ("mem_gb", "device, allocated"),
+        ("mem_reserved_gb", "device, reserved"),
+        ("rss_gb", "host RSS"),
+    ):
+        xs, gb = series(key)
+        if gb:
+            bottom.plot(xs, gb, lw=1, label=label)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("memory peak, GB")
+    if bottom.lines:
+        bottom.legend(fontsize=8)
     return _save(fig)
 
 
@@ -411,6 +458,27 @@ def summarize(data: RunData, verdict, images: list[str], *, comm: dict | None = 
     tokens = tokens_by_step(data)
     times = [r["step_time_s"] for r in data.train.values() if _finite(r.get("step_time_s"))]
     tps = [r["tokens_per_s"] for r in data.train.values() if _finite(r.get("tokens_per_s"))]
+
+    def median(key: str) -> float | None:
+        got = sorted(r[key] for r in data.train.values() if _finite(r.get(key)))
+        return got[len(got) // 2] if got else None
+
+    def peak(key: str) -> float | None:
+        got = [r[key] for r in data.train.values() if _finite(r.get(key))]
+        return max(got) if got else None
+
+    flops = data.model_flops if isinstance(data.model_flops, dict) else {}
+    efficiency = {
+        "median_mfu": median("mfu"),
+        "median_tflops": median("tflops"),
+        "flops_per_token": flops.get("flops_per_token") if _finite(flops.get("flops_per_token")) else None,
+        "flops_source": clean(flops.get("source"), limit=20) if flops.get("source") is not None else None,
+        "peak_tflops": flops.get("peak_tflops") if _finite(flops.get("peak_tflops")) else None,
+        "device": clean(flops.get("device"), limit=80) if flops.get("device") is not None else None,
+        "mem_gb": peak("mem_gb"),
+        "mem_reserved_gb": peak("mem_reserved_gb"),
+        "rss_gb": peak("rss_gb"),
+    }
     return {
         "name": data.name,
         "steps": len(steps),
@@ -428,6 +496,7 @@ def summarize(data: RunData, verdict, images: list[str], *, comm: dict | None = 
         "checkpoints": sorted({s for s, _, _ in data.saves}),
         "stragglers": None if verdict is None else verdict.to_json(),
         "communication": comm,
+        "efficiency": efficiency,
         "skipped_lines": data.skipped,
         "metrics_bytes_not_read": data.cut_bytes,
         "images": images,
@@ -480,6 +549,7 @@ def render_markdown(s: dict) -> str:
         lines.append(f"| stragglers | {named} |")
     else:
         lines.append(f"| stragglers | none in the last {v['windows']} windows of the newest attempt |")
+    lines += _efficiency_rows(s.get("efficiency"))
     lines += _communication_rows(s.get("communication"))
     if s["skipped_lines"]:
         lines.append(f"| damaged metrics lines skipped | {s['skipped_lines']} |")
@@ -492,6 +562,36 @@ def render_markdown(s: dict) -> str:
     for image in s["images"]:
         lines += [f"![{image}]({image})", ""]
     return "\n".join(lines)
+
+
+def _efficiency_rows(e: dict | None) -> list[str]:
+    """Summary rows: MFU and TFLOPS per device (medians over the logged steps), the model FLOPs per token and
+    how they were found, and the memory peaks (docs/observability.md#efficiency)."""
+    if not e:
+        return []
+    out = []
+    if e["median_tflops"] is not None:
+        mfu = f"MFU {100 * e['median_mfu']:.1f} %, " if e["median_mfu"] is not None else ""
+        peak = (
+            f" against {e['peak_tflops']:g} TFLOPS per {e['device']}"
+            if e["peak_tflops"] is not None
+            else f" (no peak known for {e['device']}: no MFU)"
+        )
+        out.append(f"| efficiency (median) | {mfu}{e['median_tflops']:.4g} model TFLOPS per device{peak} |")
+    if e["flops_per_token"] is not None:
+        out.append(f"| model FLOPs per token | {e['flops_per_token']:.4g} ({e['flops_source']}) |")
+    memory = [
+        f"{word} {e[key]:.2f} GB"
+        for word, key in (
+            ("device allocated", "mem_gb"),
+            ("device reserved", "mem_reserved_gb"),
+            ("host RSS", "rss_gb"),
+        )
+        if e[key] is not None
+    ]
+    if memory:
+        out.append(f"| memory peak (rank 0) | {', '.join(memory)} |")
+    return out
 
 
 def _communication_rows(comm: dict | None) -> list[str]:

@@ -36,6 +36,9 @@ rank's mean per step over the window, 0 where the rank made none:
 - late_s.GROUP:     how late the rank entered the group's collectives after the group's first rank, summed (over
                     the first collectives of each step, hpcscale.launch.ledger.ARRIVALS_PER_STEP per group);
 - last.GROUP:       the share of those collectives the rank entered last (0 to 1).
+Then each rank's memory peaks since its attempt started (hpcscale.launch.efficiency.memory_gauges; not means):
+mem_gb and mem_reserved_gb (what torch's CUDA allocator handed out and reserved), pinned_gb (pinned host memory;
+these three on GPUs only), rss_gb (the process's peak resident set), in GB (10^9 bytes).
 Lines from versions without the ledger have none of them.
 
 A line may be torn (a run killed mid-write) or damaged: readers skip it, never fail on it.

@@ -48,6 +48,8 @@ from hpcscale.util import proc
 from hpcscale.util.bounded import loads_json, read_bounded, read_tail
 from hpcscale.util.trust import clean
 
+# what hpcscale measures of a step (a user loop's own line has them on hpcscale's line of the same step)
+STEP_FIGURES = ("step_time_s", "tokens_per_s", "tflops", "mfu", "mem_gb", "mem_reserved_gb", "pinned_gb", "rss_gb")
 METRICS_TAIL = 8 << 20  # bytes read from the end of metrics.jsonl for the last step and the last plan
 
 # JobName, which the user chooses, last: hpcscale.slurm.parse reads any text there (`|` included) as the name
@@ -126,6 +128,7 @@ class RunStatus:
     timing: dict | None = None  # the newest per-rank window of timing.jsonl and the straggler verdict
     checkpoint_interval: dict | None = None  # checkpoint.every_steps: auto's latest plan (metrics.jsonl)
     notes: list[str] = field(default_factory=list)  # files skipped, and why (not regular files, damage)
+    model_flops: dict | None = None  # the newest attempt's model FLOPs record (metrics.jsonl; efficiency)
 
     def to_json(self) -> dict:
         return {
@@ -136,6 +139,7 @@ class RunStatus:
             "last_metrics": self.last_metrics,
             "timing": self.timing,
             "checkpoint_interval": self.checkpoint_interval,
+            "model_flops": self.model_flops,
             "notes": self.notes,
             "submissions": [
                 {"submission": asdict(s.submission), "jobs": [asdict(j) for j in s.jobs]} for s in self.submissions
@@ -187,6 +191,7 @@ def run_status(path: Path, *, now: datetime | None = None) -> RunStatus:
         _timing(rd, notes),
         _last_metrics(rows, key="checkpoint_interval"),
         notes,
+        _last_metrics(rows, key="model_flops"),
     )
 
 
@@ -487,7 +492,7 @@ def _last_training_line(lines: list[bytes]) -> dict | None:
         except BadInput:
             continue
         if isinstance(timed, dict) and timed.get("step") == row.get("step") and "loss" not in timed:
-            return {**row, **{k: timed[k] for k in ("step_time_s", "tokens_per_s") if k in timed}}
+            return {**row, **{k: timed[k] for k in STEP_FIGURES if k in timed}}
     return row
 
 

@@ -127,6 +127,18 @@ def dataset_manifest(ctx: Context, cfg: TrainConfig):
     return MPI.COMM_WORLD.bcast(path, root=0)
 
 
+def _efficiency_words(figures: dict[str, float]) -> str:
+    """The step line's efficiency: MFU (or TFLOPS per device where no peak is known) and the device memory peak."""
+    words = ""
+    if "mfu" in figures:
+        words += f"  MFU {100 * figures['mfu']:4.1f}%"
+    elif "tflops" in figures:
+        words += f"  {figures['tflops']:.3g} TFLOPS/dev"
+    if "mem_gb" in figures:
+        words += f"  mem {figures['mem_gb']:.1f} GB"
+    return words
+
+
 def train(ctx: Context) -> None:
     cfg = load_config(ctx)
     dims = ctx.dims
@@ -239,6 +251,7 @@ def train(ctx: Context) -> None:
         step_s = t_end - t0
         comm_s = comm_before + (t_end - t_check)  # the check waits for the slowest rank's step too
         loss_value = values["loss"]
+        efficiency = checkpoint.efficiency(step_s)
         ctx.metrics.log(
             step=step,
             loss=loss_value,
@@ -248,12 +261,14 @@ def train(ctx: Context) -> None:
             tokens_per_s=tokens_per_step / step_s,
             comm_share=comm_s / step_s,
             loader=asdict(loader.state),
+            **efficiency,
         )
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             left = (cfg.steps - step - 1) * step_s  # at this step's pace
             ctx.metrics.print(
                 f"step {step:6d}  loss {loss_value:.4f}  lr {lr:.2e}  {step_s * 1000:6.1f} ms/step  "
-                f"{tokens_per_step / step_s:8.0f} tok/s  {cfg.steps - step - 1} steps left, about "
+                f"{tokens_per_step / step_s:8.0f} tok/s{_efficiency_words(efficiency)}  "
+                f"{cfg.steps - step - 1} steps left, about "
                 f"{int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
             )
 
