@@ -83,6 +83,14 @@ class Train:
         check=check_entry_point,
     )
     params: dict[str, Any] = setting("Parameters for the entry point (model size, steps, batch, lr...).", factory=dict)
+    on_spike: Literal["warn", "rollback", "off"] = setting(
+        "What a loss or gradient-norm spike does (docs/observability.md#spikes; judged on the values the loop sums "
+        "through ctx.checkpoint.step, as the built-in trainer does): `warn` logs it with the step and the data "
+        "position; `rollback` also loads the newest checkpoint and skips the batches from it to the spike (the "
+        "loop must continue from the step ctx.checkpoint.step returns; a registered object needs `skip(batches)`, "
+        "as the built-in trainer's loader has); `off`.",
+        default="warn",
+    )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -388,6 +388,12 @@ def _check_xsite(spec: JobSpec, dec: Decoder) -> None:
     if spec.train is None:
         dec.error(("xsite",), "a cross-site site trains: it needs `train:` (builtin, or an entry using ctx.checkpoint)")
         return
+    if spec.train.on_spike == "rollback":
+        dec.error(
+            ("train", "on_spike"),
+            "rollback is not supported for a cross-site site (xsite:): its rounds' checkpoints are shared with "
+            "the other sites; use warn",
+        )
     if spec.parallel.dp_shard > 1:
         dec.error(
             ("parallel", "dp_shard"),

@@ -136,6 +136,20 @@ class TokenLoader:
             return f"seed is {str(state['seed'])[:40]!r}, not an integer"
         return None
 
+    def skip(self, batches: int) -> None:
+        """Move past the next `batches` global batches without reading them, as next_batch() would (across
+        epochs): what a rollback after a loss spike skips (train.on_spike: rollback)."""
+        if batches < 0:
+            raise ValueError(f"skip({batches}): a number of batches is not negative")
+        if batches == 0:
+            return
+        epoch, k = self.state.epoch, self.state.batch
+        if k >= self.batches_per_epoch:
+            epoch, k = epoch + 1, 0
+        last = k + batches - 1  # the last batch skipped, counted from this epoch's first
+        epoch, k = epoch + last // self.batches_per_epoch, last % self.batches_per_epoch + 1
+        self.state = LoaderState(epoch, k)
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.state.epoch, "batch": self.state.batch, "seed": self.seed}
 

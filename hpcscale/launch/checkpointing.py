@@ -101,6 +101,18 @@ def _upgraded(state: dict) -> dict:
     return {**out, "hpcscale.context": FORMAT, "objects": {"loader": state["loader"]}}
 
 
+MAX_SKIPPED = 1000  # rollback records a checkpoint keeps (the newest)
+
+
+def skipped_of(saved: dict) -> list[dict]:
+    """The rollback records of a checkpoint's JSON state (`skipped`): a list of objects; anything else (an older
+    checkpoint's none, a hand-edited value) reads as none."""
+    value = saved.get("skipped")
+    if not isinstance(value, list):
+        return []
+    return [r for r in value if isinstance(r, dict)][-MAX_SKIPPED:]
+
+
 @dataclass(frozen=True, slots=True)
 class TierChoice:
     """What a restart loaded (Checkpointer._load_newest): the step, from which tier and why."""
@@ -138,6 +150,7 @@ class Checkpointer:
         self.rebuild = None  # () -> (model, optimizer): a fresh build, when every checkpoint was refused dirty
         self._tiers = TierSaves(self)  # both tiers' schedules, saves and the drain between them
         self._loop: StepLoop | None = None  # what step() runs, made at restore (it plans from the start step)
+        self._skipped: list[dict] = []  # rollbacks' skipped batches on the way to this state (saved with it)
 
     # ---- the two calls --------------------------------------------------------------------------------------
     def restore(self, model: torch.nn.Module | None = None, optimizer: Any = None, **state: Any) -> int:
@@ -186,54 +199,8 @@ class Checkpointer:
             self._start_clock(0)
             return 0
         saved = _upgraded(restored.trainer_state)
-        if self._model is not None:
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            # the built-in trainer's older checkpoints keep no hyperparameters: the optimizer keeps its own
-            if optim_sd is not None and "optimizer" in saved:
-                # the saved hyperparameters, this rank's own parameters: a pipeline stage, or another layout's,
-                # holds other parameters than rank 0 did when it wrote the JSON state
-                optim_sd["param_groups"] = [
-                    {**s, "params": c["params"]}
-                    for s, c in zip(
-                        _keys_int(saved["optimizer"]["param_groups"]), optim_sd["param_groups"], strict=True
-                    )
-                ]
-                for fqn, extra in saved["optimizer"].get("state", {}).items():
-                    optim_sd["state"].setdefault(fqn, {}).update(extra)
-            set_state_dict(
-                self._model,
-                list(self._optimizers),
-                model_state_dict=model_sd,
-                optim_state_dict=optim_sd if optim_sd is not None else {},
-            )
-        objects = saved.get("objects", {})
-        if pretrained and self._objects:  # another run's data position (and the like) is not this site's
-            self._ctx.metrics.print(
-                f"hpcscale: xsite.start_from: {', '.join(sorted(self._objects))} start as constructed (only the "
-                "model, the optimizer and the step are taken from another run's checkpoint)"
-            )
-        for name, obj in self._objects.items():
-            if pretrained:
-                continue
-            if name not in objects:
-                self._ctx.metrics.print(
-                    f"hpcscale: checkpoint step {restored.step} holds no state for {name!r} "
-                    f"(it holds {sorted(objects) or 'none'}): {name} starts as constructed"
-                )
-                continue
-            value = _keys_int(objects[name])
-            try:
-                if isinstance(obj, dict):
-                    obj.clear()
-                    obj.update(value)
-                else:
-                    obj.load_state_dict(value)
-            except Exception as e:
-                raise BadInput(
-                    f"checkpoint step {restored.step}: {name}.load_state_dict refused the saved state: "
-                    f"{type(e).__name__}: {e}"
-                ) from e
+        self._apply_saved(saved, restored.step, model_sd, optim_sd, pretrained=pretrained)
+        self._skipped = [] if pretrained else skipped_of(saved)
         if pretrained:  # rounds start here: the start checkpoint (the aggregator's is round 0), then adopt θ(0)
             self._restored_step = self._done = restored.step
             self._start_rounds(None)
@@ -268,7 +235,7 @@ class Checkpointer:
         data_s: float = 0.0,
         sums: dict[str, Any] | None = None,
         report: Callable[[dict[str, float]], None] | None = None,
-    ) -> None:
+    ) -> int:
         """Step `step` (0-based) is finished: beat the hang watchdog, save on the job's period
         (checkpoint.every_steps, asynchronous as checkpoint.async says) and, when any rank got a stop signal,
         save now and stop every rank together (StopRequested: exit 75, requeued by the batch script).
@@ -276,10 +243,12 @@ class Checkpointer:
         `sums`: one-element tensors (a loss, its contribution from this rank) summed over every rank in the stop
         flag's own all-reduce, and read back with it: the step's one host sync serves both. `report(values)` gets
         them as numbers, on every rank, before anything is saved or a stop raised (log the step there).
-        The last step (`steps` set) saves nothing here: close() saves the end state after the code returns."""
+        The last step (`steps` set) saves nothing here: close() saves the end state after the code returns.
+        Returns the step to run next: `step + 1`, or after a rollback (train.on_spike: rollback) the step of the
+        checkpoint it loaded."""
         if not self._registered:
             raise BadInput("ctx.checkpoint.step() before ctx.checkpoint.restore(...): restore registers the state")
-        self._loop.step(step, data_s=data_s, sums=sums, report=report)
+        return self._loop.step(step, data_s=data_s, sums=sums, report=report)
 
     def efficiency(self, step_s: float) -> dict[str, float]:
         """A step of `step_s` seconds as efficiency figures for a metrics line: `tflops` (model TFLOPS achieved
@@ -304,6 +273,8 @@ class Checkpointer:
         if self._not_saved:  # a tied parameter's copy: the lowest stage holding one writes it
             tensors = {k: v for k, v in tensors.items() if k.split("/")[1] not in self._not_saved}
         state = {"step": done_steps, "hpcscale.context": FORMAT, "objects": self._object_states()}
+        if self._skipped:  # the batches rollbacks skipped on the way to this state (train.on_spike: rollback)
+            state["skipped"] = list(self._skipped)
         if self._rounds is not None:  # lineage: every checkpoint names the global round its weights started from
             state[TAG] = self._rounds.state_for_save(done_steps)
         if optim_sd is not None:
@@ -317,6 +288,111 @@ class Checkpointer:
                 },
             }
         return tensors, state
+
+    def _roll_back(self) -> int | None:
+        """Load the newest checkpoint again, as restore() did (train.on_spike: rollback, hpcscale.launch.steploop):
+        the saves in flight are waited for first; none is newer than the step being judged, since step() saves
+        after the judgement. Returns the step loaded, or None when no checkpoint loads (nothing was changed).
+        VerificationFailure when every checkpoint was refused after part of one was read into the model."""
+        with self._watchdog.paused("rollback"):
+            self.manager.wait()
+            if self._local_manager is not None:
+                self._tiers.local_wait()
+            self._tiers.forget_drain()
+            tensors, model_sd, optim_sd = self._tensors()
+            choice = self._load_newest(tensors)
+        restored = choice.restored
+        if restored is None:
+            if choice.dirty:
+                raise VerificationFailure(
+                    "train.on_spike: rollback: every checkpoint was refused (the lines above say why), one after part "
+                    "of it had been read into the model: training cannot go on from the state it held"
+                )
+            return None
+        if self._local is not None:
+            self._local.discard_after(restored.step)
+        saved = _upgraded(restored.trainer_state)
+        self._apply_saved(saved, restored.step, model_sd, optim_sd)
+        self._skipped = skipped_of(saved)
+        if restored.rng is not None:
+            restore_rng(restored.rng, self._ctx.device)
+        self._restored_step = self._done = restored.step
+        return restored.step
+
+    def _skip_batches(self, batches: int, record: dict) -> dict[str, Any]:
+        """Every registered object with a `skip(batches)` method skips that many batches (the built-in
+        trainer's loader); `record` (what was skipped, and why) goes with every later save's state. Returns the
+        positions the objects skipped from (their state before)."""
+        positions = {}
+        for name, obj in self._objects.items():
+            if callable(getattr(obj, "skip", None)):
+                positions[name] = _jsonable(obj.state_dict(), name)
+                obj.skip(batches)
+        self._skipped.append({**record, "from": positions})
+        del self._skipped[:-MAX_SKIPPED]
+        return positions
+
+    def _positions(self) -> dict[str, Any]:
+        """The data position now: the state of every registered object that can skip batches (the loader's)."""
+        return {
+            name: _jsonable(obj.state_dict(), name) for name, obj in self._objects.items() if name in self._skippers()
+        }
+
+    def _skippers(self) -> list[str]:
+        """The registered objects that can skip batches (a `skip(batches)` method)."""
+        return [name for name, obj in self._objects.items() if callable(getattr(obj, "skip", None))]
+
+    def _apply_saved(self, saved: dict, step: int, model_sd, optim_sd, *, pretrained: bool = False) -> None:
+        """A loaded checkpoint's JSON state `saved` (of step `step`) into the registered model, optimizers and
+        objects (the tensors were read in place already); with `pretrained` (xsite.start_from) the objects keep
+        their constructed state."""
+        if self._model is not None:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            # the built-in trainer's older checkpoints keep no hyperparameters: the optimizer keeps its own
+            if optim_sd is not None and "optimizer" in saved:
+                # the saved hyperparameters, this rank's own parameters: a pipeline stage, or another layout's,
+                # holds other parameters than rank 0 did when it wrote the JSON state
+                optim_sd["param_groups"] = [
+                    {**s, "params": c["params"]}
+                    for s, c in zip(
+                        _keys_int(saved["optimizer"]["param_groups"]), optim_sd["param_groups"], strict=True
+                    )
+                ]
+                for fqn, extra in saved["optimizer"].get("state", {}).items():
+                    optim_sd["state"].setdefault(fqn, {}).update(extra)
+            set_state_dict(
+                self._model,
+                list(self._optimizers),
+                model_state_dict=model_sd,
+                optim_state_dict=optim_sd if optim_sd is not None else {},
+            )
+        objects = saved.get("objects", {})
+        if pretrained and self._objects:  # another run's data position (and the like) is not this site's
+            self._ctx.metrics.print(
+                f"hpcscale: xsite.start_from: {', '.join(sorted(self._objects))} start as constructed (only the "
+                "model, the optimizer and the step are taken from another run's checkpoint)"
+            )
+        for name, obj in self._objects.items():
+            if pretrained:
+                continue
+            if name not in objects:
+                self._ctx.metrics.print(
+                    f"hpcscale: checkpoint step {step} holds no state for {name!r} "
+                    f"(it holds {sorted(objects) or 'none'}): {name} starts as constructed"
+                )
+                continue
+            value = _keys_int(objects[name])
+            try:
+                if isinstance(obj, dict):
+                    obj.clear()
+                    obj.update(value)
+                else:
+                    obj.load_state_dict(value)
+            except Exception as e:
+                raise BadInput(
+                    f"checkpoint step {step}: {name}.load_state_dict refused the saved state: {type(e).__name__}: {e}"
+                ) from e
 
     def _load_newest(self, tensors: dict) -> TierChoice:
         """Load the newest step that every rank can load and verify, from either tier (the node-local one at an

@@ -14,7 +14,12 @@ parts, each its own object:
 5. the clock (hpcscale.launch.loopclock.LoopClock): the step's time and its parts to per-rank timing, and for a
    user loop a metrics line and the progress line;
 6. efficiency (hpcscale.launch.efficiency.Efficiency): the attempt's second step counted for its model FLOPs
-   (agreed over the ranks at its step(), once), then each line's `tflops`, `mfu` and memory.
+   (agreed over the ranks at its step(), once), then each line's `tflops`, `mfu` and memory;
+7. spikes (hpcscale.observe.spikes.SpikeWatch, train.on_spike): the loss and gradient norm the loop sums are
+   judged right after the stop check brought them back, the same numbers on every rank, so every rank reaches
+   the same verdict. `rollback` then loads the newest checkpoint (none is newer: this step's saves come after),
+   skips the batches from it to the spike and returns the step to continue from, before anything of the
+   spiked step is saved or a stop is taken (a stop flag set meanwhile is seen at the next step).
 The last step (`ctx.checkpoint.steps` set) saves nothing here: Checkpointer.close saves the end state after the
 code returns. `ctx.checkpoint` (hpcscale.launch.checkpointing.Checkpointer) owns the state a save writes and
 what a restart loads; it makes this loop at its restore, at the step the run starts from.
@@ -27,10 +32,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hpcscale.errors import BadInput
 from hpcscale.launch.efficiency import Efficiency
 from hpcscale.launch.loopclock import LoopClock
 from hpcscale.launch.signals import STOP_LINE, StopRequested
+from hpcscale.observe.spikes import SpikeWatch
 from hpcscale.parallel.device import settle
+
+SPIKE_LINE_EVERY = 10  # a key's spike lines for people: at most one per this many steps (metrics.jsonl has each)
+ROLLBACKS_TO_ONE_CHECKPOINT = 3  # spikes that keep coming back after this many rollbacks to one step: warn only
 
 
 class StepLoop:
@@ -46,6 +56,17 @@ class StepLoop:
         self._user_lines = getattr(host._ctx.job.train, "entry", None) != "builtin"
         ctx = host._ctx
         self.efficiency = Efficiency(ctx, mode=ctx.job.metrics.flops, peak_tflops=ctx.runtime.peak_tflops)
+        self.on_spike = getattr(ctx.job.train, "on_spike", "warn")
+        self.spikes = SpikeWatch() if self.on_spike != "off" else None
+        self._said: dict[str, int] = {}  # key -> the step of its last spike line for people
+        self._expect: int | None = None  # after a rollback: the step the code must call step() with next
+        self._rollbacks = 0  # rollbacks with no save between them: all to one checkpoint
+        if self.on_spike == "rollback" and not host._skippers():
+            raise BadInput(
+                "train.on_spike: rollback: nothing given to ctx.checkpoint.restore can skip batches (an object "
+                "with a skip(batches) method, as the built-in trainer's loader has): a rollback would read the "
+                "spike's batches again"
+            )
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -64,10 +85,17 @@ class StepLoop:
         data_s: float = 0.0,
         sums: dict[str, Any] | None = None,
         report: Callable[[dict[str, float]], None] | None = None,
-    ) -> None:
-        """Step `step` (0-based) is finished (Checkpointer.step says what the arguments are)."""
+    ) -> int:
+        """Step `step` (0-based) is finished (Checkpointer.step says what the arguments are). Returns the step to
+        run next: `step + 1`, or after a rollback the checkpoint's step."""
         host, saves, clock = self._host, self.saves, self.clock
         ctx = host._ctx
+        if self._expect is not None and step != self._expect:
+            raise BadInput(
+                f"ctx.checkpoint.step({step}) after a rollback to step {self._expect}: with train.on_spike: rollback "
+                "the loop must continue from the step ctx.checkpoint.step returned"
+            )
+        self._expect = None
         host._watchdog.beat(step)
         flops = self.efficiency.step_done(host.tokens_per_step)  # the counted step's: a collective, once
         if flops is not None:
@@ -83,6 +111,11 @@ class StepLoop:
         t_read = time.perf_counter()
         if report is not None:
             report(values)
+        found = self.spikes.observe(step, values) if self.spikes is not None and values else []
+        if found:
+            back = self._spiked(step, found)
+            if back is not None:
+                return back
         if stop:
             self._stop(step)
         t_saves = time.perf_counter()
@@ -104,6 +137,8 @@ class StepLoop:
             ckpt_s += saves.periodic(done)
         if not last:
             ckpt_s += saves.node_local(done)
+        if ckpt_s > 0:  # a save: a rollback from here on goes back to it
+            self._rollbacks = 0
         if rounds is not None and rounds.overlap and not boundary and not last:
             host.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
             rounds.poll(done)  # adopt the round in flight if it has landed
@@ -115,6 +150,7 @@ class StepLoop:
                 clock.say_progress(step, work_s + ckpt_s, host.steps)
         clock.end_step()
         self.efficiency.next_step(last=last)
+        return done
 
     def _say_flops(self, step: int, record: dict) -> None:
         """The model FLOPs found at the counted step: a metrics line and one line for people."""
@@ -132,6 +168,65 @@ class StepLoop:
             else f"no peak known for {record['device']}: no MFU (site devices.peak_tflops)"
         )
         metrics.print(f"hpcscale: model FLOPs {per_step / 1e12:.4g} TFLOP per step ({record['source']}{tok}); {peak}")
+
+    def _spiked(self, step: int, found: list) -> int | None:
+        """Spikes at `step` (the same on every rank): logged (rank 0) with the data position, and with `rollback`
+        the newest checkpoint loaded again and the batches from it to the spike skipped. Returns the step to
+        continue from after a rollback, None otherwise."""
+        host = self._host
+        metrics = host._ctx.metrics
+        for spike in found:
+            last = self._said.get(spike.key)
+            if last is None or step - last >= SPIKE_LINE_EVERY or step < last:
+                self._said[spike.key] = step
+                metrics.print(f"hpcscale: {spike.words()}")
+        spikes = [s.to_json() for s in found]
+        if self.on_spike != "rollback":
+            metrics.log(step=step, spike=spikes, position=host._positions())
+            return None
+        if self._rollbacks >= ROLLBACKS_TO_ONE_CHECKPOINT:
+            metrics.log(step=step, spike=spikes, position=host._positions())
+            metrics.print(
+                f"hpcscale: not rolled back again: {self._rollbacks} rollbacks to one checkpoint met spikes again "
+                "(they follow the model, not the data); training goes on"
+            )
+            return None
+        t0 = time.perf_counter()
+        with self.clock.paused(), self.efficiency_paused():
+            back = host._roll_back()
+        if back is None:
+            metrics.log(step=step, spike=spikes, position=host._positions(), rollback=None)
+            metrics.print("hpcscale: no checkpoint to roll back to: training goes on")
+            return None
+        batches = step + 1 - back
+        keys = sorted({s["key"] for s in spikes})
+        positions = host._skip_batches(batches, {"spike_step": step, "to_step": back, "batches": batches, "keys": keys})
+        self._rollbacks += 1
+        metrics.log(
+            step=step,
+            spike=spikes,
+            rollback={
+                "to_step": back,
+                "skipped_batches": batches,
+                "from": positions,
+                "s": round(time.perf_counter() - t0, 3),
+            },
+        )
+        metrics.print(
+            f"hpcscale: rolled back to checkpoint step {back}; the {batches} batch(es) of steps {back}-{step} are "
+            f"skipped; training goes on from step {back}"
+        )
+        self._expect = back
+        self.clock.end_step()
+        return back
+
+    @contextlib.contextmanager
+    def efficiency_paused(self) -> Iterator[None]:
+        self.efficiency.suspend()
+        try:
+            yield
+        finally:
+            self.efficiency.resume()
 
     def _stop(self, step: int) -> None:
         """A rank got a stop signal: the state after `step` saved to the shared tier and waited for (a node-local

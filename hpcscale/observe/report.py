@@ -5,7 +5,8 @@ RUN/timing.jsonl (per-rank step times, stragglers) and the committed checkpoints
 makes the report. Damaged or torn lines are skipped, never fatal; a step logged again after a restart keeps
 its newest value (the one training went on from).
 
-Writes, inside DIR only: loss.png, throughput.png, ranks.png (when per-rank timing exists), summary.md. DIR is
+Writes, inside DIR only: loss.png, throughput.png, efficiency.png (when the run logged efficiency figures), ranks.png
+(when per-rank timing exists), summary.md. DIR is
 opened once (O_NOFOLLOW|O_DIRECTORY: a symlink there is refused) and every file is written relative to that
 descriptor through a temporary of a random name (O_CREAT|O_EXCL|O_NOFOLLOW), then renamed: swapping DIR, or
 planting symlinks in it, cannot make the report write elsewhere.

@@ -3,10 +3,12 @@
 The rule, per watched key (`loss`, `grad_norm`), on rank 0's metrics lines in the order they are logged:
 
 - the history is the last WINDOW values of the key that were not spikes, in this attempt;
-- with at least MIN_HISTORY values in it, a value is a **spike** when it is above both the history's median plus
-  DEVIATIONS robust standard deviations (1.4826 x the median absolute deviation: a normal distribution's sigma,
-  unmoved by the outliers it is there to find) and FLOOR[key] x the median (when the median is positive: a loss
-  that barely moves has a tiny deviation, and noise must not pass for a spike);
+- its **level** is the median of its last LEVEL values, its **noise** the standard deviation of one step's change
+  estimated robustly over the whole history (1.4826 x the median of the absolute step-to-step changes, over
+  sqrt 2: a normal distribution's sigma, unmoved by a trend such as a falling loss's, or by outliers);
+- with at least MIN_HISTORY values in it, a value is a **spike** when it is above both the level plus
+  DEVIATIONS times the noise and FLOOR[key] x the level (when the level is positive: a loss that barely moves
+  has a tiny noise, and an ordinary wobble must not pass for a spike);
 - a value that is not a finite number (NaN, inf) is a spike whatever the history;
 - a spike is not added to the history (it must not raise the bar for the next one), unless REBASE spikes come in a
   row: the run has moved to a new level, and the history starts again from those values.
@@ -16,15 +18,17 @@ Pure and torch-free: the metrics logger feeds it (hpcscale.launch.metrics) and t
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["DEVIATIONS", "FLOOR", "MIN_HISTORY", "REBASE", "WATCHED", "WINDOW", "Spike", "SpikeWatch"]
+__all__ = ["DEVIATIONS", "FLOOR", "LEVEL", "MIN_HISTORY", "REBASE", "WATCHED", "WINDOW", "Spike", "SpikeWatch"]
 
 WATCHED = ("loss", "grad_norm")
 WINDOW = 50
+LEVEL = 10
 MIN_HISTORY = 20
 DEVIATIONS = 8.0
 FLOOR = {"loss": 1.2, "grad_norm": 2.0}
@@ -37,14 +41,14 @@ class Spike:
     key: str
     step: int
     value: float
-    median: float | None  # None: a non-finite value, judged without the history
+    level: float | None  # None: a non-finite value, judged without the history
     threshold: float | None
 
     def to_json(self) -> dict:
         return {
             "key": self.key,
             "value": self.value if math.isfinite(self.value) else str(self.value),
-            "median": self.median,
+            "level": self.level,
             "threshold": self.threshold,
         }
 
@@ -52,9 +56,9 @@ class Spike:
         if self.threshold is None:
             return f"{self.key} spike at step {self.step}: {self.value} (not a finite number)"
         return (
-            f"{self.key} spike at step {self.step}: {self.value:.5g}, over {self.threshold:.5g} (the median "
-            f"{self.median:.5g} of the last steps + {DEVIATIONS:g} robust deviations, and at least "
-            f"{FLOOR[self.key]:g}x it)"
+            f"{self.key} spike at step {self.step}: {self.value:.5g}, over {self.threshold:.5g} (the level "
+            f"{self.level:.5g} of the last {LEVEL} steps + {DEVIATIONS:g} x their step-to-step noise, and at least "
+            f"{FLOOR[self.key]:g}x the level)"
         )
 
 
@@ -84,11 +88,12 @@ class SpikeWatch:
         if len(history) < MIN_HISTORY:
             history.append(value)
             return None
-        median = statistics.median(history)
-        mad = statistics.median(abs(v - median) for v in history)
-        threshold = median + DEVIATIONS * SIGMA_PER_MAD * mad
-        if median > 0:
-            threshold = max(threshold, FLOOR[key] * median)
+        values = list(history)
+        level = statistics.median(values[-LEVEL:])
+        noise = SIGMA_PER_MAD * statistics.median(abs(b - a) for a, b in itertools.pairwise(values)) / math.sqrt(2)
+        threshold = level + DEVIATIONS * noise
+        if level > 0:
+            threshold = max(threshold, FLOOR[key] * level)
         if value <= threshold:
             run.clear()
             history.append(value)
@@ -98,4 +103,4 @@ class SpikeWatch:
             history.clear()
             history.extend(run)
             run.clear()
-        return Spike(key, step, value, median, threshold)
+        return Spike(key, step, value, level, threshold)

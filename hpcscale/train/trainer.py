@@ -272,7 +272,8 @@ def train(ctx: Context) -> None:
                 f"{int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
             )
 
-    for step in range(start, cfg.steps):
+    step = start
+    while step < cfg.steps:
         t0 = time.perf_counter()
         inputs, targets = to_device(loader.next_batch())
         data_s = time.perf_counter() - t0
@@ -292,10 +293,12 @@ def train(ctx: Context) -> None:
         # watchdog, stop signal, periodic save, round, per-rank timing; the step's line is logged by log_step()
         # after the stop check's all-reduce, which also sums the loss and the norm: one host sync per step
         at = {"step": step, "lr": lr, "t0": t0, "t_check": t_check, "comm_before": comm_before}
-        checkpoint.step(step, data_s=data_s, sums=sums, report=functools.partial(log_step, **at))
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step != cfg.steps - 1:
+        # the next step: this one's successor, or after a rollback (train.on_spike) the checkpoint's step
+        following = checkpoint.step(step, data_s=data_s, sums=sums, report=functools.partial(log_step, **at))
+        if following == step + 1 and cfg.eval_every and following % cfg.eval_every == 0 and step != cfg.steps - 1:
             with checkpoint.paused("evaluation"):
                 evaluate(step)
+        step = following
     if cfg.eval_every and start < cfg.steps:
         with checkpoint.paused("evaluation"):
             evaluate(cfg.steps - 1)

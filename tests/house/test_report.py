@@ -55,8 +55,8 @@ def test_the_report_plots_and_summarizes_what_the_run_logged(run, tmp_path):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     names = sorted(Path(p).name for p in doc["files"])
-    assert names == ["loss.png", "ranks.png", "summary.md", "throughput.png"]
-    for name in ("loss.png", "ranks.png", "throughput.png"):
+    assert names == ["efficiency.png", "loss.png", "ranks.png", "summary.md", "throughput.png"]
+    for name in ("efficiency.png", "loss.png", "ranks.png", "throughput.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, name
     rows = _train_rows(run)
@@ -66,6 +66,9 @@ def test_the_report_plots_and_summarizes_what_the_run_logged(run, tmp_path):
     assert s["checkpoints"] == [10, 20, 30, 40]
     assert s["tokens"] == round(sum(r["tokens_per_s"] * r["step_time_s"] for r in rows.values()))
     assert s["stragglers"]["windows"] >= 3
+    # efficiency: the model FLOPs counted in each attempt, TFLOPS per device on every step after the counted one
+    assert s["efficiency"]["flops_source"] == "counted" and s["efficiency"]["median_tflops"] > 0
+    assert s["efficiency"]["median_mfu"] is None and s["efficiency"]["rss_gb"] > 0  # no peak for a CPU here
     text = (out / "summary.md").read_text()
     assert f"{rows[39]['loss']:.4f}" in text and "attempt 2 from step 20" in text and "![ranks.png](ranks.png)" in text
 
