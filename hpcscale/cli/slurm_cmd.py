@@ -109,6 +109,25 @@ def submit(
         click.echo(f"run directory: {r.run_dir}", err=True)
 
 
+def _sign_lines(rows: list[dict]) -> list[str]:
+    """`warning sign` lines: what Slurm showed of the job's nodes (health signals) and the checkpoints taken."""
+    from hpcscale.util.trust import clean_markup as cm
+
+    out = []
+    for row in rows:
+        step = cm(row.get("step"), limit=20)
+        if "health_checkpoint" in row:
+            c = row["health_checkpoint"]
+            out.append(f"  step {step}: {cm(c.get('tier'), limit=20)} checkpoint {cm(c.get('step'), limit=20)} taken")
+            continue
+        for sign in row["health"]:
+            where = f" on {cm(sign.get('node'), limit=60)}" if sign.get("node") else ""
+            out.append(
+                f"  step {step}: {cm(sign.get('kind'), limit=30)}{where} ({cm(sign.get('evidence'), limit=300)})"
+            )
+    return ["warning signs (Slurm):", *out] if out else []
+
+
 def _efficiency_line(m: dict, flops: dict | None) -> str | None:
     """`efficiency:` MFU and TFLOPS per device of the last step, the model FLOPs and how they were found, and
     the memory peaks (docs/observability.md#efficiency); None when the run logged none of them."""
@@ -265,6 +284,8 @@ def status(run: Path, as_json: bool) -> None:
         out.print(f"last step {cm(m.get('step'))}: loss {_num(m.get('loss'), '.4f')}{pace}{rate}")
     line = _efficiency_line(st.last_metrics or {}, st.model_flops)
     if line:
+        out.print(line)
+    for line in _sign_lines(st.signs):
         out.print(line)
     if st.timing:
         for line in format_timing(st.timing, run) + format_traffic(st.timing):

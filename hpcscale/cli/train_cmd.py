@@ -31,9 +31,10 @@ def launch(run_dir: Path, sweep_index: int | None) -> None:
     from hpcscale.launch.main import launch as run_rank
     from hpcscale.launch.scheduler import SchedulerView
     from hpcscale.slurm.allocation import job_log_paths, site_tree
+    from hpcscale.slurm.health import job_signs
 
-    # the ranks read the scheduler through these two, and import nothing of hpcscale.slurm themselves
-    scheduler = SchedulerView(switch_tree=site_tree, log_paths=job_log_paths)
+    # the ranks read the scheduler through these three, and import nothing of hpcscale.slurm themselves
+    scheduler = SchedulerView(switch_tree=site_tree, log_paths=job_log_paths, signs=job_signs)
     sys.exit(run_rank(run_dir, sweep_index=sweep_index, scheduler=scheduler))
 
 

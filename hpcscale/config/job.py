@@ -181,6 +181,30 @@ class Metrics:
 
 
 @dataclass(kw_only=True, slots=True)
+class Health:
+    """Warning signs Slurm shows of a running job, acted on before a failure (docs/observability.md#health-signals)."""
+
+    poll_seconds: float = setting(
+        "Every N seconds rank 0 asks Slurm (scontrol) about the job's nodes, reservations and time limit; a new "
+        "sign is logged once with its evidence and triggers an immediate checkpoint (node-local with "
+        "checkpoint.local). 0 turns it off. Not under `run --local` (no scheduler to ask).",
+        default=30.0,
+        min=0,
+    )
+    cooldown_seconds: float = setting(
+        "At most one checkpoint per this many seconds for signs: a flapping sign cannot make a save storm.",
+        default=600.0,
+        min=0,
+    )
+    warn_before_seconds: float = setting(
+        "A reservation that takes one of the job's nodes, or the job's time limit, is a sign this many seconds "
+        "before it.",
+        default=900.0,
+        min=0,
+    )
+
+
+@dataclass(kw_only=True, slots=True)
 class ModelSize:
     """The model's size, as placement's traffic model needs it (docs/placement.md): the bytes each kind of group
     exchanges per step follow from it. Declare it for your own entry point; the built-in trainer's comes from its
@@ -388,6 +412,7 @@ class JobSpec:
     checkpoint: CheckpointPolicy = setting("Checkpoint policy.", factory=CheckpointPolicy)
     data: Data = setting("Training data.", factory=Data)
     metrics: Metrics = setting("Per-rank timing and TensorBoard.", factory=Metrics)
+    health: Health = setting("Warning signs from Slurm that trigger an immediate checkpoint.", factory=Health)
     xsite: XsiteJob | None = setting("Cross-site training: the config and this job's site.", default=None)
     model: ModelSize | None = setting(
         "The model's size, for placement's traffic model (the built-in trainer's comes from train.params).",

@@ -42,6 +42,8 @@ class Runtime:
     waits: Any = None
     # the site's devices.peak_tflops (device name -> peak dense TFLOPS): what MFU is measured against
     peak_tflops: dict[str, float] = field(default_factory=dict)
+    # rank 0's poller of the job's warning signs (launch/health.py); NoHealthWatch elsewhere
+    health: Any = None
 
 
 @dataclass(kw_only=True)

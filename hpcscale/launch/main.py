@@ -26,6 +26,7 @@ from hpcscale.launch.bootstrap import bootstrap, node_name
 from hpcscale.launch.context import Context, MetricsLogger, Runtime
 from hpcscale.launch.ending import PEER_LOST_GRACE_S, STOP_BARRIER_S, abort_job, exit_together, leave_together
 from hpcscale.launch.failure import failure_line, lost_a_peer
+from hpcscale.launch.health import HealthWatch, NoHealthWatch
 from hpcscale.launch.placing import Placement, from_mpi_root
 from hpcscale.launch.scheduler import NO_SCHEDULER, SchedulerView
 from hpcscale.launch.signals import RANKS_READY, STOPPED_EXIT_CODE, StopFlag, StopRequested
@@ -157,6 +158,20 @@ def _job_mtbf(loaded: LoadedJob, work_dir: Path, nodes: list[str]):
     )
 
 
+def _health_watch(loaded: LoadedJob, info, scheduler: SchedulerView):
+    """Rank 0 of a Slurm job polls the job's warning signs (health.poll_seconds; launch/health.py)."""
+    cfg = loaded.spec.health
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if info.rank != 0 or not job_id or scheduler.signs is None or not cfg.poll_seconds:
+        return NoHealthWatch()
+    site, nodes, signs = loaded.site.config, list(info.nodes), scheduler.signs
+
+    def read() -> list[dict]:
+        return signs(job_id, nodes, within_s=cfg.warn_before_seconds, now=time.time(), site=site)
+
+    return HealthWatch(read, poll_s=cfg.poll_seconds, cooldown_s=cfg.cooldown_seconds).start()
+
+
 def _run(
     loaded: LoadedJob,
     info,
@@ -205,6 +220,7 @@ def _run(
         mtbf_s = from_mpi_root(lambda: _job_mtbf(loaded, work_dir, info.nodes))
     # this thread's waits in every collective, whoever issues it (per-rank timing)
     collective_waits = waits.install() if spec.metrics.timing_every else None
+    health = _health_watch(loaded, info, scheduler)
     ctx = Context(
         rank=info.rank,
         world_size=info.world_size,
@@ -231,6 +247,7 @@ def _run(
             mtbf_s=mtbf_s,
             waits=collective_waits,
             peak_tflops=dict(loaded.site.config.devices.peak_tflops),
+            health=health,
         ),
     )
     watchdog = Watchdog(
@@ -267,6 +284,7 @@ def _run(
         raise
     finally:
         watchdog.stop()  # the closing barrier has the collective timeout
+        health.stop()
         metrics.close()
     dist.barrier()
     dist.destroy_process_group()

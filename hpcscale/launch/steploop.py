@@ -19,7 +19,10 @@ parts, each its own object:
    judged right after the stop check brought them back, the same numbers on every rank, so every rank reaches
    the same verdict. `rollback` then loads the newest checkpoint (none is newer: this step's saves come after),
    skips the batches from it to the spike and returns the step to continue from, before anything of the
-   spiked step is saved or a stop is taken (a stop flag set meanwhile is seen at the next step).
+   spiked step is saved or a stop is taken (a stop flag set meanwhile is seen at the next step);
+8. health signals (hpcscale.launch.health, rank 0's poller of Slurm's warning signs): the stop check's all-reduce
+   carries rank 0's "a new sign wants a checkpoint" (cooldown applied there), so every rank takes the immediate
+   checkpoint (node-local when the job has that tier) at the same step; rank 0 logs each new sign once.
 The last step (`ctx.checkpoint.steps` set) saves nothing here: Checkpointer.close saves the end state after the
 code returns. `ctx.checkpoint` (hpcscale.launch.checkpointing.Checkpointer) owns the state a save writes and
 what a restart loads; it makes this loop at its restore, at the step the run starts from.
@@ -34,6 +37,7 @@ from typing import Any
 
 from hpcscale.errors import BadInput
 from hpcscale.launch.efficiency import Efficiency
+from hpcscale.launch.health import NoHealthWatch
 from hpcscale.launch.loopclock import LoopClock
 from hpcscale.launch.signals import STOP_LINE, StopRequested
 from hpcscale.observe.spikes import SpikeWatch
@@ -61,6 +65,7 @@ class StepLoop:
         self._said: dict[str, int] = {}  # key -> the step of its last spike line for people
         self._expect: int | None = None  # after a rollback: the step the code must call step() with next
         self._rollbacks = 0  # rollbacks with no save between them: all to one checkpoint
+        self.health = ctx.runtime.health or NoHealthWatch()
         if self.on_spike == "rollback" and not host._skippers():
             raise BadInput(
                 "train.on_spike: rollback: nothing given to ctx.checkpoint.restore can skip batches (an object "
@@ -106,8 +111,10 @@ class StepLoop:
         settle(ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
         t_sync = time.perf_counter()
         draining = saves.drain_due is not None
-        flags, values = ctx.any_of_and_sums((ctx.stop.requested, draining and saves.drain_would_wait()), sums or {})
-        stop, tier_busy = flags
+        flags, values = ctx.any_of_and_sums(
+            (ctx.stop.requested, draining and saves.drain_would_wait(), self.health.wants_save()), sums or {}
+        )
+        stop, tier_busy, signed = flags
         t_read = time.perf_counter()
         if report is not None:
             report(values)
@@ -118,6 +125,7 @@ class StepLoop:
                 return back
         if stop:
             self._stop(step)
+        self._say_signs(step)
         t_saves = time.perf_counter()
         wait_s = clock.wait_s()  # the step's collective waits, saves left out
         sync_s = clock.sync_s(t_sync, t_read)
@@ -137,6 +145,8 @@ class StepLoop:
             ckpt_s += saves.periodic(done)
         if not last:
             ckpt_s += saves.node_local(done)
+        if signed and not last:  # a warning sign: a checkpoint now, on every rank
+            ckpt_s += self._sign_save(step, done)
         if ckpt_s > 0:  # a save: a rollback from here on goes back to it
             self._rollbacks = 0
         if rounds is not None and rounds.overlap and not boundary and not last:
@@ -227,6 +237,36 @@ class StepLoop:
             yield
         finally:
             self.efficiency.resume()
+
+    def _say_signs(self, step: int) -> None:
+        """Rank 0: each new warning sign once, with its evidence (metrics.jsonl and a line)."""
+        signs = self.health.take()
+        if not signs:
+            return
+        metrics = self._host._ctx.metrics
+        metrics.log(step=step, health=signs)
+        for sign in signs:
+            where = f" on {sign['node']}" if sign.get("node") else ""
+            metrics.print(f"hpcscale: warning sign at step {step}: {sign['kind']}{where} ({sign['evidence']})")
+
+    def _sign_save(self, step: int, done: int) -> float:
+        """The checkpoint a warning sign asks for, after `done` steps: to the node-local tier when the job has
+        one, else the shared tier; none when this step saved that tier already. Returns the seconds blocked."""
+        host = self._host
+        local = host._local
+        tier = "node-local" if local is not None else "shared"
+        if (local if local is not None else host.manager).last_step == done:
+            blocking = 0.0
+        elif local is not None:
+            blocking = self.saves.save_local(done)
+        else:
+            blocking = self.saves.save(done, asynchronous=host._policy.asynchronous)
+        self.health.saved()
+        host._ctx.metrics.log(
+            step=step, health_checkpoint={"step": done, "tier": tier, "blocking_s": round(blocking, 4)}
+        )
+        host._ctx.metrics.print(f"hpcscale: {tier} checkpoint {done} for the warning sign(s) above")
+        return blocking
 
     def _stop(self, step: int) -> None:
         """A rank got a stop signal: the state after `step` saved to the shared tier and waited for (a node-local

@@ -55,6 +55,7 @@ from hpcscale.recovery.nodes import NODE_FAILURE, rank_nodes, unhealthy
 from hpcscale.recovery.requeue import blamed_before, grace_advice, spent
 from hpcscale.rundir import RESUME_STATE, TIMING, RunDir, Submission
 from hpcscale.slurm.client import SlurmClient
+from hpcscale.slurm.status import signed_nodes
 from hpcscale.slurm.submit import Prepared, prepare, submit_job
 from hpcscale.util import proc
 from hpcscale.util.hostlist import expand
@@ -348,6 +349,11 @@ def _decide(
             for s in subs:
                 exclude += s.excluded
             exclude = list(dict.fromkeys(exclude))
+    if not local and mode != "never":  # nodes Slurm showed a warning sign for during the last attempt: suspect
+        suspects = {n: why for n, why in signed_nodes(rd).items() if n not in exclude}
+        exclude += list(suspects)
+    else:
+        suspects = {}
     slow: list[str] = []
     if exclude_slow:  # the nodes of the stragglers `hpcscale status` names (hpcscale.observe.timing)
         if local:
@@ -367,6 +373,8 @@ def _decide(
             if slow
             else "--exclude-slow: status names no straggler in the last attempt; no node added"
         )
+    for node, why in suspects.items():
+        plan.warnings.append(f"excluding {node}: Slurm showed a warning sign for it during the last attempt ({why})")
     if diag.shared_failure:
         plan.warnings.append(
             f"the last attempt failed alike wherever it ran ({clean(diag.shared_failure, limit=300)}): no node is "

@@ -129,6 +129,8 @@ class RunStatus:
     checkpoint_interval: dict | None = None  # checkpoint.every_steps: auto's latest plan (metrics.jsonl)
     notes: list[str] = field(default_factory=list)  # files skipped, and why (not regular files, damage)
     model_flops: dict | None = None  # the newest attempt's model FLOPs record (metrics.jsonl; efficiency)
+    # the newest warning signs (health signals) and the checkpoints they caused: {"step", "health"|"health_checkpoint"}
+    signs: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -140,6 +142,7 @@ class RunStatus:
             "timing": self.timing,
             "checkpoint_interval": self.checkpoint_interval,
             "model_flops": self.model_flops,
+            "signs": self.signs,
             "notes": self.notes,
             "submissions": [
                 {"submission": asdict(s.submission), "jobs": [asdict(j) for j in s.jobs]} for s in self.submissions
@@ -192,6 +195,7 @@ def run_status(path: Path, *, now: datetime | None = None) -> RunStatus:
         _last_metrics(rows, key="checkpoint_interval"),
         notes,
         _last_metrics(rows, key="model_flops"),
+        _signs(rows),
     )
 
 
@@ -494,6 +498,57 @@ def _last_training_line(lines: list[bytes]) -> dict | None:
         if isinstance(timed, dict) and timed.get("step") == row.get("step") and "loss" not in timed:
             return {**row, **{k: timed[k] for k in STEP_FIGURES if k in timed}}
     return row
+
+
+SIGNS_SHOWN = 8
+
+
+def _signs(lines: list[bytes]) -> list[dict]:
+    """The newest SIGNS_SHOWN lines of warning signs and the checkpoints they caused, oldest first (`lines`: newest
+    first). Each {"step", "health": [signs]} or {"step", "health_checkpoint": {...}}; malformed ones skipped."""
+    out: list[dict] = []
+    for line in lines:
+        if b'"health' not in line:
+            continue
+        try:
+            row = loads_json(line, source="metrics.jsonl", max_bytes=1 << 20)
+        except BadInput:
+            continue
+        if not isinstance(row, dict):
+            continue
+        if isinstance(row.get("health"), list):
+            signs = [s for s in row["health"][:16] if isinstance(s, dict)]
+            out.append({"step": row.get("step"), "health": signs})
+        elif isinstance(row.get("health_checkpoint"), dict):
+            out.append({"step": row.get("step"), "health_checkpoint": row["health_checkpoint"]})
+        if len(out) >= SIGNS_SHOWN:
+            break
+    return out[::-1]
+
+
+NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding", "reservation")
+
+
+def signed_nodes(rd: RunDir) -> dict[str, str]:
+    """node -> the first warning sign Slurm showed for it during the run's newest attempt (health signals in
+    metrics.jsonl): what `resume` treats as suspect. A time limit names no node."""
+    events = rd.attempt_events()
+    attempts = [e.get("attempt") for e in events if e.get("event") == "begin" and type(e.get("attempt")) is int]
+    newest = max(attempts, default=None)
+    found: dict[str, str] = {}
+    for line in _metric_rows(rd.metrics, []):
+        if b'"health"' not in line:
+            continue
+        try:
+            row = loads_json(line, source="metrics.jsonl", max_bytes=1 << 20)
+        except BadInput:
+            continue
+        if not isinstance(row, dict) or row.get("attempt") != newest or not isinstance(row.get("health"), list):
+            continue
+        for sign in row["health"]:
+            if isinstance(sign, dict) and sign.get("kind") in NODE_SIGNS and isinstance(sign.get("node"), str):
+                found[clean(sign["node"], limit=100)] = f"{sign['kind']}: {clean(sign.get('evidence'), limit=200)}"
+    return found
 
 
 def _last_metrics(lines: list[bytes], *, key: str = "loss") -> dict | None:

@@ -295,6 +295,8 @@ def train(ctx: Context) -> None:
         at = {"step": step, "lr": lr, "t0": t0, "t_check": t_check, "comm_before": comm_before}
         # the next step: this one's successor, or after a rollback (train.on_spike) the checkpoint's step
         following = checkpoint.step(step, data_s=data_s, sums=sums, report=functools.partial(log_step, **at))
+        if following is None:  # a wrapper of ctx.checkpoint.step that drops its answer: no rollback came through it
+            following = step + 1
         if following == step + 1 and cfg.eval_every and following % cfg.eval_every == 0 and step != cfg.steps - 1:
             with checkpoint.paused("evaluation"):
                 evaluate(step)

@@ -56,9 +56,9 @@ def main(ctx) -> None:
     step_fn = checkpoint.step
     last = [0, 0]  # count, names seen, at the previous step's end
 
-    def counted_step(step: int, **kwargs) -> None:
+    def counted_step(step: int, **kwargs) -> int:
         try:
-            step_fn(step, **kwargs)
+            return step_fn(step, **kwargs)
         finally:
             per_step[step] = [mode.count - last[0], mode.names[last[1] :]]
             last[:] = [mode.count, len(mode.names)]

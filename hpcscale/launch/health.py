@@ -1,0 +1,100 @@
+"""Health signals that act (docs/observability.md#health-signals): rank 0 asks the scheduler every
+`health.poll_seconds` for warning signs of the job (hpcscale.slurm.health through the SchedulerView: a node
+drained or failing, a reservation about to take a node, the time limit near) in a thread of its own, and the
+step loop (hpcscale.launch.steploop) acts on what it found at the next step: each new sign logged once with its
+evidence, and an immediate checkpoint (node-local when the job has that tier) on every rank, carried to them by
+the stop check's all-reduce, at most once per `health.cooldown_seconds`.
+
+A sign is new when its (kind, node, evidence) was not seen before in this attempt: a flapping state comes back
+with other evidence at most, and the cooldown bounds the saves it can cause."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["HealthWatch", "NoHealthWatch"]
+
+SEEN_MAX = 10_000  # signs remembered (a scheduler answering nonsense forever cannot grow this without bound)
+
+
+class HealthWatch:
+    """Rank 0's poller. `signs()` is the scheduler's reader: a list of {"kind", "node", "evidence"} dicts."""
+
+    def __init__(self, signs: Callable[[], list[dict]], *, poll_s: float, cooldown_s: float):
+        self._signs = signs
+        self.poll_s = poll_s
+        self.cooldown_s = cooldown_s
+        self._lock = threading.Lock()
+        self._pending: list[dict] = []  # new signs the step loop has not logged yet
+        self._due = False  # a new sign came since the last save it caused: a save is asked for
+        self._saved_at = -float("inf")  # monotonic time of the last save a sign caused
+        self._seen: set[tuple] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors = 0  # polls that failed (the scheduler did not answer): no sign, no error
+
+    def start(self) -> HealthWatch:
+        self._thread = threading.Thread(target=self._run, name="hpcscale-health", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        """Ask once; keep the signs not seen before (the thread calls this every poll_s)."""
+        try:
+            found = self._signs()
+        except Exception:  # the scheduler's trouble is no sign and must not end the poller
+            self.errors += 1
+            return
+        with self._lock:
+            for sign in found:
+                key = (sign.get("kind"), sign.get("node"), sign.get("evidence"))
+                if key in self._seen or len(self._seen) >= SEEN_MAX:
+                    continue
+                self._seen.add(key)
+                self._pending.append({**sign, "seen": round(time.time(), 3)})
+                self._due = True
+
+    def wants_save(self) -> bool:
+        """Whether a new sign asks for a checkpoint now: one came, and the cooldown since the last save it caused
+        has passed (rank 0's clock: every rank learns the answer through the stop check)."""
+        with self._lock:
+            return self._due and time.monotonic() - self._saved_at >= self.cooldown_s
+
+    def take(self) -> list[dict]:
+        """The new signs, once each, oldest first."""
+        with self._lock:
+            out, self._pending = self._pending, []
+            return out
+
+    def saved(self) -> None:
+        """A checkpoint for the signs so far was taken: the cooldown starts."""
+        with self._lock:
+            self._due = False
+            self._saved_at = time.monotonic()
+
+
+class NoHealthWatch:
+    """Every rank but 0, and a job with no scheduler to ask (run --local) or `health.poll_seconds: 0`."""
+
+    def wants_save(self) -> bool:
+        return False
+
+    def take(self) -> list[dict]:
+        return []
+
+    def saved(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass

@@ -1,0 +1,101 @@
+"""Health signals that act (docs/observability.md#health-signals), on the local Slurm cluster: a node drained
+through the cluster's real scontrol while the job runs is seen by rank 0's poller, logged once with its evidence,
+and every rank takes a node-local checkpoint at the next step; a maintenance reservation on another node that
+comes within the cooldown is logged but takes no second checkpoint; `status` shows both."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import yaml
+from conftest import REPO, run_cli, wait_for_job
+from trainjobs import job_spec
+
+RESERVATION = "hpcscale-test-health"
+
+
+def _scontrol(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, env={**os.environ, **env}, timeout=30)
+
+
+def _rows(run: Path) -> list[dict]:
+    if not (run / "metrics.jsonl").exists():
+        return []
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wait_for(run: Path, key: str, count: int = 1, timeout: float = 120) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [r for r in _rows(run) if key in r]
+        if len(found) >= count:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no {key} line after {timeout}s: {_rows(run)[-5:]}")
+
+
+def test_a_drained_node_takes_a_node_local_checkpoint_at_once_and_the_cooldown_holds_the_next(local_cluster, tmp_path):
+    run = tmp_path / "run"
+    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=4, site="localcluster", nodes=2, steps=100000)
+    spec = yaml.safe_load(job.read_text())
+    spec["checkpoint"] = {"every_steps": 100000, "async": False, "local": {"every_steps": 100000}}  # none but ours
+    spec["health"] = {"poll_seconds": 1, "cooldown_seconds": 600, "warn_before_seconds": 900}
+    spec["train"]["entry"] = "paced_entry:train"
+    spec["environment"] = {"PYTHONPATH": str(REPO / "tests" / "helpers"), "PACED_STEP_S": "0.1"}
+    job.write_text(yaml.safe_dump(spec))
+    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=local_cluster)
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+    try:
+        deadline = time.monotonic() + 240
+        while sum(1 for r in _rows(run) if "loss" in r) < 5:
+            assert time.monotonic() < deadline, "the job did not train"
+            time.sleep(0.3)
+        drained = time.time()
+        out = _scontrol(local_cluster, "update", "nodename=n2", "state=drain", "reason=hpcscale test: ECC errors")
+        assert out.returncode == 0, out.stderr
+        (saved,) = _wait_for(run, "health_checkpoint")
+        (signs,) = [r for r in _rows(run) if "health" in r]
+        (sign,) = signs["health"]
+        assert sign["kind"] == "drain" and sign["node"] == "n2", sign
+        assert "DRAIN" in sign["evidence"] and "Reason=hpcscale test: ECC errors" in sign["evidence"], sign
+        # the checkpoint is the state after the step the sign was acted on, on the node-local tier, on every node
+        assert saved["health_checkpoint"]["tier"] == "node-local"
+        assert saved["health_checkpoint"]["step"] == saved["step"] + 1 and saved["step"] >= signs["step"]
+        local = [r for r in _rows(run) if r.get("local_checkpoint") == saved["health_checkpoint"]["step"]]
+        assert local, "no node-local checkpoint line"
+        took = local[0]["time"] - drained
+        assert took < 30, took  # a poll (1 s) and a step or two: seconds, not a checkpoint interval
+        print(f"from scontrol's drain to the committed node-local checkpoint: {took:.2f} s")
+        # a maintenance reservation on n1 within the cooldown: a sign of its own, logged, and no second save
+        out = _scontrol(
+            local_cluster, "create", "reservation", f"reservationname={RESERVATION}", "starttime=now+300",
+            "duration=5", "nodes=n1", "users=root", "flags=maint,ignore_jobs",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        signs = _wait_for(run, "health", count=2)
+        reservation = [s for r in signs for s in r["health"] if s["kind"] == "reservation"]
+        assert reservation and reservation[0]["node"] == "n1" and RESERVATION in reservation[0]["evidence"]
+        time.sleep(3)  # a few more steps: the cooldown keeps them from saving again
+        assert len([r for r in _rows(run) if "health_checkpoint" in r]) == 1
+        status = run_cli("status", str(run), env=local_cluster)
+        assert status.returncode == 0, status.stderr
+        assert "warning signs (Slurm):" in status.stdout and "drain on n2" in status.stdout
+        assert "reservation on n1" in status.stdout and "node-local checkpoint" in status.stdout
+        # the job ends (cancelled) and n2 is back: resume still treats the nodes Slurm showed signs for as suspect
+        subprocess.run(["scancel", job_id], env={**os.environ, **local_cluster}, check=True)
+        assert wait_for_job(job_id, local_cluster) == "CANCELLED"
+        assert _scontrol(local_cluster, "update", "nodename=n2", "state=resume").returncode == 0
+        plan = run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster)
+        assert plan.returncode == 0, plan.stderr
+        doc = json.loads(plan.stdout)
+        assert "n2" in doc["exclude"], doc
+        assert any("excluding n2: Slurm showed a warning sign" in w and "ECC errors" in w for w in doc["warnings"])
+    finally:
+        subprocess.run(["scancel", job_id], env={**os.environ, **local_cluster}, check=False)
+        _scontrol(local_cluster, "delete", f"reservation={RESERVATION}")
+        _scontrol(local_cluster, "update", "nodename=n2", "state=resume")
