@@ -46,6 +46,7 @@ def begin_attempt(work_dir: Path, info, dims, log_paths: Callable[[str], dict[st
         restart_count=int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         nodes=info.nodes,
         world_size=info.world_size,
+        device=getattr(info.device, "type", None),  # "cuda": one GPU per rank (GPU-hours in `report`)
         layout=dims.as_dict(),  # with nodes: which rank sat where, in which groups (NCCL timeout diagnosis)
         host=socket.gethostname(),
         pid=os.getpid(),

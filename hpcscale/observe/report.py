@@ -57,6 +57,7 @@ class RunData:
     # attempt -> how long training stopped when it was relaunched in its allocation (hpcscale.observe.downtime)
     relaunches: dict[int, dict] = field(default_factory=dict)
     model_flops: dict | None = None  # the newest model FLOPs record (efficiency)
+    usage: dict = field(default_factory=dict)  # node-hours and GPU-hours over the attempts (usage())
     skipped: int = 0  # lines that were not JSON objects
     cut_bytes: int = 0  # bytes at the start of metrics.jsonl not read (over METRICS_TAIL)
 
@@ -139,6 +140,7 @@ def read_run(path: Path) -> RunData:
         raise BadInput(f"{rd.path / METRICS}: no training line (step and loss) to report")
     events = rd.attempt_events()
     data.relaunches = relaunch_downtimes(events, marks)
+    data.usage = usage(events, data)
     for event in events:
         if event.get("event") != "begin" or type(event.get("attempt")) is not int:
             continue
@@ -182,6 +184,52 @@ def untimed_steps(data: RunData) -> int:
     return sum(
         1 for row in data.train.values() if not (_finite(row.get("tokens_per_s")) and _finite(row.get("step_time_s")))
     )
+
+
+def usage(events: list[dict], data: RunData) -> dict:
+    """Node-hours and GPU-hours of the run over all its attempts: each attempt's time from its begin record to
+    its end record (or, for one that left none, killed or still running, to its last logged step) times its
+    nodes, and times its ranks where they ran on GPUs (one GPU per rank). `gpu_hours` is None when no attempt
+    ran on GPUs, or one did not record its device (a run of an older version)."""
+    last_logged: dict[int, float] = {}
+    for row in data.train.values():
+        a, t = row.get("attempt"), row.get("time")
+        if type(a) is int and _finite(t):
+            last_logged[a] = max(last_logged.get(a, t), t)
+    begins: dict[int, dict] = {}
+    ends: dict[int, float] = {}
+    for e in events:
+        a = e.get("attempt")
+        if type(a) is not int:
+            continue
+        if e.get("event") == "begin":
+            begins[a] = e
+        elif e.get("event") == "end" and math.isfinite(_when(e.get("time"))):
+            ends[a] = _when(e.get("time"))
+    node_h = gpu_h = 0.0
+    gpus_known, on_gpus, counted = True, False, 0
+    for a, b in begins.items():
+        start = _when(b.get("time"))
+        stop = ends.get(a, last_logged.get(a))
+        nodes, world = b.get("nodes"), b.get("world_size")
+        if not (math.isfinite(start) and stop is not None and isinstance(nodes, list) and type(world) is int):
+            continue
+        hours = max(0.0, stop - start) / 3600
+        if hours > 1e6 or len(nodes) > 1e6 or world > 1e8:  # a record others may write: no figure from nonsense
+            continue
+        counted += 1
+        node_h += hours * len(nodes)
+        device = b.get("device")
+        if device is None:
+            gpus_known = False
+        elif device == "cuda":
+            on_gpus = True
+            gpu_h += hours * world
+    return {
+        "attempts": counted,
+        "node_hours": round(node_h, 4),
+        "gpu_hours": round(gpu_h, 4) if on_gpus and gpus_known else None,
+    }
 
 
 def build(run: Path, out: Path) -> dict:
@@ -498,6 +546,7 @@ def summarize(data: RunData, verdict, images: list[str], *, comm: dict | None = 
         "stragglers": None if verdict is None else verdict.to_json(),
         "communication": comm,
         "efficiency": efficiency,
+        "usage": data.usage,
         "skipped_lines": data.skipped,
         "metrics_bytes_not_read": data.cut_bytes,
         "images": images,
@@ -551,6 +600,10 @@ def render_markdown(s: dict) -> str:
     else:
         lines.append(f"| stragglers | none in the last {v['windows']} windows of the newest attempt |")
     lines += _efficiency_rows(s.get("efficiency"))
+    u = s.get("usage") or {}
+    if u.get("attempts"):
+        gpu = num(u["gpu_hours"], ".4g") if u["gpu_hours"] is not None else "— (no attempt recorded GPU ranks)"
+        lines.append(f"| node-hours, GPU-hours | {u['node_hours']:.4g}, {gpu} (over {u['attempts']} attempt(s)) |")
     lines += _communication_rows(s.get("communication"))
     if s["skipped_lines"]:
         lines.append(f"| damaged metrics lines skipped | {s['skipped_lines']} |")

@@ -7,6 +7,7 @@ import json
 import struct
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,7 @@ def test_the_report_plots_and_summarizes_what_the_run_logged(run, tmp_path):
     # efficiency: the model FLOPs counted in each attempt, TFLOPS per device on every step after the counted one
     assert s["efficiency"]["flops_source"] == "counted" and s["efficiency"]["median_tflops"] > 0
     assert s["efficiency"]["median_mfu"] is None and s["efficiency"]["rss_gb"] > 0  # no peak for a CPU here
+    assert s["usage"]["attempts"] == 2 and 0 < s["usage"]["node_hours"] < 0.1 and s["usage"]["gpu_hours"] is None
     text = (out / "summary.md").read_text()
     assert f"{rows[39]['loss']:.4f}" in text and "attempt 2 from step 20" in text and "![ranks.png](ranks.png)" in text
 
@@ -205,3 +207,24 @@ def test_tokens_survive_steps_logged_without_timing(tmp_path):
     (only_loss / "job.yaml").write_text("name: m\n")
     (only_loss / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0}) + "\n")
     assert tokens_by_step(read_run(only_loss)) is None
+
+
+def test_node_and_gpu_hours_add_up_every_attempt_and_one_that_left_no_end_counts_to_its_last_step():
+    from hpcscale.observe.report import RunData, usage
+
+    def begin(a, t, nodes, world, device):
+        return {"event": "begin", "attempt": a, "time": t, "nodes": nodes, "world_size": world, "device": device}
+
+    events = [
+        begin(1, "2026-11-28T10:00:00+00:00", ["n1", "n2"], 8, "cuda"),
+        {"event": "end", "attempt": 1, "time": "2026-11-28T10:30:00+00:00"},
+        begin(2, "2026-11-28T11:00:00+00:00", ["n1", "n2", "n3", "n4"], 16, "cuda"),  # killed: no end record
+    ]
+    data = RunData("r")
+    data.train = {5: {"attempt": 2, "time": datetime.fromisoformat("2026-11-28T11:15:00+00:00").timestamp()}}
+    got = usage(events, data)
+    assert got == {"attempts": 2, "node_hours": 0.5 * 2 + 0.25 * 4, "gpu_hours": 0.5 * 8 + 0.25 * 16}
+    events[0]["device"] = None  # an older version's record: GPU-hours not known
+    assert usage(events, data)["gpu_hours"] is None
+    events[0]["world_size"] = 10**12  # a record others may write: that attempt gives no figure
+    assert usage(events, data) == {"attempts": 1, "node_hours": 1.0, "gpu_hours": 4.0}
