@@ -156,6 +156,17 @@ def _efficiency_line(m: dict, flops: dict | None) -> str | None:
         else:
             step = flops.get("flops_per_step")
             parts.append(f"{_num(step, '.4g', scale=1e-12)} TFLOP per step ({cm(flops.get('source'), 20)})")
+    if isinstance(flops, dict) and isinstance(flops.get("energy"), str) and flops["energy"] != "measured (NVML)":
+        parts.append(f"energy {cm(flops['energy'], 200)}")
+    if "power_w" in m:
+        gpu = f"GPU {_num(m['power_w'], '.0f')} W"
+        if "gpu_util" in m:
+            gpu += f", {_num(m['gpu_util'], '.0f')} % busy"
+        if "sm_clock_mhz" in m:
+            gpu += f", SM {_num(m['sm_clock_mhz'], '.0f')} MHz"
+        if isinstance(m.get("throttle"), list) and m["throttle"]:
+            gpu += f", clocks held down: {cm(','.join(map(str, m['throttle'][:6])), 120)}"
+        parts.append(gpu)
     if "mem_gb" in m:
         parts.append(
             f"device memory peak {_num(m['mem_gb'], '.2f')} GB ({_num(m.get('mem_reserved_gb'), '.2f')} reserved)"

@@ -26,9 +26,12 @@ from __future__ import annotations
 import re
 import resource
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from hpcscale.launch.nvml import open_counters
 
 __all__ = ["PEAK_TFLOPS", "Efficiency", "StepFlops", "memory_gauges", "peak_for"]
 
@@ -59,6 +62,7 @@ PEAK_TFLOPS: dict[str, float] = {
 }
 
 GB = 1e9
+NVML_EVERY_S = 1.0  # a GPU's NVML counters are read at most this often (energy per step is averaged over it)
 
 
 def _words(name: str) -> list[str]:
@@ -291,6 +295,10 @@ class Efficiency:
         self.peak, self.peak_source = peak_for(self.device, peak_tflops)
         self.flops: ModelFlops | None = None
         self._counter = StepFlops() if mode == "count" else None
+        # this rank's GPU's NVML counters (energy, utilisation, clocks, throttling), or why there are none
+        self.gpu, self.energy_why = open_counters(ctx.device)
+        self._gpu_read_at = -float("inf")
+        self._energy_last: tuple[float, float] | None = None  # (time, energy_j) of the last read, for power_w
         # "first": the first step runs; "counting": the next one is counted; "agree" (formula): nothing to count,
         # the figures are agreed at the first step(); "settled": known, or found unknowable
         self._state = {"count": "first", "formula": "agree"}.get(mode, "settled")
@@ -347,6 +355,7 @@ class Efficiency:
         if self.flops is None:
             seen = "the counter saw no matrix product and " if self.mode == "count" else ""
             return {
+                "energy": self.energy_why or "measured (NVML)",
                 "flops_per_step": None,
                 "why": f"{seen}ctx.checkpoint.tokens_per_step is not set",
                 "device": self.device,
@@ -359,6 +368,7 @@ class Efficiency:
         )
         if self.flops.source == "formula":
             record["parameters"] = parameters
+        record["energy"] = self.energy_why or "measured (NVML)"
         return record
 
     def figures(self, step_s: float) -> dict[str, float]:
@@ -371,4 +381,19 @@ class Efficiency:
             if self.peak:
                 out["mfu"] = round(tflops / self.peak, 6)
         out.update(memory_gauges(self._ctx.device))
+        if self.gpu is not None and time.monotonic() - self._gpu_read_at >= NVML_EVERY_S:
+            out.update(self._gpu_figures())
         return out
+
+    def _gpu_figures(self) -> dict:
+        """NVML's figures, at most every NVML_EVERY_S (a read costs tens of microseconds): `energy_j` since the
+        attempt started and `power_w` since the read before, `gpu_util`, `sm_clock_mhz`, `throttle`."""
+        now = time.monotonic()
+        self._gpu_read_at = now
+        got = self.gpu.read()
+        energy = got.get("energy_j")
+        if energy is not None:
+            if self._energy_last is not None and now > self._energy_last[0]:
+                got["power_w"] = round((energy - self._energy_last[1]) / (now - self._energy_last[0]), 1)
+            self._energy_last = (now, energy)
+        return got

@@ -79,6 +79,7 @@ def _plain(value: Any) -> Any:
 OWN_KEYS = frozenset(
     {"step", "time", "attempt", "step_time_s", "tokens_per_s", "comm_share", "restored_from", "restore_s"}
     | {"tflops", "mfu", "mem_gb", "mem_reserved_gb", "pinned_gb", "rss_gb", "model_flops"}
+    | {"energy_j", "power_w", "gpu_util", "sm_clock_mhz", "throttle"}
 )
 OWN_PREFIXES = ("checkpoint", "local_checkpoint", "xsite_")  # saves and cross-site rounds: their own lines say them
 

@@ -60,6 +60,8 @@ class StepLoop:
         self._user_lines = getattr(host._ctx.job.train, "entry", None) != "builtin"
         ctx = host._ctx
         self.efficiency = Efficiency(ctx, mode=ctx.job.metrics.flops, peak_tflops=ctx.runtime.peak_tflops)
+        if ctx.step_times is not None and self.efficiency.gpu is not None:
+            ctx.step_times.energy = self.efficiency.gpu  # each rank's GPU energy with its timing windows
         self.on_spike = getattr(ctx.job.train, "on_spike", "warn")
         self.spikes = SpikeWatch() if self.on_spike != "off" else None
         self._said: dict[str, int] = {}  # key -> the step of its last spike line for people

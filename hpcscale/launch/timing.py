@@ -34,6 +34,7 @@ class StepTimes:
     def __init__(self, *, run_dir: Path, every: int, rank: int, node: str, pp: int, attempt: int | None, device=None):
         self.every = every
         self.device = device  # the rank's torch.device: its memory peaks go with each window (None: host only)
+        self.energy = None  # the rank's GPU's NVML counters (launch/nvml.py), when the step loop has them
         self.rank, self.node, self.pp, self.attempt = rank, node, pp, attempt
         self.path = run_dir / TIMING
         self._rows: list[tuple[float, ...]] = []
@@ -104,6 +105,8 @@ class StepTimes:
         steps = max(len(rows), 1)
         ledger = {name: v / steps for name, v in sums.items()}
         ledger.update(memory_gauges(self.device))  # peaks since the attempt started: not means
+        if self.energy is not None and (joules := self.energy.read().get("energy_j")) is not None:
+            ledger["energy_j"] = joules  # this rank's GPU since the attempt started
         mine = (self.rank, self.node, self.pp, self.attempt, len(rows), means, ledger, arrivals)
         gathered = MPI.COMM_WORLD.gather(mine, root=0)
         if gathered is None:

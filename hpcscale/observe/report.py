@@ -41,7 +41,7 @@ METRICS_TAIL = 64 << 20  # bytes of metrics.jsonl read (its end): ~300k steps
 MAX_FIGURE = 1e100  # a figure beyond this is not plotted (matplotlib's transforms overflow near 1e308)
 PLOT_ROWS = 128  # rows of the per-rank heatmap; more ranks are binned
 MAX_STEP = 10**15  # a step number beyond this is damage, not a step
-EFFICIENCY = ("tflops", "mfu", "mem_gb", "mem_reserved_gb", "rss_gb")  # docs/observability.md#efficiency
+EFFICIENCY = ("tflops", "mfu", "mem_gb", "mem_reserved_gb", "rss_gb", "power_w")  # docs/observability.md#efficiency
 KEPT = ("loss", "tokens_per_s", "step_time_s", "time", "attempt", *EFFICIENCY)  # what is kept of a training line
 TIMED = ("tokens_per_s", "step_time_s", *EFFICIENCY)  # what ctx.checkpoint.step adds to a user loop's line
 
@@ -232,6 +232,18 @@ def usage(events: list[dict], data: RunData) -> dict:
     }
 
 
+def energy_kwh(windows) -> float | None:
+    """The GPUs' energy over every attempt, kWh: per attempt, the sum over ranks of the newest window's `energy_j`
+    (each rank's GPU since its attempt started, NVML); None when no window has it (CPU ranks, no NVML)."""
+    newest: dict[object, dict] = {}
+    for w in windows:
+        if any("energy_j" in r for r in w.ranks):
+            newest[w.attempt] = {i: r["energy_j"] for i, r in enumerate(w.ranks) if _finite(r.get("energy_j"))}
+    if not newest:
+        return None
+    return round(sum(sum(per.values()) for per in newest.values()) / 3.6e6, 6)
+
+
 def build(run: Path, out: Path) -> dict:
     """Write the report into `out` (created; never written through a symlink); returns what was written."""
     from hpcscale.observe.timing import judge, judge_arrivals, read_windows, traffic
@@ -241,6 +253,7 @@ def build(run: Path, out: Path) -> dict:
         windows = read_windows(run / TIMING)
     except BadInput:  # a FIFO or a device: no per-rank timing, the rest of the report stands
         windows = []
+    data.usage["energy_kwh"] = energy_kwh(windows)
     verdict = judge(windows) if windows else None
     comm = None
     if windows:
@@ -399,6 +412,11 @@ def _plot_efficiency(data: RunData) -> bytes:
     bottom.set_ylabel("memory peak, GB")
     if bottom.lines:
         bottom.legend(fontsize=8)
+    xs, watts = series("power_w")
+    if watts:  # a GPU's power (NVML), rank 0's: on the memory panel's step axis, its own scale
+        power = bottom.twinx()
+        power.plot(xs, watts, lw=0.8, color="tab:red", alpha=0.6)
+        power.set_ylabel("GPU power, W (rank 0)", color="tab:red")
     return _save(fig)
 
 
@@ -604,6 +622,11 @@ def render_markdown(s: dict) -> str:
     if u.get("attempts"):
         gpu = num(u["gpu_hours"], ".4g") if u["gpu_hours"] is not None else "— (no attempt recorded GPU ranks)"
         lines.append(f"| node-hours, GPU-hours | {u['node_hours']:.4g}, {gpu} (over {u['attempts']} attempt(s)) |")
+    if "energy_kwh" in u:
+        energy = (
+            num(u["energy_kwh"], ".4g") + " kWh" if u["energy_kwh"] is not None else "not measured (no NVML reading)"
+        )
+        lines.append(f"| GPU energy | {energy} |")
     lines += _communication_rows(s.get("communication"))
     if s["skipped_lines"]:
         lines.append(f"| damaged metrics lines skipped | {s['skipped_lines']} |")

@@ -49,7 +49,10 @@ from hpcscale.util.bounded import loads_json, read_bounded, read_tail
 from hpcscale.util.trust import clean
 
 # what hpcscale measures of a step (a user loop's own line has them on hpcscale's line of the same step)
-STEP_FIGURES = ("step_time_s", "tokens_per_s", "tflops", "mfu", "mem_gb", "mem_reserved_gb", "pinned_gb", "rss_gb")
+STEP_FIGURES = (
+    *("step_time_s", "tokens_per_s", "tflops", "mfu", "mem_gb", "mem_reserved_gb", "pinned_gb", "rss_gb"),
+    *("energy_j", "power_w", "gpu_util", "sm_clock_mhz", "throttle"),
+)
 METRICS_TAIL = 8 << 20  # bytes read from the end of metrics.jsonl for the last step and the last plan
 
 # JobName, which the user chooses, last: hpcscale.slurm.parse reads any text there (`|` included) as the name

@@ -93,6 +93,19 @@ def test_the_counter_counts_products_and_attention_as_model_flops_and_skips_a_su
     assert not counter.counting
 
 
+def test_a_gpus_counters_are_read_through_nvml_or_the_reader_says_why_not():
+    """Here (no driver) the real nvidia-ml-py says why it reads nothing; on a GPU machine the counters read."""
+    from hpcscale.launch.nvml import open_counters
+
+    assert open_counters(torch.device("cpu")) == (None, "not measured on CPU ranks (no energy counter)")
+    counters, why = open_counters(torch.device("cuda", 0))
+    if counters is None:  # no NVIDIA driver on this machine: its library is not there
+        assert why.startswith("not measured: NVML: ") and "Not Found" in why, why
+    else:  # a GPU machine: the figures NVML gives, this attempt's energy from 0
+        got = counters.read()
+        assert got["energy_j"] >= 0 and 0 <= got["gpu_util"] <= 100 and got["sm_clock_mhz"] > 0, got
+
+
 def test_memory_on_a_cpu_rank_is_the_hosts_peak_alone():
     gauges = memory_gauges(torch.device("cpu"))
     assert set(gauges) == {"rss_gb"} and 0.01 < gauges["rss_gb"] < 100
@@ -141,6 +154,7 @@ def test_the_reference_gpt_counts_its_hand_computed_flops_and_its_mfu_is_against
     assert record["source"] == "counted" and record["devices"] == layout["ranks"]
     assert record["flops_per_step"] == gpt_flops_per_token(tp=layout["tp"]) * tokens
     assert record["peak_tflops"] == peak and record["peak_source"] == "site" and record["device"] == "cpu"
+    assert record["energy"] == "not measured on CPU ranks (no energy counter)"
     assert "model FLOPs" in out.stdout and f"MFU against {peak:g} TFLOPS per cpu (site)" in out.stdout
     lines = [r for r in rows if "loss" in r]
     assert "tflops" not in lines[0]  # the first step is not counted: nothing is known of it yet
@@ -155,10 +169,12 @@ def test_the_reference_gpt_counts_its_hand_computed_flops_and_its_mfu_is_against
     assert status.returncode == 0, status.stderr
     assert "efficiency: MFU " in status.stdout and "TFLOPS per device" in status.stdout
     assert "(counted)" in status.stdout and "host memory peak" in status.stdout
+    assert "energy not measured on CPU ranks" in status.stdout
     report = run_cli("report", str(run), "-o", str(tmp_path / "report"))
     assert report.returncode == 0, report.stderr
     summary = (tmp_path / "report" / "summary.md").read_text()
     assert "efficiency.png" in summary and "| efficiency (median) | MFU " in summary
+    assert "| GPU energy | not measured (no NVML reading) |" in summary and "| node-hours, GPU-hours | " in summary
     assert (tmp_path / "report" / "efficiency.png").read_bytes().startswith(b"\x89PNG")
 
 
