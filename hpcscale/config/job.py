@@ -196,6 +196,12 @@ class Health:
         default=600.0,
         min=0,
     )
+    stragglers: bool = setting(
+        "A rank the straggler rule names (docs/observability.md#the-straggler-rule), judged by rank 0 at each "
+        "per-rank timing window, is a sign too (once per rank and attempt): logged, a checkpoint taken, and its "
+        "node suspect for `resume`.",
+        default=True,
+    )
     warn_before_seconds: float = setting(
         "A reservation that takes one of the job's nodes, or the job's time limit, is a sign this many seconds "
         "before it.",

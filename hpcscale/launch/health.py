@@ -22,7 +22,7 @@ SEEN_MAX = 10_000  # signs remembered (a scheduler answering nonsense forever ca
 class HealthWatch:
     """Rank 0's poller. `signs()` is the scheduler's reader: a list of {"kind", "node", "evidence"} dicts."""
 
-    def __init__(self, signs: Callable[[], list[dict]], *, poll_s: float, cooldown_s: float):
+    def __init__(self, signs: Callable[[], list[dict]] | None, *, poll_s: float, cooldown_s: float):
         self._signs = signs
         self.poll_s = poll_s
         self.cooldown_s = cooldown_s
@@ -36,8 +36,10 @@ class HealthWatch:
         self.errors = 0  # polls that failed (the scheduler did not answer): no sign, no error
 
     def start(self) -> HealthWatch:
-        self._thread = threading.Thread(target=self._run, name="hpcscale-health", daemon=True)
-        self._thread.start()
+        """Poll the scheduler in a thread of its own (with a reader and a period; else signs come by add())."""
+        if self._signs is not None and self.poll_s > 0:
+            self._thread = threading.Thread(target=self._run, name="hpcscale-health", daemon=True)
+            self._thread.start()
         return self
 
     def stop(self) -> None:
@@ -52,17 +54,22 @@ class HealthWatch:
     def poll(self) -> None:
         """Ask once; keep the signs not seen before (the thread calls this every poll_s)."""
         try:
-            found = self._signs()
+            found = self._signs() if self._signs is not None else []
         except Exception:  # the scheduler's trouble is no sign and must not end the poller
             self.errors += 1
             return
+        self.add(found)
+
+    def add(self, found: list[dict]) -> None:
+        """Signs from elsewhere on rank 0 (the straggler verdict at a timing window), or the poller's. A sign
+        is the same as one seen before when its kind, node and `key` (default: its evidence) are."""
         with self._lock:
             for sign in found:
-                key = (sign.get("kind"), sign.get("node"), sign.get("evidence"))
+                key = (sign.get("kind"), sign.get("node"), sign.get("key", sign.get("evidence")))
                 if key in self._seen or len(self._seen) >= SEEN_MAX:
                     continue
                 self._seen.add(key)
-                self._pending.append({**sign, "seen": round(time.time(), 3)})
+                self._pending.append({k: v for k, v in sign.items() if k != "key"} | {"seen": round(time.time(), 3)})
                 self._due = True
 
     def wants_save(self) -> bool:
@@ -94,6 +101,9 @@ class NoHealthWatch:
         return []
 
     def saved(self) -> None:
+        pass
+
+    def add(self, found: list[dict]) -> None:
         pass
 
     def stop(self) -> None:

@@ -161,14 +161,17 @@ def _job_mtbf(loaded: LoadedJob, work_dir: Path, nodes: list[str]):
 def _health_watch(loaded: LoadedJob, info, scheduler: SchedulerView):
     """Rank 0 of a Slurm job polls the job's warning signs (health.poll_seconds; launch/health.py)."""
     cfg = loaded.spec.health
-    job_id = os.environ.get("SLURM_JOB_ID")
-    if info.rank != 0 or not job_id or scheduler.signs is None or not cfg.poll_seconds:
+    if info.rank != 0:
         return NoHealthWatch()
+    job_id = os.environ.get("SLURM_JOB_ID")
     site, nodes, signs = loaded.site.config, list(info.nodes), scheduler.signs
+    read = None
+    if job_id and signs is not None and cfg.poll_seconds:
 
-    def read() -> list[dict]:
-        return signs(job_id, nodes, within_s=cfg.warn_before_seconds, now=time.time(), site=site)
+        def read() -> list[dict]:
+            return signs(job_id, nodes, within_s=cfg.warn_before_seconds, now=time.time(), site=site)
 
+    # without a scheduler to ask, signs still come from the straggler verdict (StepTimes on rank 0)
     return HealthWatch(read, poll_s=cfg.poll_seconds, cooldown_s=cfg.cooldown_seconds).start()
 
 
@@ -261,6 +264,8 @@ def _run(
     ctx.watchdog = watchdog  # the entry point beats it after each step (ctx.checkpoint.step does)
 
     ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
+    if spec.health.stragglers:
+        ctx.step_times.health = health  # rank 0: a straggler verdict at a window is a warning sign
     if collective_waits is not None:
         from hpcscale.launch import ledger  # lazy: imports torch, which loads after clean_import_path()
 

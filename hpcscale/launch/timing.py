@@ -35,6 +35,8 @@ class StepTimes:
         self.every = every
         self.device = device  # the rank's torch.device: its memory peaks go with each window (None: host only)
         self.energy = None  # the rank's GPU's NVML counters (launch/nvml.py), when the step loop has them
+        self.health = None  # rank 0's HealthWatch (launch/health.py): straggler verdicts go to it as signs
+        self._windows: list = []  # rank 0: the newest windows, parsed, for the straggler verdict
         self.rank, self.node, self.pp, self.attempt = rank, node, pp, attempt
         self.path = run_dir / TIMING
         self._rows: list[tuple[float, ...]] = []
@@ -129,6 +131,31 @@ class StepTimes:
             columns=(*COLUMNS, *extra),
         )
         self._append(line)
+        if self.health is not None:
+            self._judge(line)
+
+    def _judge(self, line: dict) -> None:
+        """Rank 0: the straggler rule over the newest windows; each straggler a warning sign (launch/health)."""
+        from hpcscale.observe.timing import WINDOWS, judge, parse_line
+
+        window = parse_line(line)
+        if window is None:
+            return
+        self._windows = [*self._windows[-(WINDOWS - 1) :], window]
+        verdict = judge(self._windows)
+        signs = [
+            {
+                "kind": "straggler",
+                "node": r.node,
+                "key": f"rank {r.rank}",
+                "evidence": f"rank {r.rank}: own time {r.relative:.2f}x its peers' (slow in {r.slow_windows} of the "
+                f"last {verdict.windows} windows)",
+            }
+            for r in verdict.ranks
+            if r.rank in verdict.slow_ranks
+        ]
+        if signs:
+            self.health.add(signs)
 
     def _append(self, line: dict) -> None:
         """One line by hpcscale.portable.files.append_json_lines (one write(2) with O_APPEND, never through a

@@ -529,7 +529,7 @@ def _signs(lines: list[bytes]) -> list[dict]:
     return out[::-1]
 
 
-NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding", "reservation")
+NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding", "reservation", "straggler")
 
 
 def signed_nodes(rd: RunDir) -> dict[str, str]:

@@ -104,3 +104,8 @@ def test_the_slowed_rank_and_only_it_is_named(mpi, tmp_path, layout, pattern):
             out.close()
     verdict = _verdict(run)
     assert verdict["slow_ranks"] == [1], verdict
+    # rank 0 judged the same windows as they came: the straggler is a warning sign, once (health.stragglers)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    signs = [s for r in rows if "health" in r for s in r["health"]]
+    assert [s["kind"] for s in signs] == ["straggler"] and signs[0]["evidence"].startswith("rank 1: own time"), signs
+    assert not any("health_checkpoint" in r for r in rows)  # checkpoint.every_steps: 0 keeps none: logged only
