@@ -86,9 +86,9 @@ class Train:
     on_spike: Literal["warn", "rollback", "off"] = setting(
         "What a loss or gradient-norm spike does (docs/observability.md#spikes; judged on the values the loop sums "
         "through ctx.checkpoint.step, as the built-in trainer does): `warn` logs it with the step and the data "
-        "position; `rollback` also loads the newest checkpoint and skips the batches from it to the spike (the "
-        "loop must continue from the step ctx.checkpoint.step returns; a registered object needs `skip(batches)`, "
-        "as the built-in trainer's loader has); `off`.",
+        "position; `rollback` also loads the newest checkpoint and skips the data read since it up to the spike's "
+        "batch (the loop must continue from the step ctx.checkpoint.step returns; the data position is a "
+        "registered object with a `skip(batches)` method, as the built-in trainer's loader has); `off`.",
         default="warn",
     )
 
@@ -173,9 +173,9 @@ class Metrics:
     )
     flops: Literal["count", "formula", "off"] = setting(
         "How the model FLOPs of a step are found for `tflops` and `mfu` (docs/observability.md#efficiency): "
-        "`count` runs each attempt's first step under torch's FlopCounterMode (6 x parameters x tokens where it "
-        "sees nothing); `formula` uses 6 x parameters x ctx.checkpoint.tokens_per_step alone (code the counter "
-        "cannot run under, torch.compile's); `off`: no FLOPs, memory only.",
+        "`count` runs each attempt's second step under torch's FlopCounterMode (6 x parameters x tokens where it "
+        "sees nothing, or the model went through torch.compile); `formula` uses 6 x parameters x "
+        "ctx.checkpoint.tokens_per_step alone; `off`: no FLOPs, memory only.",
         default="count",
     )
 
@@ -198,8 +198,8 @@ class Health:
     )
     stragglers: bool = setting(
         "A rank the straggler rule names (docs/observability.md#the-straggler-rule), judged by rank 0 at each "
-        "per-rank timing window, is a sign too (once per rank and attempt): logged, a checkpoint taken, and its "
-        "node suspect for `resume`.",
+        "per-rank timing window, is a sign too (once per rank and attempt): logged and a checkpoint taken (moving "
+        "off its node is `resume --exclude-slow`'s).",
         default=True,
     )
     warn_before_seconds: float = setting(

@@ -24,6 +24,7 @@ would take without hpcscale (its step count starts at 1, not 2).
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -252,7 +253,7 @@ class Checkpointer:
 
     def efficiency(self, step_s: float) -> dict[str, float]:
         """A step of `step_s` seconds as efficiency figures for a metrics line: `tflops` (model TFLOPS achieved
-        per device) and `mfu` once the attempt's first step was counted, and this rank's memory peaks (`mem_gb`,
+        per device) and `mfu` once the attempt's counted step is past, and this rank's memory peaks (`mem_gb`,
         `mem_reserved_gb`, `pinned_gb` on a GPU; `rss_gb`). A user loop's own lines have them already; this is
         for a line of your own (docs/observability.md#efficiency). Empty before restore()."""
         return self._loop.efficiency.figures(step_s) if self._loop is not None else {}
@@ -289,16 +290,22 @@ class Checkpointer:
             }
         return tensors, state
 
-    def _roll_back(self) -> int | None:
+    def _roll_back(self, record: dict) -> tuple[int, dict, dict] | None:
         """Load the newest checkpoint again, as restore() did (train.on_spike: rollback, hpcscale.launch.steploop):
-        the saves in flight are waited for first; none is newer than the step being judged, since step() saves
-        after the judgement. Returns the step loaded, or None when no checkpoint loads (nothing was changed).
-        VerificationFailure when every checkpoint was refused after part of one was read into the model."""
+        the saves in flight are waited for first (a drain due stays due: its step is not newer than the one
+        loaded); none is newer than the step being judged, since step() saves after the judgement. The objects
+        that are a data position (a `skip(batches)` method: the built-in trainer's loader) keep the position they
+        have now, just after the spike's batch: every batch read since the checkpoint is skipped, however many a
+        step reads and however many rollbacks came before. `record` (the spike) goes, with the positions, into
+        every later save's state. Returns (the step loaded, the positions at it, the positions kept), or None
+        when no checkpoint loads (nothing was changed). VerificationFailure when every checkpoint was refused
+        after part of one was read into the model."""
+        keep = {name: copy.deepcopy(self._objects[name].state_dict()) for name in self._skippers()}
+        records = list(self._skipped)  # the checkpoint's own records, and those of rollbacks since it
         with self._watchdog.paused("rollback"):
             self.manager.wait()
             if self._local_manager is not None:
                 self._tiers.local_wait()
-            self._tiers.forget_drain()
             tensors, model_sd, optim_sd = self._tensors()
             choice = self._load_newest(tensors)
         restored = choice.restored
@@ -313,24 +320,16 @@ class Checkpointer:
             self._local.discard_after(restored.step)
         saved = _upgraded(restored.trainer_state)
         self._apply_saved(saved, restored.step, model_sd, optim_sd)
-        self._skipped = skipped_of(saved)
+        at_checkpoint = self._positions()
+        for name, state in keep.items():
+            self._objects[name].load_state_dict(state)
+        kept = self._positions()
+        self._skipped = [*records, {**record, "to_step": restored.step, "from": at_checkpoint, "to": kept}]
+        del self._skipped[:-MAX_SKIPPED]
         if restored.rng is not None:
             restore_rng(restored.rng, self._ctx.device)
         self._restored_step = self._done = restored.step
-        return restored.step
-
-    def _skip_batches(self, batches: int, record: dict) -> dict[str, Any]:
-        """Every registered object with a `skip(batches)` method skips that many batches (the built-in
-        trainer's loader); `record` (what was skipped, and why) goes with every later save's state. Returns the
-        positions the objects skipped from (their state before)."""
-        positions = {}
-        for name, obj in self._objects.items():
-            if callable(getattr(obj, "skip", None)):
-                positions[name] = _jsonable(obj.state_dict(), name)
-                obj.skip(batches)
-        self._skipped.append({**record, "from": positions})
-        del self._skipped[:-MAX_SKIPPED]
-        return positions
+        return restored.step, at_checkpoint, kept
 
     def _positions(self) -> dict[str, Any]:
         """The data position now: the state of every registered object that can skip batches (the loader's)."""
@@ -339,7 +338,8 @@ class Checkpointer:
         }
 
     def _skippers(self) -> list[str]:
-        """The registered objects that can skip batches (a `skip(batches)` method)."""
+        """The registered objects that are a data position: those that can skip batches (a `skip(batches)`
+        method, as the built-in trainer's loader has)."""
         return [name for name, obj in self._objects.items() if callable(getattr(obj, "skip", None))]
 
     def _apply_saved(self, saved: dict, step: int, model_sd, optim_sd, *, pretrained: bool = False) -> None:
@@ -490,7 +490,7 @@ class Checkpointer:
         writer thread."""
         self._tiers.forget_drain()  # never drained: the end-of-run save goes to the shared tier itself
         if self._loop is not None:
-            self._loop.efficiency.close()  # a count the code's end cut short counts nothing
+            self._loop.closing()  # a count the code's end cut short counts nothing; a rollback not followed: refused
         try:
             self._close_shared()
         finally:  # after the shared tier (a drain in flight reads the node-local files), and whatever it raised

@@ -160,6 +160,15 @@ def _counter():
             return super().__torch_dispatch__(func, types, args, kwargs)
 
     class Counter(FlopCounterMode):
+        failed = False  # a formula raised (shapes it does not know): the count is not to be trusted
+
+        def _count_flops(self, func_packet, out, args, kwargs):
+            try:
+                return super()._count_flops(func_packet, out, args, kwargs)
+            except Exception:  # the operation ran; only its count failed: never the user's step
+                self.failed = True
+                return out
+
         def __enter__(self):
             self.flop_counts.clear()
             self.mode = LocalShapes(self)
@@ -183,6 +192,7 @@ class StepFlops:
         self._mode: Any = None
         self._total = 0
         self._suspended = False
+        self.failed = False
 
     @property
     def counting(self) -> bool:
@@ -191,6 +201,7 @@ class StepFlops:
     def begin(self) -> None:
         self._total = 0
         self._suspended = False
+        self.failed = False
         self._enter(_counter())
 
     def _enter(self, mode: Any) -> None:
@@ -202,6 +213,7 @@ class StepFlops:
         if mode is not None:
             mode.__exit__(None, None, None)
             self._total += int(mode.get_total_flops())
+            self.failed = self.failed or mode.failed
 
     def suspend(self) -> None:
         if self._mode is not None:
@@ -218,6 +230,16 @@ class StepFlops:
         self._leave()
         self._suspended = False
         return self._total
+
+
+def compiled(models: Iterable[Any]) -> bool:
+    """Whether any of the models (or a module in them) went through torch.compile: dynamo does not compile under
+    a dispatch mode such as the counter's (it would leave a frame it meets then eager for the rest of the run)."""
+    for model in models:
+        for m in model.modules():
+            if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
+                return True
+    return False
 
 
 def parameters_of_stage(models: Iterable[Any]) -> int:
@@ -302,6 +324,8 @@ class Efficiency:
         # "first": the first step runs; "counting": the next one is counted; "agree" (formula): nothing to count,
         # the figures are agreed at the first step(); "settled": known, or found unknowable
         self._state = {"count": "first", "formula": "agree"}.get(mode, "settled")
+        self._paused = 0  # nested pauses (ctx.checkpoint.paused, a rollback) open now
+        self.why_formula = ""  # why the formula stands in for a count, when it does
 
     def next_step(self, *, last: bool) -> None:
         """A step() ended: the next step starts (`last`: none follows). The second step of the attempt is
@@ -310,15 +334,22 @@ class Efficiency:
             if last:
                 self._state = "agree"  # no second step: the formula, if it can
                 return
+            if compiled(self._ctx.models):  # dynamo would not compile under the counter's mode: never count
+                self._state, self.mode = "agree", "formula"
+                self.why_formula = "a torch.compile'd model is not counted"
+                return
             self._counter.begin()
             self._state = "counting"
 
     def suspend(self) -> None:
-        if self._counter is not None:
+        """Work that is not training begins (pauses nest: counting resumes when the outermost one ends)."""
+        self._paused += 1
+        if self._counter is not None and self._paused == 1:
             self._counter.suspend()
 
     def resume(self) -> None:
-        if self._counter is not None:
+        self._paused = max(0, self._paused - 1)
+        if self._counter is not None and self._paused == 0:
             self._counter.resume()
 
     def close(self) -> None:
@@ -331,8 +362,10 @@ class Efficiency:
         """At every `ctx.checkpoint.step()`, on every rank, before anything else of it: at the counted step (or
         the first, with `formula`) the step's model FLOPs over every rank (an MPI all-reduce: a collective, as
         step() is) and the metrics record of them (rank 0 logs it); None at every other step."""
+        failed = False
         if self._state == "counting":
             counted = self._counter.end()
+            failed = self._counter.failed
         elif self._state == "agree":
             counted = 0
         else:
@@ -344,9 +377,11 @@ class Efficiency:
         from mpi4py import MPI
 
         # float64: a step of a large model exceeds int64 FLOPs; its 53 bits hold the sum to 1e-16
-        agreed = np.zeros(2, dtype=np.float64)
-        MPI.COMM_WORLD.Allreduce(np.array([counted, stage], dtype=np.float64), agreed, op=MPI.SUM)
+        agreed = np.zeros(3, dtype=np.float64)
+        MPI.COMM_WORLD.Allreduce(np.array([counted, stage, failed], dtype=np.float64), agreed, op=MPI.SUM)
         counted_world, parameters = int(agreed[0]), int(agreed[1])
+        if agreed[2]:  # a rank's counter met an operation it could not count: the formula, on every rank
+            counted_world, self.why_formula = 0, "the counter could not count an operation"
         tokens = int(tokens_per_step or 0)
         if counted_world > 0:
             self.flops = ModelFlops(counted_world, "counted", tokens)
@@ -368,6 +403,8 @@ class Efficiency:
         )
         if self.flops.source == "formula":
             record["parameters"] = parameters
+            if self.why_formula:
+                record["why_formula"] = self.why_formula
         record["energy"] = self.energy_why or "measured (NVML)"
         return record
 

@@ -80,6 +80,14 @@ class LoopClock:
         )
         self._dp_wait_last = dp_wait
 
+    def skip_step(self, t_sync: float, t_read: float) -> None:
+        """The step ends without being booked (a rollback undid it): the next step is measured from here, and what
+        this one waited for and sent counts for none."""
+        self.sync_s(t_sync, t_read)
+        self._dp_wait_last = self._ctx.grad_sync_wait_s
+        self._times.restart()
+        self.end_step()
+
     def end_step(self) -> None:
         """The step's end: the next step is measured from here."""
         self._t_last = time.perf_counter()

@@ -119,11 +119,12 @@ class StepLoop:
         stop, tier_busy, signed = flags
         t_read = time.perf_counter()
         if report is not None:
-            report(values)
+            report(dict(values))  # the code's copy: the verdict below must see the same numbers on every rank
         found = self.spikes.observe(step, values) if self.spikes is not None and values else []
         if found:
             back = self._spiked(step, found)
             if back is not None:
+                clock.skip_step(t_sync, t_read)  # the spiked step is no step: its waits and traffic are dropped
                 return back
         if stop:
             self._stop(step)
@@ -137,6 +138,7 @@ class StepLoop:
         last = host.steps is not None and done >= host.steps
         boundary = rounds is not None and rounds.is_boundary(done)
         ckpt_s = 0.0
+        saves_before = saves.saves
         if draining and not tier_busy:  # the node-local save it reads is committed on every node: no wait
             ckpt_s += saves.drain(fallback=not last and not boundary, done=done)
         if last:
@@ -149,7 +151,7 @@ class StepLoop:
             ckpt_s += saves.node_local(done)
         if signed and not last:  # a warning sign: a checkpoint now, on every rank
             ckpt_s += self._sign_save(step, done)
-        if ckpt_s > 0:  # a save: a rollback from here on goes back to it
+        if saves.saves != saves_before:  # a save: a rollback from here on goes back to it
             self._rollbacks = 0
         if rounds is not None and rounds.overlap and not boundary and not last:
             host.manager.wait_staged()  # adopting a round changes the weights a deferred save is still copying
@@ -204,33 +206,35 @@ class StepLoop:
             )
             return None
         t0 = time.perf_counter()
+        keys = sorted({s["key"] for s in spikes})
         with self.clock.paused(), self.efficiency_paused():
-            back = host._roll_back()
-        if back is None:
+            rolled = host._roll_back({"spike_step": step, "keys": keys})
+        if rolled is None:
             metrics.log(step=step, spike=spikes, position=host._positions(), rollback=None)
             metrics.print("hpcscale: no checkpoint to roll back to: training goes on")
             return None
-        batches = step + 1 - back
-        keys = sorted({s["key"] for s in spikes})
-        positions = host._skip_batches(batches, {"spike_step": step, "to_step": back, "batches": batches, "keys": keys})
+        back, at_checkpoint, kept = rolled
         self._rollbacks += 1
         metrics.log(
             step=step,
             spike=spikes,
-            rollback={
-                "to_step": back,
-                "skipped_batches": batches,
-                "from": positions,
-                "s": round(time.perf_counter() - t0, 3),
-            },
+            rollback={"to_step": back, "from": at_checkpoint, "to": kept, "s": round(time.perf_counter() - t0, 3)},
         )
         metrics.print(
-            f"hpcscale: rolled back to checkpoint step {back}; the {batches} batch(es) of steps {back}-{step} are "
-            f"skipped; training goes on from step {back}"
+            f"hpcscale: rolled back to checkpoint step {back}; the data read since it, to the spike's batch, is "
+            f"skipped ({_position_words(at_checkpoint)} to {_position_words(kept)}); training goes on from step {back}"
         )
         self._expect = back
-        self.clock.end_step()
         return back
+
+    def closing(self) -> None:
+        """The code returned (Checkpointer.close): a rollback it did not follow is an error, not an end."""
+        self.efficiency.close()
+        if self._expect is not None:
+            raise BadInput(
+                f"the loop ended after a rollback to step {self._expect} (train.on_spike: rollback): it must go on "
+                "from the step ctx.checkpoint.step returned; the state now is that checkpoint's, not the end's"
+            )
 
     @contextlib.contextmanager
     def efficiency_paused(self) -> Iterator[None]:
@@ -260,13 +264,15 @@ class StepLoop:
         if local is None and not host._policy.every_steps:  # the job keeps no checkpoints: the sign is logged only
             self.health.saved()
             return 0.0
-        if (local if local is not None else host.manager).last_step == done:
+        self.health.saved()
+        if self.saves.saved.get(tier) == done:  # this step saved that tier already (the training thread's record)
             blocking = 0.0
         elif local is not None:
             blocking = self.saves.save_local(done)
         else:
             blocking = self.saves.save(done, asynchronous=host._policy.asynchronous)
-        self.health.saved()
+        if self.saves.saved.get(tier) != done:  # a node-local save that failed was said (and skipped)
+            return blocking
         host._ctx.metrics.log(
             step=step, health_checkpoint={"step": done, "tier": tier, "blocking_s": round(blocking, 4)}
         )
@@ -284,3 +290,14 @@ class StepLoop:
                 self.saves.local_wait()
         host._ctx.metrics.print(f"{STOP_LINE} {step} (checkpoint saved)")
         raise StopRequested(step)
+
+
+def _position_words(positions: dict) -> str:
+    """`loader epoch 0 batch 25`: a data position as a rollback's line says it."""
+    words = []
+    for name, state in positions.items():
+        if isinstance(state, dict) and "batch" in state:
+            words.append(f"{name} epoch {state.get('epoch')} batch {state.get('batch')}")
+        else:
+            words.append(f"{name} {str(state)[:80]}")
+    return ", ".join(words) or "no position"

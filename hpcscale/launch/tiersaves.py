@@ -33,6 +33,10 @@ class TierSaves:
         self.drain_due: int | None = None  # a periodic save saved to the node-local tier, drained at the next step
         self._drain_pin: int | None = None  # the node-local step a drain in flight reads (kept from retention)
         self._background_before: float | None = None  # what the shared save before wrote in the background
+        # the training thread's own record of its saves: tier ("shared", "node-local") -> the step of its newest,
+        # and how many were taken (a manager's last_step moves when the writer thread commits: not this)
+        self.saved: dict[str, int] = {}
+        self.saves = 0
         self._local_background_before: float | None = None
 
     def start(self, step: int) -> None:
@@ -115,6 +119,8 @@ class TierSaves:
             )
         # what the save before wrote in the background: its cost to the loop, for checkpoint.every_steps: auto
         self._background_before = (before.background_s or None) if before is not None else None
+        self.saved["shared"] = done_steps
+        self.saves += 1
         blocking = waited + stats.blocking_s
         metrics = host._ctx.metrics
         metrics.log(step=done_steps - 1, checkpoint=done_steps, checkpoint_blocking_s=round(blocking, 6))
@@ -139,6 +145,8 @@ class TierSaves:
             self._local_background_before = (before.background_s or None) if before is not None else None
             try:
                 local.save(done_steps, tensors, state, asynchronous=host._policy.asynchronous)
+                self.saved["node-local"] = done_steps
+                self.saves += 1
             except (RuntimeFailure, OSError) as e:  # the same on every rank: the outcome is agreed on
                 host._ctx.metrics.print(f"hpcscale: warning: node-local checkpoint {done_steps} skipped: {e}")
             blocking = time.perf_counter() - t

@@ -25,7 +25,13 @@ _FIELD = re.compile(r"(?:^|\s)(\w+)=(\S*)")
 
 
 def _fields(line: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) for m in _FIELD.finditer(line)}
+    """KEY=VALUE pairs of one `scontrol -o` line, the first of each key, none from a node's Reason (free text an
+    administrator or a health check wrote: `State=` inside it must not change the node's state)."""
+    head = line.split(" Reason=", 1)[0]
+    out: dict[str, str] = {}
+    for m in _FIELD.finditer(head):
+        out.setdefault(m.group(1), m.group(2))
+    return out
 
 
 def _reason(line: str) -> str:

@@ -529,15 +529,19 @@ def _signs(lines: list[bytes]) -> list[dict]:
     return out[::-1]
 
 
-NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding", "reservation", "straggler")
+# the signs of a node's own state: what `resume` holds against a node (a reservation passes, a straggler is
+# --exclude-slow's to move off, a time limit names no node)
+NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding")
 
 
 def signed_nodes(rd: RunDir) -> dict[str, str]:
-    """node -> the first warning sign Slurm showed for it during the run's newest attempt (health signals in
-    metrics.jsonl): what `resume` treats as suspect. A time limit names no node."""
+    """node -> the first sign of its own state Slurm showed during the run's newest attempt (health signals in
+    metrics.jsonl): what `resume` treats as suspect. Only nodes that attempt ran on (its begin record) count:
+    metrics.jsonl is a file others may write."""
     events = rd.attempt_events()
-    attempts = [e.get("attempt") for e in events if e.get("event") == "begin" and type(e.get("attempt")) is int]
-    newest = max(attempts, default=None)
+    begins = [e for e in events if e.get("event") == "begin" and type(e.get("attempt")) is int]
+    newest = max((e["attempt"] for e in begins), default=None)
+    ran_on = {n for e in begins if e["attempt"] == newest for n in (e.get("nodes") or []) if isinstance(n, str)}
     found: dict[str, str] = {}
     for line in _metric_rows(rd.metrics, []):
         if b'"health"' not in line:
@@ -549,8 +553,9 @@ def signed_nodes(rd: RunDir) -> dict[str, str]:
         if not isinstance(row, dict) or row.get("attempt") != newest or not isinstance(row.get("health"), list):
             continue
         for sign in row["health"]:
-            if isinstance(sign, dict) and sign.get("kind") in NODE_SIGNS and isinstance(sign.get("node"), str):
-                found[clean(sign["node"], limit=100)] = f"{sign['kind']}: {clean(sign.get('evidence'), limit=200)}"
+            node = sign.get("node") if isinstance(sign, dict) else None
+            if node in ran_on and sign.get("kind") in NODE_SIGNS and node not in found:
+                found[node] = f"{sign['kind']}: {clean(sign.get('evidence'), limit=200)}"
     return found
 
 

@@ -1,7 +1,8 @@
-"""A loss spike injected into the data (docs/observability.md#spikes): with `train.on_spike: warn` it is named with
-its step and data position; with `rollback` the run goes back to the newest checkpoint, skips the batches from
-it to the spike, records them (metrics.jsonl, the checkpoints' state) and then trains exactly as a run that
-never saw those batches."""
+"""Loss spikes injected into the data (docs/observability.md#spikes): with `train.on_spike: warn` each is named
+with its step and data position; with `rollback` the run goes back to the newest checkpoint, skips the data
+read since it up to the spike's batch, records it (metrics.jsonl, the checkpoints' state), and then trains
+exactly as a run that never saw those batches. The second spike comes right after the first rollback, before
+any new save: the run goes back to the same checkpoint and must skip past both spikes' batches."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ BATCH = PARAMS["global_batch"]
 BATCHES = 50
 STEPS, SPIKE, EVERY = 40, 27, 5  # the spike's batch is read at step SPIKE; the newest checkpoint before it: 25
 BACK = SPIKE // EVERY * EVERY
-SKIPPED = SPIKE + 1 - BACK
+SECOND = SPIKE + 2  # a second spiked batch: read at step BACK + 1 after the first rollback (step 25 reads 28)
+RESUMED = SECOND + 1  # the batch the run reads at step BACK after the second rollback
 
 
 def _text_samples() -> np.ndarray:
@@ -82,16 +84,18 @@ def _losses(rows: list[dict]) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory) -> dict[str, Path]:
     """`spiked`: ordinary text with the batch read at step SPIKE made of bytes 200-255 (text never has them);
-    `without`: the same text where the batches read at steps BACK.. are the spiked set's from SPIKE + 1 on: what
-    a run that never saw batches BACK..SPIKE reads."""
+    and at SECOND; `without`: the same text where the batches read at steps BACK.. are the spiked set's from RESUMED
+    on: what a run that never saw batches BACK..SECOND reads."""
     tmp = tmp_path_factory.mktemp("spike-data")
     samples = _text_samples()
     clean = _prepare(tmp, "order", samples)  # the loader's order: the same for any data of this many samples
     spiked = samples.copy()
-    spiked[_batch_rows(clean, SPIKE)] = np.random.default_rng(0).integers(200, 256, (BATCH, SAMPLE), dtype=np.uint8)
+    garbage = np.random.default_rng(0)
+    for k in (SPIKE, SECOND):
+        spiked[_batch_rows(clean, k)] = garbage.integers(200, 256, (BATCH, SAMPLE), dtype=np.uint8)
     without = samples.copy()
     for j in range(STEPS - BACK):
-        without[_batch_rows(clean, BACK + j)] = spiked[_batch_rows(clean, SPIKE + 1 + j)]
+        without[_batch_rows(clean, BACK + j)] = spiked[_batch_rows(clean, RESUMED + j)]
     return {"spiked": _prepare(tmp, "spiked", spiked), "without": _prepare(tmp, "without", without)}
 
 
@@ -116,7 +120,8 @@ def test_a_spike_is_named_with_its_step_and_data_position(mpi, datasets, tmp_pat
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows(run)
     spikes = [r for r in rows if "spike" in r]
-    assert spikes and spikes[0]["step"] == SPIKE, spikes
+    steps = [r["step"] for r in spikes]
+    assert steps and steps[0] == SPIKE and SECOND in steps, spikes
     keys = {s["key"] for s in spikes[0]["spike"]}
     assert "loss" in keys, spikes[0]
     assert spikes[0]["position"] == {"loader": {"epoch": 0, "batch": SPIKE + 1, "seed": PARAMS["seed"]}}
@@ -131,11 +136,14 @@ def test_a_rollback_skips_the_spikes_batches_and_trains_as_a_run_that_never_saw_
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows(run)
-    (back,) = [r for r in rows if "rollback" in r]
-    assert back["step"] == SPIKE and back["rollback"]["to_step"] == BACK
-    assert back["rollback"]["skipped_batches"] == SKIPPED
-    assert back["rollback"]["from"] == {"loader": {"epoch": 0, "batch": BACK, "seed": PARAMS["seed"]}}
-    assert f"hpcscale: rolled back to checkpoint step {BACK}; the {SKIPPED} batch(es) of steps" in out.stdout
+    first, second = [r for r in rows if "rollback" in r]
+    seed = PARAMS["seed"]
+    assert first["step"] == SPIKE and first["rollback"]["to_step"] == BACK
+    assert first["rollback"]["from"] == {"loader": {"epoch": 0, "batch": BACK, "seed": seed}}
+    assert first["rollback"]["to"] == {"loader": {"epoch": 0, "batch": SPIKE + 1, "seed": seed}}
+    assert second["step"] == BACK + 1 and second["rollback"]["to_step"] == BACK  # no save between: the same one
+    assert second["rollback"]["to"] == {"loader": {"epoch": 0, "batch": RESUMED, "seed": seed}}
+    assert f"hpcscale: rolled back to checkpoint step {BACK}; the data read since it" in out.stdout
     # every step trained once more from BACK on; the spiked step's own update was never kept
     reference = run_cli("run", str(_job(tmp_path, "ref", datasets["without"], "off")), "--local", "--run-dir", str(ref))
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -144,6 +152,6 @@ def test_a_rollback_skips_the_spikes_batches_and_trains_as_a_run_that_never_saw_
     for step in (30, 35, STEPS):
         inspect = run_cli("ckpt", "inspect", str(run / "checkpoints" / f"step-{step:08d}"), "--json")
         assert inspect.returncode == 0, inspect.stderr
-        (record,) = json.loads(inspect.stdout)["trainer_state"]["skipped"]
-        assert record["spike_step"] == SPIKE and record["to_step"] == BACK and record["batches"] == SKIPPED
-        assert record["from"]["loader"]["batch"] == BACK and record["keys"] == ["loss"]
+        records = json.loads(inspect.stdout)["trainer_state"]["skipped"]
+        assert [(r["spike_step"], r["to_step"]) for r in records] == [(SPIKE, BACK), (BACK + 1, BACK)]
+        assert [r["to"]["loader"]["batch"] for r in records] == [SPIKE + 1, RESUMED] and records[0]["keys"] == ["loss"]
