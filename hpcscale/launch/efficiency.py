@@ -414,9 +414,9 @@ class Efficiency:
         out: dict[str, float] = {}
         if self.flops is not None and step_s > 0:
             tflops = self.flops.per_step / step_s / self._ctx.world_size / 1e12
-            out["tflops"] = round(tflops, 6)
+            out["tflops"] = float(f"{tflops:.6g}")  # six figures, whatever the scale (a CPU's 1e-5)
             if self.peak:
-                out["mfu"] = round(tflops / self.peak, 6)
+                out["mfu"] = float(f"{tflops / self.peak:.6g}")
         out.update(memory_gauges(self._ctx.device))
         if self.gpu is not None and time.monotonic() - self._gpu_read_at >= NVML_EVERY_S:
             out.update(self._gpu_figures())

@@ -60,3 +60,7 @@ def test_a_nodes_reason_is_read_whole_and_times_that_do_not_parse_are_none():
     assert health._reason(line) == "ECC errors on GPU 3 [root@2026-11-28T18:00:00]"
     assert health._when("2026-11-28T18:00:00") is not None
     assert health._when("Unknown") is None and health._when("yesterday") is None and health._when(None) is None
+    # free text in a Reason changes no field: the node's own state and name stand
+    forged = "NodeName=n2 State=IDLE+DRAIN Reason=ok NodeName=n1 State=IDLE now"
+    assert health._fields(forged) == {"NodeName": "n2", "State": "IDLE+DRAIN"}
+    assert health._reason(forged) == "ok NodeName=n1 State=IDLE now"

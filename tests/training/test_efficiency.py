@@ -106,6 +106,17 @@ def test_a_gpus_counters_are_read_through_nvml_or_the_reader_says_why_not():
         assert got["energy_j"] >= 0 and 0 <= got["gpu_util"] <= 100 and got["sm_clock_mhz"] > 0, got
 
 
+def test_a_model_that_went_through_torch_compile_is_seen_so():
+    """Such a model is not counted (dynamo does not compile under the counter's dispatch mode): the formula."""
+    from hpcscale.launch.efficiency import compiled
+
+    plain = torch.nn.Linear(2, 2)
+    assert not compiled([plain, torch.nn.Sequential(plain)])
+    assert compiled([torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2)))])  # wrapped: an OptimizedModule
+    plain.compile()  # in place
+    assert compiled([torch.nn.Sequential(plain)])
+
+
 def test_memory_on_a_cpu_rank_is_the_hosts_peak_alone():
     gauges = memory_gauges(torch.device("cpu"))
     assert set(gauges) == {"rss_gb"} and 0.01 < gauges["rss_gb"] < 100
