@@ -186,8 +186,8 @@ class Health:
 
     poll_seconds: float = setting(
         "Every N seconds rank 0 asks Slurm (scontrol) about the job's nodes, reservations and time limit; a new "
-        "sign is logged once with its evidence and triggers an immediate checkpoint (node-local with "
-        "checkpoint.local). 0 turns it off. Not under `run --local` (no scheduler to ask).",
+        "sign is logged once with its evidence and triggers an immediate node-local checkpoint (with "
+        "checkpoint.local; logged only without it). 0 turns it off. Not under `run --local` (no scheduler to ask).",
         default=30.0,
         min=0,
     )
@@ -198,8 +198,8 @@ class Health:
     )
     stragglers: bool = setting(
         "A rank the straggler rule names (docs/observability.md#the-straggler-rule), judged by rank 0 at each "
-        "per-rank timing window, is a sign too (once per rank and attempt): logged and a checkpoint taken (moving "
-        "off its node is `resume --exclude-slow`'s).",
+        "per-rank timing window, is a sign too (once per rank and attempt): logged, and a node-local checkpoint "
+        "taken with checkpoint.local (moving off its node is `resume --exclude-slow`'s).",
         default=True,
     )
     warn_before_seconds: float = setting(

@@ -2,7 +2,7 @@
 `health.poll_seconds` for warning signs of the job (hpcscale.slurm.health through the SchedulerView: a node
 drained or failing, a reservation about to take a node, the time limit near) in a thread of its own, and the
 step loop (hpcscale.launch.steploop) acts on what it found at the next step: each new sign logged once with its
-evidence, and an immediate checkpoint (node-local when the job has that tier) on every rank, carried to them by
+evidence, and an immediate node-local checkpoint (when the job has that tier) on every rank, carried to them by
 the stop check's all-reduce, at most once per `health.cooldown_seconds`.
 
 A sign is new when its (kind, node, evidence) was not seen before in this attempt: a flapping state comes back

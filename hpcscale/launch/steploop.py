@@ -22,7 +22,7 @@ parts, each its own object:
    spiked step is saved or a stop is taken (a stop flag set meanwhile is seen at the next step);
 8. health signals (hpcscale.launch.health, rank 0's poller of Slurm's warning signs): the stop check's all-reduce
    carries rank 0's "a new sign wants a checkpoint" (cooldown applied there), so every rank takes the immediate
-   checkpoint (node-local when the job has that tier) at the same step; rank 0 logs each new sign once.
+   node-local checkpoint (when the job has that tier) at the same step; rank 0 logs each new sign once.
 The last step (`ctx.checkpoint.steps` set) saves nothing here: Checkpointer.close saves the end state after the
 code returns. `ctx.checkpoint` (hpcscale.launch.checkpointing.Checkpointer) owns the state a save writes and
 what a restart loads; it makes this loop at its restore, at the step the run starts from.
@@ -256,27 +256,21 @@ class StepLoop:
             metrics.print(f"hpcscale: warning sign at step {step}: {sign['kind']}{where} ({sign['evidence']})")
 
     def _sign_save(self, step: int, done: int) -> float:
-        """The checkpoint a warning sign asks for, after `done` steps: to the node-local tier when the job has
-        one, else the shared tier; none when this step saved that tier already. Returns the seconds blocked."""
+        """The node-local checkpoint a warning sign asks for, after `done` steps (the shared tier's schedule is
+        unchanged); none when this step saved that tier already, and none without the tier (the sign is logged
+        only). Returns the seconds blocked."""
         host = self._host
-        local = host._local
-        tier = "node-local" if local is not None else "shared"
-        if local is None and not host._policy.every_steps:  # the job keeps no checkpoints: the sign is logged only
-            self.health.saved()
+        self.health.saved()  # the cooldown starts whatever happens: a sign asks once
+        if host._local is None:
             return 0.0
-        self.health.saved()
-        if self.saves.saved.get(tier) == done:  # this step saved that tier already (the training thread's record)
-            blocking = 0.0
-        elif local is not None:
-            blocking = self.saves.save_local(done)
-        else:
-            blocking = self.saves.save(done, asynchronous=host._policy.asynchronous)
-        if self.saves.saved.get(tier) != done:  # a node-local save that failed was said (and skipped)
-            return blocking
-        host._ctx.metrics.log(
-            step=step, health_checkpoint={"step": done, "tier": tier, "blocking_s": round(blocking, 4)}
-        )
-        host._ctx.metrics.print(f"hpcscale: {tier} checkpoint {done} for the warning sign(s) above")
+        if self.saves.saved.get("node-local") == done:  # this step saved it already (the training thread's record)
+            return 0.0
+        blocking = self.saves.save_local(done)
+        if self.saves.saved.get("node-local") == done:  # else the save failed, was said and skipped
+            host._ctx.metrics.log(
+                step=step, health_checkpoint={"step": done, "tier": "node-local", "blocking_s": round(blocking, 4)}
+            )
+            host._ctx.metrics.print(f"hpcscale: node-local checkpoint {done} for the warning sign(s) above")
         return blocking
 
     def _stop(self, step: int) -> None:
