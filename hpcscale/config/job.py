@@ -196,11 +196,13 @@ class Health:
         default=600.0,
         min=0,
     )
-    stragglers: bool = setting(
+    stragglers: Literal["warn", "save", "off"] = setting(
         "A rank the straggler rule names (docs/observability.md#the-straggler-rule), judged by rank 0 at each "
-        "per-rank timing window, is a sign too (once per rank and attempt): logged, and a node-local checkpoint "
-        "taken with checkpoint.local (moving off its node is `resume --exclude-slow`'s).",
-        default=True,
+        "per-rank timing window: `warn` logs it as a sign (once per rank and attempt); `save` also takes a "
+        "node-local checkpoint as for Slurm's signs; `off`. Not `save` by default: a slow rank is not a failing "
+        "node, and on shared or oversubscribed nodes the rule names one without any fault. Moving off its node is "
+        "`resume --exclude-slow`'s.",
+        default="warn",
     )
     warn_before_seconds: float = setting(
         "A reservation that takes one of the job's nodes, or the job's time limit, is a sign this many seconds "

@@ -69,8 +69,10 @@ class HealthWatch:
                 if key in self._seen or len(self._seen) >= SEEN_MAX:
                     continue
                 self._seen.add(key)
-                self._pending.append({k: v for k, v in sign.items() if k != "key"} | {"seen": round(time.time(), 3)})
-                self._due = True
+                self._pending.append(
+                    {k: v for k, v in sign.items() if k not in ("key", "act")} | {"seen": round(time.time(), 3)}
+                )
+                self._due = self._due or sign.get("act", True)  # a sign that is only to be logged asks for no save
 
     def wants_save(self) -> bool:
         """Whether a new sign asks for a checkpoint now: one came, and the cooldown since the last save it caused

@@ -264,8 +264,9 @@ def _run(
     ctx.watchdog = watchdog  # the entry point beats it after each step (ctx.checkpoint.step does)
 
     ctx.step_times = StepTimes.for_context(ctx)  # each step's breakdown, gathered every timing_every steps
-    if spec.health.stragglers:
+    if spec.health.stragglers != "off":
         ctx.step_times.health = health  # rank 0: a straggler verdict at a window is a warning sign
+        ctx.step_times.act_on_stragglers = spec.health.stragglers == "save"
     if collective_waits is not None:
         from hpcscale.launch import ledger  # lazy: imports torch, which loads after clean_import_path()
 

@@ -36,6 +36,7 @@ class StepTimes:
         self.device = device  # the rank's torch.device: its memory peaks go with each window (None: host only)
         self.energy = None  # the rank's GPU's NVML counters (launch/nvml.py), when the step loop has them
         self.health = None  # rank 0's HealthWatch (launch/health.py): straggler verdicts go to it as signs
+        self.act_on_stragglers = False  # health.stragglers: save (a checkpoint for them), else logged only
         self._windows: list = []  # rank 0: the newest windows, parsed, for the straggler verdict
         self.rank, self.node, self.pp, self.attempt = rank, node, pp, attempt
         self.path = run_dir / TIMING
@@ -148,6 +149,7 @@ class StepTimes:
                 "kind": "straggler",
                 "node": r.node,
                 "key": f"rank {r.rank}",
+                "act": self.act_on_stragglers,
                 "evidence": f"rank {r.rank}: own time {r.relative:.2f}x its peers' (slow in {r.slow_windows} of the "
                 f"last {verdict.windows} windows)",
             }

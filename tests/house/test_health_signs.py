@@ -31,6 +31,20 @@ def test_a_sign_is_taken_once_and_asks_for_one_save_per_cooldown():
     assert watch.wants_save()  # still due once the cooldown has passed
 
 
+def test_a_sign_only_to_be_logged_asks_for_no_save():
+    """health.stragglers: warn (the default): the verdict's sign is logged (taken) and takes no checkpoint; save."""
+    watch = HealthWatch(None, poll_s=30, cooldown_s=0).start()
+    watch.add([{"kind": "straggler", "node": "n1", "key": "rank 0", "act": False, "evidence": "rank 0: 1.3x"}])
+    assert not watch.wants_save()
+    (sign,) = watch.take()
+    assert "act" not in sign and "key" not in sign and sign["evidence"] == "rank 0: 1.3x"
+    watch.add([{"kind": "straggler", "node": "n1", "key": "rank 0", "act": True, "evidence": "rank 0: 1.5x"}])
+    assert not watch.wants_save() and watch.take() == []  # the same rank again: not new
+    watch.add([{"kind": "straggler", "node": "n2", "key": "rank 2", "act": True, "evidence": "rank 2: 1.5x"}])
+    assert watch.wants_save() and len(watch.take()) == 1
+    watch.stop()
+
+
 def test_a_scheduler_that_fails_gives_no_sign_and_the_poller_goes_on():
     def broken():
         raise OSError("scontrol: no answer")
