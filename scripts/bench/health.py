@@ -6,7 +6,8 @@ Slurm cluster.
 
 Per repetition, one job of 2 nodes x 1 rank (a GPT of ~80 MB of model and optimizer state, the node-local tier
 on with no schedule of its own, `health.poll_seconds` = --poll) trains; once it has trained 20 steps,
-`scontrol update nodename=n2 state=drain` (what a site's health check does after an ECC error); measured: from
+`scontrol update nodename=n2 state=drain` at a random moment of the poll's period (what a site's health check
+does after an ECC error); measured: from
 that call to the node-local checkpoint's line in metrics.jsonl (written after the save committed on every node),
 and its parts: to the poll that saw the sign (rank 0's `seen` time), and from there to the committed checkpoint
 (the next step, its stop check, the save). The drain is undone and the job cancelled after each repetition.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -56,6 +58,7 @@ def once(tmp: Path, poll: float) -> dict:
     job_id = job["job_id"]
     try:
         wait(lambda: sum(1 for r in rows(run) if "loss" in r) >= 20, 300, "20 steps")
+        time.sleep(random.uniform(0, poll))  # a moment of its own in the poll's period: the jobs' start is regular
         t0 = time.time()
         sh("scontrol", "update", "nodename=n2", "state=drain", "reason=bench: health signal")
         wait(lambda: any("health_checkpoint" in r for r in rows(run)), 120, "the checkpoint for the sign")
