@@ -33,6 +33,7 @@ restart count; `join_attempts` joins the two on (job id, restart count), never o
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -506,19 +507,24 @@ def _last_training_line(lines: list[bytes]) -> dict | None:
 SIGNS_SHOWN = 8
 
 
-def _signs(lines: list[bytes]) -> list[dict]:
-    """The newest SIGNS_SHOWN lines of warning signs and the checkpoints they caused, oldest first (`lines`: newest
-    first). Each {"step", "health": [signs]} or {"step", "health_checkpoint": {...}}; malformed ones skipped."""
-    out: list[dict] = []
+def _rows_with(lines: list[bytes], marker: bytes) -> Iterator[dict]:
+    """The lines holding `marker` that parse as JSON objects, in the order given; torn or damaged ones skipped."""
     for line in lines:
-        if b'"health' not in line:
+        if marker not in line:
             continue
         try:
             row = loads_json(line, source="metrics.jsonl", max_bytes=1 << 20)
         except BadInput:
             continue
-        if not isinstance(row, dict):
-            continue
+        if isinstance(row, dict):
+            yield row
+
+
+def _signs(lines: list[bytes]) -> list[dict]:
+    """The newest SIGNS_SHOWN lines of warning signs and the checkpoints they caused, oldest first (`lines`: newest
+    first). Each {"step", "health": [signs]} or {"step", "health_checkpoint": {...}}; malformed ones skipped."""
+    out: list[dict] = []
+    for row in _rows_with(lines, b'"health'):
         if isinstance(row.get("health"), list):
             signs = [s for s in row["health"][:16] if isinstance(s, dict)]
             out.append({"step": row.get("step"), "health": signs})
@@ -543,14 +549,8 @@ def signed_nodes(rd: RunDir) -> dict[str, str]:
     newest = max((e["attempt"] for e in begins), default=None)
     ran_on = {n for e in begins if e["attempt"] == newest for n in (e.get("nodes") or []) if isinstance(n, str)}
     found: dict[str, str] = {}
-    for line in _metric_rows(rd.metrics, []):
-        if b'"health"' not in line:
-            continue
-        try:
-            row = loads_json(line, source="metrics.jsonl", max_bytes=1 << 20)
-        except BadInput:
-            continue
-        if not isinstance(row, dict) or row.get("attempt") != newest or not isinstance(row.get("health"), list):
+    for row in _rows_with(_metric_rows(rd.metrics, []), b'"health"'):
+        if row.get("attempt") != newest or not isinstance(row.get("health"), list):
             continue
         for sign in row["health"]:
             node = sign.get("node") if isinstance(sign, dict) else None
