@@ -284,12 +284,16 @@ def judge(windows: Iterable[Window]) -> Stragglers:
 
 
 # ---- the communication ledger (hpcscale.launch.ledger) -------------------------------------------------------------
-# A rank arrives late in a window when, in some group, its summed lateness per step is at least LATE_FLOOR_S and
-# LATE_RATIO times the median of the group's other ranks; it is the rank the others keep waiting for when late in
-# at least MIN_SLOW of the last WINDOWS windows. Lateness is measured on the ranks' clocks: across nodes their
-# offset adds to it (hpcscale.launch.ledger), so a floor well above NTP's millisecond matters there.
+# A rank arrives late in a window when, in some group, its summed lateness per step is at least LATE_FLOOR_S,
+# LATE_SHARE of its step time and LATE_RATIO times the median of the group's other ranks; it is the rank the
+# others keep waiting for when late in at least MIN_SLOW of the last WINDOWS windows. Lateness is measured on the
+# ranks' clocks: across nodes their offset adds to it (hpcscale.launch.ledger), so a floor well above NTP's
+# millisecond matters there.
 LATE_RATIO = 2.0
 LATE_FLOOR_S = 0.002
+# a lateness under a tenth of the step costs the others little: rank 0's own per-step work (it writes the lines)
+# makes it a few milliseconds late at the collective after it on a loaded machine, a fact not worth a name
+LATE_SHARE = 0.1
 
 
 def _ledger_columns(window: Window) -> dict[str, dict[str, list[str]]]:
@@ -379,7 +383,13 @@ class LateArrivals:
     def to_json(self) -> dict:
         return {
             "windows": self.windows,
-            "rule": {"ratio": LATE_RATIO, "floor_s": LATE_FLOOR_S, "windows": WINDOWS, "min_slow": MIN_SLOW},
+            "rule": {
+                "ratio": LATE_RATIO,
+                "floor_s": LATE_FLOOR_S,
+                "share": LATE_SHARE,
+                "windows": WINDOWS,
+                "min_slow": MIN_SLOW,
+            },
             "slow_ranks": self.slow_ranks,
             "slow_nodes": self.slow_nodes,
             "reason": self.reason,
@@ -423,7 +433,7 @@ def judge_arrivals(windows: Iterable[Window]) -> LateArrivals:
             for i in members:
                 value = w.ranks[i][column]
                 most[i] = max(most[i], value)
-                if len(ordered) < 2 or value < LATE_FLOOR_S:
+                if len(ordered) < 2 or value < max(LATE_FLOOR_S, LATE_SHARE * w.ranks[i]["step_s"]):
                     continue
                 if value >= LATE_RATIO * _median_without(ordered, bisect.bisect_left(ordered, value)):
                     late_here[i] = True

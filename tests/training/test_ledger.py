@@ -29,6 +29,7 @@ from trainjobs import PARAMS, job_spec
 from hpcscale.observe.timing import (
     COLUMNS,
     LATE_FLOOR_S,
+    LATE_SHARE,
     MIN_SLOW,
     WINDOWS,
     judge_arrivals,
@@ -176,9 +177,11 @@ def test_a_repeated_column_is_refused():
     assert parse_line(line) is None
 
 
-def _ledger_window(step: int, late: list[float], *, group: str = "mesh_dp", size: float = 4096.0) -> dict:
+def _ledger_window(
+    step: int, late: list[float], *, group: str = "mesh_dp", size: float = 4096.0, step_s: float = 0.02
+) -> dict:
     names = [f"bytes.{group}.all_reduce", f"n.{group}.all_reduce", f"wait_s.{group}", f"late_s.{group}"]
-    rows = [[0.02, 0.01, 0.01, 0.0, 0.0, 0.0, 0.0, 0.01, size, 1, 0.002, v] for v in late]
+    rows = [[step_s, 0.01, 0.01, 0.0, 0.0, 0.0, 0.0, 0.01, size, 1, 0.002, v] for v in late]
     return make_line(
         time=1.0, attempt=1, step=step, steps=4, rows=rows, nodes=[f"n{i // 2}" for i in range(len(late))],
         pp=[0] * len(late), columns=(*COLUMNS, *names),
@@ -199,6 +202,12 @@ def test_the_rank_the_others_keep_waiting_for_is_named_with_its_node():
     # two ranks: the later one only when at least LATE_RATIO times the other
     even = [parse_line(_ledger_window(4 * i + 3, [0.004, 0.005])) for i in range(WINDOWS)]
     assert judge_arrivals(even).slow_ranks == []
+    # late by more than the floor and all the others, but by less than LATE_SHARE of its step: nobody
+    step_s = 0.08
+    for late, named in ((LATE_SHARE * step_s * 0.9, []), (LATE_SHARE * step_s * 1.1, [1])):
+        assert late > LATE_FLOOR_S
+        share = [parse_line(_ledger_window(4 * i + 3, [0.0, late], step_s=step_s)) for i in range(WINDOWS)]
+        assert judge_arrivals(share).slow_ranks == named
 
 
 def test_no_late_arrival_verdict_for_lines_without_the_ledger():
@@ -341,7 +350,7 @@ def test_a_bf16_pipeline_sends_bf16_activations_between_its_stages(mpi, tmp_path
 
 
 def test_status_names_the_rank_others_wait_for_at_collectives(mpi, tmp_path):
-    """A user loop (tests/helpers/fsdp_entry.py) on two ranks, FSDP2, rank 1 sleeping 60 ms before each step as
+    """A user loop (tests/helpers/fsdp_entry.py) on two ranks, FSDP2, rank 1 sleeping 100 ms before each step as
     behind a slow loader: rank 0 waits for it at the first collective of every step."""
     spec = {
         "name": "late",
@@ -352,7 +361,7 @@ def test_status_names_the_rank_others_wait_for_at_collectives(mpi, tmp_path):
         "environment": {"PYTHONPATH": str(REPO / "tests" / "helpers")},
         "metrics": {"timing_every": 3},
         "checkpoint": {"every_steps": 0},
-        "train": {"entry": "fsdp_entry:main", "params": {"steps": 18, "slow_rank": 1, "slow_ms": 60}},
+        "train": {"entry": "fsdp_entry:main", "params": {"steps": 18, "slow_rank": 1, "slow_ms": 100}},
     }
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec))
@@ -360,4 +369,4 @@ def test_status_names_the_rank_others_wait_for_at_collectives(mpi, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     late = json.loads(run_cli("status", str(tmp_path / "run"), "--json").stdout)["timing"]["late"]
     assert late["slow_ranks"] == [1], late
-    assert late["ranks"][1]["late_s"] >= 0.04 and "mesh_dp_shard" in late["ranks"][1]["groups"]
+    assert late["ranks"][1]["late_s"] >= 0.07 and "mesh_dp_shard" in late["ranks"][1]["groups"]
