@@ -8,7 +8,9 @@ The node health and rank placement that `hpcscale resume` and the batch script's
   tie), and within a leaf its nodes in hostname order; the rest of the allocation are the spares;
 - a relaunch keeps the previous step's nodes but the failed ones, each replaced by the spare nearest to it in the
   switch tree (under its own leaf switch first; hostname order on a tie), so the ranks that talk most stay as
-  close as they were. Where fewer spares remain than nodes failed there is no relaunch (None);
+  close as they were. Where fewer spares remain than nodes failed there is no relaunch (None). A spare Slurm
+  does not have up is none; a node of the step that showed a warning sign of its own during the attempt (a
+  suspect) is replaced too while spares are left after the failed ones;
 - unless the job may shrink (`restart.shrink`): then the next step runs on as many of the nodes left (the
   previous step's survivors and the spares still free) as the job's layout and batch rules allow, chosen
   among them as a first step's nodes are.
@@ -16,7 +18,7 @@ The node health and rank placement that `hpcscale resume` and the batch script's
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from hpcscale.errors import BadInput
 from hpcscale.launch.failure import MAX_RANKS, NODE_FAILURE
@@ -90,21 +92,41 @@ def first_step_nodes(allocation: list[str], n: int, tree: SwitchTree) -> list[st
 
 
 def relaunch_nodes(
-    previous: list[str], failed: list[str], allocation: list[str], excluded: list[str], tree: SwitchTree
+    previous: list[str],
+    failed: list[str],
+    allocation: list[str],
+    excluded: list[str],
+    tree: SwitchTree,
+    *,
+    suspects: Collection[str] = (),
 ) -> list[str] | None:
     """The nodes of the step after one on `previous` failed with `failed` to blame: the failed nodes out, each
     replaced by the nearest spare (the module's rule). Spares: the allocation's nodes in no step, not `excluded`
-    (every node this job blamed before). None when too few spares remain."""
+    (every node this job blamed before, and spares Slurm does not have up). None when too few spares remain.
+    `suspects`: nodes of `previous` that showed a warning sign of their own (drained, failing, in maintenance:
+    hpcscale.slurm.status.signed_nodes) without being blamed: each replaced as well while a spare is left after
+    the failed ones, kept otherwise (a suspect node is better than no relaunch)."""
     out = set(failed) | set(excluded)
     spares = [h for h in sort_hosts(allocation) if h not in out and h not in previous]
     keep = [h for h in previous if h not in out]
-    for node in sort_hosts([h for h in previous if h in out]):
+    leaving = sort_hosts([h for h in previous if h in out])
+    for node in leaving:
         if not spares:
             return None
-        best = min(spares, key=lambda s: tree.distance(node, s))  # the first of the nearest, in hostname order
-        spares.remove(best)
-        keep.append(best)
+        keep.append(_nearest(node, spares, tree))
+    for node in sort_hosts([h for h in suspects if h in keep and h in previous]):
+        if not spares:
+            break
+        keep.remove(node)
+        keep.append(_nearest(node, spares, tree))
     return sort_hosts(keep)
+
+
+def _nearest(node: str, spares: list[str], tree: SwitchTree) -> str:
+    """The spare nearest to `node` (the first of the nearest, in hostname order), taken out of `spares`."""
+    best = min(spares, key=lambda s: tree.distance(node, s))
+    spares.remove(best)
+    return best
 
 
 def shrink_nodes(

@@ -46,7 +46,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -70,6 +70,7 @@ from hpcscale.recovery.nodes import (
 from hpcscale.rundir import RunDir
 from hpcscale.slurm.allocation import site_tree
 from hpcscale.slurm.client import SlurmClient
+from hpcscale.slurm.status import signed_nodes
 from hpcscale.topology.tree import SwitchTree, flat_tree
 from hpcscale.util import proc
 from hpcscale.util.hostlist import compress, expand
@@ -321,11 +322,16 @@ def relaunch_here(
     tree: SwitchTree,
     base: Decision,
     fits: Callable[[int], bool] | None = None,
+    suspects: dict[str, str] | None = None,
+    down: Collection[str] = (),
 ) -> Decision | None:
     """The decision to start the next step in this allocation (restart.spare_nodes), or None: the failed attempt
     blamed nodes it ran on, spares remain for them, and restart.max_failures is not spent by this job's requeues
     and relaunches. The blamed nodes stay out of the job's later steps (`excluded` of its earlier ends too).
-    `fits` (restart.shrink: whether the job runs on n nodes): with too few spares, the step shrinks instead."""
+    `fits` (restart.shrink: whether the job runs on n nodes): with too few spares, the step shrinks instead.
+    `suspects` (node -> its warning sign, hpcscale.slurm.status.signed_nodes): nodes of the step replaced too
+    while spares are left, and then kept out as the blamed are. `down`: spares Slurm does not have up, never
+    chosen."""
     begins = [e for e in events if e.get("event") == "begin" and e.get("job_id") == job_id]
     previous = begins[-1].get("nodes") if begins else None
     if not isinstance(previous, list) or not all(isinstance(h, str) and h in allocation for h in previous):
@@ -340,19 +346,24 @@ def relaunch_here(
     budget = spec.restart.max_failures
     if used >= budget:
         return None
-    nodes = relaunch_nodes(previous, failed, allocation, before, tree)
+    suspects = {n: why for n, why in (suspects or {}).items() if n in previous and n not in failed}
+    unusable = [*before, *(h for h in down if h not in previous)]
+    nodes = relaunch_nodes(previous, failed, allocation, unusable, tree, suspects=list(suspects))
+    replaced = [h for h in suspects if nodes is not None and h not in nodes]
     shrunk = ""
     if nodes is None and fits is not None:
-        nodes = shrink_nodes(previous, failed, allocation, before, tree, fits)
+        nodes = shrink_nodes(previous, failed, allocation, unusable, tree, fits)
         if nodes is not None:
             shrunk = f"no spare left: the step shrinks from {len(previous)} to {len(nodes)} node(s) (restart.shrink), "
     if nodes is None:
         return None
+    signed = "".join(f"{h} left out too for its warning sign ({suspects[h]}), " for h in replaced)
+    kept = "".join(f"{h} kept despite its warning sign (no spare left for it), " for h in suspects if h in nodes)
     why = (
         f"relaunch {used + 1} of restart.max_failures = {budget} in this allocation: {compress(failed)} left out, "
-        f"{shrunk}the step now on {compress(nodes)}"
+        f"{signed}{kept}{shrunk}the step now on {compress(nodes)}"
     )
-    return replace(base, requeue=False, why=why, backoff_s=0, relaunch=nodes, excluded=failed)
+    return replace(base, requeue=False, why=why, backoff_s=0, relaunch=nodes, excluded=[*failed, *replaced])
 
 
 def first_step(rd: RunDir, env, say=print) -> str:
@@ -385,6 +396,17 @@ def _tree_or_flat(site: SiteConfig, allocation: list[str], say) -> SwitchTree:
     except HpcscaleError as e:
         say(f"hpcscale: switch tree unavailable ({e}); choosing a spare as if every node were under one switch")
         return flat_tree(allocation)
+
+
+def _down_spares(client: SlurmClient, allocation: list[str], previous) -> list[str]:
+    """The allocation's nodes outside the failed step that Slurm does not have up now (drained, down, in
+    maintenance): no spare. None known when sinfo does not answer."""
+    step = set(previous) if isinstance(previous, list) else set()
+    spares = [h for h in allocation if h not in step]
+    try:
+        return unhealthy(client, spares)
+    except (proc.CommandFailed, OSError):
+        return []
 
 
 def _blamed_now(client: SlurmClient, lines: list[str], found, previous) -> list[str]:
@@ -455,6 +477,8 @@ def after_step(
             tree=tree,
             base=decision,
             fits=(lambda n: not on_nodes(loaded, n)[1]) if spec.restart.shrink else None,
+            suspects=signed_nodes(rd),
+            down=_down_spares(client, allocation, begins[-1].get("nodes") if begins else None),
         )
         decision = here or decision
     if decision.requeue and cause == "failed" and job_id and spec.restart.exclude != "never":

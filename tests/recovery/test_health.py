@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 from conftest import REPO, run_cli, wait_for_job
+from test_resume import _rank_pids
 from trainjobs import job_spec
 
 RESERVATION = "hpcscale-test-health"
@@ -99,3 +100,49 @@ def test_a_drained_node_takes_a_node_local_checkpoint_at_once_and_the_cooldown_h
         subprocess.run(["scancel", job_id], env={**os.environ, **local_cluster}, check=False)
         _scontrol(local_cluster, "delete", f"reservation={RESERVATION}")
         _scontrol(local_cluster, "update", "nodename=n2", "state=resume")
+
+
+def _events(run: Path) -> list[dict]:
+    path = run / "attempts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_node_that_showed_a_sign_is_left_out_of_the_relaunch_in_the_allocation(local_cluster, tmp_path):
+    """restart.spare_nodes: 2, the steps on n1 and n2. n1 is drained (a warning sign, logged, a node-local save)
+    and put back (the sign cleared), then a rank on n2 is killed with -9: the batch script relaunches the step in
+    the allocation on the spares n3 and n4, n2 for the failure and n1 for its sign, and says so."""
+    run = tmp_path / "run"
+    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=4, site="localcluster", nodes=2, steps=100000)
+    spec = yaml.safe_load(job.read_text())
+    spec["checkpoint"] = {"every_steps": 100000, "async": False, "local": {"every_steps": 100000}}
+    spec["health"] = {"poll_seconds": 1, "cooldown_seconds": 600}
+    spec["restart"] = {"max_failures": 1, "spare_nodes": 2}
+    spec["train"]["entry"] = "paced_entry:train"
+    spec["environment"] = {"PYTHONPATH": str(REPO / "tests" / "helpers"), "PACED_STEP_S": "0.1"}
+    job.write_text(yaml.safe_dump(spec))
+    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=local_cluster)
+    assert r.returncode == 0, r.stderr
+    job_id = json.loads(r.stdout)["job_id"]
+    try:
+        deadline = time.monotonic() + 240
+        while sum(1 for r in _rows(run) if "loss" in r) < 5:
+            assert time.monotonic() < deadline, "the job did not train"
+            time.sleep(0.3)
+        assert [e["nodes"] for e in _events(run) if e["event"] == "begin"] == [["n1", "n2"]]
+        out = _scontrol(local_cluster, "update", "nodename=n1", "state=drain", "reason=hpcscale test: fan failing")
+        assert out.returncode == 0, out.stderr
+        _wait_for(run, "health_checkpoint")
+        assert _scontrol(local_cluster, "update", "nodename=n1", "state=resume").returncode == 0  # the sign cleared
+        (pid, *_) = _rank_pids(run, "n2")
+        os.kill(pid, 9)
+        deadline = time.monotonic() + 240
+        while len([e for e in _events(run) if e["event"] == "begin"]) < 2:
+            assert time.monotonic() < deadline, "no relaunch"
+            time.sleep(0.3)
+        (end,) = [e for e in _events(run) if e["event"] == "end"]
+        assert end["relaunch"] == ["n3", "n4"] and end["excluded"] == ["n2", "n1"], end
+        assert "n1 left out too for its warning sign (drain: " in end["why"] and "fan failing" in end["why"], end
+        assert [e["nodes"] for e in _events(run) if e["event"] == "begin"][-1] == ["n3", "n4"]
+    finally:
+        subprocess.run(["scancel", job_id], env={**os.environ, **local_cluster}, check=False)
+        _scontrol(local_cluster, "update", "nodename=n1", "state=resume")

@@ -47,6 +47,15 @@ def test_a_failed_node_is_replaced_by_the_nearest_spare():
     assert relaunch_nodes(["n1", "n2"], ["n1", "n2"], ["n1", "n2", "n3"], [], TREE) is None  # one spare, two failed
 
 
+def test_a_suspect_node_of_the_step_is_replaced_while_spares_last_and_kept_after():
+    # n1 showed a warning sign of its own (drained) while n2 failed: both replaced, n2 first (it must be)
+    assert relaunch_nodes(["n1", "n2"], ["n2"], ALL, [], TREE, suspects=["n1"]) == ["n3", "n4"]
+    # one spare: it goes to the failed node; the suspect stays (a suspect node is better than no relaunch)
+    assert relaunch_nodes(["n1", "n2"], ["n2"], ["n1", "n2", "n3"], [], TREE, suspects=["n1"]) == ["n1", "n3"]
+    # a suspect that is not the step's, or was failed itself, changes nothing
+    assert relaunch_nodes(["n1", "n2"], ["n2"], ALL, [], TREE, suspects=["n4", "n2"]) == ["n1", "n3"]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     leaves=st.lists(st.integers(1, 4), min_size=1, max_size=4),
@@ -66,14 +75,20 @@ def test_any_allocation_keeps_the_step_whole_and_never_reuses_a_blamed_node(leav
     assert len(step) == n == len(set(step)) and set(step) <= set(allocation)
     failed = data.draw(st.lists(st.sampled_from(step), min_size=1, unique=True))
     excluded = data.draw(st.lists(st.sampled_from(allocation), unique=True))
-    after = relaunch_nodes(step, failed, allocation, excluded, tree)
+    suspects = data.draw(st.lists(st.sampled_from(allocation), unique=True))
+    after = relaunch_nodes(step, failed, allocation, excluded, tree, suspects=suspects)
     spares = [h for h in allocation if h not in step and h not in failed and h not in excluded]
-    if len(spares) < len(set(step) & (set(failed) | set(excluded))):
+    out = set(step) & (set(failed) | set(excluded))
+    if len(spares) < len(out):
         assert after is None
         return
     assert after is not None and len(after) == n == len(set(after)) and set(after) <= set(allocation)
     assert not set(after) & (set(failed) | set(excluded))
-    assert set(step) - set(failed) - set(excluded) <= set(after)  # the survivors stay
+    healthy = set(step) - set(failed) - set(excluded) - set(suspects)
+    assert healthy <= set(after)  # the survivors without a sign stay
+    # suspects leave while spares are left after the failed: as many as there were spares for
+    suspect_here = (set(step) - set(failed) - set(excluded)) & set(suspects)
+    assert len(suspect_here - set(after)) == min(len(suspect_here), len(spares) - len(out))
 
 
 def _spec(**restart) -> JobSpec:
@@ -99,6 +114,19 @@ def test_a_relaunch_needs_a_blamed_node_of_the_step_a_spare_and_budget():
     second = [*spent, {**begin, "attempt": 2, "nodes": ["n1", "n3"]}]
     again = relaunch_here(_spec(max_failures=2, spare_nodes=2), second, blamed=["n3"], **args)
     assert again is not None and again.relaunch == ["n1", "n4"]
+    # n1 was drained during the attempt (a warning sign): replaced too, and kept out as n2 is; a spare Slurm has
+    # down is not chosen
+    signed = relaunch_here(
+        _spec(max_failures=2, spare_nodes=2), [begin], blamed=["n2"], suspects={"n1": "drain: fan"}, **args
+    )
+    assert signed.relaunch == ["n3", "n4"] and signed.excluded == ["n2", "n1"]
+    assert "n1 left out too for its warning sign (drain: fan)" in signed.why
+    down = relaunch_here(
+        _spec(max_failures=2, spare_nodes=2), [begin], blamed=["n2"], suspects={"n1": "drain: fan"}, down=["n3"],
+        **args,
+    )  # fmt: skip
+    assert down.relaunch == ["n1", "n4"] and down.excluded == ["n2"]
+    assert "n1 kept despite its warning sign (no spare left for it)" in down.why
     # a begin naming nodes outside the allocation (a hand-edited record): no relaunch
     odd = [{**begin, "nodes": ["n1", "x9"]}]
     assert relaunch_here(_spec(spare_nodes=2), odd, blamed=["n1"], **args) is None
