@@ -110,7 +110,8 @@ def submit(
 
 
 def _sign_lines(rows: list[dict]) -> list[str]:
-    """`warning sign` lines: what Slurm showed of the job's nodes (health signals) and the checkpoints taken."""
+    """`warning sign` lines: what Slurm and the GPUs showed of the job's nodes (health signals), and the
+    checkpoints they caused."""
     from hpcscale.util.trust import clean_markup as cm
 
     out = []
@@ -125,7 +126,7 @@ def _sign_lines(rows: list[dict]) -> list[str]:
             out.append(
                 f"  step {step}: {cm(sign.get('kind'), limit=30)}{where} ({cm(sign.get('evidence'), limit=300)})"
             )
-    return ["warning signs (Slurm):", *out] if out else []
+    return ["warning signs:", *out] if out else []
 
 
 def _efficiency_line(m: dict, flops: dict | None) -> str | None:

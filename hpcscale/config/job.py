@@ -182,12 +182,14 @@ class Metrics:
 
 @dataclass(kw_only=True, slots=True)
 class Health:
-    """Warning signs Slurm shows of a running job, acted on before a failure (docs/observability.md#health-signals)."""
+    """Warning signs Slurm and the GPUs show of a running job, acted on before a failure
+    (docs/observability.md#health-signals)."""
 
     poll_seconds: float = setting(
-        "Every N seconds rank 0 asks Slurm (scontrol) about the job's nodes, reservations and time limit; a new "
-        "sign is logged once with its evidence and triggers an immediate node-local checkpoint (with "
-        "checkpoint.local; logged only without it). 0 turns it off. Not under `run --local` (no scheduler to ask).",
+        "Every N seconds rank 0 asks Slurm (scontrol) about the job's nodes, reservations and time limit, and each "
+        "GPU rank its own GPU (health.devices); a new sign is logged once with its evidence and triggers an "
+        "immediate node-local checkpoint (with checkpoint.local; logged only without it). 0 turns both off. Slurm "
+        "is not asked under `run --local` (no scheduler).",
         default=30.0,
         min=0,
     )
@@ -209,6 +211,14 @@ class Health:
         "before it.",
         default=900.0,
         min=0,
+    )
+    devices: Literal["save", "warn", "off"] = setting(
+        "Each GPU rank reads its own device's signs through NVML (the `nvml` extra) every poll_seconds: "
+        "uncorrected ECC errors since the attempt started, a row remapping pending or failed, Xid critical errors, "
+        "clocks held down by heat or the power supply. `save` logs each once (rank 0, with the rank and node) and "
+        "takes a node-local checkpoint as for Slurm's signs, the node suspect for `resume` and the relaunch "
+        "(throttling aside); `warn` logs only; `off`. CPU ranks have none.",
+        default="save",
     )
 
 

@@ -42,7 +42,7 @@ class Runtime:
     waits: Any = None
     # the site's devices.peak_tflops (device name -> peak dense TFLOPS): what MFU is measured against
     peak_tflops: dict[str, float] = field(default_factory=dict)
-    # rank 0's poller of the job's warning signs (launch/health.py); NoHealthWatch elsewhere
+    # the job's warning signs (launch/health.py): rank 0's polls Slurm; every rank's takes its own GPU's signs
     health: Any = None
 
 

@@ -80,6 +80,11 @@ class HealthWatch:
         with self._lock:
             return self._due and time.monotonic() - self._saved_at >= self.cooldown_s
 
+    def pending(self) -> bool:
+        """Whether new signs wait to be taken (a rank other than 0 sends them to rank 0 to be logged)."""
+        with self._lock:
+            return bool(self._pending)
+
     def take(self) -> list[dict]:
         """The new signs, once each, oldest first."""
         with self._lock:
@@ -97,6 +102,9 @@ class NoHealthWatch:
     """Every rank but 0, and a job with no scheduler to ask (run --local) or `health.poll_seconds: 0`."""
 
     def wants_save(self) -> bool:
+        return False
+
+    def pending(self) -> bool:
         return False
 
     def take(self) -> list[dict]:

@@ -159,10 +159,13 @@ def _job_mtbf(loaded: LoadedJob, work_dir: Path, nodes: list[str]):
 
 
 def _health_watch(loaded: LoadedJob, info, scheduler: SchedulerView):
-    """Rank 0 of a Slurm job polls the job's warning signs (health.poll_seconds; launch/health.py)."""
+    """Rank 0 of a Slurm job polls the job's warning signs (health.poll_seconds; launch/health.py). Every other
+    rank holds one without a poller: its own GPU's signs (health.devices) come to it from the step loop."""
     cfg = loaded.spec.health
     if info.rank != 0:
-        return NoHealthWatch()
+        if cfg.devices == "off":
+            return NoHealthWatch()
+        return HealthWatch(None, poll_s=cfg.poll_seconds, cooldown_s=cfg.cooldown_seconds)
     job_id = os.environ.get("SLURM_JOB_ID")
     site, nodes, signs = loaded.site.config, list(info.nodes), scheduler.signs
     read = None

@@ -8,9 +8,10 @@ Only a machine with an NVIDIA driver can prove the readings; everywhere else `op
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
-__all__ = ["GpuCounters", "open_counters"]
+__all__ = ["DeviceSigns", "GpuCounters", "InjectedSign", "device_signs", "open_counters"]
 
 # NVML's clock event (throttle) reasons, by the names nvidia-smi uses, most telling first
 REASONS = (
@@ -21,6 +22,12 @@ REASONS = (
     ("nvmlClocksEventReasonSwPowerCap", "sw_power_cap"),
     ("nvmlClocksEventReasonSyncBoost", "sync_boost"),
 )
+
+
+# the reasons that are the GPU protecting itself (heat, a failing power supply), not a policy (a power cap, boost)
+HEALTH_REASONS = ("hw_thermal", "sw_thermal", "hw_power_brake", "hw_slowdown")
+XID_PER_READ = 16  # Xid events taken from the event set at one read (a storm of them is one sign's worth)
+EVIDENCE_MAX = 200
 
 
 class GpuCounters:
@@ -75,3 +82,105 @@ def open_counters(device: Any) -> tuple[GpuCounters | None, str]:
     except (pynvml.NVMLError, RuntimeError) as e:
         return None, f"not measured: NVML: {e}"
     return GpuCounters(pynvml, handle), ""
+
+
+class DeviceSigns:
+    """One GPU's warning signs through NVML (docs/observability.md#health-signals): uncorrected ECC errors since the
+    attempt started, a row remapping pending or failed, Xid critical errors (an NVML event set, read without
+    waiting), clocks held down to protect the GPU (HEALTH_REASONS). `read(step)` gives the signs seen now, as
+    hpcscale.launch.health.HealthWatch.add takes them (the same sign again is not new there). Host-side driver
+    calls, no device sync: tens of microseconds a read. Only a GPU machine proves what the driver answers."""
+
+    def __init__(self, nvml: Any, handle: Any, *, where: str, node: str):
+        self._nvml, self._h, self.where, self.node = nvml, handle, where, node
+        self._ecc0 = self._ecc()
+        self._events = None
+        try:
+            events = nvml.nvmlEventSetCreate()
+            nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
+            self._events = events
+        except (nvml.NVMLError, AttributeError):  # not supported here (a MIG slice, a driver without events)
+            pass
+
+    def _ecc(self) -> int | None:
+        nvml = self._nvml
+        try:
+            return int(
+                nvml.nvmlDeviceGetTotalEccErrors(
+                    self._h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+                )
+            )
+        except (nvml.NVMLError, AttributeError):  # ECC off, or a GPU without it
+            return None
+
+    def _sign(self, kind: str, what: str) -> dict:
+        return {"kind": kind, "node": self.node, "evidence": f"{self.where}: {what}"[:EVIDENCE_MAX]}
+
+    def read(self, step: int) -> list[dict]:
+        nvml, h, out = self._nvml, self._h, []
+        ecc = self._ecc()
+        if ecc is not None and self._ecc0 is not None and ecc > self._ecc0:
+            out.append(self._sign("ecc", f"{ecc - self._ecc0} uncorrected ECC error(s) since the attempt started"))
+        try:
+            _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(h)
+            if failed:
+                out.append(self._sign("row_remap", "a row remapping failed"))
+            elif pending:
+                out.append(self._sign("row_remap", "a row remapping is pending (the GPU needs a reset)"))
+        except (nvml.NVMLError, AttributeError, TypeError, ValueError):  # before Ampere: no row remapping
+            pass
+        for _ in range(XID_PER_READ if self._events is not None else 0):
+            try:
+                data = nvml.nvmlEventSetWait_v2(self._events, 0)
+            except nvml.NVMLError as e:  # NVML_ERROR_TIMEOUT: no event waiting; anything else: stop asking
+                if getattr(e, "value", None) != getattr(nvml, "NVML_ERROR_TIMEOUT", None):
+                    self._events = None
+                break
+            out.append(self._sign("xid", f"Xid {int(data.eventData)} (a critical error the driver reported)"))
+        try:
+            mask = int(nvml.nvmlDeviceGetCurrentClocksEventReasons(h))
+            held = [name for attr, name in REASONS if name in HEALTH_REASONS and mask & int(getattr(nvml, attr, 0))]
+            if held:
+                out.append(self._sign("throttle", "clocks held down: " + ", ".join(held)))
+        except (nvml.NVMLError, AttributeError):
+            pass
+        return out
+
+
+class InjectedSign:
+    """HPCSCALE_DEVICE_SIGN=<kind>@<step>[:<rank>]: a device warning sign of `kind` on that rank (every rank
+    without one) from `step` on, for the tests of what a sign does on machines without a GPU. Unset in normal
+    runs."""
+
+    def __init__(self, spec: str, *, rank: int, where: str, node: str):
+        kind, _, rest = spec.partition("@")
+        at, _, who = rest.partition(":")
+        try:
+            self.kind, self.step = kind.strip() or "xid", int(at or 0)
+            self.mine = not who or int(who) == rank
+        except ValueError:
+            from hpcscale.errors import BadInput
+
+            raise BadInput(f"HPCSCALE_DEVICE_SIGN={spec!r}: expected <kind>@<step>[:<rank>]") from None
+        self.where, self.node = where, node
+
+    def read(self, step: int) -> list[dict]:
+        if not self.mine or step < self.step:
+            return []
+        return [{"kind": self.kind, "node": self.node, "evidence": f"{self.where}: injected (HPCSCALE_DEVICE_SIGN)"}]
+
+
+def device_signs(device: Any, *, rank: int, node: str) -> DeviceSigns | InjectedSign | None:
+    """This rank's reader of its GPU's warning signs, or None (a CPU rank, no nvidia-ml-py, no driver: the
+    figures' open_counters says which)."""
+    injected = os.environ.get("HPCSCALE_DEVICE_SIGN", "")
+    if injected:
+        return InjectedSign(injected, rank=rank, where=f"rank {rank}", node=node)
+    counters, _why = open_counters(device)
+    if counters is None:
+        return None
+    try:
+        uuid = str(counters._nvml.nvmlDeviceGetUUID(counters._handle))
+    except counters._nvml.NVMLError:
+        uuid = "its GPU"
+    return DeviceSigns(counters._nvml, counters._handle, where=f"rank {rank} {uuid}", node=node)

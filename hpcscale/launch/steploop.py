@@ -39,6 +39,7 @@ from hpcscale.errors import BadInput
 from hpcscale.launch.efficiency import Efficiency
 from hpcscale.launch.health import NoHealthWatch
 from hpcscale.launch.loopclock import LoopClock
+from hpcscale.launch.nvml import device_signs
 from hpcscale.launch.signals import STOP_LINE, StopRequested
 from hpcscale.observe.spikes import SpikeWatch
 from hpcscale.parallel.device import settle
@@ -68,6 +69,16 @@ class StepLoop:
         self._expect: int | None = None  # after a rollback: the step the code must call step() with next
         self._rollbacks = 0  # rollbacks with no save between them: all to one checkpoint
         self.health = ctx.runtime.health or NoHealthWatch()
+        # this rank's GPU's own signs (health.devices), read every health.poll_seconds on this thread: driver
+        # calls on the host, no device sync
+        health = ctx.job.health
+        self._devices = health.devices
+        self.device_signs = (
+            device_signs(ctx.device, rank=ctx.rank, node=ctx.node)
+            if health.devices != "off" and health.poll_seconds
+            else None
+        )
+        self._device_every, self._device_read_at = health.poll_seconds, -float("inf")
         if self.on_spike == "rollback" and not host._skippers():
             raise BadInput(
                 "train.on_spike: rollback: nothing given to ctx.checkpoint.restore can skip batches (an object "
@@ -113,10 +124,15 @@ class StepLoop:
         settle(ctx.device)  # the user's queued GPU work belongs to the step, not to the stop check's wait
         t_sync = time.perf_counter()
         draining = saves.drain_due is not None
+        self._read_device(step)
+        # a rank other than 0 with new signs of its own GPU sends them to rank 0, which logs them (below)
+        news = ctx.rank != 0 and self.health.pending()
         flags, values = ctx.any_of_and_sums(
-            (ctx.stop.requested, draining and saves.drain_would_wait(), self.health.wants_save()), sums or {}
+            (ctx.stop.requested, draining and saves.drain_would_wait(), self.health.wants_save(), news), sums or {}
         )
-        stop, tier_busy, signed = flags
+        stop, tier_busy, signed, news = flags
+        if news:
+            self._gather_signs()
         t_read = time.perf_counter()
         if report is not None:
             report(dict(values))  # the code's copy: the verdict below must see the same numbers on every rank
@@ -243,6 +259,27 @@ class StepLoop:
             yield
         finally:
             self.efficiency.resume()
+
+    def _read_device(self, step: int) -> None:
+        """This rank's GPU's signs, every health.poll_seconds: new ones ask for a save (health.devices: save) on
+        every rank through the stop check."""
+        if self.device_signs is None or time.monotonic() - self._device_read_at < self._device_every:
+            return
+        self._device_read_at = time.monotonic()
+        found = self.device_signs.read(step)
+        if found:
+            self.health.add([{**sign, "act": self._devices == "save"} for sign in found])
+
+    def _gather_signs(self) -> None:
+        """Every rank, when one has new signs of its GPU: they go to rank 0 (one MPI gather; rare), which logs
+        them as its own. Their save is asked for by each rank's own vote in the stop check, not again here."""
+        from mpi4py import MPI
+
+        ctx = self._host._ctx
+        mine = self.health.take() if ctx.rank != 0 else []
+        got = MPI.COMM_WORLD.gather(mine, root=0)
+        if got:
+            self.health.add([{**sign, "act": False} for part in got for sign in part])
 
     def _say_signs(self, step: int) -> None:
         """Rank 0: each new warning sign once, with its evidence (metrics.jsonl and a line)."""

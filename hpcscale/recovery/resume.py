@@ -349,7 +349,7 @@ def _decide(
             for s in subs:
                 exclude += s.excluded
             exclude = list(dict.fromkeys(exclude))
-    if not local and mode != "never":  # nodes Slurm showed a warning sign for during the last attempt: suspect
+    if not local and mode != "never":  # nodes that showed a warning sign during the last attempt: suspect
         suspects = {n: why for n, why in signed_nodes(rd).items() if n not in exclude}
         exclude += list(suspects)
     else:
@@ -374,7 +374,7 @@ def _decide(
             else "--exclude-slow: status names no straggler in the last attempt; no node added"
         )
     for node, why in suspects.items():
-        plan.warnings.append(f"excluding {node}: Slurm showed a warning sign for it during the last attempt ({why})")
+        plan.warnings.append(f"excluding {node}: it showed a warning sign during the last attempt ({why})")
     if diag.shared_failure:
         plan.warnings.append(
             f"the last attempt failed alike wherever it ran ({clean(diag.shared_failure, limit=300)}): no node is "

@@ -535,13 +535,14 @@ def _signs(lines: list[bytes]) -> list[dict]:
     return out[::-1]
 
 
-# the signs of a node's own state: what `resume` holds against a node (a reservation passes, a straggler is
-# --exclude-slow's to move off, a time limit names no node)
-NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding")
+# the signs of a node's own state, Slurm's and its GPUs' (health.devices): what `resume` and the relaunch hold
+# against a node (a reservation passes, a straggler is --exclude-slow's to move off, a time limit names no node,
+# throttling is the room's heat, not the node's fault)
+NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding", "ecc", "xid", "row_remap")
 
 
 def signed_nodes(rd: RunDir) -> dict[str, str]:
-    """node -> the first sign of its own state Slurm showed during the run's newest attempt (health signals in
+    """node -> the first sign of its own state (Slurm's or its GPUs') during the run's newest attempt (health signals in
     metrics.jsonl): what `resume` treats as suspect. Only nodes that attempt ran on (its begin record) count:
     metrics.jsonl is a file others may write."""
     events = rd.attempt_events()

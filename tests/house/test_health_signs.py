@@ -78,3 +78,92 @@ def test_a_nodes_reason_is_read_whole_and_times_that_do_not_parse_are_none():
     forged = "NodeName=n2 State=IDLE+DRAIN Reason=ok NodeName=n1 State=IDLE now"
     assert health._fields(forged) == {"NodeName": "n2", "State": "IDLE+DRAIN"}
     assert health._reason(forged) == "ok NodeName=n1 State=IDLE now"
+
+
+class _Nvml:
+    """NVML's names as nvidia-ml-py has them, answering as a GPU with `ecc` uncorrected errors, rows pending
+    remapping, Xid events queued and clock event reasons would: this machine has no GPU and no driver (a GPU
+    machine proves the real answers), and what hpcscale makes of them is the logic tested here."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_ERROR_TIMEOUT = 1, 0, 10
+    nvmlEventTypeXidCriticalError = 8
+    nvmlClocksEventReasonHwThermalSlowdown, nvmlClocksEventReasonSwPowerCap = 0x40, 0x4
+
+    class NVMLError(Exception):
+        def __init__(self, value):
+            self.value = value
+
+    def __init__(self, *, ecc=0, supported=True):
+        self.ecc, self.pending, self.failed, self.xids, self.mask, self.supported = ecc, False, False, [], 0, supported
+
+    def _check(self):
+        if not self.supported:
+            raise self.NVMLError(3)  # NVML_ERROR_NOT_SUPPORTED
+
+    def nvmlDeviceGetTotalEccErrors(self, h, kind, counter):
+        self._check()
+        assert (kind, counter) == (1, 0)
+        return self.ecc
+
+    def nvmlDeviceGetRemappedRows(self, h):
+        self._check()
+        return (0, 0, self.pending, self.failed)
+
+    def nvmlEventSetCreate(self):
+        self._check()
+        return "set"
+
+    def nvmlDeviceRegisterEvents(self, h, kinds, events):
+        assert kinds == self.nvmlEventTypeXidCriticalError and events == "set"
+
+    def nvmlEventSetWait_v2(self, events, timeout_ms):
+        assert timeout_ms == 0  # never waits on the training thread
+        if not self.xids:
+            raise self.NVMLError(self.NVML_ERROR_TIMEOUT)
+
+        class Data:
+            eventData = self.xids.pop(0)
+
+        return Data
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        self._check()
+        return self.mask
+
+
+def test_a_gpus_own_signs_are_read_from_nvml_each_once_as_the_health_watch_takes_them():
+    from hpcscale.launch.nvml import DeviceSigns
+
+    nvml = _Nvml(ecc=3)  # three errors before the attempt started: not this attempt's
+    signs = DeviceSigns(nvml, "h", where="rank 5 GPU-abc", node="n7")
+    watch = HealthWatch(None, poll_s=30, cooldown_s=0)
+    assert signs.read(0) == []
+    nvml.mask = _Nvml.nvmlClocksEventReasonSwPowerCap  # a power cap is a policy, not a sign
+    assert signs.read(1) == []
+    nvml.ecc, nvml.pending, nvml.xids = 5, True, [79, 48]
+    nvml.mask |= _Nvml.nvmlClocksEventReasonHwThermalSlowdown
+    found = signs.read(2)
+    assert [(s["kind"], s["node"]) for s in found] == [("ecc", "n7"), ("row_remap", "n7"), ("xid", "n7"),
+                                                       ("xid", "n7"), ("throttle", "n7")]  # fmt: skip
+    words = [s["evidence"] for s in found]
+    assert words[0] == "rank 5 GPU-abc: 2 uncorrected ECC error(s) since the attempt started"
+    assert "pending" in words[1] and "Xid 79" in words[2] and "Xid 48" in words[3] and "hw_thermal" in words[4]
+    watch.add(found)
+    assert watch.pending() and watch.wants_save() and len(watch.take()) == 5
+    watch.saved()
+    watch.add(signs.read(3))  # the same state read again: nothing new, no save asked
+    assert not watch.pending() and not watch.wants_save()
+    nvml.failed = True
+    (failed,) = [s for s in signs.read(4) if s["kind"] == "row_remap"]
+    assert "failed" in failed["evidence"]
+
+
+def test_a_gpu_without_the_counters_gives_no_sign_and_no_error():
+    from hpcscale.launch.nvml import DeviceSigns, InjectedSign, device_signs
+
+    signs = DeviceSigns(_Nvml(supported=False), "h", where="rank 0", node="n1")
+    assert signs.read(0) == [] and signs.read(1) == []
+    assert device_signs(None, rank=0, node="n1") is None  # a CPU rank: no reader
+    injected = InjectedSign("ecc@3:1", rank=1, where="rank 1", node="n2")
+    assert injected.read(2) == [] and injected.read(3)[0]["kind"] == "ecc"
+    assert InjectedSign("ecc@3:1", rank=0, where="rank 0", node="n2").read(9) == []

@@ -85,7 +85,7 @@ def test_a_drained_node_takes_a_node_local_checkpoint_at_once_and_the_cooldown_h
         assert len([r for r in _rows(run) if "health_checkpoint" in r]) == 1
         status = run_cli("status", str(run), env=local_cluster)
         assert status.returncode == 0, status.stderr
-        assert "warning signs (Slurm):" in status.stdout and "drain on n2" in status.stdout
+        assert "warning signs:" in status.stdout and "drain on n2" in status.stdout
         assert "reservation on n1" in status.stdout and "node-local checkpoint" in status.stdout
         # the job ends (cancelled) and n2 is back: resume still treats the nodes Slurm showed signs for as suspect
         subprocess.run(["scancel", job_id], env={**os.environ, **local_cluster}, check=True)
@@ -95,7 +95,7 @@ def test_a_drained_node_takes_a_node_local_checkpoint_at_once_and_the_cooldown_h
         assert plan.returncode == 0, plan.stderr
         doc = json.loads(plan.stdout)
         assert "n2" in doc["exclude"], doc
-        assert any("excluding n2: Slurm showed a warning sign" in w and "ECC errors" in w for w in doc["warnings"])
+        assert any("excluding n2: it showed a warning sign" in w and "ECC errors" in w for w in doc["warnings"])
     finally:
         subprocess.run(["scancel", job_id], env={**os.environ, **local_cluster}, check=False)
         _scontrol(local_cluster, "delete", f"reservation={RESERVATION}")
@@ -146,3 +146,35 @@ def test_a_node_that_showed_a_sign_is_left_out_of_the_relaunch_in_the_allocation
     finally:
         subprocess.run(["scancel", job_id], env={**os.environ, **local_cluster}, check=False)
         _scontrol(local_cluster, "update", "nodename=n1", "state=resume")
+
+
+def test_a_gpu_sign_on_another_rank_is_logged_by_rank_0_and_every_rank_saves(mpi, tmp_path):
+    """health.devices: a rank's own GPU sign (here injected with HPCSCALE_DEVICE_SIGN: this machine has no GPU,
+    tests/house/test_health_signs.py reads NVML's answers) reaches rank 0 through the stop check and one
+    gather: logged once with that rank's node and evidence, and every rank takes the node-local checkpoint at
+    the same step; status lists it."""
+    site = tmp_path / "site.yaml"
+    local = yaml.safe_load((REPO / "site_configs" / "local.yaml").read_text())
+    local["filesystems"]["node_local"] = str(tmp_path / "node-local")
+    site.write_text(yaml.safe_dump(local))
+    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=2, steps=40)
+    spec = yaml.safe_load(job.read_text())
+    spec["site"] = str(site)
+    spec["checkpoint"] = {"every_steps": 0, "local": {"every_steps": 1000}}  # none but the sign's
+    spec["health"] = {"poll_seconds": 0.01}
+    job.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "run"
+    env = {"HPCSCALE_DEVICE_SIGN": "xid@10:1"}
+    r = run_cli("run", "--local", str(job), "--run-dir", str(run), env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _rows(run)
+    (signs,) = [row for row in rows if "health" in row]
+    (sign,) = signs["health"]
+    assert sign["kind"] == "xid" and sign["evidence"] == "rank 1: injected (HPCSCALE_DEVICE_SIGN)", sign
+    assert sign["node"] and signs["step"] >= 10
+    (saved,) = [row for row in rows if "health_checkpoint" in row]
+    assert saved["health_checkpoint"]["tier"] == "node-local" and saved["step"] == signs["step"]
+    step = saved["health_checkpoint"]["step"]
+    assert any(row.get("local_checkpoint") == step for row in rows), rows[-5:]
+    status = run_cli("status", str(run))
+    assert "warning signs:" in status.stdout and f"xid on {sign['node']}" in status.stdout, status.stdout
