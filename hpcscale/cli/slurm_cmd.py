@@ -423,7 +423,8 @@ def format_traffic(timing: dict) -> list:
     elif not late["slow_ranks"]:
         lines.append(
             f"late arrivals: none (no rank entered a group's collectives ≥ {rule['ratio']}× later than its peers "
-            f"and ≥ {rule['floor_s'] * 1000:g} ms per step in {rule['min_slow']} of the last {late['windows']} "
+            f"and ≥ {rule['floor_s'] * 1000:g} ms and {rule.get('share', 0) * 100:g} % of its step, per step, in "
+            f"{rule['min_slow']} of the last {late['windows']} "
             "windows)"
         )
     else:

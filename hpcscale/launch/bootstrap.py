@@ -48,6 +48,9 @@ class RankInfo:
     master_port: int
     backend: str
     device: Any = None  # torch.device: cuda:N or cpu
+    # the MPI rank of global rank 0: placement renumbers the ranks, so MPI's rank 0 may be another global rank;
+    # every MPI gather whose root must be global rank 0 (the one that writes the run's lines) roots here
+    root_mpi: int = 0
 
 
 class DeviceChoiceError(RuntimeFailure):
@@ -226,7 +229,7 @@ def bootstrap(
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=comm.size, timeout=timedelta(seconds=timeout_s), **extra
     )
-    return RankInfo(rank, comm.size, local_rank, me[0], comm.rank, order, addr, port, backend, where)
+    return RankInfo(rank, comm.size, local_rank, me[0], comm.rank, order, addr, port, backend, where, master_mpi)
 
 
 def _rank_gpu(device: str, gpus_requested: int, *, local_rank: int, local_size: int, node: str) -> int | None:

@@ -44,6 +44,9 @@ class Runtime:
     peak_tflops: dict[str, float] = field(default_factory=dict)
     # the job's warning signs (launch/health.py): rank 0's polls Slurm; every rank's takes its own GPU's signs
     health: Any = None
+    # the MPI rank of global rank 0 (launch.bootstrap.RankInfo.root_mpi): the root of the MPI gathers whose
+    # result global rank 0 writes (the timing windows, the GPUs' warning signs)
+    root_mpi: int = 0
 
 
 @dataclass(kw_only=True)

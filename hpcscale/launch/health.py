@@ -76,7 +76,7 @@ class HealthWatch:
 
     def wants_save(self) -> bool:
         """Whether a new sign asks for a checkpoint now: one came, and the cooldown since the last save it caused
-        has passed (rank 0's clock: every rank learns the answer through the stop check)."""
+        has passed (this rank's clock: its vote joins the others' in the stop check, and every rank saves)."""
         with self._lock:
             return self._due and time.monotonic() - self._saved_at >= self.cooldown_s
 

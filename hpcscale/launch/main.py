@@ -254,6 +254,7 @@ def _run(
             waits=collective_waits,
             peak_tflops=dict(loaded.site.config.devices.peak_tflops),
             health=health,
+            root_mpi=info.root_mpi,
         ),
     )
     watchdog = Watchdog(

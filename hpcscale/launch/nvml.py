@@ -27,6 +27,11 @@ REASONS = (
 # the reasons that are the GPU protecting itself (heat, a failing power supply), not a policy (a power cap, boost)
 HEALTH_REASONS = ("hw_thermal", "sw_thermal", "hw_power_brake", "hw_slowdown")
 XID_PER_READ = 16  # Xid events taken from the event set at one read (a storm of them is one sign's worth)
+# Xids that say the GPU or its links are failing (NVIDIA's Xid catalogue: double-bit and uncontained ECC errors,
+# row remapping, NVLink, the GPU fallen off the bus, GSP and micro-controller errors). Others (13, 31, 43, 45: a
+# program's illegal access, or its cleanup after being killed) a program can cause: logged, no node suspected
+HARDWARE_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+DEVICE_KINDS = ("ecc", "row_remap", "xid", "throttle")
 EVIDENCE_MAX = 200
 
 
@@ -113,8 +118,15 @@ class DeviceSigns:
         except (nvml.NVMLError, AttributeError):  # ECC off, or a GPU without it
             return None
 
-    def _sign(self, kind: str, what: str) -> dict:
-        return {"kind": kind, "node": self.node, "evidence": f"{self.where}: {what}"[:EVIDENCE_MAX]}
+    def _sign(self, kind: str, what: str, **extra) -> dict:
+        return {"kind": kind, "node": self.node, "evidence": f"{self.where}: {what}"[:EVIDENCE_MAX], **extra}
+
+    def close(self) -> None:
+        """The Xid event set back to the driver."""
+        events, self._events = self._events, None
+        if events is not None:
+            with contextlib.suppress(self._nvml.NVMLError, AttributeError):
+                self._nvml.nvmlEventSetFree(events)
 
     def read(self, step: int) -> list[dict]:
         nvml, h, out = self._nvml, self._h, []
@@ -136,12 +148,16 @@ class DeviceSigns:
                 if getattr(e, "value", None) != getattr(nvml, "NVML_ERROR_TIMEOUT", None):
                     self._events = None
                 break
-            out.append(self._sign("xid", f"Xid {int(data.eventData)} (a critical error the driver reported)"))
+            xid = int(data.eventData)
+            if xid in HARDWARE_XIDS:
+                out.append(self._sign("xid", f"Xid {xid} (a critical error the driver reported)"))
+            else:  # a program can cause it: logged only (suspect False: no save, no node suspected)
+                out.append(self._sign("xid", f"Xid {xid} (the driver's; a program can cause it)", suspect=False))
         try:
             mask = int(nvml.nvmlDeviceGetCurrentClocksEventReasons(h))
             held = [name for attr, name in REASONS if name in HEALTH_REASONS and mask & int(getattr(nvml, attr, 0))]
-            if held:
-                out.append(self._sign("throttle", "clocks held down: " + ", ".join(held)))
+            if held:  # once per rank and attempt, whatever the reasons' mix (a hot room flaps)
+                out.append(self._sign("throttle", "clocks held down: " + ", ".join(held), key=f"{self.where} throttle"))
         except (nvml.NVMLError, AttributeError):
             pass
         return out
@@ -158,11 +174,18 @@ class InjectedSign:
         try:
             self.kind, self.step = kind.strip() or "xid", int(at or 0)
             self.mine = not who or int(who) == rank
+            if self.kind not in DEVICE_KINDS:
+                raise ValueError(self.kind)
         except ValueError:
             from hpcscale.errors import BadInput
 
-            raise BadInput(f"HPCSCALE_DEVICE_SIGN={spec!r}: expected <kind>@<step>[:<rank>]") from None
+            raise BadInput(
+                f"HPCSCALE_DEVICE_SIGN={spec!r}: expected <kind>@<step>[:<rank>], kind one of {', '.join(DEVICE_KINDS)}"
+            ) from None
         self.where, self.node = where, node
+
+    def close(self) -> None:
+        pass
 
     def read(self, step: int) -> list[dict]:
         if not self.mine or step < self.step:

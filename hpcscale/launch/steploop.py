@@ -142,9 +142,9 @@ class StepLoop:
             if back is not None:
                 clock.skip_step(t_sync, t_read)  # the spiked step is no step: its waits and traffic are dropped
                 return back
+        self._say_signs(step)  # before a stop: the signs gathered at this step are logged, not lost with it
         if stop:
             self._stop(step)
-        self._say_signs(step)
         t_saves = time.perf_counter()
         wait_s = clock.wait_s()  # the step's collective waits, saves left out
         sync_s = clock.sync_s(t_sync, t_read)
@@ -246,6 +246,8 @@ class StepLoop:
     def closing(self) -> None:
         """The code returned (Checkpointer.close): a rollback it did not follow is an error, not an end."""
         self.efficiency.close()
+        if self.device_signs is not None:
+            self.device_signs.close()
         if self._expect is not None:
             raise BadInput(
                 f"the loop ended after a rollback to step {self._expect} (train.on_spike: rollback): it must go on "
@@ -268,7 +270,10 @@ class StepLoop:
         self._device_read_at = time.monotonic()
         found = self.device_signs.read(step)
         if found:
-            self.health.add([{**sign, "act": self._devices == "save"} for sign in found])
+            save = self._devices == "save"
+            for sign in found:  # one that only warns (health.devices: warn, an Xid a program can cause) is no
+                sign["suspect"] = save and sign.get("suspect", True)  # reason to save or to suspect its node
+            self.health.add([{**sign, "act": sign["suspect"]} for sign in found])
 
     def _gather_signs(self) -> None:
         """Every rank, when one has new signs of its GPU: they go to rank 0 (one MPI gather; rare), which logs
@@ -277,7 +282,7 @@ class StepLoop:
 
         ctx = self._host._ctx
         mine = self.health.take() if ctx.rank != 0 else []
-        got = MPI.COMM_WORLD.gather(mine, root=0)
+        got = MPI.COMM_WORLD.gather(mine, root=ctx.runtime.root_mpi)  # global rank 0's MPI rank
         if got:
             self.health.add([{**sign, "act": False} for part in got for sign in part])
 

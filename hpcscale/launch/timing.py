@@ -31,8 +31,20 @@ Arrivals = dict[tuple[str, tuple[int, ...]], list[list[float]]]
 
 
 class StepTimes:
-    def __init__(self, *, run_dir: Path, every: int, rank: int, node: str, pp: int, attempt: int | None, device=None):
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        every: int,
+        rank: int,
+        node: str,
+        pp: int,
+        attempt: int | None,
+        device=None,
+        root_mpi: int = 0,
+    ):
         self.every = every
+        self.root_mpi = root_mpi  # global rank 0's MPI rank: the windows are gathered to it
         self.device = device  # the rank's torch.device: its memory peaks go with each window (None: host only)
         self.energy = None  # the rank's GPU's NVML counters (launch/nvml.py), when the step loop has them
         self.health = None  # rank 0's HealthWatch (launch/health.py): straggler verdicts go to it as signs
@@ -55,6 +67,7 @@ class StepTimes:
             pp=ctx.pp_rank,
             attempt=ctx.metrics.attempt,
             device=ctx.device,
+            root_mpi=ctx.runtime.root_mpi,
         )
 
     def record(
@@ -111,7 +124,7 @@ class StepTimes:
         if self.energy is not None and (joules := self.energy.read().get("energy_j")) is not None:
             ledger["energy_j"] = joules  # this rank's GPU since the attempt started
         mine = (self.rank, self.node, self.pp, self.attempt, len(rows), means, ledger, arrivals)
-        gathered = MPI.COMM_WORLD.gather(mine, root=0)
+        gathered = MPI.COMM_WORLD.gather(mine, root=self.root_mpi)  # to global rank 0, which writes the line
         if gathered is None:
             return
         gathered.sort(key=lambda g: g[0])

@@ -285,10 +285,10 @@ def judge(windows: Iterable[Window]) -> Stragglers:
 
 # ---- the communication ledger (hpcscale.launch.ledger) -------------------------------------------------------------
 # A rank arrives late in a window when, in some group, its summed lateness per step is at least LATE_FLOOR_S,
-# LATE_SHARE of its step time and LATE_RATIO times the median of the group's other ranks; it is the rank the
-# others keep waiting for when late in at least MIN_SLOW of the last WINDOWS windows. Lateness is measured on the
-# ranks' clocks: across nodes their offset adds to it (hpcscale.launch.ledger), so a floor well above NTP's
-# millisecond matters there.
+# LATE_SHARE of its step time (blocking saves left out) and LATE_RATIO times the median of the group's other
+# ranks; it is the rank the others keep waiting for when late in at least MIN_SLOW of the last WINDOWS windows.
+# Lateness is measured on the ranks' clocks: across nodes their offset adds to it (hpcscale.launch.ledger), so a
+# floor well above NTP's millisecond matters there.
 LATE_RATIO = 2.0
 LATE_FLOOR_S = 0.002
 # a lateness under a tenth of the step costs the others little: rank 0's own per-step work (it writes the lines)
@@ -433,7 +433,8 @@ def judge_arrivals(windows: Iterable[Window]) -> LateArrivals:
             for i in members:
                 value = w.ranks[i][column]
                 most[i] = max(most[i], value)
-                if len(ordered) < 2 or value < max(LATE_FLOOR_S, LATE_SHARE * w.ranks[i]["step_s"]):
+                step_s = w.ranks[i]["step_s"] - w.ranks[i].get("ckpt_s", 0.0)  # a blocking save is not the step's
+                if len(ordered) < 2 or value < max(LATE_FLOOR_S, LATE_SHARE * step_s):
                     continue
                 if value >= LATE_RATIO * _median_without(ordered, bisect.bisect_left(ordered, value)):
                     late_here[i] = True

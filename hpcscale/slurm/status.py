@@ -555,7 +555,8 @@ def signed_nodes(rd: RunDir) -> dict[str, str]:
             continue
         for sign in row["health"]:
             node = sign.get("node") if isinstance(sign, dict) else None
-            if node in ran_on and sign.get("kind") in NODE_SIGNS and node not in found:
+            suspect = sign.get("suspect", True) is not False  # a GPU sign that only warned (health.devices: warn)
+            if node in ran_on and sign.get("kind") in NODE_SIGNS and suspect and node not in found:
                 found[node] = f"{sign['kind']}: {clean(sign.get('evidence'), limit=200)}"
     return found
 

@@ -4,11 +4,14 @@ path runs on the local cluster in tests/recovery/test_health.py."""
 
 from __future__ import annotations
 
+import os
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hpcscale.errors import BadInput
 from hpcscale.launch.health import HealthWatch, NoHealthWatch
 from hpcscale.slurm import health
 
@@ -88,6 +91,7 @@ class _Nvml:
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC, NVML_ERROR_TIMEOUT = 1, 0, 10
     nvmlEventTypeXidCriticalError = 8
     nvmlClocksEventReasonHwThermalSlowdown, nvmlClocksEventReasonSwPowerCap = 0x40, 0x4
+    nvmlClocksEventReasonSwThermalSlowdown = 0x20
 
     class NVMLError(Exception):
         def __init__(self, value):
@@ -95,6 +99,10 @@ class _Nvml:
 
     def __init__(self, *, ecc=0, supported=True):
         self.ecc, self.pending, self.failed, self.xids, self.mask, self.supported = ecc, False, False, [], 0, supported
+        self.events_broken, self.freed = False, []
+
+    def nvmlEventSetFree(self, events):
+        self.freed.append(events)
 
     def _check(self):
         if not self.supported:
@@ -118,6 +126,8 @@ class _Nvml:
 
     def nvmlEventSetWait_v2(self, events, timeout_ms):
         assert timeout_ms == 0  # never waits on the training thread
+        if self.events_broken:
+            raise self.NVMLError(999)  # NVML_ERROR_UNKNOWN
         if not self.xids:
             raise self.NVMLError(self.NVML_ERROR_TIMEOUT)
 
@@ -132,7 +142,7 @@ class _Nvml:
 
 
 def test_a_gpus_own_signs_are_read_from_nvml_each_once_as_the_health_watch_takes_them():
-    from hpcscale.launch.nvml import DeviceSigns
+    from hpcscale.launch.nvml import XID_PER_READ, DeviceSigns
 
     nvml = _Nvml(ecc=3)  # three errors before the attempt started: not this attempt's
     signs = DeviceSigns(nvml, "h", where="rank 5 GPU-abc", node="n7")
@@ -156,6 +166,28 @@ def test_a_gpus_own_signs_are_read_from_nvml_each_once_as_the_health_watch_takes
     nvml.failed = True
     (failed,) = [s for s in signs.read(4) if s["kind"] == "row_remap"]
     assert "failed" in failed["evidence"]
+    # other reasons for the held clocks: still the one throttle sign of this rank (a hot room flaps)
+    nvml.mask = _Nvml.nvmlClocksEventReasonHwThermalSlowdown | _Nvml.nvmlClocksEventReasonSwThermalSlowdown
+    assert "hw_thermal, sw_thermal" in next(s for s in signs.read(5) if s["kind"] == "throttle")["evidence"]
+    watch.add(signs.read(5))
+    assert [s["kind"] for s in watch.take()] == ["row_remap"]
+    # an Xid a program can cause (31: an illegal memory access) is logged and suspects nothing; at most
+    # XID_PER_READ are taken at one read
+    nvml.pending = nvml.failed = False
+    nvml.xids = [31] + [79] * 40
+    found = [s for s in signs.read(6) if s["kind"] == "xid"]
+    assert len(found) == XID_PER_READ and found[0]["suspect"] is False and "program" in found[0]["evidence"]
+    assert all("suspect" not in s for s in found[1:])
+    # an error other than "nothing waiting" stops the event reads for good; the set goes back at close
+    nvml.events_broken = True
+    assert [s for s in signs.read(7) if s["kind"] == "xid"] == []
+    nvml.events_broken = False
+    assert [s for s in signs.read(8) if s["kind"] == "xid"] == []  # 79s still queued: not read any more
+    signs.close()
+    assert nvml.freed == []  # already dropped after the error
+    fresh = DeviceSigns(_Nvml(), "h", where="rank 0", node="n1")
+    fresh.close()
+    assert fresh._nvml.freed == ["set"]
 
 
 def test_a_gpu_without_the_counters_gives_no_sign_and_no_error():
@@ -163,7 +195,45 @@ def test_a_gpu_without_the_counters_gives_no_sign_and_no_error():
 
     signs = DeviceSigns(_Nvml(supported=False), "h", where="rank 0", node="n1")
     assert signs.read(0) == [] and signs.read(1) == []
-    assert device_signs(None, rank=0, node="n1") is None  # a CPU rank: no reader
+    assert device_signs(None, rank=0, node="n1") is None or os.environ.get("HPCSCALE_DEVICE_SIGN")  # CPU: none
     injected = InjectedSign("ecc@3:1", rank=1, where="rank 1", node="n2")
     assert injected.read(2) == [] and injected.read(3)[0]["kind"] == "ecc"
     assert InjectedSign("ecc@3:1", rank=0, where="rank 0", node="n2").read(9) == []
+    for bad in ("drain@0", "xid@x", "ecc@1:y"):  # only a GPU's kinds: a drain is Slurm's to say
+        with pytest.raises(BadInput, match="HPCSCALE_DEVICE_SIGN"):
+            InjectedSign(bad, rank=0, where="rank 0", node="n1")
+    # an ECC counter that answers nothing at first (off, then on): no sign from it, no error
+    nvml = _Nvml(supported=False)
+    late = DeviceSigns(nvml, "h", where="rank 0", node="n1")
+    nvml.supported, nvml.ecc = True, 7
+    assert [s["kind"] for s in late.read(1)] == []
+
+
+def test_only_a_nodes_own_signs_that_acted_make_it_suspect(tmp_path):
+    """signed_nodes (what resume and the relaunch hold against a node): Slurm's node states and a GPU's failing
+    hardware, on the newest attempt's nodes; not a sign that only warned (health.devices: warn, an Xid a program
+    can cause), a reservation, a straggler, or a node the attempt did not run on."""
+    import json
+
+    from hpcscale.rundir import RunDir
+    from hpcscale.slurm.status import signed_nodes
+
+    run = tmp_path / "run"
+    run.mkdir()
+    begins = [{"event": "begin", "attempt": 1, "nodes": ["n1", "n2"]}, {"event": "begin", "attempt": 2,
+              "nodes": ["n1", "n2", "n3", "n4", "n5"]}]  # fmt: skip
+    (run / "attempts.jsonl").write_text("".join(json.dumps(b) + "\n" for b in begins))
+    signs = [
+        {"kind": "drain", "node": "n1", "evidence": "State=DRAIN Reason=fan"},
+        {"kind": "xid", "node": "n2", "evidence": "rank 2: Xid 79", "suspect": True},
+        {"kind": "xid", "node": "n3", "evidence": "rank 4: Xid 31 (a program can cause it)", "suspect": False},
+        {"kind": "ecc", "node": "n4", "evidence": "rank 6: 1 uncorrected", "suspect": False},  # devices: warn
+        {"kind": "reservation", "node": "n5", "evidence": "ReservationName=m"},
+        {"kind": "drain", "node": "n9", "evidence": "not this attempt's node"},
+    ]
+    rows = [{"attempt": 1, "step": 3, "health": [{"kind": "drain", "node": "n5", "evidence": "old"}]},
+            {"attempt": 2, "step": 9, "health": signs}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = signed_nodes(RunDir(run))
+    assert sorted(found) == ["n1", "n2"], found
+    assert found["n1"] == "drain: State=DRAIN Reason=fan" and "Xid 79" in found["n2"]

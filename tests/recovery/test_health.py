@@ -178,3 +178,45 @@ def test_a_gpu_sign_on_another_rank_is_logged_by_rank_0_and_every_rank_saves(mpi
     assert any(row.get("local_checkpoint") == step for row in rows), rows[-5:]
     status = run_cli("status", str(run))
     assert "warning signs:" in status.stdout and f"xid on {sign['node']}" in status.stdout, status.stdout
+
+
+def test_a_gpu_sign_reaches_global_rank_0_when_placement_renumbers_the_ranks(local_cluster, mpi, tmp_path):
+    """Placement orders the nodes (n1 before n2) whatever order MPI numbered them in: here MPI rank 0 runs on n2
+    and becomes global rank 1. Its GPU's sign must still reach global rank 0 (MPI rank 1), the one that writes
+    metrics.jsonl: the gathers root at global rank 0's MPI rank, not MPI's rank 0. Two emulated nodes under one
+    mpirun (its MPMD form gives each rank its own SLURMD_NODENAME)."""
+    import sys
+
+    from hpcscale.launch.local import local_env
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "renumbered",
+                "site": "localcluster",
+                "nodes": 2,
+                "tasks_per_node": 1,
+                "metrics": {"timing_every": 2},
+                "health": {"poll_seconds": 0.01},
+                "checkpoint": {"every_steps": 0},
+                "train": {"entry": "builtin", "params": {"steps": 12}},
+            }
+        )
+    )
+    run = tmp_path / "run"
+    made = run_cli("submit", str(job), "--run-dir", str(run), "--dry-run", env=local_cluster)  # the run directory
+    assert made.returncode == 0, made.stderr
+    env = {**os.environ, **local_cluster, **local_env(), "HPCSCALE_DEVICE_SIGN": "ecc@3:1"}
+    rank = [sys.executable, "-m", "hpcscale", "launch", "--run-dir", str(run)]
+    out = subprocess.run(
+        [mpi, "--oversubscribe", "--bind-to", "none", "-n", "1", "-x", "SLURMD_NODENAME=n2", *rank,
+         ":", "-n", "1", "-x", "SLURMD_NODENAME=n1", *rank],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (begin,) = [e for e in _events(run) if e["event"] == "begin"]
+    assert begin["nodes"] == ["n1", "n2"]  # global rank 1 (the sign's) is on n2: MPI's rank 0
+    (signs,) = [row for row in _rows(run) if "health" in row]
+    assert signs["health"][0]["node"] == "n2" and signs["health"][0]["evidence"].startswith("rank 1: injected")
+    assert len([line for line in (run / "timing.jsonl").read_text().splitlines() if line]) == 6

@@ -178,10 +178,16 @@ def test_a_repeated_column_is_refused():
 
 
 def _ledger_window(
-    step: int, late: list[float], *, group: str = "mesh_dp", size: float = 4096.0, step_s: float = 0.02
+    step: int,
+    late: list[float],
+    *,
+    group: str = "mesh_dp",
+    size: float = 4096.0,
+    step_s: float = 0.02,
+    ckpt_s: float = 0.0,
 ) -> dict:
     names = [f"bytes.{group}.all_reduce", f"n.{group}.all_reduce", f"wait_s.{group}", f"late_s.{group}"]
-    rows = [[step_s, 0.01, 0.01, 0.0, 0.0, 0.0, 0.0, 0.01, size, 1, 0.002, v] for v in late]
+    rows = [[step_s, 0.01, 0.01, 0.0, 0.0, 0.0, ckpt_s, 0.01, size, 1, 0.002, v] for v in late]
     return make_line(
         time=1.0, attempt=1, step=step, steps=4, rows=rows, nodes=[f"n{i // 2}" for i in range(len(late))],
         pp=[0] * len(late), columns=(*COLUMNS, *names),
@@ -208,6 +214,12 @@ def test_the_rank_the_others_keep_waiting_for_is_named_with_its_node():
         assert late > LATE_FLOOR_S
         share = [parse_line(_ledger_window(4 * i + 3, [0.0, late], step_s=step_s)) for i in range(WINDOWS)]
         assert judge_arrivals(share).slow_ranks == named
+    # a blocking save in the window is not the step's time: the share is of the rest (here half the step)
+    late = LATE_SHARE * step_s * 1.5  # over a tenth of the step without the save, under a tenth with it
+    saved = [
+        parse_line(_ledger_window(4 * i + 3, [0.0, late], step_s=2 * step_s, ckpt_s=step_s)) for i in range(WINDOWS)
+    ]
+    assert judge_arrivals(saved).slow_ranks == [1]
 
 
 def test_no_late_arrival_verdict_for_lines_without_the_ledger():
