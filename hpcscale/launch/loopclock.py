@@ -2,7 +2,8 @@
 how far the run has to go.
 
 A step's time is measured from the end of the previous `ctx.checkpoint.step()` (or the restore) to the end of
-this one, saves included; time inside `ctx.checkpoint.paused(...)` (an evaluation) is left out. Its parts:
+this one, saves included; time inside `ctx.checkpoint.paused(...)` (an evaluation) is left out, and so is the
+writing of the step's line on rank 0 (the built-in trainer's `report`, a user loop's line from step()). Its parts:
 `sync_s`, the stop check's all-reduce and the collectives hpcscale made for the code (`ctx.collective_s`:
 clip_grad_norm_'s, the reference trainer's loss); `wait_s`, every collective wait of the training thread
 (hpcscale.launch.waits) saves left out; `dp_wait_s`, the data-parallel gradient averaging's wait
