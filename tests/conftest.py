@@ -6,6 +6,8 @@ unit tests); with CI=true it fails them, because CI must prove the real thing.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -71,11 +73,12 @@ SHARED_SETUP = ("run_2x2x2", "ckpt_saved_1_2")  # session fixtures that train or
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """Group the tests that must share a worker: every test on the local Slurm cluster runs on one worker, one
-    after the other (they wait for its nodes and name them); the users of an expensive session fixture share
-    the worker that built it; the tests of a module with a module-scoped fixture stay together. The rest go
-    to whichever worker is free. A module whose tests share a module-scoped fixture and one of which uses an
-    expensive session fixture goes to that fixture's worker whole: split, both workers would build it."""
+    """Group the tests that must share a worker: every test on one local Slurm cluster runs on one worker, one
+    after the other (they wait for its nodes and name them; two clusters, two groups: CLUSTER2_MODULES); the
+    users of an expensive session fixture share the worker that built it; the tests of a module with a
+    module-scoped fixture stay together. The rest go to whichever worker is free. A module whose tests share a
+    module-scoped fixture and one of which uses an expensive session fixture goes to that fixture's worker
+    whole: split, both workers would build it."""
     shared_by_module: dict[str, str] = {}
     for item in items:
         used = next((n for n in SHARED_SETUP if n in getattr(item, "fixturenames", ())), None)
@@ -89,7 +92,7 @@ def pytest_collection_modifyitems(config, items):
         else:  # the fast tier: `python3 -m pytest -m fast -n 2`
             item.add_marker(pytest.mark.fast)
         if "local_cluster" in names:
-            group = "slurm"
+            group = "slurm2" if getattr(item, "module", None) and item.module.__name__ in CLUSTER2_MODULES else "slurm"
         elif shared := next((n for n in SHARED_SETUP if n in names), None):
             group = shared
         elif any(d and d[-1].scope in ("module", "package") for n, d in defs.items() if n in names):
@@ -171,13 +174,69 @@ def need(ok: bool, what: str) -> None:
     pytest.skip(f"{what} is not available (runs for real in CI)")
 
 
+# The Slurm tests run on two identical local clusters (four nodes n[1-4] under two leaf switches each), one
+# xdist group per cluster, so two workers run them side by side: such a test waits on Slurm most of its time. The
+# test modules named here run on local2: they reach their cluster only through the fixture's environment
+# (SLURM_CONF, and HPCSCALE_SITE_PATH, under which the site name `localcluster` is local2's) and the node-local
+# root it names (cluster_root); every other Slurm test runs on local1.
+CLUSTER2_MODULES = frozenset({"test_resume"})
+CLUSTER_OF_GROUP = {"slurm": "local1", "slurm2": "local2"}
+
+
+@contextlib.contextmanager
+def cluster_lock(name: str):
+    """Held while a test uses cluster `name`: a test that uses both clusters (the cross-site one) takes the
+    other's too, and waits for the test the other group runs there to end."""
+    CLUSTER_ROOT.mkdir(parents=True, exist_ok=True)
+    with open(CLUSTER_ROOT / f"{name}.tests.lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
-def local_cluster() -> dict[str, str]:
-    """The local Slurm cluster local1, brought up if needed; returns the env that reaches it."""
+def _clusters_up() -> dict[str, dict[str, str]]:
+    return {}  # cluster name -> the env that reaches it, once brought up in this worker
+
+
+def cluster_root(env: dict[str, str]) -> Path:
+    """The directory of the cluster that `env` (local_cluster's) reaches: its nodes' node-local tiers are under
+    `tmp/NODE`."""
+    return Path(env["SLURM_CONF"]).parent
+
+
+@pytest.fixture
+def local2_held():
+    """For a test on local1 that uses local2 too (the cross-site one): local2 held for it, after the test local2's
+    group runs there ends."""
+    with cluster_lock("local2"):
+        yield
+
+
+@pytest.fixture
+def local_cluster(request, _clusters_up, tmp_path_factory) -> dict[str, str]:
+    """The local Slurm cluster of this test's group (local1, or local2 for CLUSTER2_MODULES), brought up if
+    needed; returns the env that reaches it, and holds the cluster for the test."""
     need(shutil.which("slurmctld") is not None or IN_CI, "Slurm (scripts/localcluster up installs it)")
-    up = subprocess.run([str(REPO / "scripts" / "localcluster"), "up"], capture_output=True, text=True, timeout=600)
-    need(up.returncode == 0, f"the local Slurm cluster ({up.stderr.strip()[-500:]})")
-    return {"SLURM_CONF": str(CLUSTER_ROOT / "local1" / "slurm.conf")}
+    marker = request.node.get_closest_marker("xdist_group")
+    name = CLUSTER_OF_GROUP.get(marker.args[0] if marker and marker.args else "slurm", "local1")
+    if name not in _clusters_up:
+        up = subprocess.run(
+            [str(REPO / "scripts" / "localcluster"), "up", "--cluster", name], capture_output=True, text=True,
+            timeout=600,
+        )  # fmt: skip
+        need(up.returncode == 0, f"the local Slurm cluster {name} ({up.stderr.strip()[-500:]})")
+        env = {"SLURM_CONF": str(CLUSTER_ROOT / name / "slurm.conf")}
+        if name != "local1":  # the job files name the site `localcluster`: here it is this cluster's
+            sites = tmp_path_factory.mktemp(f"sites-{name}")
+            shipped = (REPO / "site_configs" / "localcluster2.yaml").read_text()
+            (sites / "localcluster.yaml").write_text(shipped.replace("name: localcluster2\n", "name: localcluster\n"))
+            env["HPCSCALE_SITE_PATH"] = str(sites)
+        _clusters_up[name] = env
+    with cluster_lock(name):
+        yield dict(_clusters_up[name])
 
 
 @pytest.fixture(scope="session")

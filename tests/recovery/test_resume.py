@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_cli, wait_for_job
+from conftest import REPO, cluster_root, run_cli, wait_for_job
 from trainjobs import job_spec, losses
 
 from hpcscale.config.job import JobSpec, Restart, Signals
@@ -284,7 +284,7 @@ def test_a_lost_node_resumes_from_the_node_local_tier_with_its_partners_copy(loc
     spec["checkpoint"]["local"] = {"every_steps": 5}
     job.write_text(yaml.safe_dump(spec))
     job_id = _submit(job, run, local_cluster)
-    node_dirs = Path("/var/tmp/hpcscale-localcluster/local1/tmp")
+    node_dirs = cluster_root(local_cluster) / "tmp"
     record = run / "node-local.json"
     try:
         _wait_steps(run, 80)
@@ -387,7 +387,7 @@ def _lose_node(run: Path, node: str, env: dict) -> None:
     subprocess.run(down, check=True, env=env)
     for pid in _rank_pids(run, node):
         os.kill(pid, signal.SIGKILL)
-    shutil.rmtree(Path("/var/tmp/hpcscale-localcluster/local1/tmp") / node / mine, ignore_errors=True)
+    shutil.rmtree(cluster_root(env) / "tmp" / node / mine, ignore_errors=True)
 
 
 def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local_cluster, reference, tmp_path):

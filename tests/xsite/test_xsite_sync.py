@@ -347,7 +347,7 @@ def capped_link():
 
 
 @pytest.mark.timeout(1200)
-def test_two_slurm_clusters_exchange_over_a_capped_ssh_link(local_cluster, capped_link, tmp_path):
+def test_two_slurm_clusters_exchange_over_a_capped_ssh_link(local_cluster, local2_held, capped_link, tmp_path):
     """Site a's trainer on cluster local1, site b's on local2 (`hpcscale submit`); their ticks run inside a
     network namespace and reach each other's state directories only through an sshd in it, over a loopback
     capped at LINK. Rounds complete, both sites adopt them and end on the same θ."""
