@@ -147,6 +147,7 @@ def _counter():
     mode counts a DTensor operation at the global shapes, on every rank, and its fake runs too.) Built on
     torch.utils.flop_counter's formulas and its dispatch mode (`_FlopCounterMode`, private: pinned by
     tests/training/test_efficiency.py)."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.tensor import DTensor
     from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
@@ -157,7 +158,12 @@ def _counter():
                 return NotImplemented  # DTensor's turn; its local operations come back here
             if any(issubclass(t, FakeTensor) for t in types):
                 return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            if isinstance(func, torch._ops.HigherOrderOperator) or func._overloadpacket in self.counter.flop_registry:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            # an operation without a formula runs as it runs uncounted: torch's mode would run its decomposition
+            # instead, other kernels whose sums round otherwise, and the counted step would not be bitwise any
+            # other step (a resumed run, counted at another step, left the uninterrupted run's weights)
+            return func(*args, **(kwargs or {}))
 
     class Counter(FlopCounterMode):
         failed = False  # a formula raised (shapes it does not know): the count is not to be trusted

@@ -223,3 +223,31 @@ def test_a_users_model_counts_its_products_or_takes_the_formula(mpi, tmp_path, m
     assert record["peak_tflops"] is None and "no peak known for cpu" in out.stdout
     timed = [r for r in rows if "step_time_s" in r and r["step"] >= records[0]["step"]]
     assert timed and all("tflops" in r and "mfu" not in r for r in timed)
+
+
+def test_a_counted_step_is_bitwise_an_uncounted_one():
+    """The counter runs every operation as it runs uncounted: torch's own mode runs the decomposition of one it
+    has no formula for (other kernels, other rounding), and a Llama's step under it (transformers, from a config)
+    came out a float32 ulp off; a resumed run, counted at another step than the uninterrupted one, then left its
+    weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(counted: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        counter = StepFlops()
+        if counted:
+            counter.begin()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if counted:
+            assert counter.end() > 0
+        return loss.detach(), [p.grad for p in model.parameters()]
+
+    (loss, grads), (loss_counted, grads_counted) = step(False), step(True)
+    assert torch.equal(loss, loss_counted)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_counted, strict=True))

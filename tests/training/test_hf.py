@@ -120,9 +120,22 @@ def test_a_transformers_model_trains_at_every_layout_stops_resumes_and_exports(c
     stopped_at = len(losses(run))
     assert stopped_at < 16
     _run(_job(code, "page"), run, "--reuse")
+    # bitwise the uninterrupted run: every loss it logged and its end state (each attempt's FLOP-counted step is
+    # another step of the two runs: counting must not change a bit)
     assert losses(run) == losses(whole)
+    import torch
+
+    mine, theirs = _end_state(run), _end_state(whole)
+    assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
     # exported beside the config the entry point saved: from_pretrained gives the trained model's val loss
     _export_gives_the_val_loss(code, run)
+
+
+def _end_state(run: Path) -> dict:
+    """The model's tensors in the run's newest checkpoint, whole (hpcscale.ckpt.export.consolidated)."""
+    from hpcscale.ckpt.export import consolidated
+
+    return consolidated(run / "checkpoints" / (run / "checkpoints" / "LATEST").read_text().strip())
 
 
 def _export_gives_the_val_loss(code: Path, run: Path) -> None:
