@@ -39,23 +39,34 @@ def _wait_for(run: Path, key: str, count: int = 1, timeout: float = 120) -> list
     raise AssertionError(f"no {key} line after {timeout}s: {_rows(run)[-5:]}")
 
 
-def test_a_drained_node_takes_a_node_local_checkpoint_at_once_and_the_cooldown_holds_the_next(local_cluster, tmp_path):
-    run = tmp_path / "run"
+def _submit_paced(tmp_path: Path, run: Path, env: dict, *, health: dict | None = None, **extra) -> str:
+    """A two-node job of the built-in trainer at a walking pace (0.1 s a step, steps without end) that saves
+    nothing but what a sign asks for, its health polled every second; submitted, its job id."""
     job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=4, site="localcluster", nodes=2, steps=100000)
     spec = yaml.safe_load(job.read_text())
     spec["checkpoint"] = {"every_steps": 100000, "async": False, "local": {"every_steps": 100000}}  # none but ours
-    spec["health"] = {"poll_seconds": 1, "cooldown_seconds": 600, "warn_before_seconds": 900}
+    spec["health"] = {"poll_seconds": 1, "cooldown_seconds": 600, **(health or {})}
     spec["train"]["entry"] = "paced_entry:train"
     spec["environment"] = {"PYTHONPATH": str(REPO / "tests" / "helpers"), "PACED_STEP_S": "0.1"}
+    spec.update(extra)
     job.write_text(yaml.safe_dump(spec))
-    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=local_cluster)
+    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=env)
     assert r.returncode == 0, r.stderr
-    job_id = json.loads(r.stdout)["job_id"]
+    return json.loads(r.stdout)["job_id"]
+
+
+def _wait_trained(run: Path, steps: int = 5) -> None:
+    deadline = time.monotonic() + 240
+    while sum(1 for r in _rows(run) if "loss" in r) < steps:
+        assert time.monotonic() < deadline, "the job did not train"
+        time.sleep(0.3)
+
+
+def test_a_drained_node_takes_a_node_local_checkpoint_at_once_and_the_cooldown_holds_the_next(local_cluster, tmp_path):
+    run = tmp_path / "run"
+    job_id = _submit_paced(tmp_path, run, local_cluster, health={"warn_before_seconds": 900})
     try:
-        deadline = time.monotonic() + 240
-        while sum(1 for r in _rows(run) if "loss" in r) < 5:
-            assert time.monotonic() < deadline, "the job did not train"
-            time.sleep(0.3)
+        _wait_trained(run)
         drained = time.time()
         out = _scontrol(local_cluster, "update", "nodename=n2", "state=drain", "reason=hpcscale test: ECC errors")
         assert out.returncode == 0, out.stderr
@@ -112,22 +123,9 @@ def test_a_node_that_showed_a_sign_is_left_out_of_the_relaunch_in_the_allocation
     and put back (the sign cleared), then a rank on n2 is killed with -9: the batch script relaunches the step in
     the allocation on the spares n3 and n4, n2 for the failure and n1 for its sign, and says so."""
     run = tmp_path / "run"
-    job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=4, site="localcluster", nodes=2, steps=100000)
-    spec = yaml.safe_load(job.read_text())
-    spec["checkpoint"] = {"every_steps": 100000, "async": False, "local": {"every_steps": 100000}}
-    spec["health"] = {"poll_seconds": 1, "cooldown_seconds": 600}
-    spec["restart"] = {"max_failures": 1, "spare_nodes": 2}
-    spec["train"]["entry"] = "paced_entry:train"
-    spec["environment"] = {"PYTHONPATH": str(REPO / "tests" / "helpers"), "PACED_STEP_S": "0.1"}
-    job.write_text(yaml.safe_dump(spec))
-    r = run_cli("submit", str(job), "--run-dir", str(run), "--json", env=local_cluster)
-    assert r.returncode == 0, r.stderr
-    job_id = json.loads(r.stdout)["job_id"]
+    job_id = _submit_paced(tmp_path, run, local_cluster, restart={"max_failures": 1, "spare_nodes": 2})
     try:
-        deadline = time.monotonic() + 240
-        while sum(1 for r in _rows(run) if "loss" in r) < 5:
-            assert time.monotonic() < deadline, "the job did not train"
-            time.sleep(0.3)
+        _wait_trained(run)
         assert [e["nodes"] for e in _events(run) if e["event"] == "begin"] == [["n1", "n2"]]
         out = _scontrol(local_cluster, "update", "nodename=n1", "state=drain", "reason=hpcscale test: fan failing")
         assert out.returncode == 0, out.stderr
