@@ -34,6 +34,7 @@ from datetime import timedelta
 from typing import Any
 
 from hpcscale.errors import RuntimeFailure
+from hpcscale.launch import mpiwait
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,18 +172,18 @@ def bootstrap(
 
     comm = MPI.COMM_WORLD
     me = (node_name(), socket.gethostname())
-    everyone = comm.allgather(me)
+    everyone = mpiwait.allgather(me)
     nodes_seen = list(dict.fromkeys(n for n, _ in everyone))
     per_node = {n: sum(1 for m, _ in everyone if m == n) for n in nodes_seen}
     if len(set(per_node.values())) != 1:
         raise RuntimeFailure(f"ranks per node differ ({per_node}); hpcscale needs the same number on every node")
     tasks_per_node = next(iter(per_node.values()))
     local_rank = sum(1 for n, _ in everyone[: comm.rank] if n == me[0])
-    order = comm.bcast(order_nodes(nodes_seen) if comm.rank == 0 else None, root=0)
+    order = mpiwait.bcast(order_nodes(nodes_seen) if comm.rank == 0 else None, root=0)
     if sorted(order) != sorted(nodes_seen):
         raise RuntimeFailure(f"placement returned {order} for nodes {nodes_seen}")
     rank = order.index(me[0]) * tasks_per_node + local_rank
-    ranks = comm.allgather(rank)
+    ranks = mpiwait.allgather(rank)
     master_mpi = ranks.index(0)
     one_host = len({h for _, h in everyone}) == 1
 
@@ -199,7 +200,7 @@ def bootstrap(
             addr, 0, comm.size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
         )
         endpoint = (addr, store.port)
-    addr, port = comm.bcast(endpoint, root=master_mpi)
+    addr, port = mpiwait.bcast(endpoint, root=master_mpi)  # the others waited for its torch import
     if store is None:
         store = dist.TCPStore(addr, port, comm.size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
@@ -212,7 +213,7 @@ def bootstrap(
     except DeviceChoiceError as e:
         problem = str(e)
     # every rank learns of any rank's problem together: one raising alone would leave the others waiting
-    seen = comm.allgather((me[0], rank, _gpu_uuid(gpu), problem))
+    seen = mpiwait.allgather((me[0], rank, _gpu_uuid(gpu), problem))
     problem = (
         next((p for *_, p in seen if p), None)
         or mixed_devices([(n, r, u) for n, r, u, _ in seen])

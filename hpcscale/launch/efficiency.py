@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hpcscale.launch import mpiwait
 from hpcscale.launch.nvml import open_counters
 
 __all__ = ["PEAK_TFLOPS", "Efficiency", "StepFlops", "memory_gauges", "peak_for"]
@@ -384,7 +385,7 @@ class Efficiency:
 
         # float64: a step of a large model exceeds int64 FLOPs; its 53 bits hold the sum to 1e-16
         agreed = np.zeros(3, dtype=np.float64)
-        MPI.COMM_WORLD.Allreduce(np.array([counted, stage, failed], dtype=np.float64), agreed, op=MPI.SUM)
+        mpiwait.allreduce(np.array([counted, stage, failed], dtype=np.float64), agreed, MPI.SUM)
         counted_world, parameters = int(agreed[0]), int(agreed[1])
         if agreed[2]:  # a rank's counter met an operation it could not count: the formula, on every rank
             counted_world, self.why_formula = 0, "the counter could not count an operation"

@@ -15,17 +15,9 @@ STOP_BARRIER_S = 30.0
 
 def leave_together(timeout_s: float) -> bool:
     """An MPI barrier that gives up after `timeout_s` (polled: MPI's own Barrier cannot time out)."""
-    import time
+    from hpcscale.launch import mpiwait
 
-    from mpi4py import MPI
-
-    req = MPI.COMM_WORLD.Ibarrier()
-    deadline = time.monotonic() + timeout_s
-    while not req.Test():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
+    return mpiwait.arrive(timeout_s)
 
 
 def exit_together(code: int) -> None:

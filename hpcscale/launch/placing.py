@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from hpcscale.config.load import LoadedJob
 from hpcscale.errors import HpcscaleError
+from hpcscale.launch import mpiwait
 from hpcscale.launch.scheduler import SchedulerView
 from hpcscale.topology.placement import place_job
 from hpcscale.topology.tree import flat_tree
@@ -49,4 +50,4 @@ def from_mpi_root(compute: Callable):
     """compute() on MPI rank 0, its result in every rank."""
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD.bcast(compute() if MPI.COMM_WORLD.rank == 0 else None, root=0)
+    return mpiwait.bcast(compute() if MPI.COMM_WORLD.rank == 0 else None, root=0)

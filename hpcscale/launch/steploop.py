@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from hpcscale.errors import BadInput
+from hpcscale.launch import mpiwait
 from hpcscale.launch.efficiency import Efficiency
 from hpcscale.launch.health import NoHealthWatch
 from hpcscale.launch.loopclock import LoopClock
@@ -283,11 +284,10 @@ class StepLoop:
     def _gather_signs(self) -> None:
         """Every rank, when one has new signs of its GPU: they go to rank 0 (one MPI gather; rare), which logs
         them as its own. Their save is asked for by each rank's own vote in the stop check, not again here."""
-        from mpi4py import MPI
 
         ctx = self._host._ctx
         mine = self.health.take() if ctx.rank != 0 else []
-        got = MPI.COMM_WORLD.gather(mine, root=ctx.runtime.root_mpi)  # global rank 0's MPI rank
+        got = mpiwait.gather(mine, root=ctx.runtime.root_mpi)  # global rank 0's MPI rank
         if got:
             self.health.add([{**sign, "act": False} for part in got for sign in part])
 

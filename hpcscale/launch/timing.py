@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from hpcscale.launch import mpiwait
 from hpcscale.launch.efficiency import memory_gauges
 from hpcscale.observe.timing import COLUMNS, MAX_LINE, make_line
 from hpcscale.portable.files import append_json_lines
@@ -111,7 +112,6 @@ class StepTimes:
             yield
 
     def _flush(self, step: int) -> None:
-        from mpi4py import MPI
 
         rows, self._rows = self._rows, []
         traffic, self._traffic = self._traffic, []
@@ -124,7 +124,7 @@ class StepTimes:
         if self.energy is not None and (joules := self.energy.read().get("energy_j")) is not None:
             ledger["energy_j"] = joules  # this rank's GPU since the attempt started
         mine = (self.rank, self.node, self.pp, self.attempt, len(rows), means, ledger, arrivals)
-        gathered = MPI.COMM_WORLD.gather(mine, root=self.root_mpi)  # to global rank 0, which writes the line
+        gathered = mpiwait.gather(mine, root=self.root_mpi)  # to global rank 0, which writes the line
         if gathered is None:
             return
         gathered.sort(key=lambda g: g[0])
@@ -299,7 +299,7 @@ class SaveSchedule:
         median, extra = self._clock.take(previous_background_s)
         figures = np.array([blocking_s, extra, median], dtype=np.float64)
         agreed = np.empty_like(figures)
-        MPI.COMM_WORLD.Allreduce(figures, agreed, op=MPI.MAX)
+        mpiwait.allreduce(figures, agreed, MPI.MAX)
         self.choice = choose(
             blocking_s=float(agreed[0]), background_s=float(agreed[1]), step_s=float(agreed[2]), mtbf=self.mtbf
         )

@@ -36,6 +36,7 @@ from hpcscale.config.train import TrainConfig, train_checks
 from hpcscale.config.yamlsrc import YamlSource
 from hpcscale.data.loader import TokenLoader
 from hpcscale.data.prepare import default_corpus_dataset
+from hpcscale.launch import mpiwait
 from hpcscale.launch.context import Context
 from hpcscale.parallel.fsdp import reshard
 from hpcscale.parallel.pipeline import cut_stage
@@ -124,7 +125,7 @@ def dataset_manifest(ctx: Context, cfg: TrainConfig):
     path = None
     if MPI.COMM_WORLD.rank == 0:
         path = default_corpus_dataset(scratch, sample_len=max(257, cfg.seq_len + 1))
-    return MPI.COMM_WORLD.bcast(path, root=0)
+    return mpiwait.bcast(path, root=0)
 
 
 def _efficiency_words(figures: dict[str, float]) -> str:
