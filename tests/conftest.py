@@ -102,6 +102,38 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+# HPCSCALE_TEST_PROFILE=FILE: each test's wall time and CPU time (its worker's own, and its reaped children's:
+# ranks under mpirun, commands it ran; Slurm jobs' ranks are slurmd's and not counted) appended to FILE as a JSON
+# line; scripts/test-profile FILE sums them by test, module and fixture. Where the suite's time goes.
+_PROFILE = os.environ.get("HPCSCALE_TEST_PROFILE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _PROFILE:
+        yield
+        return
+    import json
+    import resource
+
+    def cpu(who: int) -> float:
+        use = resource.getrusage(who)
+        return use.ru_utime + use.ru_stime
+
+    start, own, kids = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+    yield
+    row = {
+        "test": item.nodeid,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        "wall_s": round(time.monotonic() - start, 3),
+        "cpu_s": round(cpu(resource.RUSAGE_SELF) - own, 3),
+        "children_cpu_s": round(cpu(resource.RUSAGE_CHILDREN) - kids, 3),
+        "fixtures": sorted(getattr(item, "fixturenames", ())),
+    }
+    with open(_PROFILE, "a") as out:
+        out.write(json.dumps(row) + "\n")
+
+
 # Signal state a test may leave behind in its worker, where every later test's subprocesses would inherit it:
 # a signal blocked or ignored survives fork and exec (a Python started with SIGINT ignored never raises
 # KeyboardInterrupt), a handler of ours does not survive exec but makes the worker itself deaf to it. C code
