@@ -93,7 +93,9 @@ def test_requeue_off_means_no_requeue():
 
 
 # ---- helpers for the real runs -------------------------------------------------------------------------------
-def _slurm_job(path: Path, *, nodes: int = 2, ranks: int = 4, steps: int = STEPS, **extra) -> Path:
+def _slurm_job(path: Path, *, nodes: int = 2, ranks: int = 2, steps: int = STEPS, **extra) -> Path:
+    """The built-in trainer's job on the local cluster: one rank a node unless asked (every rank a test starts
+    costs the suite seconds of CPU at its start: what a test proves about nodes needs one rank on each)."""
     job_spec(path, tp=1, pp=1, ranks=ranks, site="localcluster", nodes=nodes, steps=steps,
              checkpoint={"every_steps": 25})  # fmt: skip
     spec = yaml.safe_load(path.read_text())
@@ -105,9 +107,9 @@ def _slurm_job(path: Path, *, nodes: int = 2, ranks: int = 4, steps: int = STEPS
 
 @pytest.fixture(scope="module")
 def reference(mpi, tmp_path_factory) -> dict[int, float]:
-    """The uninterrupted run (4 ranks, dp=4, like the Slurm jobs below): the losses every resumed run must match."""
+    """The uninterrupted run (2 ranks, dp=2, like the Slurm jobs below): the losses every resumed run must match."""
     tmp = tmp_path_factory.mktemp("ref")
-    job = job_spec(tmp / "job.yaml", tp=1, pp=1, ranks=4, steps=STEPS, checkpoint={"every_steps": 25})
+    job = job_spec(tmp / "job.yaml", tp=1, pp=1, ranks=2, steps=STEPS, checkpoint={"every_steps": 25})
     r = run_cli("run", str(job), "--local", "--run-dir", str(tmp / "run"), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = losses(tmp / "run")
@@ -452,7 +454,7 @@ def test_a_failed_node_is_replaced_by_a_spare_in_the_same_allocation_twice(local
 
 
 def test_with_no_spare_left_the_step_shrinks_in_its_allocation_and_the_losses_hold(local_cluster, reference, tmp_path):
-    """restart.shrink on two nodes of two ranks each (dp 4) and no spare: n2 lost (its ranks killed with -9, Slurm
+    """restart.shrink on two nodes of one rank each (dp 2) and no spare: n2 lost (its ranks killed with -9, Slurm
     told it is down, its node-local directory gone). The batch script starts the next step on n1 alone, in the same
     allocation: dp 2, the global batch kept by two micro-batches a rank, the newest node-local checkpoint
     resharded onto it (n2's part from its partner's copy on n1). The job completes and every step's loss is the
@@ -473,7 +475,7 @@ def test_with_no_spare_left_the_step_shrinks_in_its_allocation_and_the_losses_ho
     events = _events(run)
     begins = [e for e in events if e["event"] == "begin"]
     ends = [e for e in events if e["event"] == "end"]
-    assert [(e["nodes"], e["world_size"]) for e in begins] == [(["n1", "n2"], 4), (["n1"], 2)], begins
+    assert [(e["nodes"], e["world_size"]) for e in begins] == [(["n1", "n2"], 2), (["n1"], 1)], begins
     assert [e["cause"] for e in ends] == ["failed", "completed"] and ends[0]["relaunch"] == ["n1"], ends
     log = _log(run)
     assert "no spare left: the step shrinks from 2 to 1 node(s) (restart.shrink), the step now on n1" in log
@@ -483,14 +485,14 @@ def test_with_no_spare_left_the_step_shrinks_in_its_allocation_and_the_losses_ho
 
 
 def test_three_failures_in_one_allocation_one_of_them_during_a_relaunch(local_cluster, reference, tmp_path):
-    """restart.spare_nodes: 3, one node a step (four ranks on it): the step runs on n1, the batch script's node,
+    """restart.spare_nodes: 3, one node a step (two ranks on it): the step runs on n1, the batch script's node,
     and n2-n4 wait. The ranks on n1 killed with -9 (the batch script lives on): the step moves to n2, the nearest
     spare. A rank of that new step killed as soon as it began, before its first step (a failure during the
     relaunch itself): the step moves to n3. A rank there stopped with SIGSTOP (a hang): the step moves to n4, and
     the job completes in its one allocation with the uninterrupted run's losses (no periodic saves here: each
     relaunch starts from the beginning)."""
     run = tmp_path / "run"
-    job = _slurm_job(tmp_path / "job.yaml", nodes=1, ranks=4, restart={"max_failures": 3, "spare_nodes": 3})
+    job = _slurm_job(tmp_path / "job.yaml", nodes=1, ranks=2, restart={"max_failures": 3, "spare_nodes": 3})
     spec = yaml.safe_load(job.read_text())
     spec["hang_timeout_seconds"] = 15
     # no periodic saves: the SIGSTOP lands among training steps (a rank stopped inside a node-local save:
@@ -546,7 +548,7 @@ def test_node_down_is_excluded_and_the_run_finishes_on_fewer_nodes(local_cluster
     finally:
         subprocess.run(["scontrol", "update", "nodename=n3", "state=resume"], env=env)
     assert "resharded" in _log(run)
-    _assert_matches(run, reference, rel=1e-5)  # dp 4 -> 2, the same global batch: the same losses
+    _assert_matches(run, reference, rel=1e-5)  # dp 4, then 2: the same global batch, the same losses
 
 
 def test_crash_at_every_start_stops_at_the_cap(local_cluster, tmp_path):

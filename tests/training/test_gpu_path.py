@@ -289,9 +289,17 @@ def test_an_nccl_abort_on_slurm_is_diagnosed_by_resume_naming_the_late_rank(loca
 def test_smoke_runs_its_cpu_half_on_the_slurm_cluster_and_says_what_it_skipped(local_cluster, tmp_path):
     import json
 
-    from conftest import run_cli
+    from conftest import REPO, run_cli
 
-    result = run_cli("smoke", "--site", "localcluster", "--run-dir", str(tmp_path / "smoke"), "--json",
+    # The emulated nodes declare 4 cores each to Slurm, and the smoke test gives each of a node's 2 ranks half of
+    # them (OMP_NUM_THREADS=2); the 4 nodes share this host's cores, where 8 spinning OpenMP threads made its 4
+    # steps take seconds each. Here each node has the cores of its share: one thread a rank, and the rule
+    # (cpus_per_task = the node's cores / its ranks) is the same.
+    site = tmp_path / "localcluster.yaml"
+    text = (REPO / "site_configs" / "localcluster.yaml").read_text()
+    assert "cpus_per_node: 4\n" in text
+    site.write_text(text.replace("cpus_per_node: 4\n", "cpus_per_node: 2\n"))
+    result = run_cli("smoke", "--site", str(site), "--run-dir", str(tmp_path / "smoke"), "--json",
                      "--steps", "4", env=local_cluster, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
