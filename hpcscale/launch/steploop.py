@@ -41,7 +41,7 @@ from hpcscale.launch.efficiency import Efficiency
 from hpcscale.launch.health import NoHealthWatch
 from hpcscale.launch.loopclock import LoopClock
 from hpcscale.launch.nvml import device_signs
-from hpcscale.launch.signals import STOP_LINE, StopRequested
+from hpcscale.launch.signals import STOP_LINE, STOP_SIGNALS, StopRequested
 from hpcscale.observe.spikes import SpikeWatch
 from hpcscale.parallel.device import settle
 
@@ -128,10 +128,19 @@ class StepLoop:
         self._read_device(step)
         # a rank other than 0 with new signs of its own GPU sends them to rank 0, which logs them (below)
         news = ctx.rank != 0 and self.health.pending()
+        # the stop flag is one per stop signal: every rank learns which one came (srun signals each node's ranks
+        # at its own moment: rank 0, which records the stop, may not have got it yet)
+        got = ctx.stop.signal
         flags, values = ctx.any_of_and_sums(
-            (ctx.stop.requested, draining and saves.drain_would_wait(), self.health.wants_save(), news), sums or {}
+            (*(got == s for s in STOP_SIGNALS), draining and saves.drain_would_wait(), self.health.wants_save(), news),
+            sums or {},
         )
-        stop, tier_busy, signed, news = flags
+        *came, tier_busy, signed, news = flags
+        stop = any(came)
+        if (
+            stop and ctx.stop.signal is None
+        ):  # another rank's signal: this rank stops for it too (no time of its own: `at`)
+            ctx.stop.signal = next(s for s, c in zip(STOP_SIGNALS, came, strict=True) if c)
         if news:
             self._gather_signs()
         t_read = time.perf_counter()

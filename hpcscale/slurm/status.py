@@ -542,23 +542,24 @@ NODE_SIGNS = ("drain", "fail", "maint", "reboot", "down", "not_responding", "ecc
 
 
 def signed_nodes(rd: RunDir) -> dict[str, str]:
-    """node -> the first sign of its own state (Slurm's or its GPUs') during the run's newest attempt (health signals in
-    metrics.jsonl): what `resume` treats as suspect. Only nodes that attempt ran on (its begin record) count:
-    metrics.jsonl is a file others may write."""
+    """node -> the signs of its own state (Slurm's or its GPUs') during the run's newest attempt (health signals in
+    metrics.jsonl), each kind once, the first of it, oldest first ("drain: ...; not_responding: ..."): what
+    `resume` treats as suspect. Only nodes that attempt ran on (its begin record) count: metrics.jsonl is a file
+    others may write."""
     events = rd.attempt_events()
     begins = [e for e in events if e.get("event") == "begin" and type(e.get("attempt")) is int]
     newest = max((e["attempt"] for e in begins), default=None)
     ran_on = {n for e in begins if e["attempt"] == newest for n in (e.get("nodes") or []) if isinstance(n, str)}
-    found: dict[str, str] = {}
-    for row in _rows_with(_metric_rows(rd.metrics, []), b'"health"'):
+    found: dict[str, dict[str, str]] = {}
+    for row in _rows_with(_metric_rows(rd.metrics, [])[::-1], b'"health"'):  # oldest first
         if row.get("attempt") != newest or not isinstance(row.get("health"), list):
             continue
         for sign in row["health"]:
             node = sign.get("node") if isinstance(sign, dict) else None
             suspect = sign.get("suspect", True) is not False  # a GPU sign that only warned (health.devices: warn)
-            if node in ran_on and sign.get("kind") in NODE_SIGNS and suspect and node not in found:
-                found[node] = f"{sign['kind']}: {clean(sign.get('evidence'), limit=200)}"
-    return found
+            if node in ran_on and sign.get("kind") in NODE_SIGNS and suspect:
+                found.setdefault(node, {}).setdefault(sign["kind"], clean(sign.get("evidence"), limit=200))
+    return {node: "; ".join(f"{kind}: {evidence}" for kind, evidence in kinds.items()) for node, kinds in found.items()}
 
 
 def _last_metrics(lines: list[bytes], *, key: str = "loss") -> dict | None:

@@ -53,6 +53,9 @@ def test_stop_and_resume_reproduce_the_uninterrupted_run_bit_for_bit(uninterrupt
     assert proc.returncode == 75, out[-2000:]
     assert "stop requested: stopping after step" in out, out[-2000:]
     stopped = len(_losses(run))
+    # rank 0 records the stop with the signal rank 1 got (it rides the stop check): rank 0 got none itself
+    (event,) = [e for e in map(json.loads, (run / "attempts.jsonl").read_text().splitlines()) if e["event"] == "stop"]
+    assert event["signal"] == "SIGUSR1" and event["step"] + 1 == stopped and event["stop_s"] is None, event
     # rank 0 logged exactly the steps every rank completed, and the stop checkpointed the last of them
     assert stopped == int(out.split("stop requested: stopping after step")[1].split()[0]) + 1
     assert stopped < 20

@@ -237,3 +237,11 @@ def test_only_a_nodes_own_signs_that_acted_make_it_suspect(tmp_path):
     found = signed_nodes(RunDir(run))
     assert sorted(found) == ["n1", "n2"], found
     assert found["n1"] == "drain: State=DRAIN Reason=fan" and "Xid 79" in found["n2"]
+    # a node that showed more than one sign: each kind, the first of it, oldest first (n1 stopped answering after
+    # it was drained: the drain's reason is what an operator needs)
+    more = [{"kind": "not_responding", "node": "n1", "evidence": "NOT_RESPONDING"},
+            {"kind": "drain", "node": "n1", "evidence": "State=DRAIN Reason=other"}]  # fmt: skip
+    later = [{"attempt": 2, "step": 11, "health": more}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + later))
+    found = signed_nodes(RunDir(run))
+    assert found["n1"] == "drain: State=DRAIN Reason=fan; not_responding: NOT_RESPONDING", found

@@ -188,14 +188,14 @@ def test_one_ranks_exception_is_how_the_attempt_ended_not_the_ranks_srun_killed_
     run = _run_entry(tmp_path, ONE_RANK, local_cluster, restart={"max_failures": 0})
     (end,) = [e for e in _events(run) if e["event"] == "end"]
     assert end["cause"] == "failed" and end["exit_code"] == end["srun_exit_code"] != 137, end
-    assert "rank 1 (MPI rank 1) on node n1 failed: ValueError: a value only rank 1 sees" in end["failure"], end
+    assert "rank 1 (MPI rank 1) on node n2 failed: ValueError: a value only rank 1 sees" in end["failure"], end
     assert "died of signal" not in _log(run)
     plan = json.loads(run_cli("resume", str(run), "--dry-run", "--json", env=local_cluster).stdout)
-    assert plan["exclude"] == ["n1"] and not plan["diagnosis"]["shared_failure"], plan
+    assert plan["exclude"] == ["n2"] and not plan["diagnosis"]["shared_failure"], plan
 
 
 def _run_entry(tmp_path, entry: str, env: dict, *, restart: dict):
-    """A 2-node, 4-rank job of the local cluster running `entry` as its entry point, waited for: its run dir."""
+    """A 2-node, 2-rank job of the local cluster running `entry` as its entry point, waited for: its run dir."""
     (tmp_path / "shared_failure_entry.py").write_text(entry)
     job = _slurm_job(tmp_path / "job.yaml", restart=restart)
     spec = yaml.safe_load(job.read_text())
