@@ -2,7 +2,8 @@
 parts, each its own object:
 
 1. the hang watchdog's beat (hpcscale.launch.watchdog);
-2. the stop protocol: one all-reduce, after the step's queued device work, carries every rank's stop flag,
+2. the stop protocol: one all-reduce, after the step's queued device work, carries every rank's stop flags (one
+   per stop signal: every rank learns which came),
    whether a drain due would wait (the save policy's question) and the loop's `sums` (a loss, a norm), read
    back once: the step's one host sync. Any rank's flag: every rank saves the state after this step to the
    shared tier, waits for it (and for a node-local save in flight) and raises StopRequested (exit 75);
@@ -137,9 +138,7 @@ class StepLoop:
         )
         *came, tier_busy, signed, news = flags
         stop = any(came)
-        if (
-            stop and ctx.stop.signal is None
-        ):  # another rank's signal: this rank stops for it too (no time of its own: `at`)
+        if stop and ctx.stop.signal is None:  # another rank's signal: this rank stops for it too (`at` stays None)
             ctx.stop.signal = next(s for s, c in zip(STOP_SIGNALS, came, strict=True) if c)
         if news:
             self._gather_signs()

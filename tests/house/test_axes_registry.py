@@ -230,20 +230,16 @@ at = [a.name for a in layout.AXES].index("tp")
 layout.AXES = (*layout.AXES[:at], layout.Axis(name="dummy", key="dummy", data_parallel=False), *layout.AXES[at:])
 from hpcscale.layout import ParallelDims
 from hpcscale.parallel.mesh import build_mesh, group_timeout_s
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)  # port 0: bound by the store itself, no one can take it first
+dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 mesh = build_mesh(device_type="cpu", backend="gloo", dims=ParallelDims(dp=1), timeout_s=7)
-out = {{"names": list(mesh.mesh_dim_names), "timeout": group_timeout_s(mesh["dummy"].get_group(), "cpu")}}
+out = {"names": list(mesh.mesh_dim_names), "timeout": group_timeout_s(mesh["dummy"].get_group(), "cpu")}
 print(json.dumps(out))
 """
 
 
 def test_a_registered_axis_is_a_dimension_of_the_built_mesh(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = MESH_SCRIPT.format(port=port)
+    script = MESH_SCRIPT
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
