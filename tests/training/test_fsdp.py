@@ -336,8 +336,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from hpcscale.layout import ParallelDims
 from hpcscale.parallel.fsdp import shard_model
 from hpcscale.train.model import GPT, GPTShape, lm_loss
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
 m = GPT(GPTShape(vocab_size=64, seq_len=16, n_layer=2, n_embd=32, n_head=2))
 # the policies shard_model applies, on a one-rank mesh standing for the shard group
@@ -351,19 +350,18 @@ dist.destroy_process_group()
 """
 
 
-def test_bf16_mixed_precision_runs_a_model_with_layers_after_its_blocks_without_autocast():
+def test_bf16_mixed_precision_runs_a_model_with_layers_after_its_blocks_without_autocast(tmp_path):
     """mixed_precision bf16 without autocast (a user's loop): the root's own layers after the blocks (a final
     norm, the head) compute in bf16 on the blocks' bf16 output, and only the logits come back fp32. With every
     unit casting its output to fp32, the final LayerNorm got fp32 input with bf16 weights and the first step
     failed (seen on an H200 with NCCL; the same on CPU: `mixed dtype (CPU)`)."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-c", BF16_FORWARD, str(port)], capture_output=True, text=True, timeout=120)
+    rendezvous = tmp_path / "rendezvous"  # a file, not a port another process could take first
+    r = subprocess.run(
+        [sys.executable, "-c", BF16_FORWARD, str(rendezvous)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "logits torch.float32 block params torch.float32" in r.stdout, r.stdout
 
@@ -431,8 +429,7 @@ import os, sys
 import torch, torch.distributed as dist
 from hpcscale.parallel.grad_sync import GradSync
 rank = int(sys.argv[2])
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=str(rank), WORLD_SIZE="2")
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
 torch.manual_seed(0)
 m = torch.nn.Linear(4, 2)
 sync = GradSync(m, dist.group.WORLD)  # a pipeline stage's: armed per step by Pipeline.step
@@ -457,19 +454,16 @@ os._exit(0)  # no interpreter teardown, where a gloo thread outliving the group 
 """
 
 
-def test_a_pipeline_stage_refuses_a_backward_its_replicas_would_not_average():
+def test_a_pipeline_stage_refuses_a_backward_its_replicas_would_not_average(tmp_path):
     """pp x replicated dp: a stage's gradients are averaged over its replicas around each ctx.pipeline step;
     a backward outside one raises instead of letting the replicas diverge, and inside one they agree."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rendezvous = tmp_path / "rendezvous"  # a file, not a port another process could take first
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", PIPELINE_GUARD, str(port), str(r)],
+            [sys.executable, "-c", PIPELINE_GUARD, str(rendezvous), str(r)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -10,7 +10,6 @@ no error, wrong sums). The ranks record the order they launch buckets in and the
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -36,8 +35,7 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 rank = int(sys.argv[2])
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK=str(rank), WORLD_SIZE="2")
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
 torch.manual_seed(0)
 layers = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(4))  # buckets: 0 is layers[3] ... 3 is layers[0]
 reference = [l.weight.detach().clone() for l in layers]
@@ -101,13 +99,14 @@ os._exit(0)  # no interpreter teardown, where a gloo thread outliving the group 
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def ranks(tmp_path_factory) -> list[dict]:
+    rendezvous = tmp_path_factory.mktemp("grad-sync-order") / "rendezvous"  # a file: no port to take first
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RANK, str(port), str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-c", RANK, str(rendezvous), str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for r in range(2)
     ]

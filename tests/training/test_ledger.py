@@ -14,7 +14,6 @@ The line format round-trips with the new columns (hypothesis); the lateness and 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -46,8 +45,7 @@ VOCAB = 256  # the built-in trainer's default corpus is byte-level
 TWO_RANKS = """
 import json, os, sys, threading
 import torch, torch.distributed as dist
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK=sys.argv[1], WORLD_SIZE="2")
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=int(sys.argv[1]), world_size=2)
 from torch.distributed.device_mesh import init_device_mesh
 from hpcscale.launch import ledger, waits
 from hpcscale.parallel.mesh import group_options
@@ -87,17 +85,11 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_route_to_a_collective_is_counted_once_under_its_group_and_kind(tmp_path):
-    port = str(_free_port())
+    rendezvous = str(tmp_path / "rendezvous")  # a file, not a port another process could take first
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", TWO_RANKS, str(rank), port],
+            [sys.executable, "-c", TWO_RANKS, str(rank), rendezvous],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
