@@ -65,10 +65,12 @@ def local_rank_pids(run_dir: Path) -> dict[int, int]:
 
 # The fixtures of tests that start ranks, Slurm jobs or servers: those tests are marked `slow`, and the fast tier
 # (`python3 -m pytest -m fast -n 2`, a few minutes) is everything else.
-SLOW_FIXTURES = frozenset({"mpi", "local_cluster", "sshd", "openmpi5", "run_2x2x2", "ckpt_saved_1_2"})
+SLOW_FIXTURES = frozenset({"mpi", "local_cluster", "sshd", "openmpi5", "run_2x2x2", "run_pp2_dp2", "ckpt_saved_1_2"})
 
-# What the test command's workers (pytest-xdist, --dist loadgroup) must not split or run side by side.
-SHARED_SETUP = ("run_2x2x2", "ckpt_saved_1_2")  # session fixtures that train or save: built once, on one worker
+# What the test command's workers (pytest-xdist, --dist loadgroup) must not split or run side by side: the session
+# fixtures that train or save, each built once, on its group's worker. The shared runs are one group: the modules
+# that read them (the layout matrix, the checkpoint tests) read both.
+SHARED_SETUP = {"run_2x2x2": "shared-runs", "run_pp2_dp2": "shared-runs", "ckpt_saved_1_2": "ckpt_saved_1_2"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
@@ -83,7 +85,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         used = next((n for n in SHARED_SETUP if n in getattr(item, "fixturenames", ())), None)
         if used and "local_cluster" not in item.fixturenames and getattr(item, "module", None):
-            shared_by_module.setdefault(item.module.__name__, used)
+            shared_by_module.setdefault(item.module.__name__, SHARED_SETUP[used])
     for item in items:
         names = getattr(item, "fixturenames", ())
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
@@ -94,7 +96,7 @@ def pytest_collection_modifyitems(config, items):
         if "local_cluster" in names:
             group = "slurm2" if getattr(item, "module", None) and item.module.__name__ in CLUSTER2_MODULES else "slurm"
         elif shared := next((n for n in SHARED_SETUP if n in names), None):
-            group = shared
+            group = SHARED_SETUP[shared]
         elif any(d and d[-1].scope in ("module", "package") for n, d in defs.items() if n in names):
             group = shared_by_module.get(item.module.__name__, item.module.__name__)
         else:
@@ -384,18 +386,31 @@ def sshd(tmp_path_factory):
     server.stop()
 
 
+def _shared_run(tmp_path_factory, *, tp: int, pp: int, ranks: int) -> Path:
+    """The reference trainer's 20 steps at the layout, a checkpoint every 5 steps, the last 3 kept (the job
+    tests/ckpt/test_ckpt.py's _spec makes)."""
+    from trainjobs import job_spec
+
+    tmp = tmp_path_factory.mktemp(f"run-tp{tp}-pp{pp}-ranks{ranks}")
+    job = job_spec(tmp / "job.yaml", tp=tp, pp=pp, ranks=ranks, steps=20, checkpoint={"every_steps": 5, "keep_last": 3})
+    result = run_cli("run", str(job), "--local", "--run-dir", str(tmp / "run"), timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp / "run"
+
+
 @pytest.fixture(scope="session")
 def run_2x2x2(mpi, tmp_path_factory) -> Path:
     """The reference trainer's 20 steps at tp=2, pp=2, dp=2 (8 ranks; 1F1B), a checkpoint every 5 steps, the
     last 3 kept: one run that several files read (the layout matrix, the checkpoint tests). Treat it as
     read-only: a test that changes a run directory copies it first (shutil.copytree(..., symlinks=True))."""
-    from trainjobs import job_spec
+    return _shared_run(tmp_path_factory, tp=2, pp=2, ranks=8)
 
-    tmp = tmp_path_factory.mktemp("run-2x2x2")
-    job = job_spec(tmp / "job.yaml", tp=2, pp=2, ranks=8, steps=20, checkpoint={"every_steps": 5, "keep_last": 3})
-    result = run_cli("run", str(job), "--local", "--run-dir", str(tmp / "run"), timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return tmp / "run"
+
+@pytest.fixture(scope="session")
+def run_pp2_dp2(mpi, tmp_path_factory) -> Path:
+    """The same job at pp=2, dp=2 (4 ranks): the layout matrix's pp2-dp2 and the uninterrupted run the
+    stop-and-resume test matches bit for bit. Read-only, as run_2x2x2."""
+    return _shared_run(tmp_path_factory, tp=1, pp=2, ranks=4)
 
 
 def ckpt_job(*args: str, env: dict | None = None, ranks: int = 2) -> subprocess.CompletedProcess[str]:

@@ -135,9 +135,9 @@ MODELS = ["llama-tied", "llama", "mistral", "mistral-tied", "qwen2-tied", "qwen2
 # gradient, so hf.LLAMA's plan refuses a parameter it does not know)
 REFUSED_AT_TP = {"gpt2-tied": "transformer.h.0.attn.c_attn", "qwen3": "model.layers.0.self_attn.q_norm.weight"}
 
-# (id, parallel): each run trains every model in turn
-LAYOUTS = [("pp2-dp_shard2", {"pp": 2, "dp_shard": 2}), ("tp2-dp_shard2", {"tp": 2, "dp_shard": 2}),
-           ("pp2-tp2", {"pp": 2, "tp": 2})]  # fmt: skip
+# (id, parallel): each run trains every model in turn. Each family's stage forward and tp plan run at pp2-tp2,
+# its FSDP units at pp2-dp_shard2; tp under FSDP is the page's own layout (test_hf.py, tp2-dp_shard2).
+LAYOUTS = [("pp2-dp_shard2", {"pp": 2, "dp_shard": 2}), ("pp2-tp2", {"pp": 2, "tp": 2})]
 
 
 def _page_block(first_line: str) -> str:

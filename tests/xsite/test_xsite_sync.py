@@ -112,8 +112,10 @@ def _tick(config: Path, site: str, fault: str | None = None) -> subprocess.Compl
 
 
 def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6, faults: bool = False) -> dict[str, int]:
-    """Both trainers, and each site's ticks every 0.5 s until they finish. faults: each tick is SIGKILLed at
-    the next of FAULT_POINTS in turn (where it gets that far); the one after it must complete what it left."""
+    """Both trainers, and each site's ticks every second until they finish (each tick is a process of its own:
+    ticking more often than the trainers make work spends the cores they train on). faults: each tick is
+    SIGKILLed at the next of FAULT_POINTS in turn (where it gets that far); the one after it must complete what
+    it left."""
     from hpcscale.xsite.rounds import FAULT_POINTS
 
     killed = 0
@@ -136,7 +138,7 @@ def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6, fau
                 killed += 1
             else:
                 assert r.returncode in (0, 1), r.stderr
-        time.sleep(0.5)
+        time.sleep(1.0)
     if faults:
         assert killed >= len(FAULT_POINTS), f"only {killed} ticks reached a fault point"
     for _ in range(extra_ticks):  # the last round: exported, aggregated, pushed, handed over; until nothing moves
@@ -391,7 +393,7 @@ def test_two_slurm_clusters_exchange_over_a_capped_ssh_link(local_cluster, local
             assert time.monotonic() < deadline, "the two sites did not finish"
             for s in ("a", "b"):
                 errors += tick(s)["errors"]
-            time.sleep(0.5)
+            time.sleep(1.0)
         for _ in range(6):
             for s in ("a", "b"):
                 tick(s)
@@ -440,7 +442,7 @@ def test_overlap_restarted_mid_round_reads_its_boundary_weights_back(mpi, tmp_pa
         assert time.monotonic() < deadline, "the sites did not finish"
         for s in ("a", "b"):
             _tick(config, s)
-        time.sleep(0.5)
+        time.sleep(1.0)
     for _ in range(6):
         for s in ("a", "b"):
             _tick(config, s)
