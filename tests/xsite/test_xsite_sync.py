@@ -5,6 +5,7 @@ round once; a tampered contribution is rejected with its reason and never applie
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -111,11 +112,41 @@ def _tick(config: Path, site: str, fault: str | None = None) -> subprocess.Compl
     return run_cli("sync", "--config", str(config), "--site", site, "--json", env=env)
 
 
+TICK_EVERY = 5.0  # seconds: the cron of the tests below, between the ticks a changed file calls for
+
+
+def _tick_files(tmp: Path) -> list[tuple[str, int, int]]:
+    """What a tick could act on: the files in both runs' checkpoints and xsite folders and in both state
+    directories (a tick's own log aside), each with its size and time."""
+    seen = []
+    for top in ("run-a/checkpoints", "run-b/checkpoints", "run-a/xsite", "run-b/xsite", "state-a", "state-b"):
+        for path in sorted((tmp / top).rglob("*")):
+            if path.name != "log.jsonl":
+                with contextlib.suppress(FileNotFoundError):  # a tick or a trainer renamed it meanwhile
+                    st = path.stat()
+                    seen.append((str(path), st.st_size, st.st_mtime_ns))
+    return seen
+
+
+def _tick_while(running, tmp: Path, tick_both, timeout: float = 600) -> None:
+    """Both sites' ticks (`tick_both()`: whether they moved anything) while `running()`: again at once after
+    ticks that moved something, else when a file a tick could act on changed, and every TICK_EVERY seconds
+    whatever changed, as cron would. Each tick is a process of its own (an idle one is 0.25 s of CPU): ticking
+    on a short clock alone spends the cores the trainers train on."""
+    deadline = time.monotonic() + timeout
+    moved, files, ticked = True, None, 0.0
+    while running():
+        assert time.monotonic() < deadline, "the sites did not finish"
+        if moved or _tick_files(tmp) != files or time.monotonic() - ticked >= TICK_EVERY:
+            moved, ticked = tick_both(), time.monotonic()
+            files = _tick_files(tmp)  # a tick that moved nothing changed nothing here (its log aside)
+        else:
+            time.sleep(0.2)
+
+
 def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6, faults: bool = False) -> dict[str, int]:
-    """Both trainers, and each site's ticks every second until they finish (each tick is a process of its own:
-    ticking more often than the trainers make work spends the cores they train on). faults: each tick is
-    SIGKILLed at the next of FAULT_POINTS in turn (where it gets that far); the one after it must complete what
-    it left."""
+    """Both trainers, and each site's ticks until they finish (_tick_while). faults: each tick is SIGKILLed at
+    the next of FAULT_POINTS in turn (where it gets that far); the one after it must complete what it left."""
     from hpcscale.xsite.rounds import FAULT_POINTS
 
     killed = 0
@@ -128,17 +159,22 @@ def _run_sites(tmp: Path, config: Path, jobs: dict, *, extra_ticks: int = 6, fau
         )
         for s in jobs
     }
-    deadline = time.monotonic() + 600
-    while any(p.poll() is None for p in procs.values()):
-        assert time.monotonic() < deadline, "the sites did not finish"
+
+    def tick_both() -> bool:
+        nonlocal killed
+        moved = False
         for s in ("a", "b"):
             fault = FAULT_POINTS[killed % len(FAULT_POINTS)] if faults else None
             r = _tick(config, s, fault)
             if r.returncode == -9:
                 killed += 1
+                moved = True
             else:
                 assert r.returncode in (0, 1), r.stderr
-        time.sleep(1.0)
+                moved |= r.returncode != 0 or bool(json.loads(r.stdout)["events"])
+        return moved
+
+    _tick_while(lambda: any(p.poll() is None for p in procs.values()), tmp, tick_both)
     if faults:
         assert killed >= len(FAULT_POINTS), f"only {killed} ticks reached a fault point"
     for _ in range(extra_ticks):  # the last round: exported, aggregated, pushed, handed over; until nothing moves
@@ -387,13 +423,17 @@ def test_two_slurm_clusters_exchange_over_a_capped_ssh_link(local_cluster, local
         def finished() -> bool:
             return all((tmp_path / f"run-{s}" / "checkpoints" / f"step-{STEPS_SLURM:08d}").is_dir() for s in ("a", "b"))
 
-        deadline = time.monotonic() + 900
         errors: list[str] = []
-        while not finished():
-            assert time.monotonic() < deadline, "the two sites did not finish"
+
+        def tick_both() -> bool:
+            moved = False
             for s in ("a", "b"):
-                errors += tick(s)["errors"]
-            time.sleep(1.0)
+                doc = tick(s)
+                errors.extend(doc["errors"])
+                moved |= bool(doc["events"] or doc["errors"])
+            return moved
+
+        _tick_while(lambda: not finished(), tmp_path, tick_both, timeout=900)
         for _ in range(6):
             for s in ("a", "b"):
                 tick(s)
@@ -437,12 +477,12 @@ def test_overlap_restarted_mid_round_reads_its_boundary_weights_back(mpi, tmp_pa
          "--reuse"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    deadline = time.monotonic() + 600
-    while a.poll() is None or b.poll() is None:
-        assert time.monotonic() < deadline, "the sites did not finish"
-        for s in ("a", "b"):
-            _tick(config, s)
-        time.sleep(1.0)
+
+    def tick_both() -> bool:
+        ticks = [_tick(config, s) for s in ("a", "b")]
+        return any(r.returncode != 0 or json.loads(r.stdout)["events"] for r in ticks)
+
+    _tick_while(lambda: a.poll() is None or b.poll() is None, tmp_path, tick_both)
     for _ in range(6):
         for s in ("a", "b"):
             _tick(config, s)
