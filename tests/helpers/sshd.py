@@ -48,7 +48,17 @@ class LoopbackSshd:
         (d / "authorized_keys").write_text((d / "client_key.pub").read_text())
         os.chmod(d / "authorized_keys", 0o600)
         Path("/run/sshd").mkdir(exist_ok=True)  # privilege separation directory Debian's sshd insists on
-        self.port = _free_port()
+        # sshd takes its port as a number: one the kernel found free, let go, then named to sshd, which another
+        # process may bind first. sshd then cannot listen and exits; it starts again on another port.
+        for _ in range(5):
+            self.port = _free_port()
+            if self._serve():
+                return self
+        raise RuntimeError(f"sshd found each of 5 free ports taken: {(d / 'sshd.log').read_text()[-1000:]}")
+
+    def _serve(self) -> bool:
+        """sshd on self.port, until it accepts a login (True); False when it exits because the port was taken."""
+        d = self.dir
         (d / "sshd_config").write_text(
             f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\n"
             f"AuthorizedKeysFile {d / 'authorized_keys'}\nPidFile {d / 'sshd.pid'}\n"
@@ -58,20 +68,29 @@ class LoopbackSshd:
             # a client gone without a word (a broken link) ends its session, and the agent with it, in 15 s
             "ClientAliveInterval 5\nClientAliveCountMax 3\n"
         )
+        log = d / "sshd.log"
+        logged = log.stat().st_size if log.exists() else 0
         self.proc = subprocess.Popen(
             [*self.prefix, SSHD, "-D", "-e", "-f", str(d / "sshd_config")],
             stdout=subprocess.DEVNULL,
-            stderr=open(d / "sshd.log", "ab"),  # noqa: SIM115 - sshd holds it until stop()
+            stderr=open(log, "ab"),  # noqa: SIM115 - sshd holds it until stop()
         )
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"sshd exited: {(d / 'sshd.log').read_text()[-1000:]}")
-            probe = subprocess.run(
-                [*self.prefix, *self.ssh_command(), "-p", str(self.port), "127.0.0.1", "true"], capture_output=True
-            )
+                said = log.read_bytes()[logged:].decode(errors="replace")
+                if "Address already in use" in said:
+                    return False
+                raise RuntimeError(f"sshd exited: {said[-1000:]}")
+            try:  # bounded: whatever took the port may accept and never answer
+                probe = subprocess.run(
+                    [*self.prefix, *self.ssh_command(), "-o", "ConnectTimeout=5", "-p", str(self.port), "127.0.0.1",
+                     "true"], capture_output=True, timeout=10,
+                )  # fmt: skip
+            except subprocess.TimeoutExpired as e:
+                probe = subprocess.CompletedProcess(e.cmd, 255, b"", e.stderr or b"probe timed out")
             if probe.returncode == 0:
-                return self
+                return True
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"sshd on port {self.port} did not accept a login: {probe.stderr.decode()[-500:]}")
