@@ -362,6 +362,18 @@ class ParallelDims:
             a.name: self._degrees[a.name] for a in keyed_axes() if not a.recorded and self._degrees[a.name] != 1
         }
 
+    def text(self) -> str:
+        """`pp=2 dp=4 dp_shard=2 tp=2`: what `as_dict` records, as a person reads it, in the registry's order (the
+        data-parallel degree where its axes stand, an axis not always recorded only when it is not 1)."""
+        record = self.as_dict()
+        names: list[str] = []
+        for a in AXES:
+            if a.data_parallel and DP not in names:
+                names.append(DP)
+            if a.name in record:
+                names.append(a.name)
+        return " ".join(f"{n}={record[n]}" for n in names)
+
     @classmethod
     def from_dict(cls, record: object) -> ParallelDims:
         """The layout `as_dict` recorded (an axis not always recorded absent: 1); BadInput when it is not one."""

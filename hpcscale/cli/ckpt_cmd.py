@@ -10,6 +10,7 @@ import click
 
 from hpcscale.cli.options import console, dry_run_option, json_option, print_json
 from hpcscale.errors import BadInput, VerificationFailure
+from hpcscale.layout import ParallelDims
 
 dir_arg = click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
 
@@ -26,19 +27,21 @@ def _size(n: int) -> str:
 
 
 def _layout(layout: dict | None) -> str:
-    """pp,dp,tp as the column heads it; a sharded layout's dp_shard after it ("1,4,1 shard 4")."""
+    """The recorded layout as `ParallelDims.text` spells it ("pp=1 dp=4 dp_shard=4 tp=1"); "?" when the record is
+    not a layout (a hand-edited index: `ckpt verify` names what is wrong with it)."""
     if not layout:
         return "-"
-    text = f"{layout.get('pp')},{layout.get('dp')},{layout.get('tp')}"
-    shard = layout.get("dp_shard", 1)
-    return text if shard in (1, None) else f"{text} shard {shard}"
+    try:
+        return ParallelDims.from_dict(layout).text()
+    except BadInput:
+        return "?"
 
 
 def format_checkpoints(infos):
     from rich.table import Table
 
     table = Table(title="checkpoints")
-    for col in ("step", "time", "size", "new in it", "layout (pp,dp,tp)", "parent", "made by", "verified"):
+    for col in ("step", "time", "size", "new in it", "layout", "parent", "made by", "verified"):
         table.add_column(col, justify="right" if col in ("step", "size", "new in it") else "left")
     for i in infos:
         when = datetime.fromtimestamp(i.time).strftime("%Y-%m-%d %H:%M:%S") if i.time else "-"
@@ -174,7 +177,7 @@ def inspect(path: Path, as_json: bool) -> None:
     state = dict(doc["trainer_state"])
     lineage = state.pop("lineage", None)
     click.echo(
-        f"step {doc['step']}  world {doc['world_size']}  layout {doc['layout']}  parent {doc['parent']}  "
+        f"step {doc['step']}  world {doc['world_size']}  layout {_layout(doc['layout'])}  parent {doc['parent']}  "
         f"{_declared(doc['bytes'], doc['stored_bytes'])}  trainer state {state}"
     )
     for line in _lineage_lines(lineage):

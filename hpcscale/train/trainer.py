@@ -185,10 +185,9 @@ def train(ctx: Context) -> None:
     start = checkpoint.restore(model, opt, loader=loader)
 
     autocast = ctx.device.type == "cuda" and cfg.bf16
-    shard = f" dp_shard={dims.dp_shard}" if dims.sharded else ""
     ctx.metrics.print(
         f"hpcscale: GPT {cfg.n_layer}x{cfg.n_embd} on {dims.world_size} ranks "
-        f"(pp={dims.pp} dp={dims.dp}{shard} tp={dims.tp}), {n_micro} micro-batches/step, "
+        f"({dims.text()}), {n_micro} micro-batches/step, "
         f"{cfg.steps} steps, backend {ctx.backend}"
     )
 

@@ -162,6 +162,8 @@ def test_a_registered_axis_is_in_the_layout_its_records_and_the_job_spec(dummy_a
     wide = ParallelDims(pp=1, dp=2, tp=2, dummy=3)
     assert wide.world_size == 12 and wide.as_dict() == {"pp": 1, "dp": 2, "tp": 2, "dummy": 3}
     assert ParallelDims.from_dict(json.loads(json.dumps(wide.as_dict()))) == wide
+    # as a person reads it (ckpt ls and inspect, the trainer's first line): the registry's order, at 1 left out
+    assert wide.text() == "pp=1 dp=2 dummy=3 tp=2" and dims.text() == "pp=1 dp=4 dp_shard=2 tp=2"
     with pytest.raises(BadInput, match="dummy"):
         ParallelDims.from_dict({"pp": 1, "dp": 2, "tp": 2, "dummy": "3"})
     assert wide.rank(**wide.coords(7).index) == 7 and wide.group(0, "dummy") == [0, 2, 4]

@@ -137,7 +137,7 @@ def test_sharded_checkpoints_are_written_shard_by_shard_and_load_into_every_layo
 
     saved = read_index(index / "index.h5")
     assert saved.layout == {"pp": 1, "dp": 4, "tp": 1, "dp_shard": 4}
-    assert "1,4,1 shard 4" in run_cli("ckpt", "ls", str(run)).stdout  # the listing says it is sharded
+    assert "pp=1 dp=4 dp_shard=4 tp=1" in run_cli("ckpt", "ls", str(run)).stdout  # the listing says it is sharded
     for name in ("model/layers.0.fc.weight", "optim/layers.0.fc.weight/exp_avg"):
         shards = saved.tensors[name].shards
         # four pieces, each in the data file of the one rank that holds it: nothing gathered to one rank
