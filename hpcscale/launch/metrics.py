@@ -82,6 +82,9 @@ OWN_KEYS = frozenset(
     | {"energy_j", "power_w", "gpu_util", "sm_clock_mhz", "throttle"}
 )
 OWN_PREFIXES = ("checkpoint", "local_checkpoint", "xsite_")  # saves and cross-site rounds: their own lines say them
+# what only hpcscale writes (MetricsLogger.health): `hpcscale status` reads warning signs and the checkpoints they
+# caused from these keys, so a line of the user's loop cannot pose as one
+HEALTH_KEYS = frozenset({"health", "health_checkpoint"})
 
 
 class MetricsLogger:
@@ -106,16 +109,31 @@ class MetricsLogger:
         """Append one JSON line of `values` to metrics.jsonl (rank 0; every rank checks them): numbers,
         strings, booleans, None and one-element tensors (a loss, a norm), and lists and dicts of them; a
         tensor's value is read where the line is written: on rank 0 (a host sync there), on no other rank.
-        Anything else is BadInput naming the key."""
+        Anything else, and the keys hpcscale's warning signs are written under (`health`, `health_checkpoint`),
+        is BadInput naming the key."""
+        taken = sorted(HEALTH_KEYS & values.keys())
+        if taken:
+            raise BadInput(
+                f"ctx.metrics.log: {taken[0]} is the key hpcscale's own warning signs are written under "
+                "(`hpcscale status` reads it); log the value under another name"
+            )
         for key, value in values.items():
             if not _loggable(value):
-                from hpcscale.errors import BadInput
-
                 what = f"a tensor of {value.numel()} elements" if _is_tensor(value) else f"a {type(value).__name__}"
                 raise BadInput(
                     f"ctx.metrics.log: {key} is {what}; log numbers, strings, booleans, None (lists and dicts of "
                     "them) or a one-element tensor"
                 )
+        self._write(values)
+
+    def health(self, step: int, **entry: Any) -> None:
+        """hpcscale's own record of warning signs (`health=[signs]`) or of the checkpoint they caused
+        (`health_checkpoint={...}`) at `step`: the one writer of those keys."""
+        if not entry or set(entry) - HEALTH_KEYS:
+            raise ValueError(f"MetricsLogger.health takes {', '.join(sorted(HEALTH_KEYS))}, not {sorted(entry)}")
+        self._write({"step": step, **entry})
+
+    def _write(self, values: dict[str, Any]) -> None:
         if self._f is not None:
             values = {k: _plain(v) for k, v in values.items()}
             head = (

@@ -305,7 +305,7 @@ class StepLoop:
         if not signs:
             return
         metrics = self._host._ctx.metrics
-        metrics.log(step=step, health=signs)
+        metrics.health(step, health=signs)
         for sign in signs:
             where = f" on {sign['node']}" if sign.get("node") else ""
             metrics.print(f"hpcscale: warning sign at step {step}: {sign['kind']}{where} ({sign['evidence']})")
@@ -322,8 +322,8 @@ class StepLoop:
             return 0.0
         blocking = self.saves.save_local(done)
         if self.saves.saved.get("node-local") == done:  # else the save failed, was said and skipped
-            host._ctx.metrics.log(
-                step=step, health_checkpoint={"step": done, "tier": "node-local", "blocking_s": round(blocking, 4)}
+            host._ctx.metrics.health(
+                step, health_checkpoint={"step": done, "tier": "node-local", "blocking_s": round(blocking, 4)}
             )
             host._ctx.metrics.print(f"hpcscale: node-local checkpoint {done} for the warning sign(s) above")
         return blocking

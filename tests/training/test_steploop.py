@@ -141,3 +141,25 @@ def test_the_step_line_and_the_progress_line(tmp_path, capsys):
     last = capsys.readouterr().out
     assert "step 100/100 done, loss 2.5, 0.5 s/step, 0 steps left" in last  # the first step's 30 s is no pace
     assert metrics.latest(1) == [("loss", 2.5)] and metrics.latest(0) == []
+
+
+def test_the_warning_sign_keys_are_hpcscales_own(tmp_path):
+    """`status` reads warning signs and the checkpoints they caused from `health` and `health_checkpoint`: a line
+    the user's loop logs under either key is refused (nothing written), hpcscale's own writer puts them there."""
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsLogger(path)
+    for key in ("health", "health_checkpoint"):
+        with pytest.raises(BadInput, match=f"{key} is the key hpcscale's own warning signs"):
+            metrics.log(step=3, loss=1.0, **{key: [{"kind": "fake", "node": "n1", "evidence": "spoofed"}]})
+    assert path.read_text() == ""
+    sign = {"kind": "ecc", "node": "n2", "evidence": "2 new uncorrected errors"}
+    metrics.health(4, health=[sign])
+    metrics.health(4, health_checkpoint={"step": 5, "tier": "node-local", "blocking_s": 0.1})
+    with pytest.raises(ValueError, match="health"):
+        metrics.health(4, loss=1.0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r.get("health"), r.get("health_checkpoint", {}).get("step")) for r in rows] == [
+        (4, [sign], None),
+        (4, None, 5),
+    ]
+    assert metrics.latest() == []  # not numbers of the user's loop: the progress line does not show them
