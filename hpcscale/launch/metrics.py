@@ -109,8 +109,8 @@ class MetricsLogger:
         """Append one JSON line of `values` to metrics.jsonl (rank 0; every rank checks them): numbers,
         strings, booleans, None and one-element tensors (a loss, a norm), and lists and dicts of them; a
         tensor's value is read where the line is written: on rank 0 (a host sync there), on no other rank.
-        Anything else, and the keys hpcscale's warning signs are written under (`health`, `health_checkpoint`),
-        is BadInput naming the key."""
+        Anything else, and the keys hpcscale's warning signs are written under (`health`, `health_checkpoint`;
+        log_health writes them), is BadInput naming the key."""
         taken = sorted(HEALTH_KEYS & values.keys())
         if taken:
             raise BadInput(
@@ -125,13 +125,6 @@ class MetricsLogger:
                     "them) or a one-element tensor"
                 )
         self._write(values)
-
-    def health(self, step: int, **entry: Any) -> None:
-        """hpcscale's own record of warning signs (`health=[signs]`) or of the checkpoint they caused
-        (`health_checkpoint={...}`) at `step`: the one writer of those keys."""
-        if not entry or set(entry) - HEALTH_KEYS:
-            raise ValueError(f"MetricsLogger.health takes {', '.join(sorted(HEALTH_KEYS))}, not {sorted(entry)}")
-        self._write({"step": step, **entry})
 
     def _write(self, values: dict[str, Any]) -> None:
         if self._f is not None:
@@ -165,3 +158,12 @@ class MetricsLogger:
             self._f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def log_health(metrics: MetricsLogger, step: int, **entry: Any) -> None:
+    """hpcscale's own line of warning signs (`health=[signs]`) or of the checkpoint they caused
+    (`health_checkpoint={...}`) at `step`: the one writer of those keys (the step loop's), which
+    `MetricsLogger.log` refuses."""
+    if not entry or set(entry) - HEALTH_KEYS:
+        raise ValueError(f"log_health takes {', '.join(sorted(HEALTH_KEYS))}, not {sorted(entry)}")
+    metrics._write({"step": step, **entry})

@@ -41,6 +41,7 @@ from hpcscale.launch import mpiwait
 from hpcscale.launch.efficiency import Efficiency
 from hpcscale.launch.health import NoHealthWatch
 from hpcscale.launch.loopclock import LoopClock
+from hpcscale.launch.metrics import log_health
 from hpcscale.launch.nvml import device_signs
 from hpcscale.launch.signals import STOP_LINE, STOP_SIGNALS, StopRequested
 from hpcscale.observe.spikes import SpikeWatch
@@ -305,7 +306,7 @@ class StepLoop:
         if not signs:
             return
         metrics = self._host._ctx.metrics
-        metrics.health(step, health=signs)
+        log_health(metrics, step, health=signs)
         for sign in signs:
             where = f" on {sign['node']}" if sign.get("node") else ""
             metrics.print(f"hpcscale: warning sign at step {step}: {sign['kind']}{where} ({sign['evidence']})")
@@ -322,9 +323,8 @@ class StepLoop:
             return 0.0
         blocking = self.saves.save_local(done)
         if self.saves.saved.get("node-local") == done:  # else the save failed, was said and skipped
-            host._ctx.metrics.health(
-                step, health_checkpoint={"step": done, "tier": "node-local", "blocking_s": round(blocking, 4)}
-            )
+            entry = {"step": done, "tier": "node-local", "blocking_s": round(blocking, 4)}
+            log_health(host._ctx.metrics, step, health_checkpoint=entry)
             host._ctx.metrics.print(f"hpcscale: node-local checkpoint {done} for the warning sign(s) above")
         return blocking
 

@@ -15,6 +15,7 @@ import torch
 from hpcscale.errors import BadInput
 from hpcscale.launch.context import MetricsLogger, Runtime
 from hpcscale.launch.loopclock import LoopClock
+from hpcscale.launch.metrics import log_health
 from hpcscale.launch.tiersaves import TierSaves
 from hpcscale.launch.watchdog import NoWatchdog
 
@@ -153,10 +154,10 @@ def test_the_warning_sign_keys_are_hpcscales_own(tmp_path):
             metrics.log(step=3, loss=1.0, **{key: [{"kind": "fake", "node": "n1", "evidence": "spoofed"}]})
     assert path.read_text() == ""
     sign = {"kind": "ecc", "node": "n2", "evidence": "2 new uncorrected errors"}
-    metrics.health(4, health=[sign])
-    metrics.health(4, health_checkpoint={"step": 5, "tier": "node-local", "blocking_s": 0.1})
+    log_health(metrics, 4, health=[sign])
+    log_health(metrics, 4, health_checkpoint={"step": 5, "tier": "node-local", "blocking_s": 0.1})
     with pytest.raises(ValueError, match="health"):
-        metrics.health(4, loss=1.0)
+        log_health(metrics, 4, loss=1.0)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["step"], r.get("health"), r.get("health_checkpoint", {}).get("step")) for r in rows] == [
         (4, [sign], None),
