@@ -196,10 +196,9 @@ def test_every_checkpoint_refused_after_partial_reads_starts_truly_from_scratch(
     overwritten everything else. With no older one left, the built-in trainer must build its model again, or
     its "fresh start" trains on from the refused checkpoint's weights."""
     job = job_spec(tmp_path / "job.yaml", tp=1, pp=1, ranks=2, steps=10, checkpoint={"every_steps": 5})
-    _run(job, tmp_path / "ref")
-    reference = _losses(tmp_path / "ref")
     run = tmp_path / "run"
     _run(job, run)
+    reference = _losses(run)  # the first attempt: a true start from scratch
     steps = sorted(p for p in (run / "checkpoints").glob("step-*"))
     assert [p.name for p in steps] == ["step-00000005", "step-00000010"]
     for step_dir in steps:
