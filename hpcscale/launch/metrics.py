@@ -82,7 +82,7 @@ OWN_KEYS = frozenset(
     | {"energy_j", "power_w", "gpu_util", "sm_clock_mhz", "throttle"}
 )
 OWN_PREFIXES = ("checkpoint", "local_checkpoint", "xsite_")  # saves and cross-site rounds: their own lines say them
-# what only hpcscale writes (MetricsLogger.health): `hpcscale status` reads warning signs and the checkpoints they
+# what only hpcscale writes (log_health): `hpcscale status` reads warning signs and the checkpoints they
 # caused from these keys, so a line of the user's loop cannot pose as one
 HEALTH_KEYS = frozenset({"health", "health_checkpoint"})
 
