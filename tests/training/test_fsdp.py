@@ -164,11 +164,10 @@ def test_sharded_checkpoints_are_written_shard_by_shard_and_load_into_every_layo
     assert "resumed from checkpoint step 12 (new layout: resharded)" in out
     _close(losses(run), losses(single))
 
-    whole = hsdp2x2
     # `ckpt export` of a sharded checkpoint is the whole model, as the single process's export is
     exported = {}
     for label, src in (
-        ("sharded", whole / "checkpoints" / "step-00000012"),
+        ("sharded", hsdp2x2 / "checkpoints" / "step-00000012"),
         ("single", single / "checkpoints" / "step-00000012"),
     ):
         r = run_cli("ckpt", "export", str(src), "--format", "torch", "-o", str(tmp_path / f"{label}.pt"))
