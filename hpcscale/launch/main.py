@@ -44,7 +44,7 @@ from hpcscale.rundir import (
     sweep_dir,
 )
 from hpcscale.util.paths import expand_path
-from hpcscale.util.pystart import clean_import_path
+from hpcscale.util.pystart import clean_import_path, pause_collector, resume_collector
 
 # The reference trainer is loaded by name like any user's entry point: launch runs entry points, it does not
 # know the trainer (hpcscale.train sits above launch and builds on its Context).
@@ -96,6 +96,7 @@ def launch(run_dir: Path, *, sweep_index: int | None = None, scheduler: Schedule
     process exit code (STOPPED_EXIT_CODE after a stop request, 1 after a failure that did not abort)."""
     stop = StopFlag()
     stop.install()  # before the slow imports and MPI_Init: a stop signal during start-up is not lost
+    pause_collector()  # until the entry point is called: torch's imports, MPI_Init, the process groups, the mesh
     # A rank started by a batch script through the console script: its PYTHONPATH's relative entries name the
     # run directory; nothing from there for mpi4py, torch or the entry (run --local's ranks are clean already)
     clean_import_path()
@@ -276,6 +277,7 @@ def _run(
 
         # what each of the thread's collectives sends, per group (the communication ledger), in the timing rows
         ctx.step_times.ledger = ledger.install(collective_waits)
+    resume_collector()  # hpcscale's start-up is done: the entry module's imports and its steps run with it on
     try:
         resolve_entry(spec.train.entry)(ctx)
         ctx.close()  # ctx.checkpoint's last step's save, and the wait for one in flight

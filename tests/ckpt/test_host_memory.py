@@ -215,17 +215,26 @@ def _reports(run: Path) -> list[dict]:
 def test_cpu_ranks_of_run_local_return_freed_blocks_by_default_and_keep_a_users_own_threshold(mpi, tmp_path):
     """Two ranks at dp_shard 2 through `hpcscale run --local`: by default each rank's environment carries the
     fixed mmap threshold and glibc maps a 1 MiB block even right after freeing a bigger one (so FSDP's gathered
-    blocks go back to the system); a job that sets its own value keeps it, and glibc follows it."""
+    blocks go back to the system); a job that sets its own value keeps it, and glibc follows it.
+
+    The ranks' start-up ran with Python's cyclic collector paused (hpcscale.util.pystart): the entry point finds
+    it on again, with the start-up's objects (torch's, mpi4py's, hpcscale's: several hundred thousand) frozen;
+    torch._dynamo is imported by then, or by the entry's first optimizer (torch.optim wraps add_param_group
+    with torch._disable_dynamo), after the freeze, where no collection walks torch's objects again."""
     run = tmp_path / "default"
     r = run_cli("run", str(_fsdp_job(tmp_path / "a.yaml")), "--local", "--run-dir", str(run), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for got in _reports(run):
+        collector = got.pop("collector")
         assert got == {THRESHOLD: "1048576", "heap_serves_1mib": False, "dp_shard": 2}, got
+        assert collector["enabled"] and collector["frozen"] > 100_000, collector
+        assert collector["dynamo_after_optimizer"], collector
     own = _fsdp_job(tmp_path / "b.yaml", environment={THRESHOLD: "2097152"})
     run = tmp_path / "own"
     r = run_cli("run", str(own), "--local", "--run-dir", str(run), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for got in _reports(run):
+        got.pop("collector")
         assert got == {THRESHOLD: "2097152", "heap_serves_1mib": True, "dp_shard": 2}, got
 
 
