@@ -13,7 +13,7 @@ The node health and rank placement that `hpcscale resume` and the batch script's
   suspect) is replaced too while spares are left after the failed ones;
 - unless the job may shrink (`restart.shrink`): then the next step runs on as many of the nodes left (the
   previous step's survivors and the spares still free) as the job's layout and batch rules allow, chosen
-  among them as a first step's nodes are.
+  among them as a first step's nodes are, suspects last (only as many as the count needs).
 """
 
 from __future__ import annotations
@@ -136,13 +136,20 @@ def shrink_nodes(
     excluded: list[str],
     tree: SwitchTree,
     fits: Callable[[int], bool],
+    *,
+    suspects: Collection[str] = (),
 ) -> list[str] | None:
     """restart.shrink, when too few spares remain for `failed`: the next step's nodes, as many of those left (the
     allocation's nodes neither `failed` nor `excluded`) as `fits(n)` allows, n at most the previous step's count,
-    chosen as `first_step_nodes` chooses. None when no count fits."""
+    chosen as `first_step_nodes` chooses among the nodes without a warning sign (`suspects`, as for
+    relaunch_nodes); suspects only where those are too few, the fewest needed. None when no count fits."""
     out = set(failed) | set(excluded)
     left = [h for h in sort_hosts(allocation) if h not in out]
+    signed = set(suspects)
+    healthy = [h for h in left if h not in signed]
     for n in range(min(len(left), len(previous)), 0, -1):
         if fits(n):
-            return first_step_nodes(left, n, tree)
+            if len(healthy) >= n:
+                return first_step_nodes(healthy, n, tree)
+            return sort_hosts(healthy + [h for h in left if h in signed][: n - len(healthy)])
     return None

@@ -349,14 +349,14 @@ def relaunch_here(
     suspects = {n: why for n, why in (suspects or {}).items() if n in previous and n not in failed}
     unusable = [*before, *(h for h in down if h not in previous)]
     nodes = relaunch_nodes(previous, failed, allocation, unusable, tree, suspects=list(suspects))
-    replaced = [h for h in suspects if nodes is not None and h not in nodes]
     shrunk = ""
     if nodes is None and fits is not None:
-        nodes = shrink_nodes(previous, failed, allocation, unusable, tree, fits)
+        nodes = shrink_nodes(previous, failed, allocation, unusable, tree, fits, suspects=list(suspects))
         if nodes is not None:
             shrunk = f"no spare left: the step shrinks from {len(previous)} to {len(nodes)} node(s) (restart.shrink), "
     if nodes is None:
         return None
+    replaced = [h for h in suspects if h not in nodes]
     signed = "".join(f"{h} left out too for its warning sign ({suspects[h]}), " for h in replaced)
     kept = "".join(f"{h} kept despite its warning sign (no spare left for it), " for h in suspects if h in nodes)
     why = (

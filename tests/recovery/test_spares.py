@@ -140,6 +140,10 @@ def test_with_too_few_spares_a_shrinking_step_takes_as_many_nodes_left_as_fit():
     assert shrink_nodes(["n1", "n2"], ["n2"], ["n1", "n2"], [], TREE, even) is None  # nothing fits
     # never more nodes than the step had: a spare left over is no reason to grow
     assert shrink_nodes(["n1", "n2"], ["n1", "n2"], ["n1", "n2", "n3"], [], TREE, lambda n: True) == ["n3"]
+    # a node with a warning sign is left out while the count can be met without it, and kept where it cannot
+    assert shrink_nodes(["n1", "n2", "n3", "n4"], ["n2"], ALL, [], TREE, even, suspects=["n3"]) == ["n1", "n4"]
+    assert shrink_nodes(ALL, ["n2"], ALL, [], TREE, lambda n: True, suspects=["n3"]) == ["n1", "n3", "n4"]
+    assert shrink_nodes(ALL, ["n1", "n2"], ALL, [], TREE, even, suspects=["n3", "n4"]) == ["n3", "n4"]
 
 
 def test_a_shrink_is_a_relaunch_on_fewer_nodes_only_where_the_job_fits_and_only_when_asked():
@@ -154,6 +158,14 @@ def test_a_shrink_is_a_relaunch_on_fewer_nodes_only_where_the_job_fits_and_only_
     wide = {**args, "allocation": ALL}
     first = relaunch_here(_spec(spare_nodes=2, shrink=True), [begin], blamed=["n2"], fits=lambda n: True, **wide)
     assert first is not None and first.relaunch == ["n1", "n3"] and "shrinks" not in first.why
+    # a shrink leaves a node with a warning sign out where the step fits without it, and keeps it out after
+    four = {**begin, "nodes": ALL}
+    even = lambda n: n % 2 == 0  # noqa: E731
+    signed = relaunch_here(
+        _spec(max_failures=2, shrink=True), [four], blamed=["n2"], fits=even, suspects={"n3": "drain: fan"}, **wide
+    )
+    assert signed is not None and signed.relaunch == ["n1", "n4"] and signed.excluded == ["n2", "n3"]
+    assert "n3 left out too for its warning sign (drain: fan)" in signed.why and "shrinks from 4 to 2" in signed.why
 
 
 def test_the_batch_script_runs_its_steps_on_the_chosen_nodes_and_passes_shellcheck(tmp_path):
