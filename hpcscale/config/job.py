@@ -255,7 +255,8 @@ class XsiteJob:
         "whose newest checkpoint that loads this job starts from when its own run has none: the model, the "
         "optimizer state and the step (the learning-rate schedule goes on from there), not the data position "
         "(each site reads its own data). The rounds start at that step. Give every site the same checkpoint: "
-        "DiLoCo starts from a pretrained model (docs/cross-site.md). Only read, never written. A relative path is "
+        "DiLoCo starts from a pretrained model (docs/cross-site.md). Only read, never written; it must be yours (or "
+        "root's) and writable by no one else, its step directories too (exit 2 otherwise). A relative path is "
         "read from the job file's directory.",
         default=None,
     )

@@ -50,6 +50,7 @@ from hpcscale.ckpt.shards import local_shards
 from hpcscale.config.xsite import XsiteConfig, load_xsite
 from hpcscale.errors import BadInput, VerificationFailure
 from hpcscale.util.paths import expand_path
+from hpcscale.util.trust import check_private_dir
 from hpcscale.xsite import handed
 from hpcscale.xsite.outer import check_finite
 from hpcscale.xsite.rounds import TAG
@@ -339,6 +340,20 @@ class Rounds:
                 local.copy_(new)
 
 
+def _start_from_problem(root: Path) -> str | None:
+    """Why xsite.start_from cannot be loaded from, or None: not a directory, or one that someone other than the
+    user or root could have written (util/trust.check_private_dir: the directory, its steps and their data/).
+    Its checkpoints' digests and indexes are in it too, so whoever can write there chooses the weights every
+    site starts from."""
+    if not root.is_dir():
+        return f"xsite.start_from: {root} is not a directory (give a run's checkpoints/ directory)"
+    try:
+        check_private_dir(root, what="xsite.start_from checkpoint directory", reading=True)
+    except BadInput as e:
+        return f"xsite.start_from: {e}"
+    return None
+
+
 def load_start_from(ctx, dims, tensors: dict[str, torch.Tensor], *, check_state=None, steps: int | None = None):
     """xsite.start_from: load the newest checkpoint there that every rank can read and verify into `tensors`
     (the caller's model and optimizer state; another layout is resharded), never writing under it. Returns it
@@ -347,10 +362,10 @@ def load_start_from(ctx, dims, tensors: dict[str, torch.Tensor], *, check_state=
     BadInput when it is at or past `steps` (the training's last step), where no round could follow. Collective."""
 
     root = expand_path(ctx.job.xsite.start_from)
-    seen = [root.is_dir()]  # rank 0's answer for every rank: one rank raising alone would hang the others
-    dist.broadcast_object_list(seen, src=0)
-    if not seen[0]:
-        raise BadInput(f"xsite.start_from: {root} is not a directory (give a run's checkpoints/ directory)")
+    seen = [_start_from_problem(root) if ctx.rank == 0 else None]  # rank 0's answer for every rank: one rank
+    dist.broadcast_object_list(seen, src=0)  # raising alone would hang the others
+    if seen[0] is not None:
+        raise BadInput(seen[0])
     manager = CheckpointManager(
         root,
         dims=dims,

@@ -310,17 +310,18 @@ def shared_place(base: Path, fd: int, *, what: str) -> None:
             raise BadInput(f"{here}: cannot check the place of the {what} ({e.strerror})") from None
 
 
-def check_private_dir(path: str | Path, *, what: str) -> None:
+def check_private_dir(path: str | Path, *, what: str, reading: bool = False) -> None:
     """Accept the existing directory `path` leads to (through a symbolic link: a run's checkpoints/ linked to
-    its directory under checkpoint_root) only as private_dir would accept it."""
+    its directory under checkpoint_root) only as private_dir would accept it. `reading`: one hpcscale only
+    reads and never wrote (another run's checkpoints, xsite.start_from): the refusal's fix says to copy it."""
     p = Path(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise BadInput(f"{p}: cannot open the {what} ({e.strerror})") from None
     try:
-        check_dir_fd(fd, p, what=what)
-        _check_inside(fd, p, what)
+        check_dir_fd(fd, p, what=what, reading=reading)
+        _check_inside(fd, p, what, reading=reading)
     finally:
         os.close(fd)
 
@@ -338,7 +339,7 @@ def _open_dir(path: Path, name: str, dir_fd: int, what: str) -> int:
         raise BadInput(f"{path}: cannot open the {what} ({e.strerror})") from None
 
 
-def check_dir_fd(fd: int, path: Path, *, what: str, sticky_ok: bool = False) -> os.stat_result:
+def check_dir_fd(fd: int, path: Path, *, what: str, sticky_ok: bool = False, reading: bool = False) -> os.stat_result:
     """fstat the directory `fd` (opened from `path`) and refuse it (UntrustedFile) unless it is the user's or
     root's and no one else can write it. `sticky_ok`: a sticky directory others may write (like /tmp) is
     accepted, for one hpcscale only writes into and never reads back (report -o): others can add names there
@@ -350,18 +351,18 @@ def check_dir_fd(fd: int, path: Path, *, what: str, sticky_ok: bool = False) -> 
     why = problem(st, directory=sticky_ok, acl=acl)  # by default no sticky exception: others could still add steps
     if why is not None:
         why += " (through its ACL)" if acl else ""
-        raise refuse_dir(path, st, why, what=what)
+        raise refuse_dir(path, st, why, what=what, reading=reading)
     return st
 
 
-def _check_inside(fd: int, path: Path, what: str) -> None:
+def _check_inside(fd: int, path: Path, what: str, *, reading: bool = False) -> None:
     """The directories inside one that its group or others may enter: each must pass the same test, or its
     contents (a step's index and digest) could be replaced by whoever can write it."""
     if stat.S_IMODE(os.fstat(fd).st_mode) & 0o011:  # otherwise no one else gets in: what is inside is the owner's
-        _check_level(fd, path, what, PRIVATE_DEPTH)
+        _check_level(fd, path, what, PRIVATE_DEPTH, reading)
 
 
-def _check_level(fd: int, path: Path, what: str, depth: int) -> None:
+def _check_level(fd: int, path: Path, what: str, depth: int, reading: bool = False) -> None:
     with os.scandir(fd) as entries:
         names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
     for name in names:
@@ -370,7 +371,7 @@ def _check_level(fd: int, path: Path, what: str, depth: int) -> None:
         except FileNotFoundError:
             continue  # removed meanwhile (another rank's retention)
         if (why := problem(st)) is not None:
-            raise refuse_dir(path / name, st, why, what=f"directory in the {what}")
+            raise refuse_dir(path / name, st, why, what=f"directory in the {what}", reading=reading)
         try:  # its ACL, and the level below, on a descriptor of the directory itself
             inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
         except OSError:
@@ -378,16 +379,30 @@ def _check_level(fd: int, path: Path, what: str, depth: int) -> None:
         try:
             st = os.fstat(inner)
             if has_acl(inner) and (why := problem(st, acl=True)) is not None:
-                raise refuse_dir(path / name, st, why + " (through its ACL)", what=f"directory in the {what}")
+                why += " (through its ACL)"
+                raise refuse_dir(path / name, st, why, what=f"directory in the {what}", reading=reading)
             if depth > 1:
-                _check_level(inner, path / name, what, depth - 1)
+                _check_level(inner, path / name, what, depth - 1, reading)
         finally:
             os.close(inner)
 
 
-def refuse_dir(path: Path, st: os.stat_result, why: str, *, what: str) -> UntrustedFile:
-    """The refusal of a directory hpcscale would keep its state in, with the fix."""
+def refuse_dir(path: Path, st: os.stat_result, why: str, *, what: str, reading: bool = False) -> UntrustedFile:
+    """The refusal of a directory hpcscale would keep its state in (or, `reading`, load from), with the fix."""
     mode = stat.S_IMODE(st.st_mode)
+    if reading:
+        mine = st.st_uid in (os.geteuid(), 0)
+        return UntrustedFile(
+            f"{path}: refusing the {what}: {why} (owner {_owner(st.st_uid)}, mode {mode:04o}); hpcscale loads "
+            "checkpoints it did not write only from directories that you (or root) own and no one else can write: "
+            "whoever can write there chooses what is loaded. Nothing in it was read. Fix: "
+            + (
+                f"check what is in it, then chmod -R go-w {path}"
+                if mine
+                else "copy it into a directory of yours that no one else can write (cp -r, then chmod -R go-w) "
+                "and name that"
+            )
+        )
     if st.st_uid not in (os.geteuid(), 0):
         fix = (
             f"someone else made {path} first, so whatever is in it is theirs: have its owner (or root) remove "

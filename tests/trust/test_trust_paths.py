@@ -313,3 +313,27 @@ def test_private_dir_refuses_a_file_a_symlink_and_a_sticky_directory_others_can_
         private_dir(tmp_path / "sticky", what="test directory")
     with pytest.raises(ValueError):
         private_dir(tmp_path / "x", what="test directory", mode=0o775)
+
+
+def test_checkpoints_loaded_but_never_written_are_refused_from_a_directory_others_could_write(tmp_path, other_user):
+    """xsite.start_from's check (util/trust.check_private_dir with reading): another user's directory, or one of
+    ours with a step others can write, is refused; the fix says to copy it, not to have it removed, since
+    hpcscale never writes there. The sites' runs themselves: tests/xsite/test_xsite_start.py."""
+    from hpcscale.util.trust import check_private_dir
+
+    theirs = other_user.make(tmp_path / "pretrain", directory=True)
+    with pytest.raises(UntrustedFile) as e:
+        check_private_dir(theirs, what="xsite.start_from checkpoint directory", reading=True)
+    said = str(e.value)
+    assert f"refusing the xsite.start_from checkpoint directory: owned by {other_user.name}" in said
+    assert "copy it into a directory of yours" in said and "remove" not in said
+    ours = tmp_path / "ours"
+    (ours / "step-00000010" / "data").mkdir(parents=True)
+    ours.chmod(0o755)
+    (ours / "step-00000010" / "data").chmod(0o757)
+    with pytest.raises(UntrustedFile) as e:
+        check_private_dir(ours, what="xsite.start_from checkpoint directory", reading=True)
+    assert "step-00000010/data: refusing the directory in the xsite.start_from checkpoint directory" in str(e.value)
+    assert "writable by others" in str(e.value) and f"chmod -R go-w {ours}" in str(e.value)
+    (ours / "step-00000010" / "data").chmod(0o755)
+    check_private_dir(ours, what="xsite.start_from checkpoint directory", reading=True)  # accepted

@@ -5,6 +5,7 @@ rounds start at that step, and the checkpoint they started from is never written
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,7 +118,9 @@ def test_start_from_that_does_not_load_fails_the_site_and_names_it(mpi, tmp_path
 
 def test_start_from_another_models_checkpoint_is_refused_naming_why(mpi, tmp_path):
     """A pretrained checkpoint of another model (n_embd differs): refused with the reason, then the site fails;
-    the pretrained directory is untouched."""
+    the pretrained directory is untouched. The same model's checkpoint in a step directory others can write
+    (whoever can write there chooses the weights every site starts from): refused at start, exit 2, nothing in
+    it read."""
     _, jobs = _setup(tmp_path, steps=STEPS)
     pre = _pretrain(tmp_path, jobs["a"], "builtin")
     before = _tree(pre)
@@ -125,6 +128,17 @@ def test_start_from_another_models_checkpoint_is_refused_naming_why(mpi, tmp_pat
     said = _site_a_fails(tmp_path, jobs, 1)
     assert "refusing checkpoint step-00000010" in said, said[-3000:]
     assert f"xsite.start_from: no checkpoint in {pre} loads" in said, said[-3000:]
+    assert _tree(pre) == before
+
+    shutil.rmtree(tmp_path / "run-a")
+    _start_from(jobs["a"], pre, n_embd=32)  # it would load: only its directory's mode stops it
+    step = pre / f"step-{PRE:08d}"
+    pre.chmod(0o755)  # others may enter: the steps in it are checked too
+    step.chmod(0o757)
+    said = _site_a_fails(tmp_path, jobs, 2)
+    assert f"xsite.start_from: {step}: refusing the directory in the xsite.start_from checkpoint directory" in said
+    assert "writable by others" in said and "Nothing in it was read" in said, said[-3000:]
+    assert "started from" not in said and "refusing checkpoint" not in said, said[-3000:]
     assert _tree(pre) == before
 
 
