@@ -8,7 +8,14 @@ import contextlib
 import os
 import sys
 
-__all__ = ["PEER_LOST_GRACE_S", "STOP_BARRIER_S", "abort_job", "exit_together", "leave_together"]
+__all__ = [
+    "FAILED_ALIKE_GRACE_S",
+    "PEER_LOST_GRACE_S",
+    "STOP_BARRIER_S",
+    "abort_job",
+    "exit_together",
+    "leave_together",
+]
 
 STOP_BARRIER_S = 30.0
 
@@ -45,6 +52,11 @@ def exit_together(code: int) -> None:
 
 # a survivor of a lost peer: from its failure line to its MPI_Abort, so srun or mpirun names the peer's death first
 PEER_LOST_GRACE_S = 3.0
+# any other failed rank of a job of more than one: from its failure line to its MPI_Abort, so ranks failing the
+# same way at the same moment (a bad input, the program's own error) write theirs before srun or mpirun ends the
+# job: that no node is to blame is read from ranks of two nodes failing alike (launch.failure.shared_failure),
+# and on a loaded node a rank that raised with the others was killed before its line
+FAILED_ALIKE_GRACE_S = 1.0
 
 
 def abort_job() -> None:

@@ -2,7 +2,8 @@
 
 Failures end the whole job fast: an exception in any rank is printed with its rank and node, then the rank
 calls MPI_Abort, which makes srun/mpirun kill every rank at once (a rank that failed because it lost a peer
-waits PEER_LOST_GRACE_S first, so srun/mpirun report the peer's death, not its abort); a rank that dies
+waits PEER_LOST_GRACE_S first, so srun/mpirun report the peer's death, not its abort; any other waits
+FAILED_ALIKE_GRACE_S, so ranks that fail the same way write their lines too); a rank that dies
 without a word is noticed by srun (--kill-on-bad-exit) or mpirun; every collective has a timeout (job spec
 `timeout_seconds`); and a rank that stops making progress without dying is named by its peers' watchdogs
 (launch/watchdog.py, `hang_timeout_seconds`), which write their stacks and abort the job.
@@ -24,7 +25,14 @@ from hpcscale.launch import waits
 from hpcscale.launch.attempts import attempt_event, begin_attempt
 from hpcscale.launch.bootstrap import bootstrap, node_name
 from hpcscale.launch.context import Context, MetricsLogger, Runtime
-from hpcscale.launch.ending import PEER_LOST_GRACE_S, STOP_BARRIER_S, abort_job, exit_together, leave_together
+from hpcscale.launch.ending import (
+    FAILED_ALIKE_GRACE_S,
+    PEER_LOST_GRACE_S,
+    STOP_BARRIER_S,
+    abort_job,
+    exit_together,
+    leave_together,
+)
 from hpcscale.launch.failure import failure_line, lost_a_peer
 from hpcscale.launch.health import HealthWatch, NoHealthWatch
 from hpcscale.launch.placing import Placement, from_mpi_root
@@ -141,6 +149,8 @@ def launch(run_dir: Path, *, sweep_index: int | None = None, scheduler: Schedule
             # kill this one. A survivor's MPI_Abort that reaches mpirun first makes it report the abort, not the
             # death, and the log would then name no cause (Open MPI 4 on a loaded machine did).
             time.sleep(PEER_LOST_GRACE_S)
+        elif MPI.COMM_WORLD.size > 1:  # ranks failing alike get their lines out (a node is blamed otherwise)
+            time.sleep(FAILED_ALIKE_GRACE_S)
         MPI.COMM_WORLD.Abort(code)
         return code
     return code
