@@ -225,7 +225,8 @@ def test_a_bounded_pause_fires_past_factor_times_the_longest_of_its_reason_and_o
         wd.stop()
     assert paused_for is not None and paused_for >= 3 * first, paused_for
     f = FailureLine.parse(wd.fired)
-    assert f.hang.last_step == 1 and f.hang.seconds >= 3 * first and f.peer_lost
+    # the line gives tenths of a second, rounded: 1.1114 s reads 1.1
+    assert f.hang.last_step == 1 and f.hang.seconds + 0.05 >= 3 * first and f.peer_lost
 
 
 def test_progress_inside_a_pause_starts_its_clock_again_and_the_floor_holds():
