@@ -25,7 +25,9 @@ from hpcscale.errors import BadInput, RuntimeFailure, VerificationFailure
 from hpcscale.xsite import roundfile as rf
 from hpcscale.xsite import signing
 
-QUICK = 0.5  # seconds: "refused in well under a second"
+# CPU seconds of the reading process: "refused in well under a second" (its CPU, not the wall clock, which a
+# loaded machine stretches while the process waits for a core: a bomb or a quadratic parse still shows)
+QUICK = 0.5
 COMPRESSED_FIELDS = {"payload_compression", "payload_raw_bytes"}
 
 
@@ -88,10 +90,10 @@ def _read(path: Path, keyring, **kw) -> rf.Contribution:
 
 def _rejected(path: Path, keyring, read=None, **kw) -> str:
     """The reason `path` is rejected; fails if it is accepted or takes long."""
-    t0 = time.monotonic()
+    t0 = time.process_time()
     with pytest.raises(rf.Rejected) as e:
         (read or _read)(path, keyring, **kw)
-    assert time.monotonic() - t0 < QUICK
+    assert time.process_time() - t0 < QUICK
     assert str(path) in str(e.value)
     return e.value.reason
 
@@ -815,10 +817,10 @@ def _read_pair(json_bytes: bytes, payload: bytes, keyring) -> None:
         path = Path(d) / "contrib-a-r000003.json"
         path.write_bytes(json_bytes)
         path.with_suffix(".safetensors").write_bytes(payload)
-        t0 = time.monotonic()
+        t0 = time.process_time()
         with pytest.raises(rf.Rejected):
             _read(path, keyring, expected_base_round=3)
-        assert time.monotonic() - t0 < QUICK
+        assert time.process_time() - t0 < QUICK
 
 
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -888,12 +890,12 @@ def test_any_field_value_signed_by_the_right_key_is_read_or_rejected(keys, keyri
         path = Path(d) / "contrib-a-r000003.json"
         path.write_bytes(rf.canonical_json(doc) + b"\n")
         path.with_suffix(".safetensors").write_bytes(valid_pair[1])
-        t0 = time.monotonic()
+        t0 = time.process_time()
         try:
             _read(path, keyring)
         except rf.Rejected as e:
             assert e.reason
-        assert time.monotonic() - t0 < QUICK
+        assert time.process_time() - t0 < QUICK
 
 
 @settings(deadline=None, max_examples=200)
