@@ -390,30 +390,27 @@ def _check_level(fd: int, path: Path, what: str, depth: int, reading: bool = Fal
 def refuse_dir(path: Path, st: os.stat_result, why: str, *, what: str, reading: bool = False) -> UntrustedFile:
     """The refusal of a directory hpcscale would keep its state in (or, `reading`, load from), with the fix."""
     mode = stat.S_IMODE(st.st_mode)
-    if reading:
-        mine = st.st_uid in (os.geteuid(), 0)
-        return UntrustedFile(
-            f"{path}: refusing the {what}: {why} (owner {_owner(st.st_uid)}, mode {mode:04o}); hpcscale loads "
-            "checkpoints it did not write only from directories that you (or root) own and no one else can write: "
-            "whoever can write there chooses what is loaded. Nothing in it was read. Fix: "
-            + (
-                f"check what is in it, then chmod -R go-w {path}"
-                if mine
-                else "copy it into a directory of yours that no one else can write (cp -r, then chmod -R go-w) "
-                "and name that"
-            )
-        )
-    if st.st_uid not in (os.geteuid(), 0):
+    if st.st_uid in (os.geteuid(), 0):
+        fix = f"check what is in it, then chmod -R go-w {path}"
+    elif reading:
+        fix = "copy it into a directory of yours that no one else can write (cp -r, then chmod -R go-w) and name that"
+    else:
         fix = (
             f"someone else made {path} first, so whatever is in it is theirs: have its owner (or root) remove "
             "it, or use another directory; hpcscale then makes it anew, as yours"
         )
+    if reading:
+        rule = (
+            "hpcscale loads checkpoints it did not write only from directories that you (or root) own and no one "
+            "else can write: whoever can write there chooses what is loaded. Nothing in it was read"
+        )
     else:
-        fix = f"check what is in it, then chmod -R go-w {path}"
+        rule = (
+            "hpcscale writes its state only into directories that you (or root) made and no one else can write. "
+            "Nothing in it was read or changed"
+        )
     return UntrustedFile(
-        f"{path}: refusing the {what}: {why} (owner {_owner(st.st_uid)}, mode {mode:04o}); hpcscale writes "
-        "its state only into directories that you (or root) made and no one else can write. "
-        f"Nothing in it was read or changed. Fix: {fix}"
+        f"{path}: refusing the {what}: {why} (owner {_owner(st.st_uid)}, mode {mode:04o}); {rule}. Fix: {fix}"
     )
 
 
