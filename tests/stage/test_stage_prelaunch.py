@@ -64,7 +64,7 @@ def test_nothing_starts_early_for_help_dry_runs_and_double_dashes(extra):
 
 
 def test_stage_ends_without_teardown_yet_every_byte_and_exit_code_arrives(tmp_path):
-    """`hpcscale stage` ends the process once its output is flushed (hpcscale.cli.entry._exit_now): the --json
+    """`hpcscale stage` ends the process once its output is flushed (hpcscale.util.pystart.exit_now): the --json
     document arrives whole through a pipe, a bad input still exits 2 with its message, and a reader that
     closed the pipe early gets the ordinary exit, not a hang or a lost exit code."""
     import json
