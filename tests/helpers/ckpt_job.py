@@ -14,11 +14,14 @@ import os
 import sys
 from pathlib import Path
 
+import rankstart  # first: the imports below run with the collector paused
 import torch
 
 from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.launch.bootstrap import bootstrap
 from hpcscale.layout import ParallelDims
+
+rankstart.imported()
 
 root, action, *steps = sys.argv[1:]
 info = bootstrap(timeout_s=60, order_nodes=lambda nodes: nodes)
@@ -68,3 +71,4 @@ else:
     if answer is not None:
         print(answer, flush=True)
 torch.distributed.destroy_process_group()  # before exit: gloo's threads must not outlive the interpreter
+rankstart.finish()

@@ -15,6 +15,7 @@ import json
 import sys
 from pathlib import Path
 
+import rankstart  # first: the imports below run with the collector paused
 import torch
 import torch.distributed as dist
 
@@ -22,6 +23,8 @@ from hpcscale.ckpt import nodelocal
 from hpcscale.ckpt.local_tier import NodeLocalManager
 from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.layout import ParallelDims
+
+rankstart.imported()
 
 
 def tensors_at(step: int) -> dict[str, torch.Tensor]:
@@ -80,3 +83,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    rankstart.finish()

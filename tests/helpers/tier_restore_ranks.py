@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import rankstart  # first: the imports below run with the collector paused
 import torch
 import torch.distributed as dist
 from nodelocal_ranks import tensors_at
@@ -29,6 +30,8 @@ from hpcscale.ckpt.local_tier import NodeLocalManager
 from hpcscale.ckpt.manager import CheckpointManager
 from hpcscale.launch.checkpointing import FORMAT, Checkpointer
 from hpcscale.layout import ParallelDims
+
+rankstart.imported()
 
 
 def state(step: int) -> dict:
@@ -83,3 +86,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    rankstart.finish()

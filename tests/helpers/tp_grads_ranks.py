@@ -4,10 +4,13 @@ comparison on hand-made gradients, one case per name, each rank's answer written
 import json
 import sys
 
+import rankstart  # first: the imports below run with the collector paused
 import torch
 import torch.distributed as dist
 
 from hpcscale.parallel.tp_grads import spreads
+
+rankstart.imported()
 
 
 def main() -> None:
@@ -36,3 +39,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    rankstart.finish()
