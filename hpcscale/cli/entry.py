@@ -7,10 +7,10 @@ adopts that connection only if its parsed options ask for the same endpoint; oth
 When a command is done (it returned, or exited with a code), the process does what the interpreter's exit does
 that anything outside it can see, then ends without the interpreter's teardown (hpcscale.util.pystart.exit_now).
 The teardown frees every module and object one by one: 0.3 to 0.5 s of CPU in a process that loaded torch (a
-cross-site tick that handled tensors, `ckpt export`, a rank that stopped or failed), a tenth of a short
-command's. A command that raised anything else than SystemExit gets the ordinary exit (its traceback), and so
-does one whose output cannot be flushed (a reader closed the pipe: Python reports it and exits 120). torch, in
-a command that loads it, loads with the collector paused (hpcscale.util.pystart.load_paused).
+cross-site tick that handled tensors, `ckpt export`, a rank that stopped or failed), about 6 % of a short
+command's (`config validate`). A command that raised anything else than SystemExit gets the ordinary exit (its
+traceback), and so does one whose output cannot be flushed (a reader closed the pipe: Python reports it and
+exits 120). torch, in a command that loads it, loads with the collector paused (pystart.load_paused).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib.machinery
 import os
 import sys
 import threading
@@ -120,6 +121,14 @@ def resume_collector() -> None:
         _paused = False
 
 
+# a module's own loader, made for it by the path finder (a zip archive's loader serves all of its modules)
+_FILE_LOADERS = (
+    importlib.machinery.SourceFileLoader,
+    importlib.machinery.SourcelessFileLoader,
+    importlib.machinery.ExtensionFileLoader,
+)
+
+
 class _LoadedPaused:
     """A meta path finder that finds nothing itself: for one of its names, the spec the finders after it give,
     the module's code run with the collector off, what is alive after frozen and the collector back on (as a
@@ -140,9 +149,9 @@ class _LoadedPaused:
                 break
         else:
             return None
-        run = getattr(spec.loader, "exec_module", None)
-        if run is None:
+        if not isinstance(spec.loader, _FILE_LOADERS):  # one loader per module: patched alone
             return spec
+        run = spec.loader.exec_module
 
         def exec_module(module):
             was_on = gc.isenabled()  # off already: a rank's start-up, or someone else's choice
@@ -154,15 +163,16 @@ class _LoadedPaused:
                     gc.freeze()
                     gc.enable()
 
-        spec.loader.exec_module = exec_module  # this spec's own loader: torch's package, nothing else
+        spec.loader.exec_module = exec_module  # this module's own loader: torch's package, nothing else
         return spec
 
 
 def load_paused(*names: str) -> None:
     """From now on, the first import of any of `names` in this process runs with the collector paused and its
-    objects frozen after (`_LoadedPaused`). The console script asks it for torch: a command that loads torch for
-    part of its work (a cross-site tick that handles tensors, `ckpt export`) spends 0.2 of the 1.2 s of CPU the
-    import takes with the collector walking its growing heap. Nothing happens for a name already loaded."""
+    objects frozen after (`_LoadedPaused`). The console script asks it for torch, which a command loads for part
+    of its work (a cross-site tick that handles tensors, `ckpt export`): its import takes about 1.2 s of CPU with
+    the collector on, 0.2 s of it the collector walking the growing heap. Nothing happens for a name already
+    loaded, and a name found by another kind of loader than a file's (a zip archive's) is loaded as usual."""
     wanted = [n for n in names if n not in sys.modules]
     if wanted and not any(isinstance(f, _LoadedPaused) for f in sys.meta_path):
         sys.meta_path.insert(0, _LoadedPaused(wanted))

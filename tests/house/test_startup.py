@@ -95,6 +95,22 @@ def test_the_first_named_import_runs_with_the_collector_paused_and_is_frozen_aft
                         "finders_added": 1}  # fmt: skip
 
 
+def test_a_named_module_another_kind_of_loader_finds_is_loaded_as_usual(tmp_path):
+    """A zip archive's modules share one loader: load_paused patches only a file loader, its module's alone, so
+    a named module from a zip loads as usual (collector on, nothing frozen), and the finder still leaves."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "mods.zip", "w") as z:
+        z.writestr("zipped.py", _NOTING)
+    probe = ("import gc, json, sys; from hpcscale.util import pystart; pystart.load_paused('zipped'); "
+             "n = len(sys.meta_path); import zipped; print(json.dumps([zipped.ON_DURING_IMPORT, gc.get_freeze_count(), "
+             "n - len(sys.meta_path)]))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "mods.zip")})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [True, 0, 1]
+
+
 # What a command's process leaves when it ends through the console script's exit (exit_now): a non-daemon thread
 # still working, an executor left open with work queued, an atexit handler, and an object in an unreachable
 # cycle whose finalizer writes a file, all of them done, as the ordinary exit does them; an object a module still
