@@ -4,9 +4,10 @@ kill every rank)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
+
+from hpcscale.util.pystart import finish
 
 __all__ = [
     "FAILED_ALIKE_GRACE_S",
@@ -33,20 +34,9 @@ def exit_together(code: int) -> None:
     teardown takes a second or more, unevenly, so skipping it ends the ranks within moments of each other and
     srun's --kill-on-bad-exit finds nothing left to kill; and a gloo thread that outlives the process group and
     reaches for the interpreter while it is being torn down aborts the rank ("terminate called without an
-    active exception", SIGABRT after a run that had finished)."""
-    import atexit
-    import gc
-
-    from mpi4py import MPI
-
-    with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()
-    gc.collect()  # unreachable files a user did not close are flushed by their finalizers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with contextlib.suppress(Exception):
-        if not MPI.Is_finalized():
-            MPI.Finalize()
+    active exception", SIGABRT after a run that had finished). What the exit does that others see is
+    hpcscale.util.pystart.finish's, as for every command."""
+    finish(join_threads=False)  # a thread a user left running must not hold this rank back from the others
     os._exit(code)
 
 

@@ -36,6 +36,7 @@ command without the interpreter's teardown (`exit_now`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib.machinery
 import os
@@ -179,25 +180,32 @@ def load_paused(*names: str) -> None:
 
 
 # ---- the end of a process ------------------------------------------------------------------------------------
-def exit_now(code: int) -> None:
-    """The visible part of the interpreter's exit, in its order, then out at once: threading's exit hooks and a
-    join of every non-daemon thread (an executor left open finishes its work), the atexit handlers (logging's
+def finish(*, join_threads: bool = True) -> None:
+    """The visible part of the interpreter's exit, in its order: threading's exit hooks and a join of every
+    non-daemon thread (an executor left open finishes its work; `join_threads`), the atexit handlers (logging's
     flush among them), a collection (the finalizers of objects in unreachable cycles run, as at the ordinary exit),
     MPI_Finalize where mpi4py initialized MPI (mpi4py registers it below Python's atexit, where os._exit does
-    not reach, and mpirun reports a rank that exits without it), stdout and stderr flushed. Where a step cannot
-    run (a failed flush, a Python without threading._shutdown), this returns and the ordinary exit follows."""
-    shutdown = getattr(threading, "_shutdown", None)  # what Py_Finalize calls first; idempotent
-    if shutdown is None or threading.current_thread() is not threading.main_thread():
+    not reach, and mpirun reports a rank that exits without it), stdout and stderr flushed (what a flush raises
+    is raised). What is left of the exit is the teardown: the caller's os._exit skips it."""
+    if join_threads:
+        threading._shutdown()  # what Py_Finalize calls first; idempotent
+    atexit._run_exitfuncs()  # runs each handler once, then clears them
+    gc.collect()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        with contextlib.suppress(Exception):
+            mpi.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def exit_now(code: int) -> None:
+    """`finish`, then out at once without the interpreter's teardown. Where a step cannot run (a failed flush, a
+    Python without threading._shutdown, a call off the main thread), this returns and the ordinary exit follows."""
+    if getattr(threading, "_shutdown", None) is None or threading.current_thread() is not threading.main_thread():
         return
     try:
-        shutdown()
-        atexit._run_exitfuncs()  # runs each handler once, then clears them
-        gc.collect()
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.Finalize()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        finish()
     except BaseException:
         return
     os._exit(code)
