@@ -78,6 +78,12 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def attempt_losses(run: Path, attempt: int) -> dict[int, float]:
+    """step -> training loss as attempt ATTEMPT logged it (a resumed run's steps trained again are in both)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and r.get("attempt") == attempt}
+
+
 def grad_norms(run: Path) -> list[float]:
     """Each step's global gradient norm before clipping, from RUN/metrics.jsonl."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

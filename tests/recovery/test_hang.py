@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, local_rank_pids, processes_of, run_cli
-from trainjobs import job_spec, losses
+from trainjobs import attempt_losses, job_spec, losses
 
 from hpcscale.launch.failure import (
     FailureLine,
@@ -130,8 +130,7 @@ def test_a_rank_stopped_inside_a_node_local_save_is_named_the_live_ranks_dump_th
     resumed = run_cli("resume", str(run_dir), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "last job: failed: rank 2 stopped making progress" in resumed.stdout, resumed.stdout[:2000]
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    first, again = ({r["step"]: r["loss"] for r in rows if "loss" in r and r["attempt"] == a} for a in (1, 2))
+    first, again = attempt_losses(run_dir, 1), attempt_losses(run_dir, 2)
     assert sorted(first) == list(range(10)) and sorted(again) == list(range(5, STEPS)), (first, again)
     assert all(again[step] == first[step] for step in range(5, 10)), (first, again)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, cluster_root, run_cli, wait_for_job
-from trainjobs import job_spec, losses
+from trainjobs import attempt_losses, job_spec, losses
 
 from hpcscale.config.job import JobSpec, Restart, Signals
 from hpcscale.recovery.requeue import classify, decide
@@ -672,8 +672,7 @@ def test_damaged_newest_checkpoint_resume_falls_back_and_trains_past_it(mpi, tmp
     assert run_cli("ckpt", "verify", str(run)).returncode == 0
     # trained on from the previous checkpoint: the steps up to the refused one, trained again, give bitwise the
     # first attempt's losses (what was restored is what that attempt had there), and every step is there
-    rows = _rows(run)
-    first, again = ({r["step"]: r["loss"] for r in rows if "loss" in r and r["attempt"] == a} for a in (1, 2))
+    first, again = attempt_losses(run, 1), attempt_losses(run, 2)
     assert sorted(first) == list(range(newest_step)) and sorted(again) == list(range(previous_step, 120))
     assert all(again[step] == first[step] for step in range(previous_step, newest_step)), (first, again)
     finished = run_cli("resume", str(run))
