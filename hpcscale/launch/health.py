@@ -6,7 +6,10 @@ evidence, and an immediate node-local checkpoint (when the job has that tier) on
 the stop check's all-reduce, at most once per `health.cooldown_seconds`.
 
 A sign is new when its (kind, node, evidence) was not seen before in this attempt: a flapping state comes back
-with other evidence at most, and the cooldown bounds the saves it can cause."""
+with other evidence at most, and the cooldown bounds the saves it can cause. What is remembered is bounded by
+forgetting the oldest, never by refusing the new: a source (kind and node) keeps its newest SEEN_PER_SOURCE
+evidences and the newest SEEN_SOURCES sources are kept, so a node or GPU whose evidence changes at every poll
+(a count that grows, a reason stamped with its time) can never hide a first sign of another node or kind."""
 
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ from collections.abc import Callable
 
 __all__ = ["HealthWatch", "NoHealthWatch"]
 
-SEEN_MAX = 10_000  # signs remembered (a scheduler answering nonsense forever cannot grow this without bound)
+# what a poller remembers (a scheduler answering nonsense forever cannot grow it without bound)
+SEEN_PER_SOURCE = 8  # evidences of one (kind, node): a state that flaps between a few comes back as seen
+SEEN_SOURCES = 8192  # (kind, node) pairs: a few kinds on each node of a job of thousands
 
 
 class HealthWatch:
@@ -30,7 +35,7 @@ class HealthWatch:
         self._pending: list[dict] = []  # new signs the step loop has not logged yet
         self._due = False  # a new sign came since the last save it caused: a save is asked for
         self._saved_at = -float("inf")  # monotonic time of the last save a sign caused
-        self._seen: set[tuple] = set()
+        self._seen: dict[tuple, dict[object, None]] = {}  # (kind, node) -> its evidences (keys), oldest first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0  # polls that failed (the scheduler did not answer): no sign, no error
@@ -65,14 +70,26 @@ class HealthWatch:
         is the same as one seen before when its kind, node and `key` (default: its evidence) are."""
         with self._lock:
             for sign in found:
-                key = (sign.get("kind"), sign.get("node"), sign.get("key", sign.get("evidence")))
-                if key in self._seen or len(self._seen) >= SEEN_MAX:
+                if not self._remember((sign.get("kind"), sign.get("node")), sign.get("key", sign.get("evidence"))):
                     continue
-                self._seen.add(key)
                 self._pending.append(
                     {k: v for k, v in sign.items() if k not in ("key", "act")} | {"seen": round(time.time(), 3)}
                 )
                 self._due = self._due or sign.get("act", True)  # a sign that is only to be logged asks for no save
+
+    def _remember(self, source: tuple, key: object) -> bool:
+        """Whether `key` is new for `source`; remembered either way, the oldest forgotten past the bounds."""
+        keys = self._seen.get(source)
+        if keys is None:
+            if len(self._seen) >= SEEN_SOURCES:
+                del self._seen[next(iter(self._seen))]
+            keys = self._seen[source] = {}
+        elif key in keys:
+            return False
+        if len(keys) >= SEEN_PER_SOURCE:
+            del keys[next(iter(keys))]
+        keys[key] = None
+        return True
 
     def wants_save(self) -> bool:
         """Whether a new sign asks for a checkpoint now: one came, and the cooldown since the last save it caused

@@ -48,6 +48,29 @@ def test_a_sign_only_to_be_logged_asks_for_no_save():
     watch.stop()
 
 
+def test_a_source_whose_evidence_changes_at_every_poll_never_hides_another_nodes_first_sign():
+    """A node whose evidence changes at every poll (a reason stamped with its time, a count that grows), for far
+    longer than the poller remembers: each new evidence is taken, a first sign of another node or kind after
+    all of them is still taken and asks for a save, and what is remembered stays bounded."""
+    from hpcscale.launch.health import SEEN_PER_SOURCE, SEEN_SOURCES
+
+    watch = HealthWatch(None, poll_s=30, cooldown_s=0)
+    flood = 3 * (SEEN_PER_SOURCE + SEEN_SOURCES)
+    for i in range(flood):
+        watch.add([{"kind": "drain", "node": "n1", "evidence": f"State=DRAIN Reason=hot [root@{i}]"}])
+    assert len(watch.take()) == flood  # every change logged
+    watch.saved()
+    for i in range(flood):  # as many nodes as the poller remembers, three times over, each its own first sign
+        watch.add([{"kind": "down", "node": f"x{i}", "evidence": "State=DOWN"}])
+    assert len(watch.take()) == flood
+    watch.saved()
+    watch.add([{"kind": "drain", "node": "n2", "evidence": "State=DRAIN Reason=ECC"}])
+    assert watch.wants_save() and [s["node"] for s in watch.take()] == ["n2"]
+    watch.add([{"kind": "drain", "node": "n2", "evidence": "State=DRAIN Reason=ECC"}])  # the same: not new
+    assert watch.take() == []
+    assert len(watch._seen) <= SEEN_SOURCES and all(len(k) <= SEEN_PER_SOURCE for k in watch._seen.values())
+
+
 def test_a_scheduler_that_fails_gives_no_sign_and_the_poller_goes_on():
     def broken():
         raise OSError("scontrol: no answer")
