@@ -8,8 +8,9 @@ the stop check's all-reduce, at most once per `health.cooldown_seconds`.
 A sign is new when its (kind, node, evidence) was not seen before in this attempt: a flapping state comes back
 with other evidence at most, and the cooldown bounds the saves it can cause. What is remembered is bounded by
 forgetting the oldest, never by refusing the new: a source (kind and node) keeps its newest SEEN_PER_SOURCE
-evidences and the newest SEEN_SOURCES sources are kept, so a node or GPU whose evidence changes at every poll
-(a count that grows, a reason stamped with its time) can never hide a first sign of another node or kind."""
+evidences and at most SEEN_SOURCES sources are kept (the first seen longest ago forgotten first), so a node or
+GPU whose evidence changes at every poll (a count that grows, a reason stamped with its time) can never hide a
+first sign of another node or kind."""
 
 from __future__ import annotations
 
