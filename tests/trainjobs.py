@@ -72,19 +72,24 @@ def job_spec(
     return path
 
 
+def metric_rows(run: Path) -> list[dict]:
+    """RUN/metrics.jsonl's rows, parsed."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run: Path) -> dict[int, float]:
     """step -> training loss, from RUN/metrics.jsonl."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(run)
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 def attempt_losses(run: Path, attempt: int) -> dict[int, float]:
     """step -> training loss as attempt ATTEMPT logged it (a resumed run's steps trained again are in both)."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(run)
     return {r["step"]: r["loss"] for r in rows if "loss" in r and r.get("attempt") == attempt}
 
 
 def grad_norms(run: Path) -> list[float]:
     """Each step's global gradient norm before clipping, from RUN/metrics.jsonl."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(run)
     return [r["grad_norm"] for r in rows if "grad_norm" in r]
